@@ -1,0 +1,1 @@
+"""fleet: Fleet-style distributed training for PyTorch."""
