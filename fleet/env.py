@@ -137,3 +137,8 @@ def child_environment(base: Mapping[str, str] | None = None, **values: str) -> d
     env = dict(os.environ if base is None else base)
     env.update(values)
     return env
+
+
+# --- exit statuses the launcher and the training side agree on -----------------
+EXIT_PORT_IN_USE = 75  # a process could not bind the port fleetrun gave it; fleetrun picks new ports and relaunches
+EXIT_USER_ERROR = 2  # a mistake in the launch or the strategy, already explained in one paragraph on stderr
