@@ -1,0 +1,55 @@
+"""Exceptions of the parameter-server engine.
+
+Every exception that reaches a worker names the server (index and endpoint)
+and the operation, because on a job with several servers the traceback alone
+does not say which process to look at, and the launcher turns the message into
+the job's exit reason.
+"""
+
+from __future__ import annotations
+
+
+class PSError(RuntimeError):
+    """Base class of every parameter-server failure."""
+
+
+class WireError(ValueError):
+    """A frame sequence that does not follow the wire format.
+
+    ``request_id`` is the id read from the header when the header was intact
+    enough to read it, so the receiver can still address an error reply.
+    """
+
+    def __init__(self, message: str, request_id: int = 0, op: int = 0):
+        super().__init__(message)
+        self.request_id = request_id
+        self.op = op
+
+
+class PSServerUnavailable(PSError):
+    """A server did not answer within the deadline, or its connection was lost."""
+
+    def __init__(self, message: str, server_index: int, endpoint: str, op: str):
+        super().__init__(message)
+        self.server_index = server_index
+        self.endpoint = endpoint
+        self.op = op
+
+
+class PSAuthError(PSServerUnavailable):
+    """A server refused this worker's credentials (the shared secret differs)."""
+
+
+class PSRemoteError(PSError):
+    """A server answered a request with an error (bad shape, unknown table, ...)."""
+
+    def __init__(self, server_index: int, endpoint: str, op: str, message: str):
+        super().__init__(f"parameter server {server_index} at {endpoint} rejected {op}: {message}")
+        self.server_index = server_index
+        self.endpoint = endpoint
+        self.op = op
+        self.remote_message = message
+
+
+class PSClientClosed(PSError):
+    """The client was closed (or its IO thread died) before the request finished."""
