@@ -1,0 +1,219 @@
+"""What one ``fleetrun`` invocation asked for, checked in one place.
+
+Every check raises :class:`LaunchError` with a one-paragraph message that
+names the thing at fault and the fix; the CLI prints it and exits with
+:data:`fleet.env.EXIT_USER_ERROR`. Nothing here imports torch or pydantic: the
+strategy file is read with ``tomllib`` / ``json`` only to catch a launch that
+contradicts it (servers for a collective strategy, a parameter-server strategy
+without servers). The training side validates the rest of the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleet import env
+
+class LaunchError(ValueError):
+    """A mistake in the fleetrun command line, explained for the user."""
+
+
+@dataclass(frozen=True)
+class StrategyFile:
+    """The little fleetrun needs to know about a strategy file."""
+
+    path: Path  # absolute
+    mode: str | None  # "collective", "ps" or None when the file does not say
+
+    @property
+    def is_ps(self) -> bool:
+        return self.mode == "ps"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """A checked fleetrun command line."""
+
+    script: Path
+    script_args: tuple[str, ...] = ()
+    workers: int = 1  # per node
+    servers: int = 0  # per node
+    strategy: StrategyFile | None = None
+    log_dir: Path | None = None  # None: ./fleet_logs/<timestamp>
+    max_restarts: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    master: tuple[str, int] | None = None  # rendezvous host and port
+    host: str | None = None  # this node's address as other nodes reach it
+    server_grace: float = 10.0
+    stop_timeout: float = 5.0
+
+    @property
+    def is_ps(self) -> bool:
+        return self.servers > 0
+
+    @property
+    def world_workers(self) -> int:
+        return self.workers * self.nnodes
+
+    @property
+    def world_servers(self) -> int:
+        return self.servers * self.nnodes
+
+
+def check_count(flag: str, value: int, minimum: int) -> int:
+    if value < minimum:
+        least = "at least 1" if minimum == 1 else "0 or more"
+        raise LaunchError(
+            f"{flag} {value} is not a usable count: {flag} must be {least}. "
+            f"For example: fleetrun {flag} {max(minimum, 2)} train.py"
+        )
+    return value
+
+
+def check_script(script: str | None) -> Path:
+    if not script:
+        raise LaunchError(
+            "No training script given. Name the script after fleetrun's own options, for example: "
+            "fleetrun --workers 2 train.py --epochs 3 (arguments after the script go to the script)."
+        )
+    path = Path(script)
+    if not path.is_file():
+        where = f" (looked in {Path.cwd()})" if not path.is_absolute() else ""
+        raise LaunchError(
+            f"The training script {script!r} does not exist{where}. "
+            "Check the path, or run fleetrun from the directory that holds the script."
+        )
+    return path
+
+
+def parse_master(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) for ``--master``."""
+    try:
+        endpoint = env.parse_endpoint("--master", text)
+    except env.EnvError:
+        raise LaunchError(
+            f"--master {text!r} is not a HOST:PORT address. Give the address of node 0 and a free port "
+            "on it, for example --master 10.0.0.1:6170 (IPv6: --master [fe80::1]:6170)."
+        ) from None
+    host, port = env.split_endpoint(endpoint)
+    return host, port
+
+
+def check_nodes(nnodes: int, node_rank: int, master: str | None) -> tuple[str, int] | None:
+    check_count("--nnodes", nnodes, 1)
+    if node_rank < 0 or node_rank >= nnodes:
+        raise LaunchError(
+            f"--node-rank {node_rank} is out of range for --nnodes {nnodes}: node ranks run from 0 to "
+            f"{nnodes - 1}. Start node 0 with --node-rank 0, node 1 with --node-rank 1, and so on."
+        )
+    parsed = parse_master(master) if master is not None else None
+    if nnodes > 1 and parsed is None:
+        raise LaunchError(
+            f"--nnodes {nnodes} needs --master HOST:PORT, the address of node 0 where the nodes meet. "
+            "Pass the same --master to every node, for example --master 10.0.0.1:6170."
+        )
+    return parsed
+
+
+def _read_strategy(path: Path) -> object:
+    text = path.read_text(encoding="utf-8")
+    return json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+
+
+def strategy_mode(data: dict) -> str | None:
+    """The ``mode`` of a strategy mapping, as DistributedStrategy reads it.
+
+    A lone ``[strategy]`` table is unwrapped; Paddle's ``a_sync`` (true or false) means "ps".
+    None when the file leaves the mode to its default.
+    """
+    if isinstance(data.get("strategy"), dict) and len(data) == 1:
+        data = data["strategy"]
+    mode = data.get("mode")
+    if isinstance(mode, str):
+        return mode.strip()
+    if "a_sync" in data:
+        return "ps"
+    return None
+
+
+def load_strategy_file(text: str) -> StrategyFile:
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise LaunchError(
+            f"The strategy file {text!r} given to --strategy does not exist. "
+            "Check the path, or leave --strategy out to let the script choose its strategy."
+        )
+    if path.suffix not in (".toml", ".json"):
+        raise LaunchError(
+            f"The strategy file {text!r} must end in .toml or .json, which says how to read it. "
+            "Rename it, for example to strategy.toml."
+        )
+    try:
+        data = _read_strategy(path)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LaunchError(
+            f"The strategy file {text!r} does not parse ({exc}). "
+            "Write it as TOML (.toml) or JSON (.json), for example: mode = \"collective\"."
+        ) from None
+    except OSError as exc:
+        raise LaunchError(f"The strategy file {text!r} cannot be read ({exc.strerror}). Check its permissions.") from None
+    if not isinstance(data, dict):
+        raise LaunchError(
+            f"The strategy file {text!r} holds a {type(data).__name__}, not a table of settings. "
+            "Write it as a TOML table or a JSON object, for example {\"mode\": \"ps\"}."
+        )
+    return StrategyFile(path=path.resolve(), mode=strategy_mode(data))
+
+
+def check_strategy_against_servers(strategy: StrategyFile | None, servers: int) -> None:
+    if strategy is None:
+        return
+    if strategy.mode == "collective" and servers > 0:
+        raise LaunchError(
+            f"--servers {servers} asks for a parameter-server job, but the strategy file "
+            f"{str(strategy.path)!r} says mode = \"collective\". Drop --servers for a collective job, "
+            "or set mode = \"ps\" in the strategy file."
+        )
+    if strategy.is_ps and servers == 0:
+        raise LaunchError(
+            f"The strategy file {str(strategy.path)!r} describes a parameter-server job (mode \"ps\" or "
+            "a_sync), but no servers were asked for. Add --servers N (for example --servers 1), "
+            "or set mode = \"collective\" in the strategy file."
+        )
+
+
+def default_log_dir(base: Path | None = None) -> Path:
+    """A fresh ``./fleet_logs/<YYYYmmdd-HHMMSS>`` directory (suffixed when taken)."""
+    import time
+
+    root = (base or Path.cwd()) / "fleet_logs"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        candidate = root / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+            return candidate
+        except FileExistsError:
+            continue
+    raise LaunchError(f"Could not create a fresh log directory under {root}. Pass --log-dir DIR.")
+
+
+def make_log_dir(text: str | None) -> Path:
+    if text is None:
+        return default_log_dir()
+    path = Path(text).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(
+            f"--log-dir {text!r} cannot be used as a log directory ({exc.strerror}). "
+            "Pick a writable directory, or leave --log-dir out for ./fleet_logs/<timestamp>."
+        ) from None
+    if not os.access(path, os.W_OK):
+        raise LaunchError(f"--log-dir {text!r} is not writable. Pick a writable directory.")
+    return path

@@ -1,0 +1,85 @@
+"""Which processes a node runs and the environment each one gets.
+
+Pure functions over a :class:`~fleet.launch.config.LaunchConfig` and a
+:class:`JobLayout` (addresses and secret), so the variables every child sees
+can be tested without starting anything. Variables are set only through the
+names in :mod:`fleet.env`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fleet import env
+from fleet.launch.config import LaunchConfig
+
+WORKER = "worker"
+SERVER = "server"
+
+# Not (yet) a constant in fleet.env; named identically so it can move there.
+PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of the job on this node."""
+
+    role: str  # WORKER or SERVER
+    rank: int  # index within its role, over all nodes
+    local_rank: int  # index on this node: workers 0..W-1, then servers W..W+S-1
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.rank}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.role}.{self.rank}"
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """Where the job's peers meet, shared by every process (and every node)."""
+
+    master: str  # "host:port" of the rendezvous store, hosted by worker 0
+    server_endpoints: tuple[str, ...]  # every server of the job, server index order
+    secret: str
+
+
+def local_specs(config: LaunchConfig) -> list[ProcessSpec]:
+    """This node's processes: servers first (workers connect to them), then workers."""
+    servers = [
+        ProcessSpec(SERVER, config.node_rank * config.servers + j, config.workers + j) for j in range(config.servers)
+    ]
+    workers = [ProcessSpec(WORKER, config.node_rank * config.workers + i, i) for i in range(config.workers)]
+    return servers + workers
+
+
+def child_env(
+    spec: ProcessSpec,
+    config: LaunchConfig,
+    layout: JobLayout,
+    *,
+    restart_count: int,
+    log_dir: str,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The full environment of one child process."""
+    values = {
+        env.FLEET_ROLE: spec.role,
+        env.FLEET_WORKER_INDEX: str(spec.rank if spec.role == WORKER else -1),
+        env.FLEET_WORKER_NUM: str(config.world_workers),
+        env.FLEET_SERVER_INDEX: str(spec.rank if spec.role == SERVER else -1),
+        env.FLEET_SERVER_NUM: str(config.world_servers),
+        env.FLEET_SERVER_ENDPOINTS: ",".join(layout.server_endpoints),
+        env.FLEET_MASTER: layout.master,
+        env.FLEET_SECRET: layout.secret,
+        env.FLEET_LOG_DIR: log_dir,
+        env.FLEET_RESTART_COUNT: str(restart_count),
+        env.FLEET_LOCAL_RANK: str(spec.local_rank),
+        PYTHONUNBUFFERED: "1",
+    }
+    if config.strategy is not None:
+        values[env.FLEET_STRATEGY_FILE] = str(config.strategy.path)
+    return env.child_environment(base, **values)
