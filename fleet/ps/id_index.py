@@ -39,7 +39,7 @@ _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M2 = 0x94D049BB133111EB - (1 << 64)
 
 
-def _as_ids(ids: torch.Tensor) -> torch.Tensor:
+def as_ids(ids: torch.Tensor) -> torch.Tensor:
     """Validate a 1-D integer id tensor and return it as contiguous int64."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
@@ -96,7 +96,7 @@ class IdIndex:
         window per round, so the long tail of linear probing costs two or three
         rounds instead of one round per entry.
         """
-        ids = _as_ids(ids)
+        ids = as_ids(ids)
         n = ids.numel()
         if n == 0 or self._size == 0:
             return torch.full((n,), -1, dtype=torch.int64)
@@ -134,7 +134,7 @@ class IdIndex:
         this is what lets insertion skip a membership test. Slots are
         ``len .. len + n - 1`` in the order given.
         """
-        ids = _as_ids(ids)
+        ids = as_ids(ids)
         n = ids.numel()
         slots = torch.arange(self._size, self._size + n, dtype=torch.int64)
         if n == 0:
@@ -199,7 +199,7 @@ class IdIndex:
         New ids are de-duplicated and sorted before insertion, so their slots
         follow id order within one call (deterministic, whatever the batch order).
         """
-        ids = _as_ids(ids)
+        ids = as_ids(ids)
         slots = self.lookup(ids)
         missing = slots < 0
         if not bool(missing.any()):

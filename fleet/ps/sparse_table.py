@@ -1,0 +1,247 @@
+"""One server's shard of a sparse embedding table: rows keyed by arbitrary int64 ids.
+
+Why rows are created on first touch: CTR-style ids come from a huge, open
+space (hashed feature values), so the table cannot be allocated up front. A row
+is created the first time any request (pull or push) names its id, with the
+value :func:`fleet.ps.optim.initial_rows` gives that id, so the result does not
+depend on which worker touched it first or how ids are sharded over servers.
+
+Storage: an :class:`~fleet.ps.id_index.IdIndex` maps id -> dense slot; rows
+live in a growable ``[capacity, dim]`` float32 tensor indexed by slot, with the
+optimizer's per-row state (momentum buffer, Adam moments, Adagrad sum) and a
+per-row step count in tensors grown alongside (amortised doubling). Every
+operation is a fixed number of whole-batch torch ops; nothing loops over ids.
+
+Updates are row-wise ("lazy"): only the rows named in a push change, each with
+its own state and step, so a row that gets a gradient every step follows
+``torch.optim`` exactly. Not thread-safe: the server serialises calls per table.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from fleet.ps.id_index import IdIndex, as_ids
+from fleet.ps.optim import InitializerSpec, OptimizerSpec, ServerOptimizer, initial_rows, optimizer_config_json
+
+_CONFIG_KEYS = ("dim", "optimizer", "initializer", "seed")
+_REQUIRED_KEYS = ("dim", "optimizer")
+
+
+class SparseTable:
+    """Rows of width ``dim`` keyed by int64 id, updated by a row-wise server optimizer."""
+
+    def __init__(
+        self,
+        dim: int,
+        optimizer: OptimizerSpec,
+        initializer: InitializerSpec | None = None,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"dim must be an int > 0, got {dim!r}")
+        if not isinstance(optimizer, OptimizerSpec):
+            raise TypeError(f"optimizer must be an OptimizerSpec, got {type(optimizer).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.dim = dim
+        self.optimizer = optimizer
+        self.initializer = initializer if initializer is not None else InitializerSpec()
+        self.seed = seed
+        self._opt = ServerOptimizer(optimizer)
+        # Plain SGD needs no gather/scatter of rows: one index_add_ applies it.
+        self._plain_sgd = optimizer.kind == "sgd" and not self._opt.state_names
+        self._plain_sgd = self._plain_sgd and optimizer.weight_decay == 0 and not optimizer.maximize
+        self._reset(capacity=1024)
+
+    def _reset(self, capacity: int) -> None:
+        self._index = IdIndex(capacity * 2)
+        self._capacity = capacity
+        self._rows = torch.empty(capacity, self.dim, dtype=torch.float32)
+        self._steps = torch.zeros(capacity, dtype=torch.int64)
+        self._state = {n: torch.empty(capacity, self.dim, dtype=torch.float32) for n in self._opt.state_names}
+        self._scratch = torch.empty(capacity, dtype=torch.int64)  # per-slot scratch for de-duplication
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> SparseTable:
+        """Build from ``{"dim", "optimizer", "initializer" (optional), "seed" (optional)}``."""
+        if not isinstance(config, dict):
+            raise ValueError(f"sparse table config must be a dict, got {type(config).__name__}")
+        unknown = sorted(set(config) - set(_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"sparse table config: unknown key(s) {unknown}; expected {list(_CONFIG_KEYS)}")
+        for key in _REQUIRED_KEYS:
+            if key not in config:
+                raise ValueError(f"sparse table config: missing key '{key}'")
+        dim, seed = config["dim"], config.get("seed", 0)
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"sparse table config: 'dim' must be an int > 0, got {dim!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"sparse table config: 'seed' must be an int, got {seed!r}")
+        try:
+            spec = OptimizerSpec.from_config(config["optimizer"])
+        except ValueError as err:
+            raise ValueError(f"sparse table config: 'optimizer': {err}") from None
+        init = None
+        if config.get("initializer") is not None:
+            try:
+                init = InitializerSpec.from_config(config["initializer"])
+            except ValueError as err:
+                raise ValueError(f"sparse table config: 'initializer': {err}") from None
+        return cls(dim, spec, init, seed)
+
+    def __len__(self) -> int:
+        """Number of rows created so far."""
+        return len(self._index)
+
+    # ------------------------------------------------------------------ storage
+    def _grow_to(self, needed: int) -> None:
+        """Make room for ``needed`` rows, doubling so growth is amortised O(1) per row."""
+        if needed <= self._capacity:
+            return
+        cap = self._capacity
+        while cap < needed:
+            cap *= 2
+        n = len(self._index)
+
+        def grown(old: torch.Tensor) -> torch.Tensor:
+            new = old.new_empty((cap, *old.shape[1:]))
+            new[:n] = old[:n]
+            return new
+
+        self._rows = grown(self._rows)
+        self._steps = grown(self._steps)
+        self._state = {name: grown(t) for name, t in self._state.items()}
+        self._scratch = torch.empty(cap, dtype=torch.int64)
+        self._capacity = cap
+
+    def _slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slots for ``ids`` (any order, duplicates allowed), creating missing rows."""
+        first = len(self._index)
+        slots, new_ids = self._index.get_or_insert(ids)
+        m = new_ids.numel()
+        if m:
+            self._grow_to(first + m)
+            end = first + m
+            self._rows[first:end] = initial_rows(new_ids, self.dim, self.initializer, self.seed)
+            self._steps[first:end] = 0
+            self._opt.fill_new_state({name: t[first:end] for name, t in self._state.items()})
+        return slots
+
+    def _check_rows(self, name: str, values: torch.Tensor, n: int) -> torch.Tensor:
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+        if tuple(values.shape) != (n, self.dim):
+            raise ValueError(f"{name} has shape {tuple(values.shape)}, expected ({n}, {self.dim}) for {n} ids")
+        if not values.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got {values.dtype}")
+        return values.to(torch.float32)
+
+    def _dedupe(self, slots: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unique slots and the values summed per slot, without sorting.
+
+        Every position writes its index into a per-slot scratch array; the
+        index that survives marks one representative per slot. Slots are small
+        dense ints, so this costs a few O(n) ops where ``torch.unique`` sorts.
+        """
+        n = slots.numel()
+        pos = torch.arange(n)
+        self._scratch.index_put_((slots,), pos)
+        rep = self._scratch.index_select(0, slots)
+        is_rep = rep == pos
+        if bool(is_rep.all()):
+            return slots, values
+        compact = torch.cumsum(is_rep, 0) - 1
+        unique_slots = slots[is_rep]
+        summed = values.new_zeros(unique_slots.numel(), self.dim)
+        summed.index_add_(0, compact.index_select(0, rep), values)
+        return unique_slots, summed
+
+    # ------------------------------------------------------------------ requests
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for ``ids`` as a new float32 ``[len(ids), dim]`` tensor; missing rows are created."""
+        slots = self._slots(as_ids(ids))
+        return self._rows.index_select(0, slots)
+
+    def apply_gradient(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        """One row-wise optimizer step on the named rows; duplicate ids' gradients are summed first."""
+        ids = as_ids(ids)
+        grads = self._check_rows("grads", grads, ids.numel())
+        if ids.numel() == 0:
+            return
+        slots, g = self._dedupe(self._slots(ids), grads)
+        step = self._steps.index_select(0, slots) + 1
+        self._steps.index_copy_(0, slots, step)
+        lr = float(lr)
+        if self._plain_sgd:
+            self._rows.index_add_(0, slots, g, alpha=-lr)
+            return
+        rows = self._rows.index_select(0, slots)
+        state = {name: t.index_select(0, slots) for name, t in self._state.items()}
+        self._opt.update(rows, g, state, step, lr)
+        self._rows.index_copy_(0, slots, rows)
+        for name, t in self._state.items():
+            t.index_copy_(0, slots, state[name])
+
+    def add_delta(self, ids: torch.Tensor, deltas: torch.Tensor) -> None:
+        """Geo mode: add per-row parameter changes (duplicates add up); optimizer state untouched."""
+        ids = as_ids(ids)
+        deltas = self._check_rows("deltas", deltas, ids.numel())
+        if ids.numel():
+            self._rows.index_add_(0, self._slots(ids), deltas)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, torch.Tensor | int | float | str]:
+        """Copies of ids, rows, per-row steps and optimizer state (row ``i`` belongs to ``ids[i]``)."""
+        n = len(self._index)
+        out: dict[str, torch.Tensor | int | float | str] = {
+            "dim": self.dim,
+            "seed": self.seed,
+            "optimizer": optimizer_config_json(self.optimizer),
+            "initializer": json.dumps(self.initializer.to_config(), sort_keys=True),
+            "ids": self._index.ids_by_slot(),
+            "rows": self._rows[:n].clone(),
+            "steps": self._steps[:n].clone(),
+        }
+        for name, t in self._state.items():
+            out[f"state.{name}"] = t[:n].clone()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace all rows with a :meth:`state_dict`'s; dim and optimizer kind must match."""
+        for key in ("ids", "rows", "steps"):
+            if key not in state:
+                raise ValueError(f"sparse table state_dict: missing key '{key}'")
+        if "dim" in state and int(state["dim"]) != self.dim:
+            raise ValueError(f"sparse table state_dict has dim {state['dim']}, this table has dim {self.dim}")
+        if "optimizer" in state:
+            kind = json.loads(state["optimizer"]).get("kind")
+            if kind != self.optimizer.kind:
+                raise ValueError(
+                    f"sparse table state_dict is for optimizer '{kind}', this table uses '{self.optimizer.kind}'"
+                )
+        ids = as_ids(state["ids"])
+        n = ids.numel()
+        if torch.unique(ids).numel() != n:
+            raise ValueError("sparse table state_dict: 'ids' contains duplicates")
+        rows = self._check_rows("rows", state["rows"], n)
+        steps = state["steps"]
+        if tuple(steps.shape) != (n,):
+            raise ValueError(f"sparse table state_dict: 'steps' has shape {tuple(steps.shape)}, expected ({n},)")
+        tensors = {}
+        for name in self._opt.state_names:
+            if f"state.{name}" not in state:
+                raise ValueError(f"sparse table state_dict: missing optimizer state 'state.{name}'")
+            tensors[name] = self._check_rows(f"state.{name}", state[f"state.{name}"], n)
+        cap = 1024
+        while cap < n:
+            cap *= 2
+        self._reset(cap)
+        self._index.insert_new(ids)
+        self._rows[:n] = rows
+        self._steps[:n] = steps.to(torch.int64)
+        for name, t in tensors.items():
+            self._state[name][:n] = t
