@@ -83,33 +83,64 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     job = parser.add_argument_group("job")
-    job.add_argument("--workers", "--worker_num", type=int, default=1, metavar="N",
-                     help="worker processes per node (default: 1)")
-    job.add_argument("--servers", "--server_num", type=int, default=0, metavar="S",
-                     help="parameter-server processes per node; > 0 makes a parameter-server job (default: 0)")
-    job.add_argument("--strategy", metavar="FILE",
-                     help="DistributedStrategy as TOML or JSON; passed as FLEET_STRATEGY_FILE (default: none, "
-                          "the script decides)")
-    job.add_argument("--log-dir", metavar="DIR",
-                     help="where each process's output goes, one file per process (default: ./fleet_logs/<timestamp>)")
+    job.add_argument(
+        "--workers", "--worker_num", type=int, default=1, metavar="N", help="worker processes per node (default: 1)"
+    )
+    job.add_argument(
+        "--servers",
+        "--server_num",
+        type=int,
+        default=0,
+        metavar="S",
+        help="parameter-server processes per node; > 0 makes a parameter-server job (default: 0)",
+    )
+    job.add_argument(
+        "--strategy",
+        metavar="FILE",
+        help="DistributedStrategy as TOML or JSON; passed as FLEET_STRATEGY_FILE (default: none, the script decides)",
+    )
+    job.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="where each process's output goes, one file per process (default: ./fleet_logs/<timestamp>)",
+    )
     faults = parser.add_argument_group("failures")
-    faults.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                        help="restart on failure up to K times: the failed process alone in a parameter-server job, "
-                             "all workers in a collective job (default: 0)")
-    faults.add_argument("--server-grace", type=float, default=10.0, metavar="SECONDS",
-                        help="how long servers may keep running after every worker finished before they are "
-                             "stopped (default: 10)")
-    faults.add_argument("--stop-timeout", type=float, default=5.0, metavar="SECONDS",
-                        help="after SIGTERM, how long a stopping process gets before SIGKILL (default: 5)")
+    faults.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart on failure up to K times: the failed process alone in a parameter-server job, "
+        "all workers in a collective job (default: 0)",
+    )
+    faults.add_argument(
+        "--server-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long servers may keep running after every worker finished before they are stopped (default: 10)",
+    )
+    faults.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="after SIGTERM, how long a stopping process gets before SIGKILL (default: 5)",
+    )
     nodes = parser.add_argument_group("several machines")
     nodes.add_argument("--nnodes", type=int, default=1, metavar="M", help="number of machines (default: 1)")
-    nodes.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's index, 0..M-1 (default: 0)")
-    nodes.add_argument("--master", metavar="HOST:PORT",
-                       help="address of node 0 where the nodes meet; required when M > 1 (default: 127.0.0.1 and "
-                            "a free port)")
-    nodes.add_argument("--host", metavar="ADDR",
-                       help="this machine's address as the other nodes reach it (default: as node 0 sees it)")
-    return parser  # fmt: skip
+    nodes.add_argument(
+        "--node-rank", type=int, default=0, metavar="R", help="this machine's index, 0..M-1 (default: 0)"
+    )
+    nodes.add_argument(
+        "--master",
+        metavar="HOST:PORT",
+        help="address of node 0 where the nodes meet; required when M > 1 (default: 127.0.0.1 and a free port)",
+    )
+    nodes.add_argument(
+        "--host", metavar="ADDR", help="this machine's address as the other nodes reach it (default: as node 0 sees it)"
+    )
+    return parser
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fleet import env
 
+
 class LaunchError(ValueError):
     """A mistake in the fleetrun command line, explained for the user."""
 
@@ -158,14 +159,16 @@ def load_strategy_file(text: str) -> StrategyFile:
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise LaunchError(
             f"The strategy file {text!r} does not parse ({exc}). "
-            "Write it as TOML (.toml) or JSON (.json), for example: mode = \"collective\"."
+            'Write it as TOML (.toml) or JSON (.json), for example: mode = "collective".'
         ) from None
     except OSError as exc:
-        raise LaunchError(f"The strategy file {text!r} cannot be read ({exc.strerror}). Check its permissions.") from None
+        raise LaunchError(
+            f"The strategy file {text!r} cannot be read ({exc.strerror}). Check its permissions."
+        ) from None
     if not isinstance(data, dict):
         raise LaunchError(
             f"The strategy file {text!r} holds a {type(data).__name__}, not a table of settings. "
-            "Write it as a TOML table or a JSON object, for example {\"mode\": \"ps\"}."
+            'Write it as a TOML table or a JSON object, for example {"mode": "ps"}.'
         )
     return StrategyFile(path=path.resolve(), mode=strategy_mode(data))
 
@@ -176,14 +179,14 @@ def check_strategy_against_servers(strategy: StrategyFile | None, servers: int) 
     if strategy.mode == "collective" and servers > 0:
         raise LaunchError(
             f"--servers {servers} asks for a parameter-server job, but the strategy file "
-            f"{str(strategy.path)!r} says mode = \"collective\". Drop --servers for a collective job, "
-            "or set mode = \"ps\" in the strategy file."
+            f'{str(strategy.path)!r} says mode = "collective". Drop --servers for a collective job, '
+            'or set mode = "ps" in the strategy file.'
         )
     if strategy.is_ps and servers == 0:
         raise LaunchError(
-            f"The strategy file {str(strategy.path)!r} describes a parameter-server job (mode \"ps\" or "
+            f'The strategy file {str(strategy.path)!r} describes a parameter-server job (mode "ps" or '
             "a_sync), but no servers were asked for. Add --servers N (for example --servers 1), "
-            "or set mode = \"collective\" in the strategy file."
+            'or set mode = "collective" in the strategy file.'
         )
 
 

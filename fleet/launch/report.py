@@ -24,7 +24,7 @@ def exit_code(returncode: int) -> int:
 
 
 def describe(returncode: int) -> str:
-    """"exit status 1" or "killed by SIGKILL (exit status 137)"."""
+    """Say "exit status 1" or "killed by SIGKILL (exit status 137)"."""
     if returncode < 0:
         return f"killed by {signal_name(-returncode)} (exit status {exit_code(returncode)})"
     if returncode > 128 and returncode - 128 < signal.NSIG:

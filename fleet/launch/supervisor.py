@@ -95,7 +95,9 @@ class Supervisor:
         self._port_relaunch = port_relaunch
         self._on_event = on_event or (lambda kind, slot: None)
         specs = local_specs(config)
-        self.slots = [Slot(spec, style_for(i), log_dir / f"{spec.role}.{spec.rank}.log") for i, spec in enumerate(specs)]
+        self.slots = [
+            Slot(spec, style_for(i), log_dir / f"{spec.role}.{spec.rank}.log") for i, spec in enumerate(specs)
+        ]
         self.mux.set_label_width(max((len(s.label) for s in self.slots), default=0))
         self.layout: JobLayout | None = None
         self._signum: int | None = None
@@ -136,7 +138,9 @@ class Supervisor:
         while True:
             if self._signum is not None:
                 alive = sum(s.running for s in self.slots)
-                self.mux.message(f"received {_signame(self._signum)}; stopping {alive} process(es)", style="bold yellow")
+                self.mux.message(
+                    f"received {_signame(self._signum)}; stopping {alive} process(es)", style="bold yellow"
+                )
                 self._stop([s for s in self.slots if s.running])
                 return 128 + self._signum
             if self.stop_requested.is_set():
@@ -164,7 +168,11 @@ class Supervisor:
                         break
                     self.mux.message(
                         f"{slot.label} exited with status {rc}: it could not bind the port fleetrun gave it"
-                        + (f", {port_relaunches} relaunches with fresh ports did not help" if self._port_relaunch else ""),
+                        + (
+                            f", {port_relaunches} relaunches with fresh ports did not help"
+                            if self._port_relaunch
+                            else ""
+                        ),
                         style="bold red",
                     )
                 late_server = slot.spec.role == SERVER and workers_done_at is not None
@@ -225,7 +233,9 @@ class Supervisor:
         )
         self._stop(others)
         self._join_output(slot)
-        self.mux.render(failure_block(slot.label, rc, slot.output.tail() if slot.output else [], slot.style, str(slot.log_path)))
+        self.mux.render(
+            failure_block(slot.label, rc, slot.output.tail() if slot.output else [], slot.style, str(slot.log_path))
+        )
         return exit_code(rc)
 
     # --- processes -------------------------------------------------------------------
@@ -252,7 +262,9 @@ class Supervisor:
         command = [sys.executable, "-u", str(config.script), *config.script_args]
         with open(slot.log_path, "ab") as log:
             if slot.popen is not None:
-                log.write(f"----- fleetrun: {slot.label} starts again ({env.FLEET_RESTART_COUNT}={restart_count}) -----\n".encode())
+                log.write(
+                    f"----- fleetrun: {slot.label} starts again ({env.FLEET_RESTART_COUNT}={restart_count}) -----\n".encode()
+                )
         slot.restarts = restart_count
         slot.returncode, slot.ended, slot.stopped = None, None, False
         slot.started = time.monotonic()

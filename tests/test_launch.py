@@ -1,0 +1,315 @@
+"""fleetrun: the launcher run as a subprocess on tiny scripts (no torch), plus its pure parts in-process."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleet import env
+from fleet.launch import cli
+from fleet.launch.config import LaunchConfig
+from fleet.launch.plan import JobLayout, child_env, local_specs
+from fleet.launch.ports import PortAllocator
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ENV_SCRIPT = SCRIPTS / "launch_env.py"
+JOB_SCRIPT = SCRIPTS / "launch_job.py"
+PREFIX = re.compile(r"^\[(worker|server) (\d+)\] ")
+
+
+def fleetrun(*args: str, cwd: Path, timeout: float = 40) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fleet.launch", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "160"},
+    )
+
+
+def child_lines(stdout: str) -> list[tuple[str, str]]:
+    """(label, text) for every prefixed line."""
+    out = []
+    for line in stdout.splitlines():
+        m = PREFIX.match(line)
+        if m:
+            out.append((f"{m.group(1)} {m.group(2)}", line[m.end() :]))
+    return out
+
+
+def env_of(stdout: str, label: str) -> dict[str, str]:
+    values = {}
+    for who, text in child_lines(stdout):
+        if who == label and text.startswith("ENV "):
+            name, _, value = text[4:].partition("=")
+            values[name] = value
+    return values
+
+
+def pids(log_dir: Path, pattern: str) -> list[int]:
+    return [int(line) for path in sorted(log_dir.glob(pattern)) for line in path.read_text().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+# --- single-node jobs -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_get_their_variables_prefixes_and_log_files(tmp_path, workers):
+    logs = tmp_path / "logs"
+    strategy = tmp_path / "s.toml"
+    strategy.write_text('mode = "collective"\n')
+    r = fleetrun("--workers", workers, "--strategy", strategy, "--log-dir", logs, ENV_SCRIPT, "a", "--b", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert f"{workers} workers, 0 servers" in lines[0] and str(logs) in lines[0]
+    summary_at = next(i for i, line in enumerate(lines) if "job succeeded" in line)
+    for line in lines[:summary_at]:  # every line before the summary table carries a prefix
+        assert PREFIX.match(line) or line.startswith("[fleetrun] "), line
+    secrets, masters = set(), set()
+    for rank in range(workers):
+        values = env_of(r.stdout, f"worker {rank}")
+        assert values["FLEET_ROLE"] == "worker"
+        assert values["FLEET_WORKER_INDEX"] == str(rank)
+        assert values["FLEET_WORKER_NUM"] == str(workers)
+        assert values["FLEET_LOCAL_RANK"] == str(rank)
+        assert values["FLEET_SERVER_NUM"] == "0" and values["FLEET_SERVER_ENDPOINTS"] == ""
+        assert values["FLEET_RESTART_COUNT"] == "0"
+        assert values["FLEET_LOG_DIR"] == str(logs)
+        assert values["FLEET_STRATEGY_FILE"] == str(strategy.resolve())
+        assert values["PYTHONUNBUFFERED"] == "1"
+        assert re.fullmatch(r"[0-9a-f]{64}", values["FLEET_SECRET"])
+        assert re.fullmatch(r"127\.0\.0\.1:\d+", values["FLEET_MASTER"])
+        secrets.add(values["FLEET_SECRET"])
+        masters.add(values["FLEET_MASTER"])
+        texts = [text for who, text in child_lines(r.stdout) if who == f"worker {rank}"]
+        assert "ARGS a --b" in texts and "to stderr" in texts and "partial line without newline" in texts
+        log = (logs / f"worker.{rank}.log").read_text()
+        assert f"FLEET_WORKER_INDEX={rank}" in log and "to stderr" in log and log.endswith("without newline")
+    assert len(secrets) == 1 and len(masters) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_worker_is_named_with_its_last_lines_and_the_others_stopped(tmp_path):
+    logs = tmp_path / "logs"
+    start = time.monotonic()
+    r = fleetrun("--workers", 2, "--log-dir", logs, JOB_SCRIPT, "--fail", 1, cwd=tmp_path)
+    took = time.monotonic() - start
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert took < 20  # the other worker sleeps 60 s unless stopped
+    assert "worker 1 failed: exit status 1" in r.stdout
+    tail = r.stdout.split("worker 1 failed: exit status 1", 1)[1]
+    assert "last 20 lines of worker 1" in tail
+    assert "[worker 1] RuntimeError: worker 1 exploded" in tail and "[worker 1] line 24" in tail
+    assert "line 5\n" not in tail  # only the last 20 lines
+    assert "stopped (SIGTERM)" in tail  # worker 0 in the summary
+    assert not any(alive(p) for p in pids(logs, "pids.*"))
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_by_a_signal_propagates_128_plus_signal(tmp_path):
+    r = fleetrun("--workers", 2, "--log-dir", tmp_path / "logs", JOB_SCRIPT, "--kill", 0, "KILL", cwd=tmp_path)
+    assert r.returncode == 128 + signal.SIGKILL, r.stdout + r.stderr
+    assert "worker 0 failed: killed by SIGKILL (exit status 137)" in r.stdout
+
+
+@pytest.mark.timeout(60)
+def test_parameter_server_job_servers_exit_after_workers(tmp_path):
+    logs = tmp_path / "logs"
+    r = fleetrun("--servers", 1, "--workers", 2, "--log-dir", logs, JOB_SCRIPT, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    server = env_of(r.stdout, "server 0")
+    assert server["FLEET_ROLE"] == "server"
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", server["FLEET_SERVER_ENDPOINTS"])
+    for rank in (0, 1):
+        assert env_of(r.stdout, f"worker {rank}")["FLEET_SERVER_ENDPOINTS"] == server["FLEET_SERVER_ENDPOINTS"]
+    assert server["FLEET_MASTER"] != server["FLEET_SERVER_ENDPOINTS"]
+    assert ("server 0", "server done") in child_lines(r.stdout)
+    assert "did not exit" not in r.stdout
+    assert (logs / "server.0.log").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_does_not_exit_is_stopped_after_the_grace_period(tmp_path):
+    args = ("--servers", 1, "--workers", 1, "--server-grace", 1, "--log-dir", tmp_path / "logs")
+    r = fleetrun(*args, JOB_SCRIPT, "--server-hang", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "server 0 did not exit within 1 s after the workers finished; stopping them" in r.stdout
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_fleetrun_stops_every_child_and_grandchild(tmp_path):
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleet.launch", "--servers", "1", "--workers", "2", "--log-dir", str(logs),
+         str(JOB_SCRIPT), "--server-hang", "--sleep", "60", "--grandchild"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(logs.glob("grandchild.*"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started = pids(logs, "pids.*") + pids(logs, "grandchild.*")
+        assert len(started) == 6
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out
+    assert "received SIGTERM" in out
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in started if alive(p)]
+
+
+@pytest.mark.timeout(60)
+def test_port_in_use_relaunches_with_fresh_ports_without_counting_a_restart(tmp_path):
+    r = fleetrun("--workers", 2, "--log-dir", tmp_path / "logs", JOB_SCRIPT, "--port-once", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "worker 0 could not bind its port" in r.stdout and "fresh ports" in r.stdout
+    masters = [text for who, text in child_lines(r.stdout) if who == "worker 0" and "FLEET_MASTER" in text]
+    assert len(masters) == 2 and masters[0] != masters[1]
+    counts = {text for _, text in child_lines(r.stdout) if "FLEET_RESTART_COUNT" in text}
+    assert counts == {"ENV FLEET_RESTART_COUNT=0"}
+
+
+@pytest.mark.timeout(60)
+def test_collective_job_restarts_as_a_whole(tmp_path):
+    logs = tmp_path / "logs"
+    r = fleetrun("--workers", 2, "--max-restarts", 1, "--log-dir", logs, JOB_SCRIPT, "--fail-first", "worker.1",
+                 cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "restarting all workers (restart 1 of 1)" in r.stdout
+    assert len(pids(logs, "pids.worker.0")) == 2 and len(pids(logs, "pids.worker.1")) == 2
+    assert "FLEET_RESTART_COUNT=1" in (logs / "worker.0.log").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_parameter_server_job_restarts_only_the_failed_process(tmp_path):
+    logs = tmp_path / "logs"
+    r = fleetrun("--servers", 1, "--workers", 2, "--max-restarts", 1, "--log-dir", logs, JOB_SCRIPT,
+                 "--fail-first", "worker.1", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "worker 1 failed (exit status 3" in r.stdout and "restarting it (restart 1 of 1)" in r.stdout
+    assert len(pids(logs, "pids.worker.1")) == 2
+    assert len(pids(logs, "pids.worker.0")) == 1 and len(pids(logs, "pids.server.0")) == 1
+    log = (logs / "worker.1.log").read_text()
+    assert "FLEET_RESTART_COUNT=0" in log and "FLEET_RESTART_COUNT=1" in log
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_in_a_subprocess_exits_2_without_traceback(tmp_path):
+    r = fleetrun("--bogus", ENV_SCRIPT, cwd=tmp_path, timeout=30)
+    assert r.returncode == 2
+    assert "--bogus" in r.stderr and "Traceback" not in r.stderr + r.stdout
+    assert not (tmp_path / "fleet_logs").exists()
+
+
+def _bad(tmp_path, capsys, *argv) -> str:
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code = cli.main([str(a) for a in argv])
+    finally:
+        os.chdir(old)
+    out, err = capsys.readouterr()
+    assert code == env.EXIT_USER_ERROR, out + err
+    assert "Traceback" not in out + err and err.startswith("fleetrun: error: ")
+    return err
+
+
+@pytest.mark.timeout(30)
+def test_bad_input_names_the_fault(tmp_path, capsys):
+    collective = tmp_path / "c.toml"
+    collective.write_text('[strategy]\nmode = "collective"\n')
+    ps = tmp_path / "p.json"
+    ps.write_text('{"a_sync": true}')
+    broken = tmp_path / "b.toml"
+    broken.write_text("mode = = 1")
+    cases = [
+        (["missing.py"], "'missing.py' does not exist"),
+        ([], "No training script"),
+        (["--bogus", ENV_SCRIPT], "no option --bogus"),
+        (["--workers", 0, ENV_SCRIPT], "--workers 0"),
+        (["--workers", "two", ENV_SCRIPT], "--workers 'two' is not a number"),
+        (["--workers"], "--workers needs a value"),
+        (["--servers", -1, ENV_SCRIPT], "--servers -1"),
+        (["--max-restarts", -1, ENV_SCRIPT], "--max-restarts -1"),
+        (["--servers", 1, "--strategy", collective, ENV_SCRIPT], 'mode = "collective"'),
+        (["--strategy", ps, ENV_SCRIPT], "--servers N"),
+        (["--strategy", tmp_path / "nope.toml", ENV_SCRIPT], "nope.toml' given to --strategy does not exist"),
+        (["--strategy", broken, ENV_SCRIPT], "does not parse"),
+        (["--nnodes", 2, "--node-rank", 2, "--master", "h:1", ENV_SCRIPT], "--node-rank 2 is out of range"),
+        (["--nnodes", 2, ENV_SCRIPT], "needs --master"),
+        (["--master", "nohostport", ENV_SCRIPT], "--master 'nohostport' is not a HOST:PORT"),
+        (["--master", "h:99999", ENV_SCRIPT], "is not a HOST:PORT"),
+    ]
+    for argv, expected in cases:
+        err = _bad(tmp_path, capsys, *argv)
+        assert expected in err, (argv, err)
+    assert not (tmp_path / "fleet_logs").exists()
+
+
+# --- pure parts ---------------------------------------------------------------------------
+
+
+def test_script_arguments_pass_through_untouched():
+    assert cli.split_argv(["--workers", "2", "t.py", "--workers", "3"]) == (
+        ["--workers", "2"],
+        ["t.py", "--workers", "3"],
+    )
+    assert cli.split_argv(["--strategy=s.toml", "t.py", "--", "x"]) == (["--strategy=s.toml"], ["t.py", "--", "x"])
+    assert cli.split_argv(["--workers", "2", "--", "t.py", "-v"]) == (["--workers", "2"], ["t.py", "-v"])
+
+
+def test_ports_are_never_handed_out_twice():
+    ports = PortAllocator()
+    ports.reserve(12345)
+    taken = ports.take_many(20)
+    assert len(set(taken)) == 20 and 12345 not in taken
+
+
+def test_multi_node_ranks_and_environment():
+    config = LaunchConfig(script=ENV_SCRIPT, workers=2, servers=1, nnodes=3, node_rank=1, master=("10.0.0.1", 6170))
+    specs = local_specs(config)
+    assert [(s.role, s.rank, s.local_rank) for s in specs] == [("server", 1, 2), ("worker", 2, 0), ("worker", 3, 1)]
+    layout = JobLayout(master="10.0.0.1:7000", server_endpoints=("a:1", "b:2", "c:3"), secret="ab")
+    values = child_env(specs[1], config, layout, restart_count=2, log_dir="/l", base={"KEEP": "1"})
+    assert values["KEEP"] == "1"
+    assert values[env.FLEET_WORKER_INDEX] == "2" and values[env.FLEET_WORKER_NUM] == "6"
+    assert values[env.FLEET_SERVER_NUM] == "3" and values[env.FLEET_SERVER_ENDPOINTS] == "a:1,b:2,c:3"
+    assert values[env.FLEET_RESTART_COUNT] == "2" and values[env.FLEET_MASTER] == "10.0.0.1:7000"
+
+
+def test_the_launcher_modules_do_not_import_torch():
+    # Load fleet.launch without running fleet/__init__.py (the training side's face, which imports torch).
+    root = str(Path(cli.__file__).parent.parent)
+    code = (
+        "import sys, types\n"
+        f"pkg = types.ModuleType('fleet'); pkg.__path__ = [{root!r}]; sys.modules['fleet'] = pkg\n"
+        "import fleet.launch.cli, fleet.launch.supervisor, fleet.launch.multinode\n"
+        "print('torch' in sys.modules, 'pydantic' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False"]
