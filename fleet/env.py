@@ -142,3 +142,6 @@ def child_environment(base: Mapping[str, str] | None = None, **values: str) -> d
 # --- exit statuses the launcher and the training side agree on -----------------
 EXIT_PORT_IN_USE = 75  # a process could not bind the port fleetrun gave it; fleetrun picks new ports and relaunches
 EXIT_USER_ERROR = 2  # a mistake in the launch or the strategy, already explained in one paragraph on stderr
+
+# torchrun's agent hosts the rendezvous store itself and says so with this variable.
+TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"

@@ -1,0 +1,242 @@
+"""The Fleet context: init, the distributed_* wrappers and role queries.
+
+One context per process, created by ``fleet.init``. Module-level functions in
+``fleet`` forward here so user code reads like Paddle's ``fleet.*`` calls.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fleet import env, rendezvous
+from fleet.data import shard_loader
+from fleet.errors import FleetError
+from fleet.roles import RoleInfo, RoleMaker, detect
+from fleet.strategies import registry
+from fleet.strategies.base import Strategy
+from fleet.strategy import DistributedStrategy, StrategyError
+
+DEFAULT_PS_UPDATE = "async"  # Paddle's parameter-server default (a_sync=True)
+
+
+class FleetContext:
+    """This process's view of the job."""
+
+    def __init__(self, role: RoleInfo, strategy: DistributedStrategy, secret: bytes | None):
+        self.role = role
+        self.strategy = strategy
+        self.secret = secret
+        self.store: dist.Store | None = None
+        self._groups: dict[float, Any] = {}
+        self._models: list[torch.nn.Module] = []
+        self._impl: Strategy | None = None
+
+    # --- the Runtime protocol strategies use ---------------------------------
+
+    def process_group(self, timeout_s: float) -> Any:
+        """The workers' group with this timeout; None when there is one worker."""
+        if self.role.worker_num == 1 or self.role.server_num:
+            return None
+        if not dist.is_initialized():
+            self._init_process_group()
+        if timeout_s not in self._groups:
+            # new_group is collective: every worker asks for the same timeouts in the same order.
+            self._groups[timeout_s] = dist.new_group(timeout=timedelta(seconds=timeout_s))
+        return self._groups[timeout_s]
+
+    def model_for(self, params: list[torch.nn.Parameter]) -> torch.nn.Module | None:
+        wanted = {id(p) for p in params}
+        for model in self._models:
+            if wanted & {id(p) for p in model.parameters()}:
+                return model
+        return None
+
+    # --- set-up ------------------------------------------------------------------
+
+    def _init_process_group(self) -> None:
+        timeout_s = self.strategy.timeout_s
+        if self.store is None:
+            self.store = self._connect(timeout_s)
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(
+            backend, store=dist.PrefixStore("pg", self.store), rank=self.role.worker_index,
+            world_size=self.role.worker_num, timeout=timedelta(seconds=timeout_s),
+        )
+        self._groups[timeout_s] = dist.group.WORLD
+
+    def _connect(self, timeout_s: float) -> dist.Store:
+        host, _ = env.split_endpoint(self.role.master or "")
+        if rendezvous.is_loopback(host):
+            env.set_default(env.GLOO_SOCKET_IFNAME, "lo")
+        store = rendezvous.connect(self.role, timeout_s, namespace=f"fleet/{env.current().str(env.FLEET_RESTART_COUNT, '0')}")
+        rendezvous.authenticate(store, self.role, self.secret, timeout_s)
+        return store
+
+    def implementation(self, strategy: DistributedStrategy | None) -> Strategy:
+        """The strategy object for this config, built once."""
+        if strategy is not None and strategy is not self.strategy:
+            _check_against_role(strategy, self.role)
+            self.strategy = strategy
+            self._impl = None
+        if self._impl is None:
+            self._impl = registry.get(self.strategy.mode)(self.strategy, self)
+        return self._impl
+
+
+_context: FleetContext | None = None
+
+
+def _check_against_role(strategy: DistributedStrategy, role: RoleInfo) -> None:
+    if role.server_num and strategy.mode == "collective":
+        raise StrategyError(
+            f"The launch started {role.server_num} parameter server(s), but the strategy has mode='collective'. "
+            "Use mode='ps' (or launch without servers)."
+        )
+    if strategy.mode == "ps" and strategy.backup_workers >= role.worker_num:
+        raise StrategyError(
+            f"backup_workers={strategy.backup_workers} must be below the number of workers ({role.worker_num})."
+        )
+
+
+def _resolve_strategy(strategy: DistributedStrategy | None) -> DistributedStrategy:
+    if strategy is not None:
+        if not isinstance(strategy, DistributedStrategy):
+            raise TypeError(f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}.")
+        return strategy
+    return DistributedStrategy.from_env() or DistributedStrategy()
+
+
+def init(
+    role_maker: RoleMaker | None = None,
+    strategy: DistributedStrategy | None = None,
+    is_collective: bool | None = None,
+) -> None:
+    """Find this process's role and join the job.
+
+    With no launcher this is worker 0 of 1 and nothing else happens. On a parameter-server
+    process this serves until every worker is done, then exits the process with status 0.
+    """
+    global _context
+    config = _resolve_strategy(strategy)
+    servers = config.servers if config.mode == "ps" else 0
+    role = role_maker.role_info(servers=servers) if role_maker is not None else detect(servers=servers)
+    if role.server_num and strategy is None and config.mode == "collective" and "mode" not in config.model_fields_set:
+        config = DistributedStrategy(mode="ps", update=DEFAULT_PS_UPDATE, timeout_s=config.timeout_s)
+    _check_against_role(config, role)
+    secret_hex = env.current().str(env.FLEET_SECRET)
+    try:
+        secret = bytes.fromhex(secret_hex) if secret_hex else None
+    except ValueError:
+        raise env.EnvError(f"{env.FLEET_SECRET} must be hex, got {len(secret_hex or '')} other characters.") from None
+    if _context is not None:
+        if _context.role != role:
+            raise FleetError("fleet.init was already called with a different role in this process.")
+        return
+    _context = FleetContext(role, config, secret)
+    if config.mode == "ps" or role.server_num:
+        from fleet.strategies import parameter_server
+
+        parameter_server.join(_context)
+    elif role.worker_num > 1:
+        try:
+            _context._init_process_group()
+        except rendezvous.PortInUseError as error:
+            if role.source == "fleetrun":
+                print(f"fleet: {error} fleetrun will relaunch with a new port.", file=sys.stderr)
+                sys.exit(env.EXIT_PORT_IN_USE)
+            raise
+
+
+def _require() -> FleetContext:
+    if _context is None:
+        init()
+    assert _context is not None
+    return _context
+
+
+def distributed_optimizer(
+    optimizer: torch.optim.Optimizer, strategy: DistributedStrategy | None = None
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so ``step()`` trains across the job. ``isinstance(result, torch.optim.Optimizer)`` holds."""
+    return _require().implementation(strategy).wrap_optimizer(optimizer)
+
+
+def distributed_model(model: torch.nn.Module, strategy: DistributedStrategy | None = None) -> torch.nn.Module:
+    """Broadcast worker 0's parameters and buffers and keep buffers in step (DDP semantics). Optional."""
+    context = _require()
+    context._models.append(model)
+    return context.implementation(strategy).wrap_model(model)
+
+
+def distributed_loader(loader: Any) -> Any:
+    """This worker's shard of ``loader``; call ``set_epoch(epoch)`` on it to reshuffle each epoch."""
+    context = _require()
+    return shard_loader(loader, context.role.worker_num, context.role.worker_index, seed=context.strategy.seed)
+
+
+def role_info() -> RoleInfo:
+    return _require().role
+
+
+def worker_index() -> int:
+    return _require().role.worker_index
+
+
+def worker_num() -> int:
+    return _require().role.worker_num
+
+
+def server_index() -> int:
+    return _require().role.server_index
+
+
+def server_num() -> int:
+    return _require().role.server_num
+
+
+def server_endpoints() -> list[str]:
+    return list(_require().role.server_endpoints)
+
+
+def is_worker() -> bool:
+    return _require().role.is_worker
+
+
+def is_server() -> bool:
+    return _require().role.is_server
+
+
+def is_first_worker() -> bool:
+    return _require().role.is_first_worker
+
+
+def barrier_worker() -> None:
+    """Wait until every worker reaches this call."""
+    context = _require()
+    context.implementation(None).barrier()
+
+
+def stop_worker() -> None:
+    """This worker is done: release connections (and let parameter servers finish)."""
+    global _context
+    context = _context
+    if context is None:
+        return
+    if context._impl is not None:
+        context._impl.shutdown()
+    if dist.is_initialized() and not context.role.server_num:
+        dist.destroy_process_group()
+    _context = None
+
+
+def _reset_for_tests() -> None:
+    """Forget the context without talking to peers (tests reuse one interpreter)."""
+    global _context
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _context = None

@@ -1,0 +1,1 @@
+"""The collective engine: gradient buckets, compression and broadcasts over torch.distributed."""

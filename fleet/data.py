@@ -1,0 +1,82 @@
+"""distributed_loader: each worker iterates its own shard of the user's DataLoader."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+
+class ShardedLoader:
+    """A DataLoader over this worker's shard; ``set_epoch(e)`` reshuffles like DistributedSampler."""
+
+    def __init__(self, loader: DataLoader, num_shards: int, shard: int, seed: int = 0):
+        self.original = loader
+        self.num_shards = num_shards
+        self.shard = shard
+        self.epoch = 0
+        if isinstance(loader.dataset, IterableDataset):
+            self.sampler = None
+            self.loader = loader
+            return
+        if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
+            raise TypeError(
+                f"fleet.distributed_loader can shard a DataLoader built with shuffle=True or False, but this one uses "
+                f"a custom {type(loader.sampler).__name__}. Build the loader with "
+                "sampler=DistributedSampler(dataset, fleet.worker_num(), fleet.worker_index()) yourself instead."
+            )
+        if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
+            raise TypeError(
+                f"fleet.distributed_loader cannot shard a custom batch_sampler ({type(loader.batch_sampler).__name__})."
+            )
+        self.sampler = DistributedSampler(
+            loader.dataset,
+            num_replicas=num_shards,
+            rank=shard,
+            shuffle=isinstance(loader.sampler, RandomSampler),
+            seed=seed,
+            drop_last=loader.drop_last,
+        )
+        self.loader = DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size,
+            sampler=self.sampler,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            drop_last=loader.drop_last,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            generator=loader.generator,
+            persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.sampler is not None:
+            return iter(self.loader)
+        # An iterable dataset has no indices: take every num_shards-th batch.
+        return (batch for i, batch in enumerate(self.loader) if i % self.num_shards == self.shard)
+
+    def __len__(self) -> int:
+        if self.sampler is not None:
+            return len(self.loader)
+        return len(self.loader) // self.num_shards
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+
+def shard_loader(loader: Any, num_shards: int, shard: int, seed: int = 0) -> Any:
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"fleet.distributed_loader needs a torch.utils.data.DataLoader, got {type(loader).__name__}.")
+    return ShardedLoader(loader, num_shards, shard, seed)
+
+
+__all__ = ["ShardedLoader", "shard_loader"]

@@ -1,0 +1,22 @@
+"""Exceptions fleet raises for failures of the job rather than of the user's code."""
+
+from __future__ import annotations
+
+
+class FleetError(RuntimeError):
+    """Base class of fleet's runtime errors."""
+
+
+class PeerError(FleetError):
+    """A peer process died, stopped answering, or disagrees with this one."""
+
+    @classmethod
+    def from_collective(cls, what: str, error: Exception) -> PeerError:
+        return cls(
+            f"{what} failed: another worker died or stopped answering within the strategy's timeout_s "
+            f"(underlying error: {str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__})."
+        )
+
+
+class ModelMismatchError(PeerError):
+    """Workers hold models whose parameters differ in number or shape."""

@@ -1,0 +1,225 @@
+"""DistributedStrategy: what kind of distributed training to run, as plain data.
+
+The model is validated in one place: a bad value raises :class:`StrategyError`
+(a ``ValueError``) whose message names the field, the value and what is
+allowed. Paddle's spellings (``a_sync``, ``a_sync_configs``) read and write
+the same fields as the native ones.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fleet import env
+
+
+class StrategyError(ValueError):
+    """A strategy value, combination or file that fleet cannot run."""
+
+
+def _explain(error: ValidationError) -> str:
+    """One paragraph per problem instead of pydantic's multi-line report."""
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"])
+        if item["type"] == "extra_forbidden":
+            allowed = ", ".join(sorted(DistributedStrategy.model_fields))
+            lines.append(f"DistributedStrategy has no field {field!r}. Known fields: {allowed}.")
+            continue
+        message = item["msg"].removeprefix("Value error, ")
+        if not field:
+            lines.append(f"DistributedStrategy: {message}")
+            continue
+        value = item.get("input")
+        shown = f" = {value!r}" if not isinstance(value, dict) else ""
+        lines.append(f"DistributedStrategy.{field}{shown} is not allowed: {message}.")
+    return " ".join(lines)
+
+
+class DistributedStrategy(BaseModel):
+    """How a job trains across processes. Every field has a safe default."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    mode: str = "collective"
+    """"collective" (all-reduce data parallel) or "ps" (parameter server), or a name given to
+    ``fleet.register_strategy``."""
+
+    update: Literal["sync", "async", "geo"] = "sync"
+    """How updates are applied. Collective supports "sync"; the parameter server all three."""
+
+    k_steps: int = Field(100, ge=1)
+    """geo mode: local steps between two pushes of parameter deltas."""
+
+    backup_workers: int = Field(0, ge=0)
+    """PS sync mode: apply a step's update after the first N - backup_workers gradients."""
+
+    servers: int = Field(0, ge=0)
+    """Under rank-only launchers (torchrun, mpirun, srun): the first ``servers`` ranks serve."""
+
+    timeout_s: float = Field(300.0, gt=0, le=86400)
+    """Deadline of every blocking wait (collectives, rendezvous, server requests)."""
+
+    bucket_mb: float = Field(25.0, gt=0, le=4096)
+    """Collective: size of a gradient bucket; buckets are all-reduced as backward fills them."""
+
+    grad_compression: Literal["none", "fp16", "bf16"] = "none"
+    """Collective: dtype gradients travel in (averaged before casting, so fp16 does not overflow)."""
+
+    grad_accumulation_steps: int = Field(1, ge=1)
+    """Collective: micro-batches per optimizer step; gradients are reduced once, on the last one."""
+
+    local_sgd_steps: int = Field(0, ge=0)
+    """Collective: if > 0, no gradient all-reduce; parameters are averaged every this many steps."""
+
+    seed: int = 0
+    """Seed for anything fleet itself draws (sparse row initialisation)."""
+
+    # --- validation -----------------------------------------------------------
+
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as error:
+            raise StrategyError(_explain(error)) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        prop = getattr(type(self), name, None)
+        if isinstance(prop, property):
+            prop.__set__(self, value)
+            return
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as error:
+            raise StrategyError(_explain(error)) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _paddle_aliases(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        configs = data.pop("a_sync_configs", None)
+        if configs is not None:
+            if not isinstance(configs, dict):
+                raise ValueError(f"a_sync_configs must be a dict such as {{'k_steps': 100}}, got {configs!r}")
+            unknown = set(configs) - {"k_steps"}
+            if unknown:
+                raise ValueError(f"a_sync_configs knows only 'k_steps', got {sorted(unknown)}")
+            if "k_steps" in configs:
+                data["k_steps"] = configs["k_steps"]
+                if data.get("a_sync") and configs["k_steps"] and "update" not in data:
+                    data["update"] = "geo"
+        if "a_sync" in data:
+            a_sync = data.pop("a_sync")
+            if not isinstance(a_sync, bool):
+                raise ValueError(f"a_sync must be True or False, got {a_sync!r}")
+            data.setdefault("mode", "ps")
+            if "update" not in data:
+                geo = configs is not None and configs.get("k_steps", 0) > 0
+                data["update"] = ("geo" if geo else "async") if a_sync else "sync"
+        return data
+
+    @field_validator("mode")
+    @classmethod
+    def _registered_mode(cls, mode: str) -> str:
+        from fleet.strategies import registry
+
+        if mode not in registry.names():
+            raise ValueError(f"expected one of {', '.join(repr(n) for n in registry.names())}")
+        return mode
+
+    @model_validator(mode="after")
+    def _supported_combination(self) -> DistributedStrategy:
+        from fleet.strategies.registry import check_combination
+
+        check_combination(self)
+        return self
+
+    # --- Paddle's spellings ----------------------------------------------------
+
+    @property
+    def a_sync(self) -> bool:
+        """Paddle: True for asynchronous (async or geo) parameter-server updates."""
+        return self.update != "sync"
+
+    @a_sync.setter
+    def a_sync(self, value: bool) -> None:
+        update = self.update if value and self.update != "sync" else ("async" if value else "sync")
+        self._replace(mode="ps", update=update)
+
+    @property
+    def a_sync_configs(self) -> dict[str, int]:
+        """Paddle: ``{"k_steps": N}``; k_steps > 0 with a_sync means geo."""
+        return {"k_steps": self.k_steps if self.update == "geo" else 0}
+
+    @a_sync_configs.setter
+    def a_sync_configs(self, value: dict[str, int]) -> None:
+        k_steps = value.get("k_steps", 0) if isinstance(value, dict) else value
+        if isinstance(k_steps, int) and k_steps > 0:
+            self._replace(k_steps=k_steps, update="geo" if self.update != "sync" else "sync")
+        elif k_steps == 0:
+            self._replace(update="async" if self.update == "geo" else self.update)
+        else:
+            raise StrategyError(f"a_sync_configs = {value!r} is not allowed: expected {{'k_steps': N}} with N >= 0.")
+
+    def _replace(self, **changes: Any) -> None:
+        """Change several fields at once, validating the result as a whole."""
+        updated = DistributedStrategy(**{**self.model_dump(), **changes})
+        self.__dict__.update(updated.__dict__)
+        self.__pydantic_fields_set__.update(changes)
+
+    # --- files and the environment ---------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> DistributedStrategy:
+        """Read a strategy from TOML (``.toml``) or JSON (``.json``).
+
+        A TOML file may hold the fields at top level or under a ``[strategy]`` table.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise StrategyError(f"Strategy file {str(path)!r} does not exist.")
+        text = path.read_text()
+        try:
+            if path.suffix == ".json":
+                data = json.loads(text)
+            elif path.suffix == ".toml":
+                data = tomllib.loads(text)
+            else:
+                raise StrategyError(f"Strategy file {str(path)!r} must end in .toml or .json.")
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as error:
+            raise StrategyError(f"Strategy file {str(path)!r} does not parse: {error}.") from None
+        if isinstance(data, dict) and isinstance(data.get("strategy"), dict) and len(data) == 1:
+            data = data["strategy"]
+        if not isinstance(data, dict):
+            raise StrategyError(f"Strategy file {str(path)!r} must hold a table of fields.")
+        try:
+            return cls(**data)
+        except StrategyError as error:
+            raise StrategyError(f"In strategy file {str(path)!r}: {error}") from None
+
+    @classmethod
+    def from_env(cls, reader: env.EnvReader | None = None) -> DistributedStrategy | None:
+        """The strategy the launch configuration chose, if any (FLEET_STRATEGY, then FLEET_STRATEGY_FILE)."""
+        reader = reader or env.current()
+        text = reader.str(env.FLEET_STRATEGY)
+        if text is not None:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise StrategyError(f"{env.FLEET_STRATEGY} does not hold valid JSON: {error}.") from None
+            try:
+                return cls(**data)
+            except StrategyError as error:
+                raise StrategyError(f"In {env.FLEET_STRATEGY}: {error}") from None
+        path = reader.str(env.FLEET_STRATEGY_FILE)
+        return cls.from_file(path) if path is not None else None
+
+    def to_json(self) -> str:
+        return self.model_dump_json()

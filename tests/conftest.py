@@ -1,0 +1,7 @@
+import os
+import sys
+
+# Tests import helpers from tests/ (dist_harness) and keep runs on one thread per process:
+# the machine has 2 cores and multi-process tests start several interpreters at once.
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("OMP_NUM_THREADS", "1")

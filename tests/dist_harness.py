@@ -1,0 +1,111 @@
+"""Run a function in N fresh worker processes, as fleetrun would start them, over gloo on 127.0.0.1.
+
+Children are forked from a forkserver that has already imported torch, so a test pays
+the import once. Every run has a deadline: a hang fails the test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import secrets
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "fleet"])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def fleetrun_env(rank: int, workers: int, master_port: int, **extra: str) -> dict[str, str]:
+    env = {
+        "FLEET_ROLE": "worker",
+        "FLEET_WORKER_INDEX": str(rank),
+        "FLEET_WORKER_NUM": str(workers),
+        "FLEET_MASTER": f"127.0.0.1:{master_port}",
+        "FLEET_SERVER_NUM": "0",
+    }
+    env.update(extra)
+    return env
+
+
+def _child(fn, rank, env, args, results):
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        value = fn(rank, *args)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)  # plain bytes: tensors shared by fd would die with this process
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException as error:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+
+
+def run_processes(
+    fn: Callable[..., Any], envs: list[dict[str, str]], *args: Any, timeout: float = 60.0
+) -> list[tuple[str, Any]]:
+    """Run fn(rank, *args) in one process per env; return [(status, value)] by rank."""
+    results = _CTX.Queue()
+    procs = [_CTX.Process(target=_child, args=(fn, rank, env, args, results)) for rank, env in enumerate(envs)]
+    for proc in procs:
+        proc.start()
+    outcome: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < len(procs):
+            if any(status != "ok" for status, _ in outcome.values()):
+                # One failed: its peers would wait for it until their timeout; give them a moment, then stop.
+                deadline = min(deadline, time.monotonic() + 5)
+            left = deadline - time.monotonic()
+            if left <= 0 and any(status != "ok" for status, _ in outcome.values()):
+                for r in range(len(procs)):
+                    outcome.setdefault(r, ("stopped", "stopped after a peer failed"))
+                break
+            if left <= 0:
+                missing = sorted(set(range(len(procs))) - set(outcome))
+                raise AssertionError(f"processes {missing} did not finish within {timeout} s")
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+                outcome[rank] = (status, value)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
+                if dead:
+                    time.sleep(0.5)  # its result may still be in the pipe
+                    while not results.empty():
+                        rank, status, value = results.get()
+                        outcome[rank] = (status, value)
+                    for r in dead:
+                        outcome.setdefault(r, ("died", procs[r].exitcode))
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [outcome[r] for r in range(len(procs))]
+
+
+def run_workers(fn: Callable[..., Any], workers: int, *args: Any, timeout: float = 60.0, **extra_env: str) -> list[Any]:
+    """fn(rank, *args) on `workers` collective workers; raise with the first worker's error."""
+    port = free_port()
+    secret = secrets.token_hex(16)
+    envs = [fleetrun_env(r, workers, port, FLEET_SECRET=secret, **extra_env) for r in range(workers)]
+    outcome = run_processes(fn, envs, *args, timeout=timeout)
+    for rank, (status, value) in enumerate(outcome):
+        if status != "ok":
+            raise AssertionError(f"worker {rank} {status}: {value}")
+    import torch
+
+    return [torch.load(io.BytesIO(value), weights_only=False) for _, value in outcome]

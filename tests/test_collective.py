@@ -1,0 +1,113 @@
+"""Collective sync data parallelism equals single-process training on the union of the batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_harness import run_workers
+
+STEPS = 4
+BATCH = 8
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + worker)
+    return torch.randn(BATCH, 6, generator=generator), torch.randint(0, 3, (BATCH,), generator=generator)
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def reference(workers: int, optimizer: str, steps: int = STEPS, micro: int = 1) -> torch.Tensor:
+    """Single process, worker 0's initial weights, every step on the union of all workers' batches."""
+    model = make_model(0)
+    opt = make_optimizer(optimizer, model.parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        xs, ys = zip(*(batch(w, step * micro + m) for w in range(workers) for m in range(micro)), strict=True)
+        torch.nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return flat(model)
+
+
+def train_worker(rank: int, optimizer: str, strategy_kwargs: dict, steps: int = STEPS, micro: int = 1):
+    import fleet
+
+    fleet.init()
+    model = make_model(seed=rank)  # deliberately different initial weights on every worker
+    opt = fleet.distributed_optimizer(
+        make_optimizer(optimizer, model.parameters()), fleet.DistributedStrategy(**strategy_kwargs)
+    )
+    assert isinstance(opt, torch.optim.Optimizer)
+    trajectory = [flat(model)]
+    for step in range(steps):
+        for m in range(micro):
+            opt.zero_grad()
+            x, y = batch(rank, step * micro + m)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        trajectory.append(flat(model))
+    fleet.stop_worker()
+    return trajectory
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_sync_equals_single_process_on_union(workers, optimizer):
+    trajectories = run_workers(train_worker, workers, optimizer, {"bucket_mb": 0.0005})
+    for step in range(STEPS + 1):
+        for rank in range(1, workers):
+            assert torch.equal(trajectories[rank][step], trajectories[0][step]), f"worker {rank} differs at {step}"
+    assert torch.allclose(trajectories[0][-1], reference(workers, optimizer), atol=1e-5)
+    assert torch.equal(trajectories[0][0], flat(make_model(0))), "initial weights must come from worker 0"
+
+
+@pytest.mark.timeout(90)
+def test_gradient_accumulation_equals_one_step_on_the_union():
+    trajectories = run_workers(train_worker, 2, "sgd", {"grad_accumulation_steps": 3}, 2, 3)
+    assert torch.equal(trajectories[0][-1], trajectories[1][-1])
+    assert torch.allclose(trajectories[0][-1], reference(2, "sgd", steps=2, micro=3), atol=1e-5)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("compression, tolerance", [("fp16", 2e-3), ("bf16", 2e-2)])
+def test_compressed_gradients_stay_within_tolerance(compression, tolerance):
+    trajectories = run_workers(train_worker, 2, "sgd", {"grad_compression": compression})
+    assert torch.equal(trajectories[0][-1], trajectories[1][-1])
+    expected = reference(2, "sgd")
+    assert (trajectories[0][-1] - expected).abs().max() < tolerance
+    assert not torch.equal(trajectories[0][-1], expected) or compression == "none"
+
+
+@pytest.mark.timeout(90)
+def test_local_sgd_averages_parameters_every_k_steps():
+    k = 2
+    trajectories = run_workers(train_worker, 2, "sgd", {"local_sgd_steps": k}, 4)
+    for step in range(1, 5):
+        same = torch.equal(trajectories[0][step], trajectories[1][step])
+        assert same == (step % k == 0), f"step {step}: parameters equal={same}"
+    # Between averages each worker trains alone: replay worker-local SGD and average by hand.
+    models = [make_model(0) for _ in range(2)]
+    opts = [make_optimizer("sgd", m.parameters()) for m in models]
+    for step in range(k):
+        for w, (model, opt) in enumerate(zip(models, opts, strict=True)):
+            opt.zero_grad()
+            x, y = batch(w, step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    averaged = (flat(models[0]) + flat(models[1])) / 2
+    assert torch.allclose(trajectories[0][k], averaged, atol=1e-6)
