@@ -18,7 +18,6 @@ from fleet import env
 from fleet.errors import FleetError, PeerError
 from fleet.roles import RoleInfo
 
-
 _listeners: list[socket.socket] = []
 
 
