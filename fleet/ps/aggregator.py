@@ -1,0 +1,289 @@
+"""Server-side table shards and their update modes (sync / async / geo).
+
+A shard wraps one table (dense or sparse) held by one server and decides
+*when* pushes reach it; the table decides *how* (its optimizer). Keeping the
+update-mode bookkeeping here lets the server loop stay a dispatcher and lets
+the tables stay ignorant of workers and steps.
+
+Sync semantics (the Parameter Server contract): a shard's ``version`` counts
+applied updates. A push for ``step == version`` is accumulated; when
+``required`` pushes for that step have arrived (N - backup_workers, or fewer
+once workers have stopped), their average is applied once with the pushes'
+learning rate and the version advances. A push for an older step is stale:
+dropped and counted per worker. A push for a future step is a protocol error
+-- a worker must first pull with ``min_version=step``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+UPDATE_MODES = ("sync", "async", "geo")
+
+#: keys of a shard config that belong to the table itself (the rest is update-mode bookkeeping)
+_DENSE_TABLE_KEYS = ("size", "optimizer")
+_SPARSE_TABLE_KEYS = ("dim", "optimizer", "initializer", "seed")
+
+
+class ShardError(ValueError):
+    """A request that does not fit the shard (wrong mode, step, shape): sent back as an error reply."""
+
+
+def canonical(config: dict[str, Any]) -> str:
+    """The config as canonical JSON, so that 'identical create' means identical text."""
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+def _make_dense(config: dict[str, Any]) -> Any:
+    from fleet.ps.dense_table import DenseTable
+
+    return DenseTable.from_config({k: config[k] for k in _DENSE_TABLE_KEYS if k in config})
+
+
+def _make_sparse(config: dict[str, Any]) -> Any:
+    from fleet.ps.sparse_table import SparseTable
+
+    return SparseTable.from_config({k: config[k] for k in _SPARSE_TABLE_KEYS if k in config})
+
+
+class Shard:
+    """Update-mode bookkeeping common to dense and sparse shards."""
+
+    kind = ""
+
+    def __init__(self, table_id: int, config: dict[str, Any], num_workers: int, table: Any):
+        mode = config.get("update", "async")
+        if mode not in UPDATE_MODES:
+            raise ShardError(f"table {table_id}: update={mode!r}; expected one of {', '.join(UPDATE_MODES)}")
+        backup = int(config.get("backup_workers", 0))
+        if not 0 <= backup < num_workers:
+            raise ShardError(
+                f"table {table_id}: backup_workers={backup} with {num_workers} workers; "
+                f"it must be in [0, {num_workers - 1}] so that at least one gradient makes a step"
+            )
+        self.table_id = table_id
+        self.config = config
+        self.key = canonical(config)
+        self.mode: str = mode
+        self.backup_workers = backup
+        self.num_workers = num_workers
+        self.table = table
+        self.version = 0
+        self.stale_dropped: dict[int, int] = {}
+        self._pushed: set[int] = set()  # workers whose gradient for step == version is in the accumulator
+        self._lr = 0.0
+
+    def required(self, active_workers: int) -> int:
+        """How many gradients close a sync step: N - b, fewer once workers have stopped for good."""
+        return max(1, min(self.num_workers - self.backup_workers, active_workers))
+
+    def waiting_for(self, active: set[int]) -> list[int]:
+        """Workers whose push for the current step is missing (for timeout messages)."""
+        return sorted(active - self._pushed)
+
+    def _check_grad_push(self, worker: int, step: int) -> bool:
+        """Validate a gradient push; return False when it is stale (dropped and counted)."""
+        if self.mode == "geo":
+            raise ShardError(f"table {self.table_id} is in geo mode: push deltas, not gradients")
+        if self.mode == "async":
+            return True
+        if step < self.version:
+            self.stale_dropped[worker] = self.stale_dropped.get(worker, 0) + 1
+            return False
+        if step > self.version:
+            raise ShardError(
+                f"table {self.table_id}: push for step {step} but the shard is at version {self.version}; "
+                f"pull with min_version={step} before pushing step {step}"
+            )
+        if worker in self._pushed:
+            raise ShardError(f"table {self.table_id}: worker {worker} already pushed step {step}")
+        return True
+
+    def _check_delta_push(self) -> None:
+        if self.mode != "geo":
+            raise ShardError(f"table {self.table_id} is in {self.mode} mode: push gradients, not deltas")
+
+    def maybe_step(self, active_workers: int) -> bool:
+        """Apply the accumulated sync step if complete; True when the version advanced."""
+        if self.mode != "sync" or not self._pushed or len(self._pushed) < self.required(active_workers):
+            return False
+        self._apply_accumulated(len(self._pushed), self._lr)
+        self._pushed.clear()
+        self.version += 1
+        return True
+
+    def _apply_accumulated(self, count: int, lr: float) -> None:
+        raise NotImplementedError
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "update": self.mode,
+            "version": self.version,
+            "stale_dropped": {str(w): n for w, n in sorted(self.stale_dropped.items())},
+        }
+
+
+class DenseShard(Shard):
+    """A contiguous slice of a flat float32 parameter vector."""
+
+    kind = "dense"
+
+    def __init__(self, table_id: int, config: dict[str, Any], num_workers: int, make: Callable | None = None):
+        if int(config.get("size", -1)) < 0:
+            raise ShardError(f"dense table {table_id}: config needs a non-negative 'size'")
+        super().__init__(table_id, config, num_workers, (make or _make_dense)(config))
+        self.size = int(config["size"])
+        self._acc: torch.Tensor | None = None
+        self._snapshot: torch.Tensor | None = None
+        self._snapshot_version = -1
+
+    def check_values(self, what: str, t: torch.Tensor) -> None:
+        if t.dtype != torch.float32:
+            raise ShardError(f"dense table {self.table_id}: {what} has dtype {t.dtype}, expected torch.float32")
+        if t.dim() != 1 or t.numel() != self.size:
+            raise ShardError(f"dense table {self.table_id}: {what} has shape {list(t.shape)}, expected [{self.size}]")
+
+    def set(self, values: torch.Tensor) -> None:
+        self.check_values("initial values", values)
+        self.table.set(values)
+        self._snapshot_version = -1
+
+    def snapshot(self) -> torch.Tensor:
+        """The values at the current version, as a tensor no later update touches.
+
+        Pull replies are sent without copying, so the reply must not alias the
+        live table that the next push updates in place; in sync mode every
+        worker's pull at one version shares a single copy.
+        """
+        if self._snapshot_version != self.version or self._snapshot is None:
+            self._snapshot = self.table.pull().detach().clone()
+            self._snapshot_version = self.version
+        return self._snapshot
+
+    def push_grad(self, worker: int, step: int, grad: torch.Tensor, lr: float) -> bool:
+        """Returns False when the push was stale and dropped."""
+        self.check_values("gradient", grad)
+        if not self._check_grad_push(worker, step):
+            return False
+        if self.mode == "async":
+            self.table.apply_gradient(grad, lr)
+            self.version += 1
+            return True
+        # sync: the received buffer is ours (a ZeroMQ frame), so it can be the accumulator itself
+        if self._acc is None:
+            self._acc = grad if grad.is_contiguous() else grad.contiguous()
+        else:
+            self._acc.add_(grad)
+        self._pushed.add(worker)
+        self._lr = lr
+        return True
+
+    def push_delta(self, delta: torch.Tensor) -> None:
+        self._check_delta_push()
+        self.check_values("delta", delta)
+        self.table.add_delta(delta)
+        self.version += 1
+
+    def _apply_accumulated(self, count: int, lr: float) -> None:
+        acc, self._acc = self._acc, None
+        if acc is not None:
+            self.table.apply_gradient(acc.div_(count), lr)
+
+    def state(self) -> dict[str, Any]:
+        return {"version": self.version, "table": self.table.state_dict()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.table.load_state_dict(state["table"])
+        self.version = int(state["version"])
+        self._acc, self._snapshot_version = None, -1
+        self._pushed.clear()
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "size": self.size}
+
+
+class SparseShard(Shard):
+    """The rows of a sparse table whose ids map to this server."""
+
+    kind = "sparse"
+
+    def __init__(self, table_id: int, config: dict[str, Any], num_workers: int, make: Callable | None = None):
+        if int(config.get("dim", 0)) <= 0:
+            raise ShardError(f"sparse table {table_id}: config needs a positive 'dim'")
+        super().__init__(table_id, config, num_workers, (make or _make_sparse)(config))
+        self.dim = int(config["dim"])
+        self._ids: list[torch.Tensor] = []
+        self._grads: list[torch.Tensor] = []
+
+    def check_ids(self, ids: torch.Tensor) -> None:
+        if ids.dtype != torch.int64:
+            raise ShardError(f"sparse table {self.table_id}: ids have dtype {ids.dtype}, expected torch.int64")
+        if ids.dim() != 1:
+            raise ShardError(f"sparse table {self.table_id}: ids have shape {list(ids.shape)}, expected [n]")
+
+    def check_rows(self, what: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self.check_ids(ids)
+        if rows.dtype != torch.float32:
+            raise ShardError(f"sparse table {self.table_id}: {what} have dtype {rows.dtype}, expected torch.float32")
+        if list(rows.shape) != [ids.numel(), self.dim]:
+            raise ShardError(
+                f"sparse table {self.table_id}: {what} have shape {list(rows.shape)}, "
+                f"expected [{ids.numel()}, {self.dim}] for {ids.numel()} ids"
+            )
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        self.check_ids(ids)
+        if ids.numel() == 0:
+            return torch.empty(0, self.dim)
+        return self.table.pull(ids)
+
+    def push_grad(self, worker: int, step: int, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> bool:
+        self.check_rows("gradients", ids, grads)
+        if not self._check_grad_push(worker, step):
+            return False
+        if self.mode == "async":
+            if ids.numel():
+                self.table.apply_gradient(ids, grads, lr)
+            self.version += 1
+            return True
+        if ids.numel():
+            self._ids.append(ids)
+            self._grads.append(grads)
+        self._pushed.add(worker)
+        self._lr = lr
+        return True
+
+    def push_delta(self, ids: torch.Tensor, deltas: torch.Tensor) -> None:
+        self._check_delta_push()
+        self.check_rows("deltas", ids, deltas)
+        if ids.numel():
+            self.table.add_delta(ids, deltas)
+        self.version += 1
+
+    def _apply_accumulated(self, count: int, lr: float) -> None:
+        ids_list, grads_list = self._ids, self._grads
+        self._ids, self._grads = [], []
+        if not ids_list:
+            return
+        ids = torch.cat(ids_list) if len(ids_list) > 1 else ids_list[0]
+        grads = torch.cat(grads_list) if len(grads_list) > 1 else grads_list[0]
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        merged = torch.zeros(uniq.numel(), self.dim, dtype=grads.dtype).index_add_(0, inverse, grads)
+        self.table.apply_gradient(uniq, merged.div_(count), lr)
+
+    def state(self) -> dict[str, Any]:
+        return {"version": self.version, "table": self.table.state_dict()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.table.load_state_dict(state["table"])
+        self.version = int(state["version"])
+        self._ids, self._grads = [], []
+        self._pushed.clear()
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "dim": self.dim, "rows": len(self.table)}

@@ -1,0 +1,313 @@
+"""The worker's view of the parameter servers: sharded tables behind futures.
+
+A dense logical table is one flat float32 vector cut into contiguous pieces,
+one per server (:func:`shard_ranges`); a sparse table's row ``id`` lives on
+server ``id % num_servers``. The client splits every call into one message
+per server, sends them in parallel from its IO thread, and reassembles the
+replies in the caller's order, so callers never see the sharding.
+
+Every method returns a :class:`concurrent.futures.Future` at once. Tensors
+handed to a push are sent straight from their memory (no copy): do not
+modify them until the push's future has resolved.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from fleet.ps.client_io import IOThread, Job
+from fleet.ps.errors import PSError
+from fleet.ps.wire import Message, Op
+
+log = logging.getLogger(__name__)
+
+
+def shard_ranges(size: int, num_servers: int) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) pieces of a length-``size`` vector, sizes differing by at most one."""
+    if num_servers < 1:
+        raise ValueError(f"num_servers={num_servers}; need at least one server")
+    base, extra = divmod(size, num_servers)
+    out, lo = [], 0
+    for s in range(num_servers):
+        hi = lo + base + (1 if s < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def sparse_owner(ids: torch.Tensor, num_servers: int) -> torch.Tensor:
+    """The server index of each id: a non-negative ``id mod num_servers`` (negative ids too)."""
+    return torch.remainder(ids, num_servers)
+
+
+def _versioned(t: torch.Tensor, replies: Sequence[Message]) -> torch.Tensor:
+    """Attach the shards' versions: ``ps_version`` (the minimum) and ``ps_versions`` (per server)."""
+    versions = tuple(r.arg for r in replies)
+    t.ps_versions = versions  # type: ignore[attr-defined]
+    t.ps_version = min(versions) if versions else 0  # type: ignore[attr-defined]
+    return t
+
+
+class PSClient:
+    """Talks to every parameter server for one worker; thread-safe, one IO thread per client."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        secret: bytes,
+        worker_index: int,
+        timeout_s: float,
+        max_in_flight: int = 16,
+    ):
+        if not endpoints:
+            raise ValueError("PSClient needs at least one server endpoint")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}; it must be positive")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight}; it must be at least 1")
+        self.endpoints = tuple(endpoints)
+        self.num_servers = len(self.endpoints)
+        self.worker_index = worker_index
+        self.timeout_s = float(timeout_s)
+        self._dense: dict[int, tuple[int, list[tuple[int, int]]]] = {}  # table -> (size, ranges)
+        self._sparse: dict[int, tuple[int, str]] = {}  # table -> (dim, update mode)
+        self._closed = False
+        self._io = IOThread(self.endpoints, secret, worker_index, max_in_flight)
+        self._io.start(timeout_s=10.0)
+
+    # ------------------------------------------------------------ plumbing
+    def _msg(self, op: Op, table: int = 0, **fields: Any) -> Message:
+        return Message(op=op, table=table, peer=self.worker_index, **fields)
+
+    def _submit(
+        self,
+        parts: list[tuple[int, Message]],
+        combine: Callable[[list[Message]], Any] = lambda replies: None,
+        timeout_s: float | None = None,
+    ) -> Future:
+        if self._closed:
+            raise PSError("this PSClient is closed")
+        job = Job(Future(), parts, combine, float(timeout_s or self.timeout_s))
+        return self._io.submit(job)
+
+    def _all(self, op: Op, table: int = 0, blob: bytes = b"", **fields: Any) -> list[tuple[int, Message]]:
+        return [(s, self._msg(op, table, blob=blob, **fields)) for s in range(self.num_servers)]
+
+    def _dense_layout(self, table_id: int) -> tuple[int, list[tuple[int, int]]]:
+        try:
+            return self._dense[table_id]
+        except KeyError:
+            raise PSError(f"dense table {table_id} is unknown to this client: call create_dense first") from None
+
+    def _sparse_info(self, table_id: int) -> tuple[int, str]:
+        try:
+            return self._sparse[table_id]
+        except KeyError:
+            raise PSError(f"sparse table {table_id} is unknown to this client: call create_sparse first") from None
+
+    @staticmethod
+    def _json_list(replies: list[Message]) -> list[dict[str, Any]]:
+        return [json.loads(bytes(r.blob).decode("utf-8")) for r in replies]
+
+    # ---------------------------------------------------------- lifecycle
+    def hello(self, timeout_s: float | None = None) -> Future:
+        """Future[list[dict]]: each server's index, worker count and endpoint; checks the endpoint order."""
+
+        def check(replies: list[Message]) -> list[dict[str, Any]]:
+            infos = self._json_list(replies)
+            for position, info in enumerate(infos):
+                if info.get("server_index") != position:
+                    raise PSError(
+                        f"endpoint {self.endpoints[position]} is listed as server {position} but reports server "
+                        f"{info.get('server_index')}: the endpoint list is not in server index order"
+                    )
+            return infos
+
+        return self._submit(self._all(Op.HELLO), check, timeout_s)
+
+    def close(self, stop_servers_for_me: bool = True) -> None:
+        """Send STOP (this worker is done) to every server, then stop the IO thread; bounded, never raises."""
+        if self._closed:
+            return
+        if stop_servers_for_me:
+            try:
+                self._submit(self._all(Op.STOP)).result(self.timeout_s + 1.0)
+            except Exception as exc:  # the servers may be gone already; closing must still finish
+                log.warning("worker %d: STOP was not acknowledged: %s", self.worker_index, exc)
+        self._closed = True
+        self._io.close(timeout_s=self.timeout_s + 1.0)
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def stale_pushes(self) -> int:
+        """Pushes the servers dropped as stale (sync mode), as counted by this client."""
+        return self._io.stale_pushes
+
+    # -------------------------------------------------------------- dense
+    def create_dense(
+        self, table_id: int, init: torch.Tensor | None, config: dict[str, Any], timeout_s: float | None = None
+    ) -> Future:
+        """Create a dense table sharded over all servers.
+
+        The worker with ``init`` (worker 0) sets the initial values; others pass
+        None and need ``config["size"]``: their future resolves once the table
+        exists. ``config`` holds ``optimizer`` and ``update``
+        ("sync" | "async" | "geo", default "async") and ``backup_workers``.
+        """
+        flat = None if init is None else init.detach().reshape(-1).to(torch.float32).contiguous()
+        size = flat.numel() if flat is not None else config.get("size")
+        if size is None or (flat is not None and "size" in config and config["size"] != size):
+            raise ValueError(f"dense table {table_id}: config size {config.get('size')} vs init of {size} values")
+        ranges = shard_ranges(int(size), self.num_servers)
+        parts = []
+        for s, (lo, hi) in enumerate(ranges):
+            shard_config = {**config, "size": hi - lo, "offset": lo, "total_size": int(size)}
+            blob = json.dumps(shard_config, sort_keys=True).encode()
+            tensors = [] if flat is None else [flat[lo:hi]]
+            parts.append((s, self._msg(Op.CREATE_DENSE, table_id, blob=blob, tensors=tensors)))
+        self._dense[table_id] = (int(size), ranges)
+        return self._submit(parts, timeout_s=timeout_s)
+
+    def pull_dense(self, table_id: int, min_version: int = 0) -> Future:
+        """Future[Tensor]: the flat values; ``.ps_version`` is the oldest shard version in it.
+
+        With ``min_version`` (sync mode) each server answers once its shard has
+        applied that many updates.
+        """
+        size, ranges = self._dense_layout(table_id)
+        parts = [(s, self._msg(Op.PULL_DENSE, table_id, arg=min_version)) for s in range(self.num_servers)]
+
+        def assemble(replies: list[Message]) -> torch.Tensor:
+            if len(replies) == 1:
+                return _versioned(replies[0].tensors[0], replies)
+            out = torch.empty(size, dtype=torch.float32)
+            for (lo, hi), reply in zip(ranges, replies, strict=True):
+                out[lo:hi].copy_(reply.tensors[0])
+            return _versioned(out, replies)
+
+        return self._submit(parts, assemble)
+
+    def _dense_push(self, op: Op, table_id: int, values: torch.Tensor, step: int, lr: float) -> Future:
+        size, ranges = self._dense_layout(table_id)
+        flat = values.detach().reshape(-1)
+        if flat.numel() != size:
+            raise ValueError(f"dense table {table_id} holds {size} values, but the pushed tensor has {flat.numel()}")
+        flat = flat.to(torch.float32).contiguous()
+        parts = [
+            (s, self._msg(op, table_id, step=step, lr=lr, tensors=[flat[lo:hi]])) for s, (lo, hi) in enumerate(ranges)
+        ]
+        return self._submit(parts)
+
+    def push_dense_grad(self, table_id: int, grad: torch.Tensor, step: int, lr: float) -> Future:
+        """Future[None]: push a gradient for ``step`` (sync) or to apply now (async) with learning rate ``lr``."""
+        return self._dense_push(Op.PUSH_DENSE_GRAD, table_id, grad, step, lr)
+
+    def push_dense_delta(self, table_id: int, delta: torch.Tensor) -> Future:
+        """Future[None]: geo mode, add ``delta`` (this worker's change since its last sync) to the values."""
+        return self._dense_push(Op.PUSH_DENSE_DELTA, table_id, delta, 0, 0.0)
+
+    # ------------------------------------------------------------- sparse
+    def create_sparse(self, table_id: int, config: dict[str, Any], timeout_s: float | None = None) -> Future:
+        """Create a sparse table (every worker may call it; identical configs are no-ops).
+
+        ``config``: ``dim``, ``optimizer``, ``initializer``, ``seed``, ``update``, ``backup_workers``.
+        """
+        blob = json.dumps(config, sort_keys=True).encode()
+        self._sparse[table_id] = (int(config["dim"]), config.get("update", "async"))
+        return self._submit(self._all(Op.CREATE_SPARSE, table_id, blob), timeout_s=timeout_s)
+
+    def _split(self, ids: torch.Tensor, every_server: bool) -> list[tuple[int, torch.Tensor]]:
+        """(server, positions in ``ids``) per server; servers without ids are left out unless ``every_server``."""
+        if self.num_servers == 1:
+            return [(0, None)]  # type: ignore[list-item]
+        owner = sparse_owner(ids, self.num_servers)
+        out = []
+        for s in range(self.num_servers):
+            pos = (owner == s).nonzero().squeeze(1)
+            if pos.numel() or every_server:
+                out.append((s, pos))
+        return out
+
+    def pull_sparse(self, table_id: int, ids: torch.Tensor, min_version: int = 0) -> Future:
+        """Future[Tensor]: rows ``[len(ids), dim]`` in the order of ``ids`` (unique ids; missing rows are created).
+
+        With ``min_version`` every server is asked (empty id lists included), so
+        that every shard has reached the version before this worker pushes.
+        """
+        dim, _ = self._sparse_info(table_id)
+        ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
+        split = self._split(ids, every_server=min_version > 0)
+        parts = [
+            (s, self._msg(Op.PULL_SPARSE, table_id, arg=min_version, tensors=[ids if pos is None else ids[pos]]))
+            for s, pos in split
+        ]
+
+        def assemble(replies: list[Message]) -> torch.Tensor:
+            if len(replies) == 1 and split[0][1] is None:
+                return _versioned(replies[0].tensors[0], replies)
+            out = torch.empty(ids.numel(), dim, dtype=torch.float32)
+            for (_, pos), reply in zip(split, replies, strict=True):
+                if pos.numel():
+                    out.index_copy_(0, pos, reply.tensors[0])
+            return _versioned(out, replies)
+
+        return self._submit(parts, assemble)
+
+    def _sparse_push(
+        self, op: Op, table_id: int, ids: torch.Tensor, rows: torch.Tensor, step: int, lr: float
+    ) -> Future:
+        dim, mode = self._sparse_info(table_id)
+        ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
+        rows = rows.detach().to(torch.float32).contiguous()
+        if list(rows.shape) != [ids.numel(), dim]:
+            raise ValueError(
+                f"sparse table {table_id}: rows of shape {list(rows.shape)} for {ids.numel()} ids, dim {dim}"
+            )
+        parts = []
+        for s, pos in self._split(ids, every_server=mode == "sync"):
+            shard_ids, shard_rows = (ids, rows) if pos is None else (ids[pos], rows[pos])
+            parts.append((s, self._msg(op, table_id, step=step, lr=lr, tensors=[shard_ids, shard_rows])))
+        return self._submit(parts)
+
+    def push_sparse_grad(self, table_id: int, ids: torch.Tensor, grads: torch.Tensor, step: int, lr: float) -> Future:
+        """Future[None]: gradients of rows ``ids`` (duplicates are summed by the server)."""
+        return self._sparse_push(Op.PUSH_SPARSE_GRAD, table_id, ids, grads, step, lr)
+
+    def push_sparse_delta(self, table_id: int, ids: torch.Tensor, deltas: torch.Tensor) -> Future:
+        """Future[None]: geo mode, add ``deltas`` to rows ``ids``."""
+        return self._sparse_push(Op.PUSH_SPARSE_DELTA, table_id, ids, deltas, 0, 0.0)
+
+    # ---------------------------------------------------------- job-wide
+    def barrier(self, timeout_s: float | None = None) -> Future:
+        """Future[None]: resolves when every (not yet stopped) worker reached the barrier on every server.
+
+        Going through every server also means each server has handled every
+        request the workers sent before the barrier.
+        """
+        return self._submit(self._all(Op.BARRIER), timeout_s=timeout_s)
+
+    def save(self, dirname: str, timeout_s: float | None = None) -> Future:
+        """Future[list[dict]]: every server writes its shards under ``dirname`` (a path the servers can reach)."""
+        path = os.path.abspath(dirname).encode()
+        return self._submit(self._all(Op.SAVE, blob=path), self._json_list, timeout_s)
+
+    def load(self, dirname: str, timeout_s: float | None = None) -> Future:
+        """Future[list[dict]]: every server restores its shards from ``dirname`` (same number of servers)."""
+        path = os.path.abspath(dirname).encode()
+        return self._submit(self._all(Op.LOAD, blob=path), self._json_list, timeout_s)
+
+    def stats(self) -> Future:
+        """Future[list[dict]]: each server's counters, in server order."""
+        return self._submit(self._all(Op.STATS), self._json_list)

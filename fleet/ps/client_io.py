@@ -1,0 +1,342 @@
+"""The worker's IO thread: owns every ZeroMQ socket to the servers.
+
+Why a thread: ZeroMQ sockets are not thread-safe, and the training thread
+must be able to start a push, go on computing, and collect the result later.
+Public calls build a :class:`Job` (one message per server it touches plus a
+function that combines the replies) and put it on a bounded queue; this
+thread sends the messages, matches replies by request id, enforces each
+job's deadline and resolves the job's :class:`~concurrent.futures.Future`.
+
+Failure detection: a deadline per job (the strategy's timeout); a socket
+monitor per server that turns a lost connection into an immediate
+:class:`PSServerUnavailable` for the requests in flight on it, and a refused
+handshake into :class:`PSAuthError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from fleet.ps import auth
+from fleet.ps.errors import (
+    PSAuthError,
+    PSClientClosed,
+    PSError,
+    PSRemoteError,
+    PSServerUnavailable,
+    WireError,
+)
+from fleet.ps.wire import Message, Status, decode, encode, op_name, read_request_id
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 100
+_MAX_BATCH = 256
+
+
+@dataclass(eq=False)
+class Job:
+    """One logical request: a message per server, combined into one result."""
+
+    future: Future
+    parts: list[tuple[int, Message]]  # (server index, request)
+    combine: Callable[[list[Message]], Any]
+    timeout_s: float
+    replies: list[Message | None] = field(default_factory=list)
+    pending: set[int] = field(default_factory=set)  # request ids not answered yet
+    deadline: float = 0.0
+    done: bool = False
+
+
+class IOThread:
+    """Runs the socket loop for one :class:`~fleet.ps.client.PSClient`."""
+
+    def __init__(self, endpoints: Sequence[str], secret: bytes, worker_index: int, max_in_flight: int):
+        self.endpoints = list(endpoints)
+        self.secret = auth.check_secret(secret)
+        self.worker_index = worker_index
+        self.max_in_flight = max_in_flight
+        self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_in_flight)
+        self.stale_pushes = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._closing = threading.Event()
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._ids = itertools.count(1)
+        self._inflight: dict[int, tuple[int, Job, int]] = {}  # request id -> (server, job, part index)
+        self._active: set[Job] = set()
+        self._outbox: list[deque[tuple[int, Message, Job]]] = [deque() for _ in self.endpoints]
+        self._refused: dict[int, str] = {}  # server -> why its handshake failed
+        self.thread = threading.Thread(target=self._main, name=f"fleet-ps-io-w{worker_index}", daemon=True)
+
+    # ------------------------------------------------------ caller side
+    def start(self, timeout_s: float) -> None:
+        self.thread.start()
+        if not self._ready.wait(timeout_s):
+            raise PSClientClosed(f"the parameter-server IO thread did not start within {timeout_s} s")
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def submit(self, job: Job) -> Future:
+        """Queue ``job`` (blocks while ``max_in_flight`` jobs are queued, up to the job's timeout)."""
+        if self._closing.is_set() or not self.thread.is_alive():
+            raise PSClientClosed("the parameter-server client is closed")
+        try:
+            self.queue.put(job, timeout=job.timeout_s)
+        except queue.Full:
+            raise PSClientClosed(
+                f"the request queue stayed full for {job.timeout_s} s (the IO thread is stuck or servers are not "
+                "answering)"
+            ) from None
+        self.wake()
+        return job.future
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full, so the IO thread is already due to wake up
+
+    def close(self, timeout_s: float) -> None:
+        self._closing.set()
+        self.wake()
+        self.thread.join(timeout_s)
+        if not self.thread.is_alive():
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+
+    # ---------------------------------------------------------- IO side
+    def _main(self) -> None:
+        ctx = zmq.Context(io_threads=1)
+        self._sockets: list[zmq.Socket] = []
+        self._monitors: list[zmq.Socket] = []
+        try:
+            for endpoint in self.endpoints:
+                sock = ctx.socket(zmq.DEALER)
+                sock.linger = 0
+                sock.sndhwm = sock.rcvhwm = 10000
+                auth.configure_client(sock, self.secret, f"worker-{self.worker_index}")
+                if ":" in endpoint.rpartition(":")[0]:
+                    sock.ipv6 = True
+                events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                self._monitors.append(sock.get_monitor_socket(events))
+                sock.connect(f"tcp://{endpoint}")
+                self._sockets.append(sock)
+        except BaseException as exc:
+            self._startup_error = PSError(f"cannot set up connections to parameter servers {self.endpoints}: {exc}")
+            self._ready.set()
+            ctx.destroy(linger=0)
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except BaseException as exc:  # never leave a caller waiting on a dead thread
+            log.exception("parameter-server IO thread failed")
+            self._fail_everything(PSClientClosed(f"the parameter-server IO thread failed: {exc!r}"))
+            raise
+        finally:
+            self._fail_everything(PSClientClosed("the parameter-server client was closed"))
+            for sock in self._sockets:
+                sock.disable_monitor()
+            ctx.destroy(linger=0)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        for sock, mon in zip(self._sockets, self._monitors, strict=True):
+            poller.register(sock, zmq.POLLIN)
+            poller.register(mon, zmq.POLLIN)
+        while not self._closing.is_set():
+            self._admit()
+            waiting_out = self._flush()
+            for i, sock in enumerate(self._sockets):
+                poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if i in waiting_out else 0))
+            ready = dict(poller.poll(self._poll_timeout_ms()))
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            for i, sock in enumerate(self._sockets):
+                if ready.get(sock, 0) & zmq.POLLIN:
+                    self._receive(i)
+            for i, mon in enumerate(self._monitors):
+                if mon in ready:
+                    self._monitor_events(i)
+            self._expire(time.monotonic())
+
+    def _poll_timeout_ms(self) -> int:
+        if not self.queue.empty() and len(self._active) < self.max_in_flight:
+            return 0
+        now, nearest = time.monotonic(), _IDLE_POLL_MS / 1000
+        for job in self._active:
+            nearest = min(nearest, job.deadline - now)
+        return max(0, int(nearest * 1000) + 1)
+
+    def _admit(self) -> None:
+        """Move queued jobs onto the wire while fewer than ``max_in_flight`` are active."""
+        while len(self._active) < self.max_in_flight:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            job.deadline = time.monotonic() + job.timeout_s
+            job.replies = [None] * len(job.parts)
+            self._active.add(job)
+            if not job.parts:
+                self._finish(job)
+                continue
+            for part, (server, msg) in enumerate(job.parts):
+                if server in self._refused:
+                    self._fail(job, self._refused_error(server, msg))
+                    break
+                msg.request_id = next(self._ids)
+                msg.timeout_ms = int(job.timeout_s * 1000)
+                job.pending.add(msg.request_id)
+                self._inflight[msg.request_id] = (server, job, part)
+                self._outbox[server].append((server, msg, job))
+
+    def _flush(self) -> set[int]:
+        """Send what the sockets accept now; return the servers with messages still waiting."""
+        waiting = set()
+        for server, box in enumerate(self._outbox):
+            while box:
+                _, msg, job = box[0]
+                if job.done:
+                    box.popleft()
+                    continue
+                try:
+                    self._sockets[server].send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    waiting.add(server)
+                    break
+                box.popleft()
+        return waiting
+
+    def _receive(self, server: int) -> None:
+        sock = self._sockets[server]
+        for _ in range(_MAX_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                reply = decode(frames)
+            except WireError as exc:
+                rid = exc.request_id or read_request_id(frames[0])[0]
+                entry = self._inflight.get(rid)
+                log.warning("malformed reply from parameter server %d: %s", server, exc)
+                if entry is not None:
+                    self._fail(entry[1], self._remote(server, exc.op, f"malformed reply: {exc}"))
+                continue
+            entry = self._inflight.pop(reply.request_id, None)
+            if entry is None:
+                continue  # the answer to a request that already timed out or failed
+            _, job, part = entry
+            if reply.status == Status.ERROR:
+                self._fail(job, self._remote(server, reply.op, reply.text()))
+                continue
+            if reply.status == Status.STALE:
+                self.stale_pushes += 1
+            job.pending.discard(reply.request_id)
+            job.replies[part] = reply
+            if not job.pending and not job.done:
+                self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        self._retire(job)
+        try:
+            result = job.combine(job.replies)  # type: ignore[arg-type]
+        except BaseException as exc:
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(result)
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        if job.done:
+            return
+        self._retire(job)
+        job.future.set_exception(exc)
+
+    def _retire(self, job: Job) -> None:
+        job.done = True
+        self._active.discard(job)
+        for rid in job.pending:
+            self._inflight.pop(rid, None)
+        job.pending.clear()
+
+    def _remote(self, server: int, op: int, text: str) -> PSRemoteError:
+        return PSRemoteError(server, self.endpoints[server], op_name(op), text)
+
+    def _unavailable(self, server: int, msg: Message, why: str, cls: type = PSServerUnavailable) -> PSError:
+        name = op_name(msg.op)
+        return cls(f"parameter server {server} at {self.endpoints[server]} {why}", server, self.endpoints[server], name)
+
+    def _refused_error(self, server: int, msg: Message) -> PSError:
+        return self._unavailable(server, msg, self._refused[server], PSAuthError)
+
+    def _monitor_events(self, server: int) -> None:
+        mon = self._monitors[server]
+        for _ in range(_MAX_BATCH):
+            try:
+                event = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_DISCONNECTED:
+                self._receive(server)  # replies that arrived before the connection dropped still count
+                self._fail_server(server, "closed the connection (the server process exited or crashed)")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._refused[server] = "refused this worker's credentials: the shared secret (FLEET_SECRET) differs"
+                self._fail_server(server, self._refused[server], PSAuthError, queued_too=True)
+            else:
+                self._fail_server(server, f"failed the connection handshake (event {kind!r})", queued_too=True)
+
+    def _fail_server(self, server: int, why: str, cls: type = PSServerUnavailable, queued_too: bool = False) -> None:
+        """Fail the jobs whose requests to ``server`` are on the wire (or, with ``queued_too``, waiting)."""
+        unsent = {id(entry[1]) for entry in self._outbox[server]} if not queued_too else set()
+        for srv, job, part in list(self._inflight.values()):
+            if srv != server or job.done:
+                continue
+            msg = job.parts[part][1]
+            if id(msg) in unsent:
+                continue
+            self._fail(job, self._unavailable(server, msg, f"{why} while {op_name(msg.op)} was in flight", cls))
+
+    def _expire(self, now: float) -> None:
+        for job in [j for j in self._active if j.deadline <= now]:
+            for rid in job.pending:
+                server, _, part = self._inflight[rid]
+                msg = job.parts[part][1]
+                why = f"did not answer {op_name(msg.op)} within {job.timeout_s} s"
+                self._fail(job, self._unavailable(server, msg, why))
+                break
+
+    def _fail_everything(self, exc: PSError) -> None:
+        for job in list(self._active):
+            self._fail(job, exc)
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(exc)
