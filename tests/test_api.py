@@ -1,0 +1,217 @@
+"""The public face: exports, single-process runs, optimizer surface, loaders, custom strategies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import fleet
+from dist_harness import run_workers
+from fleet.optimizer import WrappedOptimizer
+
+PUBLIC = {
+    "DistributedStrategy", "EnvError", "FleetError", "ModelMismatchError", "PaddleCloudRoleMaker", "PeerError",
+    "Role", "RoleInfo", "Strategy", "StrategyError", "UserDefinedRoleMaker", "barrier_worker",
+    "distributed_loader", "distributed_model", "distributed_optimizer", "init", "is_first_worker", "is_server",
+    "is_worker", "register_strategy", "role_info", "server_endpoints", "server_index", "server_num",
+    "stop_worker", "worker_index", "worker_num",
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_context(monkeypatch):
+    for name in ("FLEET_ROLE", "RANK", "WORLD_SIZE", "PADDLE_TRAINER_ID", "TRAINING_ROLE", "OMPI_COMM_WORLD_RANK",
+                 "PMI_RANK", "SLURM_PROCID", "FLEET_STRATEGY", "FLEET_STRATEGY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    fleet.api._reset_for_tests()
+    yield
+    fleet.api._reset_for_tests()
+
+
+def test_public_api_is_frozen():
+    assert set(fleet.__all__) == PUBLIC
+
+
+def test_plain_python_is_worker_zero_of_one():
+    fleet.init()
+    assert (fleet.worker_index(), fleet.worker_num(), fleet.is_worker(), fleet.is_server()) == (0, 1, True, False)
+    assert fleet.is_first_worker() and fleet.server_num() == 0 and fleet.server_index() == -1
+    fleet.barrier_worker()
+    fleet.stop_worker()
+
+
+def test_wrapped_optimizer_keeps_the_optimizer_surface():
+    fleet.init()
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    opt = fleet.distributed_optimizer(inner)
+    assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups is inner.param_groups
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        opt.step()
+        scheduler.step()
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.125)
+    saved = opt.state_dict()
+    assert saved["state"] and saved["param_groups"][0]["lr"] == pytest.approx(0.125)
+    fresh = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9))
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["lr"] == pytest.approx(0.125)
+    assert torch.equal(fresh.state[model.weight]["momentum_buffer"], inner.state[model.weight]["momentum_buffer"])
+
+
+def test_grad_scaler_steps_through_the_wrapper():
+    fleet.init()
+    model = torch.nn.Linear(4, 1)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = model.weight.detach().clone()
+    loss = model(torch.randn(5, 4)).pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    grad = model.weight.grad.clone()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.allclose(model.weight.detach(), before - 0.1 * grad)
+
+
+def test_wrapping_twice_is_refused():
+    fleet.init()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="already wrapped"):
+        fleet.distributed_optimizer(opt)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        fleet.distributed_optimizer(object())
+
+
+def test_single_process_gradient_accumulation_averages_micro_batches():
+    fleet.init()
+    torch.manual_seed(0)
+    model, reference = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    reference.load_state_dict(model.state_dict())
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      fleet.DistributedStrategy(grad_accumulation_steps=2))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    xs = torch.randn(2, 4, 3)
+    for x in xs:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    ref_opt.zero_grad()
+    reference(xs.reshape(8, 3)).pow(2).mean().backward()
+    ref_opt.step()
+    assert torch.allclose(model.weight, reference.weight, atol=1e-6)
+
+
+def test_distributed_loader_shards_and_reshuffles():
+    dataset = TensorDataset(torch.arange(20))
+    loader = DataLoader(dataset, batch_size=3, shuffle=True)
+    shards = [fleet.data.shard_loader(loader, 2, rank) for rank in range(2)]
+    seen = [torch.cat([b[0] for b in shard]).tolist() for shard in shards]
+    assert sorted(seen[0] + seen[1]) == list(range(20)) and not set(seen[0]) & set(seen[1])
+    first = [b[0].tolist() for b in shards[0]]
+    shards[0].set_epoch(1)
+    assert [b[0].tolist() for b in shards[0]] != first
+    assert len(shards[0]) == 4
+    with pytest.raises(TypeError, match="DataLoader"):
+        fleet.distributed_loader([1, 2, 3])
+
+
+# --- multi-process ------------------------------------------------------------------------
+
+
+class NaiveAllReduce(fleet.Strategy):
+    """A user's own strategy: average gradients in step(), one all-reduce per parameter."""
+
+    name = "naive"
+
+    def wrap_optimizer(self, optimizer):
+        group = self.runtime.process_group(self.config.timeout_s)
+        outer = self
+
+        class Naive(WrappedOptimizer):
+            def step(self, closure=None):
+                for p in self.parameters():
+                    dist.all_reduce(p.grad, group=group)
+                    p.grad /= dist.get_world_size(group)
+                outer.steps += 1
+                return super().step(closure)
+
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for p in params:
+            dist.broadcast(p.data, src=0, group=group)
+        self.steps = 0
+        return Naive(optimizer)
+
+
+def custom_strategy_worker(rank):
+    fleet.register_strategy("naive", NaiveAllReduce)
+    fleet.init()
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(3, 1)
+    strategy = fleet.DistributedStrategy(mode="naive")
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    x = torch.full((2, 3), float(rank + 1))
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    return torch.cat([model.weight.detach().reshape(-1), model.bias.detach()])
+
+
+@pytest.mark.timeout(60)
+def test_user_registered_strategy_trains():
+    results = run_workers(custom_strategy_worker, 2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    # union of both workers' batches: gradient of the sum per worker, averaged
+    x = torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)])
+    (model(x).sum() / 2).backward()
+    expected = torch.cat([model.weight.detach().reshape(-1) - 0.1 * model.weight.grad.reshape(-1),
+                          model.bias.detach() - 0.1 * model.bias.grad])
+    assert torch.equal(results[0], results[1])
+    assert torch.allclose(results[0], expected, atol=1e-6)
+
+
+def mismatch_worker(rank):
+    fleet.init()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2 + rank))
+    fleet.distributed_model(model, fleet.DistributedStrategy(timeout_s=20))
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_different_models_are_named_not_hung():
+    with pytest.raises(AssertionError) as error:
+        run_workers(mismatch_worker, 2)
+    message = str(error.value)
+    assert "ModelMismatchError" in message and "'1.weight'" in message and "worker 1" in message
+
+
+def model_worker(rank):
+    fleet.init()
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model = fleet.distributed_model(model)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 3) + rank).sum().backward()
+        opt.step()
+    fleet.barrier_worker()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fleet.stop_worker()
+    return state
+
+
+@pytest.mark.timeout(60)
+def test_distributed_model_keeps_parameters_and_buffers_identical():
+    a, b = run_workers(model_worker, 2)
+    assert a.keys() == b.keys() and "1.running_mean" in a
+    for key in a:
+        if key.endswith("running_mean") or key.endswith("running_var"):
+            continue  # updated by each worker's own forward after the broadcast, as with DDP
+        assert torch.equal(a[key], b[key]), key
