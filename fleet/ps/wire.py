@@ -204,13 +204,14 @@ def decode(frames: Sequence[Any]) -> Message:
     if version != PROTOCOL_VERSION:
         raise WireError(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}", rid, op)
     try:
-        Op(op)
-    except ValueError:
-        raise WireError(f"unknown op {op}", rid, op) from None
-    try:
         Status(status)
     except ValueError:
         raise WireError(f"unknown status {status}", rid, op) from None
+    if status != Status.ERROR:  # an error reply may echo the unknown op it complains about
+        try:
+            Op(op)
+        except ValueError:
+            raise WireError(f"unknown op {op}", rid, op) from None
     if ntensors > MAX_TENSORS:
         raise WireError(f"{ntensors} tensors announced; at most {MAX_TENSORS}", rid, op)
     want = HEADER.size + DESCRIPTOR.size * ntensors
