@@ -1,0 +1,107 @@
+"""W1: fleet's collective sync against plain DistributedDataParallel, alternately in one run.
+
+    python benchmarks/w1_collective.py [--workers 2] [--rounds 8] [--steps 10]
+
+Both run in the same two processes over the same gloo group, same model, data and seed,
+one intra-op thread per process. Rounds alternate (fleet, DDP, DDP, fleet, ...) so drift
+in the shared machine's load hits both. Prints the median step time of each and the ratio
+fleet / DDP (target <= 1.03).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
+        torch.nn.Linear(2048, 10),
+    )
+
+
+def worker(rank: int, workers: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update({
+        "FLEET_ROLE": "worker", "FLEET_WORKER_INDEX": str(rank), "FLEET_WORKER_NUM": str(workers),
+        "FLEET_MASTER": f"127.0.0.1:{port}",
+    })
+    torch.set_num_threads(1)
+    from torch.nn.parallel import DistributedDataParallel
+
+    import fleet
+
+    fleet.init()
+    generator = torch.Generator().manual_seed(100 + rank)
+    batches = [(torch.randn(256, 1024, generator=generator), torch.randint(0, 10, (256,), generator=generator))
+               for _ in range(4)]
+
+    fleet_model = build_model()
+    fleet_opt = fleet.distributed_optimizer(torch.optim.SGD(fleet_model.parameters(), lr=0.01))
+    ddp_model = DistributedDataParallel(build_model())
+    ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
+    runs = {"fleet": (fleet_model, fleet_opt), "ddp": (ddp_model, ddp_opt)}
+    times: dict[str, list[float]] = {"fleet": [], "ddp": []}
+
+    def run(name: str, steps: int, record: bool) -> None:
+        model, opt = runs[name]
+        for step in range(steps):
+            x, y = batches[step % len(batches)]
+            started = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            if record:
+                times[name].append(time.perf_counter() - started)
+
+    run("fleet", args.warmup, False)
+    run("ddp", args.warmup, False)
+    order = ["fleet", "ddp"]
+    for round_index in range(args.rounds):
+        for name in order if round_index % 2 == 0 else order[::-1]:
+            run(name, args.steps, True)
+    if rank == 0:
+        with open(out, "w") as handle:
+            json.dump(times, handle)
+    fleet.stop_worker()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = f"/tmp/fleet_w1_{os.getpid()}.json"
+    mp.start_processes(worker, args=(args.workers, port, args, out), nprocs=args.workers, start_method="spawn")
+    with open(out) as handle:
+        times = json.load(handle)
+    os.unlink(out)
+    fleet_ms = statistics.median(times["fleet"]) * 1000
+    ddp_ms = statistics.median(times["ddp"]) * 1000
+    print(f"W1 dense MLP (6.3 M params), batch 256/worker, {args.workers} workers, gloo on loopback, 1 thread each")
+    print(f"{'':10}{'median ms/step':>16}{'p90 ms/step':>14}{'steps':>8}")
+    for name, ms in (("fleet", fleet_ms), ("DDP", ddp_ms)):
+        samples = sorted(times[name.lower()])
+        p90 = samples[int(0.9 * (len(samples) - 1))] * 1000
+        print(f"{name:10}{ms:16.1f}{p90:14.1f}{len(samples):8d}")
+    ratio = fleet_ms / ddp_ms
+    print(f"ratio fleet/DDP (median step time): {ratio:.3f}  (target <= 1.03) {'PASS' if ratio <= 1.03 else 'MISS'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
