@@ -214,6 +214,56 @@ def test_parameter_server_job_restarts_only_the_failed_process(tmp_path):
     assert "FLEET_RESTART_COUNT=0" in log and "FLEET_RESTART_COUNT=1" in log
 
 
+# --- several nodes (two fleetruns on this machine) -------------------------------------------
+
+
+def _two_nodes(tmp_path: Path, *args) -> list[tuple[int, str]]:
+    """Run node 0 and node 1 of one job; their (exit status, stdout)."""
+    port = PortAllocator().take()
+    environ = {**os.environ, "NO_COLOR": "1", env.FLEET_SECRET: "ab" * 32}
+    common = ["--nnodes", "2", "--master", f"127.0.0.1:{port}", "--log-dir", str(tmp_path / "logs")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fleet.launch", *common, "--node-rank", str(node), *map(str, args)],
+            cwd=tmp_path, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in (0, 1)
+    ]  # fmt: skip
+    try:
+        outputs = [p.communicate(timeout=40)[0] for p in procs]
+        return [(p.returncode, out) for p, out in zip(procs, outputs, strict=True)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.mark.timeout(60)
+def test_two_nodes_share_one_layout_with_global_ranks(tmp_path):
+    (rc0, out0), (rc1, out1) = _two_nodes(tmp_path, "--workers", 1, "--servers", 1, JOB_SCRIPT)
+    assert (rc0, rc1) == (0, 0), out0 + out1
+    assert "node 1 joined" in out0
+    w0, s0, w1, s1 = (
+        env_of(out0, "worker 0"),
+        env_of(out0, "server 0"),
+        env_of(out1, "worker 1"),
+        env_of(out1, "server 1"),
+    )
+    endpoints = s0["FLEET_SERVER_ENDPOINTS"].split(",")
+    assert len(endpoints) == 2 and len(set(endpoints)) == 2
+    assert len({v["FLEET_SERVER_ENDPOINTS"] for v in (w0, s0, w1, s1)}) == 1
+    assert len({v["FLEET_MASTER"] for v in (w0, s0, w1, s1)}) == 1
+    assert ("server 1", "server done") in child_lines(out1)  # it waited for worker 0 on the other node too
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_on_one_node_stops_the_other(tmp_path):
+    start = time.monotonic()
+    (rc0, out0), (rc1, out1) = _two_nodes(tmp_path, "--workers", 1, JOB_SCRIPT, "--fail", 1)
+    assert time.monotonic() - start < 30  # worker 0 would sleep 60 s
+    assert rc1 == 1 and "worker 1 failed: exit status 1" in out1
+    assert rc0 == 1 and "node 1: worker 1 failed (exit status 1)" in out0, out0
+
+
 # --- bad input ----------------------------------------------------------------------------
 
 
@@ -239,7 +289,8 @@ def _bad(tmp_path, capsys, *argv) -> str:
 
 
 @pytest.mark.timeout(30)
-def test_bad_input_names_the_fault(tmp_path, capsys):
+def test_bad_input_names_the_fault(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(env.FLEET_SECRET, raising=False)
     collective = tmp_path / "c.toml"
     collective.write_text('[strategy]\nmode = "collective"\n')
     ps = tmp_path / "p.json"
@@ -261,8 +312,10 @@ def test_bad_input_names_the_fault(tmp_path, capsys):
         (["--strategy", broken, ENV_SCRIPT], "does not parse"),
         (["--nnodes", 2, "--node-rank", 2, "--master", "h:1", ENV_SCRIPT], "--node-rank 2 is out of range"),
         (["--nnodes", 2, ENV_SCRIPT], "needs --master"),
+        (["--nnodes", 2, "--master", "h:1", ENV_SCRIPT], "needs the same FLEET_SECRET on every node"),
         (["--master", "nohostport", ENV_SCRIPT], "--master 'nohostport' is not a HOST:PORT"),
         (["--master", "h:99999", ENV_SCRIPT], "is not a HOST:PORT"),
+        (["--nnodes", 2, "--master", "h:1", "--max-restarts", 1, ENV_SCRIPT], "parameter-server jobs only"),
     ]
     for argv, expected in cases:
         err = _bad(tmp_path, capsys, *argv)

@@ -18,6 +18,7 @@ from rich.console import Console
 from fleet import env
 from fleet.launch import config as cfg
 from fleet.launch.config import LaunchConfig, LaunchError
+from fleet.launch.multinode import check_multinode, run_multinode
 from fleet.launch.output import OutputMux
 from fleet.launch.plan import JobLayout
 from fleet.launch.ports import PortAllocator, endpoint
@@ -172,7 +173,7 @@ def parse_config(argv: Sequence[str]) -> LaunchConfig:
     master = cfg.check_nodes(args.nnodes, args.node_rank, args.master)
     strategy = cfg.load_strategy_file(args.strategy) if args.strategy is not None else None
     cfg.check_strategy_against_servers(strategy, args.servers)
-    return LaunchConfig(
+    config = LaunchConfig(
         script=script,
         script_args=tuple(rest[1:]),
         workers=args.workers,
@@ -187,6 +188,8 @@ def parse_config(argv: Sequence[str]) -> LaunchConfig:
         server_grace=args.server_grace,
         stop_timeout=args.stop_timeout,
     )
+    check_multinode(config)
+    return config
 
 
 def _plural(n: int, word: str) -> str:
@@ -196,8 +199,8 @@ def _plural(n: int, word: str) -> str:
 def describe_job(config: LaunchConfig, log_dir: Path) -> str:
     parts = [_plural(config.workers, "worker"), _plural(config.servers, "server")]
     if config.nnodes > 1:
-        parts = [f"node {config.node_rank} of {config.nnodes}:"] + [p + " here" for p in parts]
-        parts[-1] += f" ({config.world_workers} workers, {config.world_servers} servers in all)"
+        parts[-1] += f" here ({config.world_workers} workers, {config.world_servers} servers in all)"
+        parts[0] = f"node {config.node_rank} of {config.nnodes}: {parts[0]}"
     if config.strategy is not None:
         parts.append(f"strategy {config.strategy.path.name} (mode {config.strategy.mode or 'default'})")
     else:
@@ -229,8 +232,6 @@ def run(config: LaunchConfig, console: Console | None = None) -> int:
     try:
         mux.message(describe_job(config, log_dir))
         if config.nnodes > 1:
-            from fleet.launch.multinode import run_multinode
-
             return run_multinode(config, log_dir, mux)
         secret = secrets.token_hex(32)
         supervisor = Supervisor(config, log_dir, mux, local_layouts(config, secret))

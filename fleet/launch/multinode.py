@@ -1,15 +1,410 @@
-"""Several machines: not implemented yet."""
+"""Several machines: the launchers meet at ``--master`` and then watch each other.
+
+Node 0's fleetrun listens on the ``--master`` port. Every other node connects
+and says hello (its node rank, counts, and the free ports it picked for its
+servers); node 0 checks that all nodes were started alike, picks the port of
+the training rendezvous store (worker 0, on node 0, hosts it at the
+``--master`` host), and answers every node with the job's layout. The
+connections then stay open as a control channel:
+
+- a node whose job failed says so; node 0 tells every node to stop, and every
+  fleetrun exits with the failed process's status;
+- a node that loses its connection (node 0 died, or a node died) stops too;
+- servers keep serving until the workers of *every* node have finished, then
+  get their grace period as on one node.
+
+Messages are JSON lines signed with HMAC-SHA256 under ``FLEET_SECRET``, which
+the user exports with the same value on every node (fleetrun cannot ship a
+secret over an unauthenticated connection). Restarting a collective job and
+relaunching on a port clash are single-node features for now.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
+from fleet import env
 from fleet.launch.config import LaunchConfig, LaunchError
 from fleet.launch.output import OutputMux
+from fleet.launch.plan import JobLayout
+from fleet.launch.ports import PortAllocator, endpoint
+from fleet.launch.supervisor import Supervisor
+
+JOIN_TIMEOUT_S = 300.0
+_CONNECT_RETRY_S = 0.5
+
+
+class _Peer:
+    """One signed JSON-lines connection."""
+
+    def __init__(self, sock: socket.socket, secret: str):
+        self.sock = sock
+        self._key = secret.encode()
+        self._reader = sock.makefile("rb")
+        self._lock = threading.Lock()
+
+    def send(self, **body: object) -> bool:
+        payload = json.dumps(body, sort_keys=True)
+        mac = hmac.new(self._key, payload.encode(), hashlib.sha256).hexdigest()
+        line = json.dumps({"body": payload, "mac": mac}).encode() + b"\n"
+        try:
+            with self._lock:
+                self.sock.sendall(line)
+            return True
+        except OSError:
+            return False
+
+    def recv(self) -> dict | None:
+        """The next authentic message; None when the connection closed. Forged lines are dropped."""
+        while True:
+            try:
+                line = self._reader.readline()
+            except OSError:
+                return None
+            if not line:
+                return None
+            try:
+                frame = json.loads(line)
+                payload, mac = frame["body"], frame["mac"]
+                expected = hmac.new(self._key, payload.encode(), hashlib.sha256).hexdigest()
+                if hmac.compare_digest(expected, mac):
+                    return json.loads(payload)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                pass
+
+    def close(self) -> None:
+        for closer in (self._reader.close, lambda: self.sock.shutdown(socket.SHUT_RDWR), self.sock.close):
+            try:
+                closer()
+            except OSError:
+                pass
+
+
+def shared_secret(nnodes: int, environ: Mapping[str, str] | None = None) -> str:
+    """The FLEET_SECRET every node must have been given."""
+    secret = (os.environ if environ is None else environ).get(env.FLEET_SECRET, "").strip()
+    if not secret:
+        raise LaunchError(
+            f"--nnodes {nnodes} needs the same {env.FLEET_SECRET} on every node, so the nodes and their "
+            "processes can trust each other. Run once: export "
+            f'{env.FLEET_SECRET}=$(python -c "import secrets; print(secrets.token_hex(32))") and pass that value '
+            "to every node's environment."
+        )
+    return secret
+
+
+def check_multinode(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> None:
+    """What a multi-node launch needs beyond a single-node one; raises LaunchError."""
+    if config.nnodes == 1:
+        return
+    if config.max_restarts and not config.is_ps:
+        raise LaunchError(
+            f"--max-restarts with --nnodes {config.nnodes} is supported for parameter-server jobs only (a failed "
+            "process restarts on its own node); restarting a collective job across nodes is not implemented yet. "
+            "Drop --max-restarts, or run the collective job on one node."
+        )
+    shared_secret(config.nnodes, environ)
+
+
+def _hello(config: LaunchConfig, ports: list[int]) -> dict:
+    return {
+        "type": "hello",
+        "node": config.node_rank,
+        "nnodes": config.nnodes,
+        "workers": config.workers,
+        "servers": config.servers,
+        "host": config.host,
+        "server_ports": ports,
+    }
+
+
+class _Node:
+    """What both ends share: the supervisor hooks driven by control messages."""
+
+    def __init__(self, config: LaunchConfig, mux: OutputMux):
+        self.config = config
+        self.mux = mux
+        self.all_workers_done = threading.Event()
+        self.supervisor: Supervisor | None = None
+        self.finished = False  # this node's job ended and was reported
+        self._pending: tuple[str, int] | None = None  # a stop that came before the supervisor
+        self._attach_lock = threading.Lock()
+
+    def attach(self, supervisor: Supervisor) -> None:
+        with self._attach_lock:
+            self.supervisor = supervisor
+            if self._pending is not None:
+                supervisor.request_stop(*self._pending)
+
+    def stop(self, reason: str, code: int) -> None:
+        with self._attach_lock:
+            if self.finished:
+                return
+            if self.supervisor is None:
+                self._pending = (reason, code)
+            else:
+                self.supervisor.request_stop(reason, code)
+
+
+# --- node 0 ----------------------------------------------------------------------------------
+
+
+class Hub(_Node):
+    def __init__(self, config: LaunchConfig, mux: OutputMux, secret: str):
+        super().__init__(config, mux)
+        self.secret = secret
+        self.peers: dict[int, _Peer] = {}
+        self.workers_done: set[int] = set()
+        self.ended_nodes: set[int] = set()  # reported their end, or closed the connection
+        self.failure: tuple[int, str] | None = None  # (code, reason) of the first failed node
+        self._lock = threading.Lock()
+
+    def rendezvous(self, server_ports: list[int], allocator: PortAllocator) -> JobLayout:
+        config = self.config
+        assert config.master is not None
+        master_host, master_port = config.master
+        family = socket.AF_INET6 if ":" in master_host else socket.AF_INET
+        try:
+            listener = socket.create_server(("", master_port), family=family, reuse_port=False)
+        except OSError as exc:
+            raise LaunchError(
+                f"Node 0 cannot listen on --master port {master_port} ({exc.strerror}). "
+                "Pick a free port on node 0 and pass the same --master to every node."
+            ) from None
+        self.mux.message(f"waiting for {config.nnodes - 1} other node(s) at {endpoint(master_host, master_port)}")
+        hosts = {0: config.host or master_host}
+        ports = {0: server_ports}
+        listener.settimeout(1.0)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        try:
+            while len(self.peers) < config.nnodes - 1:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(1, config.nnodes)) - set(self.peers))
+                    raise LaunchError(
+                        f"Node(s) {missing} did not join within {JOIN_TIMEOUT_S:g} s. Start fleetrun on every node "
+                        f"with --nnodes {config.nnodes} --master {endpoint(master_host, master_port)} and its own "
+                        "--node-rank, and check that node 0's port is reachable."
+                    )
+                try:
+                    sock, address = listener.accept()
+                except TimeoutError:
+                    continue
+                sock.settimeout(30)
+                peer = _Peer(sock, self.secret)
+                hello = peer.recv()
+                sock.settimeout(None)
+                problem = self._check_hello(hello)
+                if problem:
+                    peer.send(type="error", message=problem)
+                    peer.close()
+                    if hello is None:
+                        continue  # a stranger or a wrong secret: ignore it
+                    raise LaunchError(problem)
+                node = hello["node"]
+                self.peers[node] = peer
+                hosts[node] = hello.get("host") or address[0]
+                ports[node] = list(hello["server_ports"])
+                self.mux.message(f"node {node} joined from {address[0]}")
+        finally:
+            listener.close()
+        store_port = allocator.take()
+        servers = tuple(endpoint(hosts[n], p) for n in range(config.nnodes) for p in ports[n])
+        layout = JobLayout(master=endpoint(master_host, store_port), server_endpoints=servers, secret=self.secret)
+        for peer in self.peers.values():
+            peer.send(type="plan", master=layout.master, server_endpoints=list(servers))
+        for node, peer in self.peers.items():
+            threading.Thread(target=self._listen, args=(node, peer), name=f"fleetrun-node-{node}", daemon=True).start()
+        return layout
+
+    def _check_hello(self, hello: dict | None) -> str | None:
+        config = self.config
+        if hello is None or hello.get("type") != "hello":
+            return "no valid hello (is FLEET_SECRET the same on every node?)"
+        node = hello.get("node")
+        if not isinstance(node, int) or not 0 < node < config.nnodes or node in self.peers:
+            return (
+                f"A node joined with --node-rank {node}, which is not free: node 0 expects node ranks 1 to "
+                f"{config.nnodes - 1}, each once. Give every node its own --node-rank."
+            )
+        for key, flag in (("nnodes", "--nnodes"), ("workers", "--workers"), ("servers", "--servers")):
+            if hello.get(key) != getattr(config, key):
+                return (
+                    f"Node {node} was started with {flag} {hello.get(key)} but node 0 with {flag} "
+                    f"{getattr(config, key)}. Start every node with the same {flag}."
+                )
+        return None
+
+    def _listen(self, node: int, peer: _Peer) -> None:
+        while True:
+            message = peer.recv()
+            if message is None:
+                with self._lock:
+                    ended = node in self.ended_nodes
+                    self.ended_nodes.add(node)
+                if not ended:
+                    self.on_failed(node, 1, f"lost contact with node {node}")
+                return
+            kind = message.get("type")
+            if kind == "workers_done":
+                self.on_workers_done(node)
+            elif kind == "failed":
+                with self._lock:
+                    self.ended_nodes.add(node)
+                self.on_failed(node, int(message.get("code", 1)), str(message.get("reason", "failed")))
+            elif kind == "finished":
+                with self._lock:
+                    self.ended_nodes.add(node)
+
+    def on_workers_done(self, node: int) -> None:
+        with self._lock:
+            self.workers_done.add(node)
+            everyone = len(self.workers_done) == self.config.nnodes
+        if everyone and not self.all_workers_done.is_set():
+            self.all_workers_done.set()
+            for peer in list(self.peers.values()):
+                peer.send(type="all_workers_done")
+
+    def on_failed(self, node: int, code: int, reason: str) -> None:
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = (code, f"node {node}: {reason}")
+        for other, peer in list(self.peers.items()):
+            if other != node:
+                peer.send(type="stop", code=code, reason=f"node {node}: {reason}")
+        if node != 0:
+            self.stop(f"node {node}: {reason}", code)
+
+    def finish(self, code: int) -> int:
+        """After this node's job ended: report it, then wait for the other nodes to end."""
+        if code != 0:
+            reason = self.supervisor.failure if self.supervisor and self.supervisor.failure else "stopped"
+            self.on_failed(0, code, reason)
+        self.finished = True
+        if len(self.ended_nodes) < len(self.peers):
+            self.mux.message("waiting for the other nodes to end")
+        # A healthy job waits for the others however long they train; a failed one only while they stop.
+        limit = time.monotonic() + self.config.stop_timeout + 15 if code != 0 else float("inf")
+        while len(self.ended_nodes) < len(self.peers) and time.monotonic() < limit:
+            time.sleep(0.1)
+        for peer in self.peers.values():
+            peer.send(type="bye")
+            peer.close()
+        if code == 0 and self.failure is not None:
+            self.mux.message(f"the job failed on another node ({self.failure[1]})", style="bold red")
+            return self.failure[0] or 1
+        return code
+
+
+# --- nodes 1..M-1 -----------------------------------------------------------------------------
+
+
+class Spoke(_Node):
+    def __init__(self, config: LaunchConfig, mux: OutputMux, secret: str):
+        super().__init__(config, mux)
+        self.secret = secret
+        self.peer: _Peer | None = None
+
+    def rendezvous(self, server_ports: list[int]) -> JobLayout:
+        config = self.config
+        assert config.master is not None
+        where = endpoint(*config.master)
+        self.mux.message(f"joining node 0 at {where}")
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while True:
+            try:
+                sock = socket.create_connection(config.master, timeout=10)
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise LaunchError(
+                        f"Could not reach node 0 at --master {where} within {JOIN_TIMEOUT_S:g} s ({exc}). "
+                        "Start fleetrun with --node-rank 0 on the master node, and check the address and port."
+                    ) from None
+                time.sleep(_CONNECT_RETRY_S)
+        sock.settimeout(JOIN_TIMEOUT_S)
+        self.peer = _Peer(sock, self.secret)
+        self.peer.send(**_hello(config, server_ports))
+        reply = self.peer.recv()
+        sock.settimeout(None)
+        if reply is None:
+            raise LaunchError(
+                f"Node 0 at {where} closed the connection without a plan. Check that {env.FLEET_SECRET} is the same "
+                "on every node and read node 0's output."
+            )
+        if reply.get("type") == "error":
+            raise LaunchError(str(reply.get("message")))
+        layout = JobLayout(
+            master=str(reply["master"]), server_endpoints=tuple(reply["server_endpoints"]), secret=self.secret
+        )
+        threading.Thread(target=self._listen, name="fleetrun-node-0", daemon=True).start()
+        return layout
+
+    def _listen(self) -> None:
+        assert self.peer is not None
+        while True:
+            message = self.peer.recv()
+            if message is None:
+                if not self.finished:
+                    self.stop("lost contact with node 0", 1)
+                return
+            kind = message.get("type")
+            if kind == "all_workers_done":
+                self.all_workers_done.set()
+            elif kind == "stop":
+                self.stop(str(message.get("reason", "node 0 asked to stop")), int(message.get("code", 1)))
+            elif kind == "bye":
+                return
+
+    def workers_done(self) -> None:
+        if self.peer is not None:
+            self.peer.send(type="workers_done", node=self.config.node_rank)
+
+    def finish(self, code: int) -> int:
+        self.finished = True
+        if self.peer is not None:
+            if code == 0:
+                self.peer.send(type="finished", node=self.config.node_rank)
+            elif self.supervisor is not None and not self.supervisor.stop_requested.is_set():
+                reason = self.supervisor.failure or "stopped"
+                self.peer.send(type="failed", node=self.config.node_rank, code=code, reason=reason)
+            self.peer.close()
+        return code
 
 
 def run_multinode(config: LaunchConfig, log_dir: Path, mux: OutputMux) -> int:
-    raise LaunchError(
-        f"--nnodes {config.nnodes}: multi-node launches are not implemented yet. "
-        "Run with --nnodes 1, or start each node's processes with torchrun / mpirun, which fleet also understands."
+    check_multinode(config)
+    secret = shared_secret(config.nnodes)
+    allocator = PortAllocator("0.0.0.0")
+    if config.master is not None:
+        allocator.reserve(config.master[1])
+    server_ports = allocator.take_many(config.servers)
+    node: Hub | Spoke
+    if config.node_rank == 0:
+        node = Hub(config, mux, secret)
+        layout = node.rendezvous(server_ports, allocator)
+        on_workers_done = lambda: node.on_workers_done(0)  # noqa: E731
+    else:
+        node = Spoke(config, mux, secret)
+        layout = node.rendezvous(server_ports)
+        on_workers_done = node.workers_done
+    supervisor = Supervisor(
+        config,
+        log_dir,
+        mux,
+        lambda: layout,
+        port_relaunch=False,
+        others_done=node.all_workers_done.is_set,
+        on_workers_done=on_workers_done,
     )
+    node.attach(supervisor)
+    code = supervisor.run()
+    return node.finish(code)

@@ -80,7 +80,8 @@ class OutputMux:
         self._thread.join(timeout=10)
 
     def _format(self, label: str, style: str, text: str) -> Text:
-        line = Text(self.prefix(label), style=style)
+        line = Text()
+        line.append(self.prefix(label), style=style)
         body = Text.from_ansi(text) if "\x1b" in text else Text(text)
         line.append_text(body)
         return line

@@ -85,7 +85,8 @@ class Supervisor:
         *,
         base_env: Mapping[str, str] | None = None,
         port_relaunch: bool = True,
-        on_event: Callable[[str, Slot | None], None] | None = None,
+        others_done: Callable[[], bool] | None = None,
+        on_workers_done: Callable[[], None] | None = None,
     ):
         self.config = config
         self.log_dir = log_dir
@@ -93,7 +94,9 @@ class Supervisor:
         self._layouts = layouts
         self._base_env = base_env
         self._port_relaunch = port_relaunch
-        self._on_event = on_event or (lambda kind, slot: None)
+        self._others_done = others_done or (lambda: True)
+        self._on_workers_done = on_workers_done or (lambda: None)
+        self.failure: str | None = None  # "worker 1 failed (exit status 1)" once the job failed here
         specs = local_specs(config)
         self.slots = [
             Slot(spec, style_for(i), log_dir / f"{spec.role}.{spec.rank}.log") for i, spec in enumerate(specs)
@@ -134,7 +137,8 @@ class Supervisor:
         config = self.config
         job_restarts = 0
         port_relaunches = 0
-        workers_done_at: float | None = None
+        workers_finished, said_waiting = False, False
+        grace_from: float | None = None  # when the servers' grace period began
         while True:
             if self._signum is not None:
                 alive = sum(s.running for s in self.slots)
@@ -152,7 +156,6 @@ class Supervisor:
             for slot in self._poll():
                 rc = slot.returncode
                 assert rc is not None
-                self._on_event("exit", slot)
                 if rc == 0:
                     continue
                 if rc == env.EXIT_PORT_IN_USE:
@@ -164,7 +167,7 @@ class Supervisor:
                             style="bold yellow",
                         )
                         self._relaunch_all(restart_count=job_restarts if not config.is_ps else None)
-                        relaunched, workers_done_at = True, None
+                        relaunched, workers_finished, grace_from = True, False, None
                         break
                     self.mux.message(
                         f"{slot.label} exited with status {rc}: it could not bind the port fleetrun gave it"
@@ -175,7 +178,7 @@ class Supervisor:
                         ),
                         style="bold red",
                     )
-                late_server = slot.spec.role == SERVER and workers_done_at is not None
+                late_server = slot.spec.role == SERVER and grace_from is not None
                 if config.is_ps and slot.restarts < config.max_restarts and not late_server:
                     self.mux.message(
                         f"{slot.label} failed ({describe(rc)}, log {slot.log_path}); restarting it "
@@ -193,7 +196,7 @@ class Supervisor:
                         style="bold yellow",
                     )
                     self._relaunch_all(restart_count=job_restarts)
-                    relaunched, workers_done_at = True, None
+                    relaunched, workers_finished, grace_from = True, False, None
                     break
                 return self._fail(slot)
             if relaunched:
@@ -201,18 +204,28 @@ class Supervisor:
 
             workers = [s for s in self.slots if s.spec.role == WORKER]
             if all(s.returncode == 0 for s in workers):
+                if not workers_finished:
+                    workers_finished = True
+                    self._on_workers_done()
                 servers = [s for s in self.slots if s.running]
                 if not servers:
                     self.mux.message(f"all {len(workers)} worker(s) on this node finished", style="bold green")
                     return 0
                 now = time.monotonic()
-                if workers_done_at is None:
-                    workers_done_at = now
-                    self.mux.message(
-                        f"all {len(workers)} worker(s) on this node finished; waiting up to "
-                        f"{config.server_grace:g} s for {len(servers)} server(s) to exit"
-                    )
-                elif now - workers_done_at > config.server_grace:
+                if grace_from is None:
+                    if self._others_done():
+                        grace_from = now
+                        self.mux.message(
+                            f"all {len(workers)} worker(s) finished; waiting up to "
+                            f"{config.server_grace:g} s for {len(servers)} server(s) to exit"
+                        )
+                    elif not said_waiting:
+                        said_waiting = True
+                        self.mux.message(
+                            f"all {len(workers)} worker(s) on this node finished; the servers keep serving "
+                            "until the other nodes' workers finish"
+                        )
+                elif now - grace_from > config.server_grace:
                     names = ", ".join(s.label for s in servers)
                     self.mux.message(
                         f"{names} did not exit within {config.server_grace:g} s after the workers finished; "
@@ -232,6 +245,7 @@ class Supervisor:
             style="bold red",
         )
         self._stop(others)
+        self.failure = f"{slot.label} failed ({describe(rc)})"
         self._join_output(slot)
         self.mux.render(
             failure_block(slot.label, rc, slot.output.tail() if slot.output else [], slot.style, str(slot.log_path))
@@ -242,7 +256,7 @@ class Supervisor:
 
     def _start_all(self, restart_count: int | None) -> None:
         for slot in self.slots:
-            if self._signum is not None:
+            if self._signum is not None or self.stop_requested.is_set():
                 return
             self._start(slot, restart_count=slot.restarts if restart_count is None else restart_count)
 
@@ -279,7 +293,6 @@ class Supervisor:
         )
         assert slot.popen.stdout is not None
         slot.output = ProcessOutput(self.mux, slot.label, slot.style, slot.log_path, slot.popen.stdout).start()
-        self._on_event("start", slot)
 
     def _poll(self) -> list[Slot]:
         """Record exits; return the slots that exited by themselves since the last poll."""
