@@ -277,6 +277,9 @@ class ServerOptimizer:
             self.state_names = ("exp_avg", "exp_avg_sq")
         else:
             self.state_names = ("sum",)
+        # Whether updates read the step count (momentum's first step, Adam's bias correction, Adagrad's
+        # lr decay). When False, ``update`` accepts any step value, so callers may skip counting.
+        self.needs_step = spec.kind in ("adam", "adamw") or spec.momentum != 0 or spec.lr_decay != 0
 
     def fill_new_state(self, state: dict[str, torch.Tensor]) -> None:
         """Set freshly created state (slices of the state tensors) to its initial value."""

@@ -52,9 +52,8 @@ class SparseTable:
         self.initializer = initializer if initializer is not None else InitializerSpec()
         self.seed = seed
         self._opt = ServerOptimizer(optimizer)
-        # Plain SGD needs no gather/scatter of rows: one index_add_ applies it.
-        self._plain_sgd = optimizer.kind == "sgd" and not self._opt.state_names
-        self._plain_sgd = self._plain_sgd and optimizer.weight_decay == 0 and not optimizer.maximize
+        # Per-row step counts cost two random accesses per row; keep them only where the math reads them.
+        self._track_steps = self._opt.needs_step
         self._reset(capacity=1024)
 
     def _reset(self, capacity: int) -> None:
@@ -98,14 +97,14 @@ class SparseTable:
         return len(self._index)
 
     # ------------------------------------------------------------------ storage
-    def _grow_to(self, needed: int) -> None:
-        """Make room for ``needed`` rows, doubling so growth is amortised O(1) per row."""
+    def _grow_to(self, needed: int, used: int) -> None:
+        """Make room for ``needed`` rows (keeping the first ``used``), doubling so growth is amortised."""
         if needed <= self._capacity:
             return
         cap = self._capacity
         while cap < needed:
             cap *= 2
-        n = len(self._index)
+        n = used
 
         def grown(old: torch.Tensor) -> torch.Tensor:
             new = old.new_empty((cap, *old.shape[1:]))
@@ -124,7 +123,7 @@ class SparseTable:
         slots, new_ids = self._index.get_or_insert(ids)
         m = new_ids.numel()
         if m:
-            self._grow_to(first + m)
+            self._grow_to(first + m, used=first)
             end = first + m
             self._rows[first:end] = initial_rows(new_ids, self.dim, self.initializer, self.seed)
             self._steps[first:end] = 0
@@ -143,22 +142,25 @@ class SparseTable:
     def _dedupe(self, slots: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unique slots and the values summed per slot, without sorting.
 
-        Every position writes its index into a per-slot scratch array; the
-        index that survives marks one representative per slot. Slots are small
-        dense ints, so this costs a few O(n) ops where ``torch.unique`` sorts.
+        Each slot's first position in the batch is found by a scatter-min into a
+        per-slot scratch array (slots are small dense ints, so this is O(n)
+        where ``torch.unique`` sorts). Duplicates are then added onto their
+        first occurrence in batch order, which is exactly the sum that
+        ``torch.unique`` + ``index_add_`` would give, and deterministic.
         """
         n = slots.numel()
         pos = torch.arange(n)
-        self._scratch.index_put_((slots,), pos)
-        rep = self._scratch.index_select(0, slots)
-        is_rep = rep == pos
-        if bool(is_rep.all()):
+        self._scratch.scatter_reduce_(0, slots, pos, "amin", include_self=False)
+        first = self._scratch.index_select(0, slots)
+        is_first = first == pos
+        if bool(is_first.all()):
             return slots, values
-        compact = torch.cumsum(is_rep, 0) - 1
-        unique_slots = slots[is_rep]
-        summed = values.new_zeros(unique_slots.numel(), self.dim)
-        summed.index_add_(0, compact.index_select(0, rep), values)
-        return unique_slots, summed
+        keep = is_first.nonzero().squeeze(1)
+        dup = (~is_first).nonzero().squeeze(1)
+        compact = torch.cumsum(is_first, 0) - 1  # position of each first occurrence among the kept ones
+        summed = values.index_select(0, keep)
+        summed.index_add_(0, compact.index_select(0, first.index_select(0, dup)), values.index_select(0, dup))
+        return slots.index_select(0, keep), summed
 
     # ------------------------------------------------------------------ requests
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
@@ -173,15 +175,13 @@ class SparseTable:
         if ids.numel() == 0:
             return
         slots, g = self._dedupe(self._slots(ids), grads)
-        step = self._steps.index_select(0, slots) + 1
-        self._steps.index_copy_(0, slots, step)
-        lr = float(lr)
-        if self._plain_sgd:
-            self._rows.index_add_(0, slots, g, alpha=-lr)
-            return
+        step: int | torch.Tensor = 1
+        if self._track_steps:
+            step = self._steps.index_select(0, slots) + 1
+            self._steps.index_copy_(0, slots, step)
         rows = self._rows.index_select(0, slots)
         state = {name: t.index_select(0, slots) for name, t in self._state.items()}
-        self._opt.update(rows, g, state, step, lr)
+        self._opt.update(rows, g, state, step, float(lr))
         self._rows.index_copy_(0, slots, rows)
         for name, t in self._state.items():
             t.index_copy_(0, slots, state[name])
@@ -195,7 +195,11 @@ class SparseTable:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, torch.Tensor | int | float | str]:
-        """Copies of ids, rows, per-row steps and optimizer state (row ``i`` belongs to ``ids[i]``)."""
+        """Copies of ids, rows, per-row steps and optimizer state (row ``i`` belongs to ``ids[i]``).
+
+        ``steps`` counts each row's updates for optimizers whose math reads it
+        (momentum SGD, Adam/AdamW, Adagrad with ``lr_decay``); it stays 0 otherwise.
+        """
         n = len(self._index)
         out: dict[str, torch.Tensor | int | float | str] = {
             "dim": self.dim,

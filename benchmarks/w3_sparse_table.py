@@ -1,0 +1,95 @@
+"""W3 (sparse part): rows/s of one SparseTable in one process, one intra-op thread.
+
+Batches of 13,312 ids (512 samples x 26 slots) drawn uniformly from the table's
+warm ids; "10 % new" batches replace a tenth of them with ids never seen
+before. Rows/s counts requested ids (duplicates included) per second of wall
+time, from the median batch. Run: ``python benchmarks/w3_sparse_table.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from fleet.ps.optim import OptimizerSpec
+from fleet.ps.sparse_table import SparseTable
+
+BATCH = 512 * 26
+DIM = 16
+ID_SPACE = 1_000_000
+
+
+def _warm_table(kind: str, warm_ids: torch.Tensor) -> SparseTable:
+    table = SparseTable(DIM, OptimizerSpec(kind=kind, lr=0.01), seed=0)
+    for chunk in warm_ids.split(BATCH):
+        table.pull(chunk)
+    return table
+
+
+def _time(fn: Callable[[int], None], batches: int) -> list[float]:
+    fn(0)  # warm-up
+    times = []
+    for i in range(batches):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _measure(
+    warm_ids: torch.Tensor, existing: list[torch.Tensor], mixed: list[torch.Tensor], grads: torch.Tensor, batches: int
+) -> list[tuple[str, list[float], int]]:
+    """Time each operation on its own freshly warmed table (one table alive at a time)."""
+    results = []
+    sgd = _warm_table("sgd", warm_ids)
+    results.append(("pull, existing rows", _time(lambda i: sgd.pull(existing[i]), batches), len(sgd)))
+    results.append(("apply_gradient sgd", _time(lambda i: sgd.apply_gradient(existing[i], grads, 0.01), batches), len(sgd)))
+    results.append(("pull, 10% new rows", _time(lambda i: sgd.pull(mixed[i]), batches), len(sgd)))
+    for kind in ("adagrad", "adam"):
+        table = _warm_table(kind, warm_ids)
+        step = table.apply_gradient
+        results.append((f"apply_gradient {kind}", _time(lambda i, s=step: s(existing[i], grads, 0.01), batches), len(table)))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--warm", type=int, default=900_000, help="rows created before timing")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(ID_SPACE, generator=gen)
+    warm_ids, fresh = perm[: args.warm], perm[args.warm :]
+    n_new = BATCH // 10
+
+    def existing_batch() -> torch.Tensor:
+        return warm_ids[torch.randint(0, warm_ids.numel(), (BATCH,), generator=gen)]
+
+    existing = [existing_batch() for _ in range(args.batches + 1)]
+    mixed = []
+    for i in range(args.batches + 1):
+        b = existing_batch()
+        start = (i * n_new) % max(1, fresh.numel() - n_new)
+        b[torch.randperm(BATCH, generator=gen)[:n_new]] = fresh[start : start + n_new]
+        mixed.append(b)
+    grads = torch.randn(BATCH, DIM, generator=gen)
+
+    results = _measure(warm_ids, existing, mixed, grads, args.batches)
+    print(f"W3 sparse table: {BATCH} ids/batch, dim {DIM}, {args.batches} batches, torch threads 1, torch {torch.__version__}")
+    print(f"{'operation':<26}{'median ms':>11}{'p90 ms':>9}{'M rows/s':>10}{'rows in table':>15}")
+    for name, times, rows in results:
+        med = statistics.median(times)
+        p90 = sorted(times)[int(0.9 * len(times))]
+        print(f"{name:<26}{med * 1e3:>11.3f}{p90 * 1e3:>9.3f}{BATCH / med / 1e6:>10.2f}{rows:>15,}")
+    med_pull = statistics.median(results[0][1])
+    target = BATCH / med_pull >= 10e6
+    print(f"target >= 10 M rows/s for pulls of existing rows: {'met' if target else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
