@@ -154,7 +154,8 @@ def test_a_server_that_does_not_exit_is_stopped_after_the_grace_period(tmp_path)
 
 
 @pytest.mark.timeout(60)
-def test_sigterm_to_fleetrun_stops_every_child_and_grandchild(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_fleetrun_stops_every_child_and_grandchild(tmp_path, sig):
     logs = tmp_path / "logs"
     proc = subprocess.Popen(
         [sys.executable, "-m", "fleet.launch", "--servers", "1", "--workers", "2", "--log-dir", str(logs),
@@ -167,12 +168,12 @@ def test_sigterm_to_fleetrun_stops_every_child_and_grandchild(tmp_path):
             time.sleep(0.1)
         started = pids(logs, "pids.*") + pids(logs, "grandchild.*")
         assert len(started) == 6
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=15)
     finally:
         proc.kill()
-    assert proc.returncode == 143, out
-    assert "received SIGTERM" in out
+    assert proc.returncode == 128 + sig, out
+    assert f"received {sig.name}" in out
     deadline = time.monotonic() + 5
     while any(alive(p) for p in started) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -348,7 +349,7 @@ def test_multi_node_ranks_and_environment():
     assert [(s.role, s.rank, s.local_rank) for s in specs] == [("server", 1, 2), ("worker", 2, 0), ("worker", 3, 1)]
     layout = JobLayout(master="10.0.0.1:7000", server_endpoints=("a:1", "b:2", "c:3"), secret="ab")
     values = child_env(specs[1], config, layout, restart_count=2, log_dir="/l", base={"KEEP": "1"})
-    assert values["KEEP"] == "1"
+    assert values["KEEP"] == "1" and values[env.FLEET_ROLE] == "worker" and values[env.FLEET_LOCAL_RANK] == "0"
     assert values[env.FLEET_WORKER_INDEX] == "2" and values[env.FLEET_WORKER_NUM] == "6"
     assert values[env.FLEET_SERVER_NUM] == "3" and values[env.FLEET_SERVER_ENDPOINTS] == "a:1,b:2,c:3"
     assert values[env.FLEET_RESTART_COUNT] == "2" and values[env.FLEET_MASTER] == "10.0.0.1:7000"
@@ -366,3 +367,18 @@ def test_the_launcher_modules_do_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "False"]
+
+
+def test_strategy_flag_wins_over_an_inherited_strategy(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text('{"mode": "ps", "update": "async"}')
+    from fleet.launch.config import StrategyFile, load_strategy_file
+
+    strategy = load_strategy_file(str(path))
+    assert strategy == StrategyFile(path=path.resolve(), mode="ps")
+    config = LaunchConfig(script=ENV_SCRIPT, servers=1, strategy=strategy)
+    layout = JobLayout(master="127.0.0.1:1", server_endpoints=("127.0.0.1:2",), secret="ab")
+    base = {env.FLEET_STRATEGY: '{"mode": "collective"}'}
+    values = child_env(local_specs(config)[0], config, layout, restart_count=0, log_dir="/l", base=base)
+    assert env.FLEET_STRATEGY not in values and values[env.FLEET_STRATEGY_FILE] == str(path.resolve())
+    assert values[env.FLEET_ROLE] == "server" and values[env.FLEET_SERVER_INDEX] == "0"

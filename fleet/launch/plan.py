@@ -8,6 +8,7 @@ names in :mod:`fleet.env`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -82,4 +83,6 @@ def child_env(
     }
     if config.strategy is not None:
         values[env.FLEET_STRATEGY_FILE] = str(config.strategy.path)
+        # --strategy wins over a strategy inherited as JSON (which the training side would read first).
+        base = {k: v for k, v in (os.environ if base is None else base).items() if k != env.FLEET_STRATEGY}
     return env.child_environment(base, **values)
