@@ -382,3 +382,19 @@ def test_strategy_flag_wins_over_an_inherited_strategy(tmp_path):
     values = child_env(local_specs(config)[0], config, layout, restart_count=0, log_dir="/l", base=base)
     assert env.FLEET_STRATEGY not in values and values[env.FLEET_STRATEGY_FILE] == str(path.resolve())
     assert values[env.FLEET_ROLE] == "server" and values[env.FLEET_SERVER_INDEX] == "0"
+
+
+def test_control_messages_are_signed_and_forgeries_dropped():
+    import socket
+
+    from fleet.launch.control import Peer
+
+    a, b = socket.socketpair()
+    sender, receiver, stranger = Peer(a, "secret"), Peer(b, "secret"), Peer(a, "wrong")
+    stranger.send(type="stop", code=9)  # signed with the wrong secret
+    a.sendall(b"not json\n")
+    sender.send(type="stop", code=1, reason="node 1: worker 3 failed")
+    assert receiver.recv() == {"type": "stop", "code": 1, "reason": "node 1: worker 3 failed"}
+    sender.close()
+    assert receiver.recv() is None
+    receiver.close()

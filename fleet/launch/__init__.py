@@ -7,7 +7,8 @@ starts only through the environment variables named in :mod:`fleet.env`.
 Modules: ``cli`` (command line), ``config`` (checks), ``plan`` (processes and
 their environment), ``ports`` (free ports), ``supervisor`` (start, watch,
 restart, stop), ``output`` (log multiplexing), ``report`` (failure block and
-summary table), ``multinode`` (the launchers' rendezvous across machines).
+summary table), ``multinode`` (the launchers' rendezvous across machines),
+``control`` (their signed messages).
 """
 
 from fleet.launch.cli import main

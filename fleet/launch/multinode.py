@@ -21,9 +21,6 @@ relaunching on a port clash are single-node features for now.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import os
 import socket
 import threading
@@ -33,6 +30,7 @@ from pathlib import Path
 
 from fleet import env
 from fleet.launch.config import LaunchConfig, LaunchError
+from fleet.launch.control import Peer
 from fleet.launch.output import OutputMux
 from fleet.launch.plan import JobLayout
 from fleet.launch.ports import PortAllocator, endpoint
@@ -40,52 +38,6 @@ from fleet.launch.supervisor import Supervisor
 
 JOIN_TIMEOUT_S = 300.0
 _CONNECT_RETRY_S = 0.5
-
-
-class _Peer:
-    """One signed JSON-lines connection."""
-
-    def __init__(self, sock: socket.socket, secret: str):
-        self.sock = sock
-        self._key = secret.encode()
-        self._reader = sock.makefile("rb")
-        self._lock = threading.Lock()
-
-    def send(self, **body: object) -> bool:
-        payload = json.dumps(body, sort_keys=True)
-        mac = hmac.new(self._key, payload.encode(), hashlib.sha256).hexdigest()
-        line = json.dumps({"body": payload, "mac": mac}).encode() + b"\n"
-        try:
-            with self._lock:
-                self.sock.sendall(line)
-            return True
-        except OSError:
-            return False
-
-    def recv(self) -> dict | None:
-        """The next authentic message; None when the connection closed. Forged lines are dropped."""
-        while True:
-            try:
-                line = self._reader.readline()
-            except OSError:
-                return None
-            if not line:
-                return None
-            try:
-                frame = json.loads(line)
-                payload, mac = frame["body"], frame["mac"]
-                expected = hmac.new(self._key, payload.encode(), hashlib.sha256).hexdigest()
-                if hmac.compare_digest(expected, mac):
-                    return json.loads(payload)
-            except (ValueError, KeyError, TypeError, AttributeError):
-                pass
-
-    def close(self) -> None:
-        for closer in (self._reader.close, lambda: self.sock.shutdown(socket.SHUT_RDWR), self.sock.close):
-            try:
-                closer()
-            except OSError:
-                pass
 
 
 def shared_secret(nnodes: int, environ: Mapping[str, str] | None = None) -> str:
@@ -161,7 +113,7 @@ class Hub(_Node):
     def __init__(self, config: LaunchConfig, mux: OutputMux, secret: str):
         super().__init__(config, mux)
         self.secret = secret
-        self.peers: dict[int, _Peer] = {}
+        self.peers: dict[int, Peer] = {}
         self.workers_done: set[int] = set()
         self.ended_nodes: set[int] = set()  # reported their end, or closed the connection
         self.failure: tuple[int, str] | None = None  # (code, reason) of the first failed node
@@ -198,7 +150,7 @@ class Hub(_Node):
                 except TimeoutError:
                     continue
                 sock.settimeout(30)
-                peer = _Peer(sock, self.secret)
+                peer = Peer(sock, self.secret)
                 hello = peer.recv()
                 sock.settimeout(None)
                 problem = self._check_hello(hello)
@@ -242,7 +194,7 @@ class Hub(_Node):
                 )
         return None
 
-    def _listen(self, node: int, peer: _Peer) -> None:
+    def _listen(self, node: int, peer: Peer) -> None:
         while True:
             message = peer.recv()
             if message is None:
@@ -311,7 +263,7 @@ class Spoke(_Node):
     def __init__(self, config: LaunchConfig, mux: OutputMux, secret: str):
         super().__init__(config, mux)
         self.secret = secret
-        self.peer: _Peer | None = None
+        self.peer: Peer | None = None
 
     def rendezvous(self, server_ports: list[int]) -> JobLayout:
         config = self.config
@@ -331,7 +283,7 @@ class Spoke(_Node):
                     ) from None
                 time.sleep(_CONNECT_RETRY_S)
         sock.settimeout(JOIN_TIMEOUT_S)
-        self.peer = _Peer(sock, self.secret)
+        self.peer = Peer(sock, self.secret)
         self.peer.send(**_hello(config, server_ports))
         reply = self.peer.recv()
         sock.settimeout(None)
