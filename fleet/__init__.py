@@ -13,10 +13,12 @@ from fleet.api import (
     distributed_model,
     distributed_optimizer,
     init,
+    init_server,
     is_first_worker,
     is_server,
     is_worker,
     role_info,
+    run_server,
     server_endpoints,
     server_index,
     server_num,
@@ -29,6 +31,7 @@ from fleet.errors import FleetError, ModelMismatchError, PeerError
 from fleet.roles import PaddleCloudRoleMaker, Role, RoleInfo, UserDefinedRoleMaker
 from fleet.strategies import Strategy, register_strategy
 from fleet.strategy import DistributedStrategy, StrategyError
+from fleet import nn
 from fleet.usererrors import install_excepthook as _install_excepthook
 
 __version__ = "0.1.0"
@@ -50,11 +53,13 @@ __all__ = [
     "distributed_model",
     "distributed_optimizer",
     "init",
+    "init_server",
     "is_first_worker",
     "is_server",
     "is_worker",
     "register_strategy",
     "role_info",
+    "run_server",
     "server_endpoints",
     "server_index",
     "server_num",

@@ -234,6 +234,23 @@ def stop_worker() -> None:
     _context = None
 
 
+def init_server(dirname: str | None = None) -> None:
+    """Paddle's explicit form: bind this server process (``fleet.init`` already serves on servers)."""
+    from fleet.ps import launch_server
+
+    context = _require()
+    launch_server.init_server(context)
+    if dirname is not None:
+        raise FleetError("init_server(dirname) is not supported; call fleet.load_persistables(dirname) on worker 0.")
+
+
+def run_server() -> None:
+    """Paddle's explicit form: serve until every worker stopped, then exit the process with status 0."""
+    from fleet.ps import launch_server
+
+    launch_server.run_server(_require())
+
+
 def _reset_for_tests() -> None:
     """Forget the context without talking to peers (tests reuse one interpreter)."""
     global _context

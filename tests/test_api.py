@@ -14,8 +14,9 @@ from fleet.optimizer import WrappedOptimizer
 PUBLIC = {
     "DistributedStrategy", "EnvError", "FleetError", "ModelMismatchError", "PaddleCloudRoleMaker", "PeerError",
     "Role", "RoleInfo", "Strategy", "StrategyError", "UserDefinedRoleMaker", "barrier_worker",
-    "distributed_loader", "distributed_model", "distributed_optimizer", "init", "is_first_worker", "is_server",
-    "is_worker", "register_strategy", "role_info", "server_endpoints", "server_index", "server_num",
+    "distributed_loader", "distributed_model", "distributed_optimizer", "init", "init_server", "is_first_worker",
+    "is_server",
+    "is_worker", "register_strategy", "role_info", "run_server", "server_endpoints", "server_index", "server_num",
     "stop_worker", "worker_index", "worker_num",
 }
 

@@ -1,0 +1,97 @@
+"""Joining a parameter-server job: the secret, the server endpoints, and serving on a server process.
+
+Under fleetrun and Paddle-style environments the endpoints and the secret come from
+the environment. Under rank-only launchers (torchrun, mpirun, srun) the first S
+ranks are servers: each binds an ephemeral port and publishes its endpoint in the
+rendezvous store under ``ps/endpoint/<i>``; rank 0 may generate the secret and
+share it there as ``ps/secret``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import sys
+from typing import Any
+
+import zmq
+
+from fleet import env, rendezvous
+from fleet.errors import FleetError
+
+log = logging.getLogger(__name__)
+
+_RANK_ONLY = ("torchrun", "mpi", "slurm")
+
+
+def _store(context: Any) -> Any:
+    if context.store is None:
+        context.store = context._connect(context.strategy.timeout_s)
+    return context.store
+
+
+def resolve_secret(context: Any) -> bytes:
+    """The job's secret; under rank-only launchers rank 0 makes one and shares it through the store."""
+    if context.secret:
+        return context.secret
+    role = context.role
+    if role.source in _RANK_ONLY and role.master:
+        store = _store(context)
+        if role.rank == 0:
+            store.set("ps/secret", secrets.token_hex(16))
+        context.secret = bytes.fromhex(store.get("ps/secret").decode())
+        return context.secret
+    raise env.EnvError(
+        f"A parameter-server job needs a shared secret in {env.FLEET_SECRET} (hex) so that servers can "
+        f"authenticate workers; fleetrun sets it. When starting processes by hand, export the same value "
+        f"everywhere, e.g. {env.FLEET_SECRET}=$(python -c 'import secrets; print(secrets.token_hex(16))')."
+    )
+
+
+def _bind_host(context: Any) -> str:
+    host, _ = env.split_endpoint(context.role.master) if context.role.master else ("127.0.0.1", 0)
+    return "127.0.0.1" if not host or rendezvous.is_loopback(host) else host
+
+
+def init_server(context: Any) -> Any:
+    """Build (bind) this process's ParameterServer; publish its endpoint under rank-only launchers."""
+    from fleet.ps.server import ParameterServer
+
+    role = context.role
+    if not role.is_server:
+        raise FleetError(f"fleet.init_server() was called on {role.name}; only server processes serve.")
+    if getattr(context, "_ps_server", None) is not None:
+        return context._ps_server
+    secret = resolve_secret(context)
+    publish = not role.server_endpoints
+    endpoint = f"{_bind_host(context)}:0" if publish else role.server_endpoints[role.server_index]
+    try:
+        server = ParameterServer(endpoint, secret, role.server_index, role.worker_num, context.strategy.timeout_s)
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EADDRINUSE and role.source == "fleetrun":
+            print(f"fleet: server {role.server_index} cannot bind {endpoint}: address in use", file=sys.stderr)
+            sys.exit(env.EXIT_PORT_IN_USE)
+        raise FleetError(f"server {role.server_index} cannot bind {endpoint}: {exc}") from None
+    if publish:
+        _store(context).set(f"ps/endpoint/{role.server_index}", server.endpoint)
+    context._ps_server = server
+    return server
+
+
+def run_server(context: Any) -> None:
+    """Serve until every worker has stopped, then exit the process with status 0."""
+    server = init_server(context)
+    log.info("fleet parameter server %d serving on %s", context.role.server_index, server.endpoint)
+    server.serve()
+    sys.exit(0)
+
+
+def worker_endpoints(context: Any) -> tuple[str, ...]:
+    """The servers' endpoints in index order, read from the store when the launcher did not give them."""
+    role = context.role
+    if role.server_endpoints:
+        return tuple(role.server_endpoints)
+    store = _store(context)
+    endpoints = tuple(store.get(f"ps/endpoint/{i}").decode() for i in range(role.server_num))
+    context.role = role.model_copy(update={"server_endpoints": endpoints})
+    return endpoints

@@ -1,0 +1,253 @@
+"""The worker side of parameter-server training: a wrapped optimizer over a PSClient.
+
+Each param group becomes one flat dense table (worker 0's values win and every
+worker starts from them); each :class:`fleet.nn.SparseEmbedding` the optimizer
+holds becomes one sparse table. ``step()`` then trains in the strategy's mode:
+
+- sync: push every table's gradient for step ``version`` with the group's current
+  lr, pull ``min_version=version + 1`` (dense now, sparse rows at the next forward);
+- async: pushes and the dense pull run in the background (bounded in flight), so
+  the next forward starts at once with the values of the last finished pull;
+- geo: the user's optimizer steps locally (rows in a local cache); every
+  ``k_steps`` the deltas since the last sync are pushed and the values rebased.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from fleet.nn.sparse_embedding import SparseEmbedding, sparse_modules
+from fleet.optimizer import WrappedOptimizer
+from fleet.ps.client import PSClient
+from fleet.ps.optim import OptimizerSpec
+from fleet.ps.sparse_table import SparseTable
+
+MAX_IN_FLIGHT = 4  # async: pushes waiting for an answer before step() blocks on the oldest
+
+
+class _Dense:
+    """One param group's flat table."""
+
+    def __init__(self, table_id: int, group: dict[str, Any]):
+        self.table_id = table_id
+        self.group = group
+        self.params = [p for p in group["params"] if p.numel() > 0]
+        self.size = sum(p.numel() for p in self.params)
+        self.version = 0
+
+    def values(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params]) if self.params else torch.zeros(0)
+
+    def grads(self) -> torch.Tensor:
+        return torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in self.params]
+        )
+
+    @torch.no_grad()
+    def assign(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
+
+
+class _RemoteRows:
+    """A SparseEmbedding's rows on the servers (sync/async): each forward pulls its unique ids."""
+
+    def __init__(self, client: PSClient, table_id: int):
+        self.client = client
+        self.table_id = table_id
+        self.version = 0
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.client.pull_sparse(self.table_id, ids, self.version).result()
+
+
+class _GeoRows:
+    """Geo mode: rows cached locally, trained by the local optimizer, synced every k steps."""
+
+    def __init__(self, client: PSClient, table_id: int, module: SparseEmbedding, spec: OptimizerSpec):
+        self.client = client
+        self.table_id = table_id
+        self.module = module
+        self.local = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
+        self.base = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
+        self.known = torch.empty(0, dtype=torch.int64)
+        self.touched: list[torch.Tensor] = []
+
+    def _fetch(self, ids: torch.Tensor) -> None:
+        new = ids[~torch.isin(ids, self.known)]
+        if new.numel():
+            rows = self.client.pull_sparse(self.table_id, new).result()
+            self._rebase(new, rows)
+            self.known = torch.cat([self.known, new])
+
+    def _rebase(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self.local.add_delta(ids, rows - self.local.pull(ids))
+        self.base.add_delta(ids, rows - self.base.pull(ids))
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        self._fetch(ids)
+        return self.local.pull(ids)
+
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        if ids.numel():
+            self.local.apply_gradient(ids, grads, lr)
+            self.touched.append(ids)
+
+    def sync(self) -> None:
+        if not self.touched:
+            return
+        ids = torch.unique(torch.cat(self.touched))
+        self.touched = []
+        delta = self.local.pull(ids) - self.base.pull(ids)
+        self.client.push_sparse_delta(self.table_id, ids, delta).result()
+        self._rebase(ids, self.client.pull_sparse(self.table_id, ids).result())
+
+
+class PSOptimizer(WrappedOptimizer):
+    """``step()`` trains through the parameter servers; the surface stays ``torch.optim.Optimizer``'s."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, client: PSClient, config: Any, role: Any, first_table: int):
+        super().__init__(optimizer)
+        self.client = client
+        self.mode = config.update
+        self.k_steps = max(1, int(getattr(config, "k_steps", 1) or 1))
+        self.is_first = role.worker_index == 0
+        self._local_steps = 0
+        self._pushes: deque[Future] = deque()
+        self._pull: list[Future] | None = None
+        self.last_table = first_table
+        base = {"update": self.mode, "backup_workers": int(config.backup_workers)}
+        self.dense: list[_Dense] = []
+        created = []
+        for group in optimizer.param_groups:
+            entry = _Dense(self.last_table, group)
+            self.last_table += 1
+            if entry.size == 0:
+                continue
+            spec = OptimizerSpec.from_torch(type(optimizer), group)
+            cfg = {**base, "optimizer": spec.to_config()}
+            init = entry.values() if self.is_first else None
+            cfg = cfg if self.is_first else {**cfg, "size": entry.size}
+            created.append(client.create_dense(entry.table_id, init, cfg))
+            self.dense.append(entry)
+        self.sparse: list[tuple[SparseEmbedding, dict[str, Any], Any]] = []
+        for module, group in sparse_modules(optimizer):
+            spec = OptimizerSpec.from_torch(type(optimizer), group)
+            table_id = self.last_table
+            self.last_table += 1
+            created.append(client.create_sparse(table_id, {**base, **module.table_config(spec)}))
+            if self.mode == "geo":
+                rows: Any = _GeoRows(client, table_id, module, module.optimizer_override or spec)
+            else:
+                rows = _RemoteRows(client, table_id)
+            module.remote = rows
+            module.table = None
+            self.sparse.append((module, group, rows))
+        for future in created:
+            future.result()
+        pulls = [client.pull_dense(d.table_id) for d in self.dense]
+        for entry, future in zip(self.dense, pulls, strict=True):
+            values = future.result()
+            entry.assign(values)
+            entry.version = int(values.ps_version)
+            entry.base = entry.values().clone()  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ step
+    def step(self, closure=None):  # noqa: D102
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.mode == "sync":
+            self._sync_step()
+        elif self.mode == "async":
+            self._async_step()
+        else:
+            self._geo_step()
+        return loss
+
+    def _push_sparse(self) -> list[Future]:
+        futures = []
+        for module, group, rows in self.sparse:
+            ids, grads = module.take_gradients()
+            futures.append(self.client.push_sparse_grad(rows.table_id, ids, grads, rows.version, float(group["lr"])))
+        return futures
+
+    def _sync_step(self) -> None:
+        futures = [
+            self.client.push_dense_grad(d.table_id, d.grads(), d.version, float(d.group["lr"])) for d in self.dense
+        ]
+        futures += self._push_sparse()
+        for future in futures:
+            future.result()
+        pulls = [self.client.pull_dense(d.table_id, d.version + 1) for d in self.dense]
+        for entry, future in zip(self.dense, pulls, strict=True):
+            values = future.result()
+            entry.assign(values)
+            entry.version = int(values.ps_version)
+        for _, _, rows in self.sparse:
+            rows.version += 1
+
+    def _async_step(self) -> None:
+        for d in self.dense:
+            self._pushes.append(self.client.push_dense_grad(d.table_id, d.grads(), 0, float(d.group["lr"])))
+        self._pushes.extend(self._push_sparse())
+        while self._pushes and (len(self._pushes) > MAX_IN_FLIGHT or self._pushes[0].done()):
+            self._pushes.popleft().result()
+        if self._pull is not None and all(f.done() for f in self._pull):
+            for entry, future in zip(self.dense, self._pull, strict=True):
+                entry.assign(future.result())
+            self._pull = None
+        if self._pull is None and self.dense:
+            self._pull = [self.client.pull_dense(d.table_id) for d in self.dense]
+
+    def _geo_step(self) -> None:
+        self._inner.step()
+        for module, group, rows in self.sparse:
+            ids, grads = module.take_gradients()
+            rows.apply(ids, grads, float(group["lr"]))
+        self._local_steps += 1
+        if self._local_steps % self.k_steps == 0:
+            self.geo_sync()
+
+    def geo_sync(self) -> None:
+        """Push the changes since the last sync, then take the servers' values."""
+        futures = [self.client.push_dense_delta(d.table_id, d.values() - d.base) for d in self.dense]  # type: ignore[attr-defined]
+        for future in futures:
+            future.result()
+        for _, _, rows in self.sparse:
+            rows.sync()
+        pulls = [self.client.pull_dense(d.table_id) for d in self.dense]
+        for entry, future in zip(self.dense, pulls, strict=True):
+            values = future.result()
+            entry.assign(values)
+            entry.base = values.clone()  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self) -> None:
+        """Wait for background pushes and pulls (async) so the servers hold this worker's updates."""
+        while self._pushes:
+            self._pushes.popleft().result()
+        if self._pull is not None:
+            for entry, future in zip(self.dense, self._pull, strict=True):
+                entry.assign(future.result())
+            self._pull = None
+
+    def refresh(self) -> None:
+        """Pull the servers' current dense values into the parameters (after a load)."""
+        pulls = [self.client.pull_dense(d.table_id) for d in self.dense]
+        for entry, future in zip(self.dense, pulls, strict=True):
+            values = future.result()
+            entry.assign(values)
+            entry.version = int(values.ps_version)
+            entry.base = values.clone()  # type: ignore[attr-defined]
+        for _, _, rows in self.sparse:
+            if isinstance(rows, _RemoteRows) and self.dense:
+                rows.version = self.dense[0].version  # sync: every table advances once per step

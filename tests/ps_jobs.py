@@ -1,0 +1,126 @@
+"""Shared pieces of the parameter-server strategy tests: a small CTR-like model, its data and a job runner."""
+
+from __future__ import annotations
+
+import io
+import json
+import secrets
+
+import torch
+
+from dist_harness import free_port, run_processes
+
+SLOTS, DIM, DENSE, VOCAB, BATCH = 3, 4, 5, 40, 8
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        import fleet
+
+        self.emb = fleet.nn.SparseEmbedding(DIM, seed=3)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(SLOTS * DIM + DENSE, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+    def forward(self, ids: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([self.emb(ids).flatten(1), dense], 1)).squeeze(1)
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, VOCAB, (BATCH, SLOTS), generator=g) * 7919 - 100  # sparse, negative ids too
+    dense = torch.randn(BATCH, DENSE, generator=g)
+    w = torch.Generator().manual_seed(0)
+    label = (dense @ torch.randn(DENSE, generator=w) > 0).float()
+    return ids, dense, label
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def all_ids() -> torch.Tensor:
+    return torch.arange(VOCAB) * 7919 - 100
+
+
+def snapshot(model: Net) -> dict[str, torch.Tensor]:
+    model.eval()
+    with torch.no_grad():
+        rows = model.emb(all_ids())
+    model.train()
+    out = {k: v.detach().clone() for k, v in model.mlp.state_dict().items()}
+    out["rows"] = rows.clone()
+    return out
+
+
+def reference(opt_name: str, steps: int, workers: int) -> dict[str, torch.Tensor]:
+    """Single process on the union of the workers' batches (the model worker 0 builds)."""
+    torch.manual_seed(100)
+    model = Net()
+    opt = make_optimizer(opt_name, model.parameters())
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    for step in range(steps):
+        parts = [batch(step, r) for r in range(workers)]
+        ids, dense, label = (torch.cat([p[i] for p in parts]) for i in range(3))
+        opt.zero_grad()
+        loss_fn(model(ids, dense), label).backward()
+        opt.step()
+    return snapshot(model)
+
+
+def train(rank: int, opt_name: str, steps: int, want_stats: bool = False) -> dict:
+    """A worker's (or server's) body: the same script for both roles."""
+    import fleet
+
+    try:
+        fleet.init()
+    except SystemExit as stop:  # a server: fleet.init served, then exited the process
+        return {"served": stop.code}
+    torch.manual_seed(100 + fleet.worker_index())  # differs per worker: worker 0's values must win
+    model = Net()
+    opt = fleet.distributed_optimizer(make_optimizer(opt_name, model.parameters()))
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    losses = []
+    for step in range(steps):
+        ids, dense, label = batch(step, fleet.worker_index())
+        opt.zero_grad()
+        loss = loss_fn(model(ids, dense), label)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    fleet.barrier_worker()
+    out = {"snapshot": snapshot(model), "losses": losses}
+    if want_stats:
+        out["stats"] = opt.client.stats().result()
+    fleet.stop_worker()
+    return out
+
+
+def run_job(fn, servers: int, workers: int, strategy: dict, *args, timeout: float = 90.0) -> list:
+    """``servers`` + ``workers`` processes with fleetrun's environment; returns the workers' results."""
+    secret = secrets.token_hex(16)
+    endpoints = ",".join(f"127.0.0.1:{free_port()}" for _ in range(servers))
+    common = {
+        "FLEET_SECRET": secret,
+        "FLEET_SERVER_NUM": str(servers),
+        "FLEET_SERVER_ENDPOINTS": endpoints,
+        "FLEET_WORKER_NUM": str(workers),
+        "FLEET_STRATEGY": json.dumps({"mode": "ps", "timeout_s": 30, **strategy}),
+    }
+    envs = [{**common, "FLEET_ROLE": "server", "FLEET_SERVER_INDEX": str(i)} for i in range(servers)]
+    envs += [{**common, "FLEET_ROLE": "worker", "FLEET_WORKER_INDEX": str(r)} for r in range(workers)]
+    outcome = run_processes(_shift, envs, fn, servers, *args, timeout=timeout)
+    values = []
+    for rank, (status, value) in enumerate(outcome):
+        if status != "ok":
+            raise AssertionError(f"process {rank} {status}: {value}")
+        values.append(torch.load(io.BytesIO(value), weights_only=False))
+    assert all(v == {"served": 0} for v in values[:servers]), values[:servers]
+    return values[servers:]
+
+
+def _shift(rank: int, fn, servers: int, *args):
+    return fn(rank - servers if rank >= servers else rank, *args)
