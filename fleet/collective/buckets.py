@@ -36,25 +36,30 @@ class _Bucket:
         self.wire: torch.Tensor | None = None
 
     def gather(self, scale: float) -> None:
+        """Copy (and pre-scale, in the same pass) every gradient into the flat buffer."""
         offset = 0
         for param, size in zip(self.params, self.sizes, strict=True):
             target = self.flat[offset : offset + size]
-            if param.grad is None:
+            grad = param.grad
+            if grad is None:
                 target.zero_()
+            elif grad.data_ptr() == target.data_ptr():
+                target.mul_(scale)  # the gradient already lives in the bucket (see scatter)
             else:
-                target.copy_(param.grad.reshape(-1))
+                torch.mul(grad.reshape(-1), scale, out=target)
             offset += size
-        if scale != 1.0:
-            self.flat.mul_(scale)
 
     def scatter(self) -> None:
+        """Point each ``.grad`` at its slice of the reduced buffer instead of copying back.
+
+        Saves a pass over every gradient per step. With ``zero_grad(set_to_none=False)``
+        backward then accumulates straight into the bucket, which gather recognises.
+        """
         offset = 0
         for param, size in zip(self.params, self.sizes, strict=True):
-            source = self.flat[offset : offset + size].view_as(param)
-            if param.grad is None:
-                param.grad = source.clone()
-            else:
-                param.grad.copy_(source)
+            view = self.flat[offset : offset + size].view_as(param)
+            if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                param.grad = view
             offset += size
 
 
