@@ -4,69 +4,80 @@
     fleet.init()
     opt = fleet.distributed_optimizer(opt, strategy)
     loader = fleet.distributed_loader(loader)
+
+Names load on first use (PEP 562), so ``fleetrun`` (fleet.launch) starts without
+importing torch.
 """
 
-from fleet import errors as _errors
-from fleet.api import (
-    barrier_worker,
-    distributed_loader,
-    distributed_model,
-    distributed_optimizer,
-    init,
-    init_server,
-    is_first_worker,
-    is_server,
-    is_worker,
-    role_info,
-    run_server,
-    server_endpoints,
-    server_index,
-    server_num,
-    stop_worker,
-    worker_index,
-    worker_num,
-)
-from fleet.env import EnvError
-from fleet.errors import FleetError, ModelMismatchError, PeerError
-from fleet.roles import PaddleCloudRoleMaker, Role, RoleInfo, UserDefinedRoleMaker
-from fleet.strategies import Strategy, register_strategy
-from fleet.strategy import DistributedStrategy, StrategyError
-from fleet import nn
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from fleet.usererrors import install_excepthook as _install_excepthook
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DistributedStrategy",
-    "EnvError",
-    "FleetError",
-    "ModelMismatchError",
-    "PaddleCloudRoleMaker",
-    "PeerError",
-    "Role",
-    "RoleInfo",
-    "Strategy",
-    "StrategyError",
-    "UserDefinedRoleMaker",
-    "barrier_worker",
-    "distributed_loader",
-    "distributed_model",
-    "distributed_optimizer",
-    "init",
-    "init_server",
-    "is_first_worker",
-    "is_server",
-    "is_worker",
-    "register_strategy",
-    "role_info",
-    "run_server",
-    "server_endpoints",
-    "server_index",
-    "server_num",
-    "stop_worker",
-    "worker_index",
-    "worker_num",
-]
+_EXPORTS = {
+    "DistributedStrategy": "fleet.strategy",
+    "StrategyError": "fleet.strategy",
+    "EnvError": "fleet.env",
+    "FleetError": "fleet.errors",
+    "ModelMismatchError": "fleet.errors",
+    "PeerError": "fleet.errors",
+    "PaddleCloudRoleMaker": "fleet.roles",
+    "Role": "fleet.roles",
+    "RoleInfo": "fleet.roles",
+    "UserDefinedRoleMaker": "fleet.roles",
+    "Strategy": "fleet.strategies",
+    "register_strategy": "fleet.strategies",
+    "barrier_worker": "fleet.api",
+    "distributed_loader": "fleet.api",
+    "distributed_model": "fleet.api",
+    "distributed_optimizer": "fleet.api",
+    "init": "fleet.api",
+    "is_first_worker": "fleet.api",
+    "is_server": "fleet.api",
+    "is_worker": "fleet.api",
+    "role_info": "fleet.api",
+    "server_endpoints": "fleet.api",
+    "server_index": "fleet.api",
+    "server_num": "fleet.api",
+    "stop_worker": "fleet.api",
+    "worker_index": "fleet.api",
+    "worker_num": "fleet.api",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        # submodules such as fleet.nn, fleet.api, fleet.data
+        try:
+            return importlib.import_module(f"fleet.{name}")
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'fleet' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from fleet.api import (  # noqa: F401
+        barrier_worker, distributed_loader, distributed_model, distributed_optimizer, init, is_first_worker,
+        is_server, is_worker, role_info, server_endpoints, server_index, server_num, stop_worker, worker_index,
+        worker_num,
+    )
+    from fleet.env import EnvError  # noqa: F401
+    from fleet.errors import FleetError, ModelMismatchError, PeerError  # noqa: F401
+    from fleet.roles import PaddleCloudRoleMaker, Role, RoleInfo, UserDefinedRoleMaker  # noqa: F401
+    from fleet.strategies import Strategy, register_strategy  # noqa: F401
+    from fleet.strategy import DistributedStrategy, StrategyError  # noqa: F401
 
 _install_excepthook()
-del _errors
