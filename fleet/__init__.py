@@ -70,8 +70,20 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from fleet.api import (  # noqa: F401
-        barrier_worker, distributed_loader, distributed_model, distributed_optimizer, init, is_first_worker,
-        is_server, is_worker, role_info, server_endpoints, server_index, server_num, stop_worker, worker_index,
+        barrier_worker,
+        distributed_loader,
+        distributed_model,
+        distributed_optimizer,
+        init,
+        is_first_worker,
+        is_server,
+        is_worker,
+        role_info,
+        server_endpoints,
+        server_index,
+        server_num,
+        stop_worker,
+        worker_index,
         worker_num,
     )
     from fleet.env import EnvError  # noqa: F401

@@ -61,6 +61,8 @@ SLURM_STEP_ID = "SLURM_STEP_ID"
 
 # --- variables fleet sets for the libraries below it --------------------------
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
+OMP_NUM_THREADS = "OMP_NUM_THREADS"  # fleetrun shares the cores among its processes unless the user chose
 
 
 class EnvError(ValueError):

@@ -18,8 +18,6 @@ from fleet.launch.config import LaunchConfig
 WORKER = "worker"
 SERVER = "server"
 
-# Not (yet) a constant in fleet.env; named identically so it can move there.
-PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
 
 
 @dataclass(frozen=True)
@@ -79,10 +77,14 @@ def child_env(
         env.FLEET_LOG_DIR: log_dir,
         env.FLEET_RESTART_COUNT: str(restart_count),
         env.FLEET_LOCAL_RANK: str(spec.local_rank),
-        PYTHONUNBUFFERED: "1",
+        env.PYTHONUNBUFFERED: "1",
     }
     if config.strategy is not None:
         values[env.FLEET_STRATEGY_FILE] = str(config.strategy.path)
         # --strategy wins over a strategy inherited as JSON (which the training side would read first).
         base = {k: v for k, v in (os.environ if base is None else base).items() if k != env.FLEET_STRATEGY}
+    inherited = os.environ if base is None else base
+    if env.OMP_NUM_THREADS not in inherited:
+        # Like torchrun: without this each process starts one thread per core and they thrash.
+        values[env.OMP_NUM_THREADS] = str(max(1, (os.cpu_count() or 1) // (config.workers + config.servers)))
     return env.child_environment(base, **values)
