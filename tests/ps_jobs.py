@@ -39,7 +39,7 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
     if name == "adam":
         return torch.optim.Adam(params, lr=0.01)
-    return torch.optim.SGD(params, lr=0.1)
+    return torch.optim.SGD(params, lr=0.3)
 
 
 def all_ids() -> torch.Tensor:

@@ -19,3 +19,29 @@ def _assert_matches(results: list, ref: dict) -> None:
 def test_sync_equals_single_process_on_union(opt_name: str, servers: int, workers: int) -> None:
     results = run_job(train, servers, workers, {"update": "sync"}, opt_name, 6)
     _assert_matches(results, reference(opt_name, 6, workers))
+
+
+def _learned(result: dict) -> bool:
+    losses = result["losses"]
+    return sum(losses[-10:]) / 10 < 0.35  # from about 0.69 at the start
+
+
+@pytest.mark.timeout(120)
+def test_async_reaches_a_lower_loss_on_every_worker() -> None:
+    results = run_job(train, 1, 2, {"update": "async"}, "plain", 60)
+    for worker, result in enumerate(results):
+        assert _learned(result), (worker, [round(x, 3) for x in result["losses"]])
+
+
+@pytest.mark.timeout(120)
+def test_geo_learns_and_pushes_only_every_k_steps() -> None:
+    steps, k = 60, 5
+    results = run_job(train, 2, 2, {"update": "geo", "k_steps": k}, "plain", steps, True)
+    for worker, result in enumerate(results):
+        assert _learned(result), (worker, [round(x, 3) for x in result["losses"]])
+    for server in results[0]["stats"]:
+        ops = server["ops"]
+        # 2 workers x (steps / k) syncs x 1 dense table; sparse deltas go to the servers owning touched rows
+        assert ops.get("PUSH_DENSE_DELTA") == 2 * steps // k, ops
+        assert ops.get("PUSH_SPARSE_DELTA", 0) <= 2 * steps // k, ops
+        assert "PUSH_DENSE_GRAD" not in ops and "PUSH_SPARSE_GRAD" not in ops, ops
