@@ -1,0 +1,74 @@
+"""Failures in collective mode surface as clear errors within the strategy's timeout, never hangs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from dist_harness import fleetrun_env, free_port, run_processes
+
+
+def dying_worker(rank):
+    import fleet
+
+    fleet.init(strategy=fleet.DistributedStrategy(timeout_s=5))
+    model = torch.nn.Linear(8, 8)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    started = time.monotonic()
+    try:
+        for step in range(50):
+            if rank == 1 and step == 2:
+                os._exit(3)  # a worker dies in the middle of training
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    except fleet.PeerError as error:
+        return ("PeerError", str(error), time.monotonic() - started)
+    return ("finished", "", time.monotonic() - started)
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_worker_becomes_an_error_on_the_survivor_within_the_timeout():
+    port = free_port()
+    outcome = run_processes(dying_worker, [fleetrun_env(r, 2, port) for r in range(2)], timeout=45)
+    assert outcome[1] == ("died", 3)
+    status, value = outcome[0]
+    assert status == "ok"
+    import io
+
+    kind, message, seconds = torch.load(io.BytesIO(value), weights_only=False)
+    assert kind == "PeerError", message
+    assert "all-reduce of gradient bucket" in message and "another worker died" in message
+    assert seconds < 5 + 10
+
+
+def optimizer_state_worker(rank):
+    import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    inner = torch.optim.Adam(model.parameters(), lr=0.1)
+    if rank == 0:  # only worker 0 resumed from a checkpoint: it has Adam moments, the other none
+        model(torch.randn(2, 3)).sum().backward()
+        inner.step()
+    opt = fleet.distributed_optimizer(inner)
+    state = opt.state_dict()["state"]
+    fleet.stop_worker()
+    return {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in state.items()}
+
+
+@pytest.mark.timeout(60)
+def test_optimizer_state_is_broadcast_from_worker_zero():
+    port = free_port()
+    outcome = run_processes(optimizer_state_worker, [fleetrun_env(r, 2, port) for r in range(2)], timeout=45)
+    import io
+
+    states = [torch.load(io.BytesIO(v), weights_only=False) for status, v in outcome if status == "ok"]
+    assert len(states) == 2 and states[0].keys() == states[1].keys() and states[0]
+    for key in states[0]:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(states[0][key][name], states[1][key][name])
