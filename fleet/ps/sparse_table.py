@@ -139,28 +139,39 @@ class SparseTable:
             raise ValueError(f"{name} must be a floating-point tensor, got {values.dtype}")
         return values.to(torch.float32)
 
-    def _dedupe(self, slots: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unique slots and the values summed per slot, without sorting.
+    def _sum_duplicates(self, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``values`` with every position of a repeated slot holding that slot's total.
 
-        Each slot's first position in the batch is found by a scatter-min into a
-        per-slot scratch array (slots are small dense ints, so this is O(n)
-        where ``torch.unique`` sorts). Duplicates are then added onto their
-        first occurrence in batch order, which is exactly the sum that
-        ``torch.unique`` + ``index_add_`` would give, and deterministic.
+        Why not compact to unique slots: a batch of 13k ids from a 1M space
+        repeats only ~1 % of them, and compacting would copy every gradient
+        row. Instead the update runs on all positions, and positions of one
+        slot carry identical inputs, so they compute identical results and the
+        duplicate writes of the scatter-back agree.
+
+        Finding the repeats costs O(n) without a sort: each position scatters
+        its index into a per-slot scratch array and reads back the survivor;
+        only the few positions that lost (and their survivors) are then
+        grouped exactly. Totals add each group in batch order, the same sum
+        ``torch.unique`` + ``index_add_`` gives, whichever scatter write won.
         """
         n = slots.numel()
         pos = torch.arange(n)
-        self._scratch.scatter_reduce_(0, slots, pos, "amin", include_self=False)
-        first = self._scratch.index_select(0, slots)
-        is_first = first == pos
-        if bool(is_first.all()):
-            return slots, values
-        keep = is_first.nonzero().squeeze(1)
-        dup = (~is_first).nonzero().squeeze(1)
-        compact = torch.cumsum(is_first, 0) - 1  # position of each first occurrence among the kept ones
-        summed = values.index_select(0, keep)
-        summed.index_add_(0, compact.index_select(0, first.index_select(0, dup)), values.index_select(0, dup))
-        return slots.index_select(0, keep), summed
+        self._scratch.scatter_(0, slots, pos)
+        survivor = self._scratch.index_select(0, slots)
+        lost = (survivor != pos).nonzero().squeeze(1)
+        if lost.numel() == 0:
+            return values
+        involved = torch.unique(torch.cat([lost, survivor.index_select(0, lost)]))  # sorted positions
+        groups, group_of = torch.unique(slots.index_select(0, involved), return_inverse=True)
+        first = torch.full((groups.numel(),), n, dtype=torch.int64)
+        first.scatter_reduce_(0, group_of, involved, "amin")
+        first_of = first.index_select(0, group_of)
+        repeat = first_of != involved
+        dup, dup_first = involved[repeat], first_of[repeat]  # dup is in batch order
+        summed = values.clone()
+        summed.index_add_(0, dup_first, values.index_select(0, dup))
+        summed.index_copy_(0, dup, summed.index_select(0, dup_first))
+        return summed
 
     # ------------------------------------------------------------------ requests
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
@@ -174,7 +185,8 @@ class SparseTable:
         grads = self._check_rows("grads", grads, ids.numel())
         if ids.numel() == 0:
             return
-        slots, g = self._dedupe(self._slots(ids), grads)
+        slots = self._slots(ids)
+        g = self._sum_duplicates(slots, grads)
         step: int | torch.Tensor = 1
         if self._track_steps:
             step = self._steps.index_select(0, slots) + 1
@@ -182,6 +194,7 @@ class SparseTable:
         rows = self._rows.index_select(0, slots)
         state = {name: t.index_select(0, slots) for name, t in self._state.items()}
         self._opt.update(rows, g, state, step, float(lr))
+        # Repeated slots write identical values (see _sum_duplicates), so the write order is immaterial.
         self._rows.index_copy_(0, slots, rows)
         for name, t in self._state.items():
             t.index_copy_(0, slots, state[name])
