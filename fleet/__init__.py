@@ -36,6 +36,10 @@ _EXPORTS = {
     "distributed_model": "fleet.api",
     "distributed_optimizer": "fleet.api",
     "init": "fleet.api",
+    "init_server": "fleet.api",
+    "run_server": "fleet.api",
+    "save_persistables": "fleet.checkpoint",
+    "load_persistables": "fleet.checkpoint",
     "is_first_worker": "fleet.api",
     "is_server": "fleet.api",
     "is_worker": "fleet.api",
@@ -75,10 +79,12 @@ if TYPE_CHECKING:
         distributed_model,
         distributed_optimizer,
         init,
+        init_server,
         is_first_worker,
         is_server,
         is_worker,
         role_info,
+        run_server,
         server_endpoints,
         server_index,
         server_num,
@@ -86,6 +92,7 @@ if TYPE_CHECKING:
         worker_index,
         worker_num,
     )
+    from fleet.checkpoint import load_persistables, save_persistables  # noqa: F401
     from fleet.env import EnvError  # noqa: F401
     from fleet.errors import FleetError, ModelMismatchError, PeerError  # noqa: F401
     from fleet.roles import PaddleCloudRoleMaker, Role, RoleInfo, UserDefinedRoleMaker  # noqa: F401

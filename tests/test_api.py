@@ -12,19 +12,54 @@ from dist_harness import run_workers
 from fleet.optimizer import WrappedOptimizer
 
 PUBLIC = {
-    "DistributedStrategy", "EnvError", "FleetError", "ModelMismatchError", "PaddleCloudRoleMaker", "PeerError",
-    "Role", "RoleInfo", "Strategy", "StrategyError", "UserDefinedRoleMaker", "barrier_worker",
-    "distributed_loader", "distributed_model", "distributed_optimizer", "init", "init_server", "is_first_worker",
+    "DistributedStrategy",
+    "EnvError",
+    "FleetError",
+    "ModelMismatchError",
+    "PaddleCloudRoleMaker",
+    "PeerError",
+    "Role",
+    "RoleInfo",
+    "Strategy",
+    "StrategyError",
+    "UserDefinedRoleMaker",
+    "barrier_worker",
+    "distributed_loader",
+    "distributed_model",
+    "distributed_optimizer",
+    "init",
+    "init_server",
+    "is_first_worker",
     "is_server",
-    "is_worker", "register_strategy", "role_info", "run_server", "server_endpoints", "server_index", "server_num",
-    "stop_worker", "worker_index", "worker_num",
+    "is_worker",
+    "load_persistables",
+    "register_strategy",
+    "role_info",
+    "run_server",
+    "save_persistables",
+    "server_endpoints",
+    "server_index",
+    "server_num",
+    "stop_worker",
+    "worker_index",
+    "worker_num",
 }
 
 
 @pytest.fixture(autouse=True)
 def fresh_context(monkeypatch):
-    for name in ("FLEET_ROLE", "RANK", "WORLD_SIZE", "PADDLE_TRAINER_ID", "TRAINING_ROLE", "OMPI_COMM_WORLD_RANK",
-                 "PMI_RANK", "SLURM_PROCID", "FLEET_STRATEGY", "FLEET_STRATEGY_FILE"):
+    for name in (
+        "FLEET_ROLE",
+        "RANK",
+        "WORLD_SIZE",
+        "PADDLE_TRAINER_ID",
+        "TRAINING_ROLE",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "SLURM_PROCID",
+        "FLEET_STRATEGY",
+        "FLEET_STRATEGY_FILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     fleet.api._reset_for_tests()
     yield
@@ -94,8 +129,9 @@ def test_single_process_gradient_accumulation_averages_micro_batches():
     torch.manual_seed(0)
     model, reference = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
     reference.load_state_dict(model.state_dict())
-    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                      fleet.DistributedStrategy(grad_accumulation_steps=2))
+    opt = fleet.distributed_optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), fleet.DistributedStrategy(grad_accumulation_steps=2)
+    )
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     xs = torch.randn(2, 4, 3)
     for x in xs:
@@ -171,8 +207,12 @@ def test_user_registered_strategy_trains():
     # union of both workers' batches: gradient of the sum per worker, averaged
     x = torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)])
     (model(x).sum() / 2).backward()
-    expected = torch.cat([model.weight.detach().reshape(-1) - 0.1 * model.weight.grad.reshape(-1),
-                          model.bias.detach() - 0.1 * model.bias.grad])
+    expected = torch.cat(
+        [
+            model.weight.detach().reshape(-1) - 0.1 * model.weight.grad.reshape(-1),
+            model.bias.detach() - 0.1 * model.bias.grad,
+        ]
+    )
     assert torch.equal(results[0], results[1])
     assert torch.allclose(results[0], expected, atol=1e-6)
 
