@@ -124,3 +124,52 @@ def run_job(fn, servers: int, workers: int, strategy: dict, *args, timeout: floa
 
 def _shift(rank: int, fn, servers: int, *args):
     return fn(rank - servers if rank >= servers else rank, *args)
+
+
+def train_resumable(rank: int, opt_name: str, steps: int, save_at: int | None, load_from: str | None, ckpt: str):
+    """Train steps [start, steps); save a checkpoint after ``save_at`` steps and stop there, or resume from one."""
+    import fleet
+
+    try:
+        fleet.init()
+    except SystemExit as stop:
+        return {"served": stop.code}
+    torch.manual_seed(100 + fleet.worker_index() + (50 if load_from else 0))  # a resumed run starts elsewhere
+    model = Net()
+    opt = fleet.distributed_optimizer(make_optimizer(opt_name, model.parameters()))
+    start = 0
+    if load_from:
+        fleet.load_persistables(load_from)
+        start = save_at or 0
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    for step in range(start, steps):
+        if save_at is not None and not load_from and step == save_at:
+            fleet.save_persistables(ckpt)
+            break
+        ids, dense, label = batch(step, fleet.worker_index())
+        opt.zero_grad()
+        loss_fn(model(ids, dense), label).backward()
+        opt.step()
+    fleet.barrier_worker()
+    out = {"snapshot": snapshot(model)}
+    fleet.stop_worker()
+    return out
+
+
+def train_collective(rank: int, opt_name: str, steps: int) -> dict:
+    """The same script in collective mode: the local sparse tables must stay identical across workers."""
+    import fleet
+
+    fleet.init()
+    torch.manual_seed(100)
+    model = Net()
+    opt = fleet.distributed_optimizer(make_optimizer(opt_name, model.parameters()))
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    for step in range(steps):
+        ids, dense, label = batch(step, fleet.worker_index())
+        opt.zero_grad()
+        loss_fn(model(ids, dense), label).backward()
+        opt.step()
+    out = {"snapshot": snapshot(model)}
+    fleet.stop_worker()
+    return out

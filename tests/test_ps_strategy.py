@@ -45,3 +45,25 @@ def test_geo_learns_and_pushes_only_every_k_steps() -> None:
         assert ops.get("PUSH_DENSE_DELTA") == 2 * steps // k, ops
         assert ops.get("PUSH_SPARSE_DELTA", 0) <= 2 * steps // k, ops
         assert "PUSH_DENSE_GRAD" not in ops and "PUSH_SPARSE_GRAD" not in ops, ops
+
+
+@pytest.mark.timeout(150)
+def test_checkpoint_save_stop_load_resume_equals_uninterrupted(tmp_path) -> None:
+    from ps_jobs import train_resumable
+
+    ckpt = str(tmp_path / "ckpt")
+    whole = run_job(train_resumable, 2, 2, {"update": "sync"}, "adam", 8, None, None, ckpt)
+    run_job(train_resumable, 2, 2, {"update": "sync"}, "adam", 8, 4, None, ckpt)
+    resumed = run_job(train_resumable, 2, 2, {"update": "sync"}, "adam", 8, 4, ckpt, ckpt)
+    _assert_matches(resumed, whole[0]["snapshot"])
+    _assert_matches(whole, reference("adam", 8, 2))
+
+
+@pytest.mark.timeout(120)
+def test_sparse_embedding_in_collective_mode_equals_single_process_on_union() -> None:
+    from ps_jobs import train_collective
+
+    from dist_harness import run_workers
+
+    results = run_workers(train_collective, 2, "sgd", 5)
+    _assert_matches(results, reference("sgd", 5, 2))
