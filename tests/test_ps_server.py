@@ -32,7 +32,7 @@ SGD = {"kind": "sgd", "lr": 0.1}
 @contextlib.contextmanager
 def servers(n: int, workers: int, timeout_s: float = 3.0) -> Iterator[list[ParameterServer]]:
     """``n`` servers serving in threads; shut down (and joined) on exit."""
-    started = [ParameterServer("127.0.0.1:0", SECRET, i, workers, timeout_s) for i in range(n)]
+    started = [ParameterServer("127.0.0.1:0", SECRET, i, workers, timeout_s, torch_threads=None) for i in range(n)]
     threads = [threading.Thread(target=s.serve, daemon=True) for s in started]
     for t in threads:
         t.start()

@@ -20,30 +20,22 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
+import torch
 import zmq
 
 from fleet.ps import aggregator as agg
-from fleet.ps import auth, shard_io
+from fleet.ps import auth
 from fleet.ps.errors import WireError
+from fleet.ps.table_ops import TableOps
+from fleet.ps.waitlist import Parked, Waitlist
 from fleet.ps.wire import Message, Op, Status, decode, encode, op_name, read_request_id
 
 log = logging.getLogger(__name__)
 
 _MAX_BATCH = 256  # messages handled per poll wake-up before deadlines are checked again
 _IDLE_POLL_MS = 100  # upper bound on a poll, so shutdown() is noticed promptly
-
-
-@dataclass(slots=True)
-class _Parked:
-    """A request answered later: the peer's routing id, the request and its deadline."""
-
-    ident: bytes
-    msg: Message
-    deadline: float
-    since: float
 
 
 def zmq_address(endpoint: str) -> str:
@@ -54,7 +46,7 @@ def zmq_address(endpoint: str) -> str:
     return f"tcp://{host}:{'*' if int(port) == 0 else port}"
 
 
-class ParameterServer:
+class ParameterServer(TableOps):
     """Holds table shards and answers workers until every worker has sent STOP.
 
     ``endpoint`` is bound at construction (so a port clash surfaces at once and
@@ -72,6 +64,7 @@ class ParameterServer:
         timeout_s: float,
         *,
         max_message_bytes: int = -1,
+        torch_threads: int | None = 1,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}; a parameter server needs at least one worker")
@@ -80,6 +73,7 @@ class ParameterServer:
         self.server_index = server_index
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
+        self.torch_threads = torch_threads
         auth.check_secret(secret)
         self._ctx = zmq.Context(io_threads=1)
         try:
@@ -101,9 +95,7 @@ class ParameterServer:
         self._shutdown = threading.Event()
         self._closed = False
         self._shards: dict[int, agg.DenseShard | agg.SparseShard] = {}
-        self._pulls: dict[int, list[_Parked]] = defaultdict(list)  # table -> pulls waiting for a version
-        self._creates: dict[int, list[_Parked]] = defaultdict(list)  # table -> creates waiting for the table
-        self._barrier: dict[int, _Parked] = {}  # worker -> its parked BARRIER
+        self._waiting = Waitlist()
         self._stopped: set[int] = set()
         self._started = time.monotonic()
         self._ops: dict[str, int] = defaultdict(int)
@@ -128,7 +120,15 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> dict[str, Any]:
-        """Answer requests until all workers stopped or :meth:`shutdown`; then close and return stats."""
+        """Answer requests until all workers stopped or :meth:`shutdown`; then close and return stats.
+
+        Sets torch's intra-op threads for the process to ``torch_threads``
+        (unless None): table updates are memory-bound, and idle OpenMP workers
+        spin-waiting next to ZeroMQ's IO thread cost more than they save --
+        measured on 2 cores, a 4 MB push took 3.5x the server CPU with 2 threads.
+        """
+        if self.torch_threads is not None:
+            torch.set_num_threads(self.torch_threads)
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._zap.socket, zmq.POLLIN)
@@ -155,27 +155,16 @@ class ParameterServer:
         self._shutdown.set()
 
     def _poll_timeout_ms(self) -> int:
-        now, nearest = time.monotonic(), _IDLE_POLL_MS / 1000
-        for parked in self._all_parked():
-            nearest = min(nearest, parked.deadline - now)
-        return max(0, int(nearest * 1000) + 1)
-
-    def _all_parked(self):
-        for waiting in self._pulls.values():
-            yield from waiting
-        for waiting in self._creates.values():
-            yield from waiting
-        yield from self._barrier.values()
+        now = time.monotonic()
+        nearest = self._waiting.next_deadline(now + _IDLE_POLL_MS / 1000)
+        return max(0, int((nearest - now) * 1000) + 1)
 
     def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for parked in list(self._all_parked()):
+        for parked in self._waiting.clear():
             self._reply_error(parked.ident, parked.msg, "the parameter server is shutting down")
-        self._pulls.clear()
-        self._creates.clear()
-        self._barrier.clear()
         self._sock.close()
         self._zap.close()
         self._ctx.term()
@@ -249,25 +238,9 @@ class ParameterServer:
         budget = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else self.timeout_s
         return now + budget - min(0.25, 0.1 * budget)
 
-    def _park(self, ident: bytes, msg: Message) -> _Parked:
+    def _park(self, ident: bytes, msg: Message) -> Parked:
         now = time.monotonic()
-        return _Parked(ident, msg, self._deadline(msg, now), now)
-
-    def _shard(self, msg: Message, kind: str) -> agg.DenseShard | agg.SparseShard:
-        shard = self._shards.get(msg.table)
-        if shard is None:
-            raise agg.ShardError(f"unknown table {msg.table} (create it first; this server has {sorted(self._shards)})")
-        if shard.kind != kind:
-            raise agg.ShardError(f"table {msg.table} is {shard.kind}, but {op_name(msg.op)} needs a {kind} table")
-        return shard
-
-    @staticmethod
-    def _expect(msg: Message, *names: str) -> list[Any]:
-        if len(msg.tensors) != len(names):
-            raise agg.ShardError(
-                f"{op_name(msg.op)} carries {len(msg.tensors)} tensors, expected {len(names)} ({', '.join(names)})"
-            )
-        return msg.tensors
+        return Parked(ident, msg, self._deadline(msg, now), now)
 
     @property
     def _active(self) -> set[int]:
@@ -278,121 +251,20 @@ class ParameterServer:
         info = {"server_index": self.server_index, "num_workers": self.num_workers, "endpoint": self.endpoint}
         return self._ok(msg, blob=json.dumps(info).encode())
 
-    def _create(self, ident: bytes, msg: Message) -> Message | None:
-        dense = msg.op == Op.CREATE_DENSE
-        try:
-            config = json.loads(bytes(msg.blob).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise agg.ShardError(f"table {msg.table}: config is not UTF-8 JSON ({exc})") from None
-        if not isinstance(config, dict):
-            raise agg.ShardError(f"table {msg.table}: config must be a JSON object, got {type(config).__name__}")
-        existing = self._shards.get(msg.table)
-        if existing is not None:
-            self._check_same(existing, "dense" if dense else "sparse", config)
-            return self._ok(msg, version=existing.version)
-        if dense:
-            init = msg.tensors[0] if len(msg.tensors) == 1 else None
-            if len(msg.tensors) > 1:
-                raise agg.ShardError(f"CREATE_DENSE carries {len(msg.tensors)} tensors, expected 0 or 1 (init)")
-            if init is None:  # not the creator: wait until the creator's initial values arrive
-                self._creates[msg.table].append(self._park(ident, msg))
-                return None
-            shard = agg.DenseShard(msg.table, config, self.num_workers)
-            shard.set(init)
-        else:
-            self._expect(msg)
-            shard = agg.SparseShard(msg.table, config, self.num_workers)
-        self._shards[msg.table] = shard
-        self._answer_creates(msg.table)
-        return self._ok(msg)
-
-    def _check_same(self, shard: agg.Shard, kind: str, config: dict[str, Any]) -> None:
-        if shard.kind != kind or shard.key != agg.canonical(config):
-            raise agg.ShardError(
-                f"conflicting create of table {shard.table_id}: it exists as {shard.kind} with config {shard.key}, "
-                f"this create asks for {kind} with config {agg.canonical(config)}"
-            )
-
-    def _answer_creates(self, table: int) -> None:
-        shard = self._shards[table]
-        for parked in self._creates.pop(table, []):
-            try:
-                self._check_same(shard, "dense", json.loads(bytes(parked.msg.blob).decode("utf-8")))
-                self._send(parked.ident, self._ok(parked.msg, version=shard.version))
-            except (agg.ShardError, ValueError) as exc:
-                self._reply_error(parked.ident, parked.msg, str(exc))
-
-    def _pull(self, ident: bytes, msg: Message) -> Message | None:
-        if msg.op == Op.PULL_DENSE:
-            shard = self._shard(msg, "dense")
-            self._expect(msg)
-        else:
-            shard = self._shard(msg, "sparse")
-            shard.check_ids(self._expect(msg, "ids")[0])
-        if msg.arg > shard.version:
-            self._pulls[msg.table].append(self._park(ident, msg))
-            return None
-        return self._pull_reply(shard, msg)
-
-    def _pull_reply(self, shard: agg.Shard, msg: Message) -> Message:
-        if isinstance(shard, agg.DenseShard):
-            return self._ok(msg, tensors=[shard.snapshot()], version=shard.version)
-        return self._ok(msg, tensors=[shard.pull(msg.tensors[0])], version=shard.version)
-
-    def _push(self, ident: bytes, msg: Message) -> Message:
-        status = Status.OK
-        if msg.op == Op.PUSH_DENSE_GRAD:
-            shard = self._shard(msg, "dense")
-            if not shard.push_grad(msg.peer, msg.step, self._expect(msg, "grad")[0], msg.lr):
-                status = Status.STALE
-        elif msg.op == Op.PUSH_SPARSE_GRAD:
-            shard = self._shard(msg, "sparse")
-            if not shard.push_grad(msg.peer, msg.step, *self._expect(msg, "ids", "grads"), msg.lr):
-                status = Status.STALE
-        elif msg.op == Op.PUSH_DENSE_DELTA:
-            shard = self._shard(msg, "dense")
-            shard.push_delta(self._expect(msg, "delta")[0])
-        else:
-            shard = self._shard(msg, "sparse")
-            shard.push_delta(*self._expect(msg, "ids", "deltas"))
-        if status == Status.STALE:
-            self._counts["stale_dropped"] += 1
-        shard.maybe_step(len(self._active))
-        self._answer_pulls(msg.table)
-        return self._ok(msg, version=shard.version, status=status)
-
-    def _answer_pulls(self, table: int) -> None:
-        waiting = self._pulls.get(table)
-        if not waiting:
-            return
-        shard = self._shards[table]
-        still = []
-        for parked in waiting:
-            if parked.msg.arg > shard.version:
-                still.append(parked)
-                continue
-            try:
-                self._send(parked.ident, self._pull_reply(shard, parked.msg))
-            except (agg.ShardError, ValueError) as exc:
-                self._reply_error(parked.ident, parked.msg, str(exc))
-        self._pulls[table] = still
-
     def _barrier_op(self, ident: bytes, msg: Message) -> None:
-        if msg.peer in self._barrier:
+        if msg.peer in self._waiting.barrier:
             raise agg.ShardError(f"worker {msg.peer} entered the barrier twice")
-        self._barrier[msg.peer] = self._park(ident, msg)
+        self._waiting.barrier[msg.peer] = self._park(ident, msg)
         self._release_barrier()
         return None
 
     def _release_barrier(self) -> None:
-        if self._barrier and len(self._barrier) >= len(self._active):
-            for parked in self._barrier.values():
-                self._send(parked.ident, self._ok(parked.msg))
-            self._barrier.clear()
+        for parked in self._waiting.release_barrier(len(self._active)):
+            self._send(parked.ident, self._ok(parked.msg))
 
     def _stop(self, ident: bytes, msg: Message) -> Message:
         self._stopped.add(msg.peer)
-        self._barrier.pop(msg.peer, None)
+        self._waiting.barrier.pop(msg.peer, None)
         # fewer workers now: sync steps and barriers waiting for the stopped one may complete
         for table, shard in self._shards.items():
             if shard.maybe_step(len(self._active)):
@@ -400,62 +272,27 @@ class ParameterServer:
         self._release_barrier()
         return self._ok(msg)
 
-    def _save(self, ident: bytes, msg: Message) -> Message:
-        files = shard_io.save_shards(msg.text(), self.server_index, self._shards)
-        return self._ok(msg, blob=json.dumps({"files": files}).encode())
-
-    def _load(self, ident: bytes, msg: Message) -> Message:
-        loaded = []
-        for table, kind, config, state in shard_io.load_shards(msg.text(), self.server_index):
-            shard = self._shards.get(table)
-            if shard is None:
-                shard = (agg.DenseShard if kind == "dense" else agg.SparseShard)(table, config, self.num_workers)
-                self._shards[table] = shard
-            else:
-                self._check_same(shard, kind, config)
-            shard.load(state)
-            loaded.append(table)
-        for table in loaded:
-            if table in self._creates:
-                self._answer_creates(table)
-            self._answer_pulls(table)
-        return self._ok(msg, blob=json.dumps({"tables": loaded}).encode())
-
     # ------------------------------------------------------------- deadlines
     def _expire(self, now: float) -> None:
-        for table, waiting in list(self._pulls.items()):
-            keep = []
-            for parked in waiting:
-                if parked.deadline > now:
-                    keep.append(parked)
-                    continue
-                shard = self._shards[table]
-                need = shard.required(len(self._active))
-                self._reply_error(
-                    parked.ident,
-                    parked.msg,
-                    f"{op_name(parked.msg.op)} of table {table} waited {now - parked.since:.2f} s for version "
-                    f"{parked.msg.arg}, but the shard is at version {shard.version}; missing pushes for step "
-                    f"{shard.version} from workers {shard.waiting_for(self._active)} ({shard.mode} needs {need})",
-                )
-            self._pulls[table] = keep
-        for table, waiting in list(self._creates.items()):
-            self._creates[table] = [p for p in waiting if p.deadline > now]
-            for parked in waiting:
-                if parked.deadline <= now:
-                    self._reply_error(
-                        parked.ident,
-                        parked.msg,
-                        f"table {table} was not created with initial values (by worker 0) within "
-                        f"{now - parked.since:.2f} s",
-                    )
-        for worker, parked in list(self._barrier.items()):
-            if parked.deadline <= now:
-                del self._barrier[worker]
-                missing = sorted(self._active - set(self._barrier) - {worker})
-                self._reply_error(
-                    parked.ident, parked.msg, f"barrier timed out after {now - parked.since:.2f} s: workers {missing}"
-                )
+        pulls, creates, barrier = self._waiting.expired(now)
+        for table, parked in pulls:
+            shard = self._shards[table]
+            self._reply_error(
+                parked.ident,
+                parked.msg,
+                f"{op_name(parked.msg.op)} of table {table} waited {now - parked.since:.2f} s for version "
+                f"{parked.msg.arg}, but the shard is at version {shard.version}; missing pushes for step "
+                f"{shard.version} from workers {shard.waiting_for(self._active)} "
+                f"({shard.mode} needs {shard.required(len(self._active))})",
+            )
+        for table, parked in creates:
+            waited = now - parked.since
+            text = f"table {table} was not created with initial values (by worker 0) within {waited:.2f} s"
+            self._reply_error(parked.ident, parked.msg, text)
+        for parked in barrier:
+            missing = sorted(self._active - set(self._waiting.barrier) - {parked.msg.peer})
+            text = f"barrier timed out after {now - parked.since:.2f} s waiting for workers {missing}"
+            self._reply_error(parked.ident, parked.msg, text)
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:

@@ -1,0 +1,150 @@
+"""The table requests of :class:`~fleet.ps.server.ParameterServer`: create, pull, push, save, load.
+
+Split out of the server loop module to keep both small; :class:`TableOps` is
+a mixin whose host (the server) provides ``_shards``, ``_waiting``,
+``_active``, ``num_workers``, ``server_index`` and the reply helpers
+``_ok`` / ``_send`` / ``_reply_error`` / ``_park``. Handlers return the reply,
+or None when the request was parked to be answered later.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fleet.ps import aggregator as agg
+from fleet.ps import shard_io
+from fleet.ps.wire import Message, Op, Status, op_name
+
+
+class TableOps:
+    """Handlers for the table ops; mixed into the server class."""
+
+    _shards: dict[int, agg.DenseShard | agg.SparseShard]
+
+    def _shard(self, msg: Message, kind: str) -> agg.DenseShard | agg.SparseShard:
+        shard = self._shards.get(msg.table)
+        if shard is None:
+            raise agg.ShardError(f"unknown table {msg.table} (create it first; this server has {sorted(self._shards)})")
+        if shard.kind != kind:
+            raise agg.ShardError(f"table {msg.table} is {shard.kind}, but {op_name(msg.op)} needs a {kind} table")
+        return shard
+
+    @staticmethod
+    def _expect(msg: Message, *names: str) -> list[Any]:
+        if len(msg.tensors) != len(names):
+            raise agg.ShardError(
+                f"{op_name(msg.op)} carries {len(msg.tensors)} tensors, expected {len(names)} ({', '.join(names)})"
+            )
+        return msg.tensors
+
+    def _create(self, ident: bytes, msg: Message) -> Message | None:
+        dense = msg.op == Op.CREATE_DENSE
+        try:
+            config = json.loads(bytes(msg.blob).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise agg.ShardError(f"table {msg.table}: config is not UTF-8 JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise agg.ShardError(f"table {msg.table}: config must be a JSON object, got {type(config).__name__}")
+        existing = self._shards.get(msg.table)
+        if existing is not None:
+            self._check_same(existing, "dense" if dense else "sparse", config)
+            return self._ok(msg, version=existing.version)
+        if dense:
+            init = msg.tensors[0] if len(msg.tensors) == 1 else None
+            if len(msg.tensors) > 1:
+                raise agg.ShardError(f"CREATE_DENSE carries {len(msg.tensors)} tensors, expected 0 or 1 (init)")
+            if init is None:  # not the creator: wait until the creator's initial values arrive
+                self._waiting.creates[msg.table].append(self._park(ident, msg))
+                return None
+            shard = agg.DenseShard(msg.table, config, self.num_workers)
+            shard.set(init)
+        else:
+            self._expect(msg)
+            shard = agg.SparseShard(msg.table, config, self.num_workers)
+        self._shards[msg.table] = shard
+        self._answer_creates(msg.table)
+        return self._ok(msg)
+
+    def _check_same(self, shard: agg.Shard, kind: str, config: dict[str, Any]) -> None:
+        if shard.kind != kind or shard.key != agg.canonical(config):
+            raise agg.ShardError(
+                f"conflicting create of table {shard.table_id}: it exists as {shard.kind} with config {shard.key}, "
+                f"this create asks for {kind} with config {agg.canonical(config)}"
+            )
+
+    def _answer_creates(self, table: int) -> None:
+        shard = self._shards[table]
+        for parked in self._waiting.take_creates(table):
+            try:
+                self._check_same(shard, "dense", json.loads(bytes(parked.msg.blob).decode("utf-8")))
+                self._send(parked.ident, self._ok(parked.msg, version=shard.version))
+            except (agg.ShardError, ValueError) as exc:
+                self._reply_error(parked.ident, parked.msg, str(exc))
+
+    def _pull(self, ident: bytes, msg: Message) -> Message | None:
+        if msg.op == Op.PULL_DENSE:
+            shard = self._shard(msg, "dense")
+            self._expect(msg)
+        else:
+            shard = self._shard(msg, "sparse")
+            shard.check_ids(self._expect(msg, "ids")[0])
+        if msg.arg > shard.version:
+            self._waiting.pulls[msg.table].append(self._park(ident, msg))
+            return None
+        return self._pull_reply(shard, msg)
+
+    def _pull_reply(self, shard: agg.Shard, msg: Message) -> Message:
+        if isinstance(shard, agg.DenseShard):
+            return self._ok(msg, tensors=[shard.snapshot()], version=shard.version)
+        return self._ok(msg, tensors=[shard.pull(msg.tensors[0])], version=shard.version)
+
+    def _push(self, ident: bytes, msg: Message) -> Message:
+        status = Status.OK
+        if msg.op == Op.PUSH_DENSE_GRAD:
+            shard = self._shard(msg, "dense")
+            if not shard.push_grad(msg.peer, msg.step, self._expect(msg, "grad")[0], msg.lr):
+                status = Status.STALE
+        elif msg.op == Op.PUSH_SPARSE_GRAD:
+            shard = self._shard(msg, "sparse")
+            if not shard.push_grad(msg.peer, msg.step, *self._expect(msg, "ids", "grads"), msg.lr):
+                status = Status.STALE
+        elif msg.op == Op.PUSH_DENSE_DELTA:
+            shard = self._shard(msg, "dense")
+            shard.push_delta(self._expect(msg, "delta")[0])
+        else:
+            shard = self._shard(msg, "sparse")
+            shard.push_delta(*self._expect(msg, "ids", "deltas"))
+        if status == Status.STALE:
+            self._counts["stale_dropped"] += 1
+        shard.maybe_step(len(self._active))
+        self._answer_pulls(msg.table)
+        return self._ok(msg, version=shard.version, status=status)
+
+    def _answer_pulls(self, table: int) -> None:
+        shard = self._shards[table]
+        for parked in self._waiting.ready_pulls(table, shard.version):
+            try:
+                self._send(parked.ident, self._pull_reply(shard, parked.msg))
+            except (agg.ShardError, ValueError) as exc:
+                self._reply_error(parked.ident, parked.msg, str(exc))
+
+    def _save(self, ident: bytes, msg: Message) -> Message:
+        files = shard_io.save_shards(msg.text(), self.server_index, self._shards)
+        return self._ok(msg, blob=json.dumps({"files": files}).encode())
+
+    def _load(self, ident: bytes, msg: Message) -> Message:
+        loaded = []
+        for table, kind, config, state in shard_io.load_shards(msg.text(), self.server_index):
+            shard = self._shards.get(table)
+            if shard is None:
+                shard = (agg.DenseShard if kind == "dense" else agg.SparseShard)(table, config, self.num_workers)
+                self._shards[table] = shard
+            else:
+                self._check_same(shard, kind, config)
+            shard.load(state)
+            loaded.append(table)
+        for table in loaded:
+            self._answer_creates(table)
+            self._answer_pulls(table)
+        return self._ok(msg, blob=json.dumps({"tables": loaded}).encode())
