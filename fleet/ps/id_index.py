@@ -32,6 +32,10 @@ must serialise calls per table.
 
 from __future__ import annotations
 
+import ctypes
+import sys
+from collections.abc import Callable
+
 import torch
 
 _TAIL_WINDOWS = (4, 16, 64)  # entries per query in lookup rounds after the first (last repeats)
@@ -45,6 +49,46 @@ _EMPTY = -1  # slot-column marker; never an id
 # 64-bit odd multipliers (from splitmix64), as signed int64 so torch accepts them.
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M2 = 0x94D049BB133111EB - (1 << 64)
+
+
+_MADV_HUGEPAGE = 14
+_HUGE_MIN_BYTES = 8 << 20
+_PAGE = 4096
+
+
+def _load_madvise() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _load_madvise()
+
+
+def large_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty`` for big randomly accessed tables, backed by transparent huge pages where possible.
+
+    Why: every lookup and row gather is a random access into tens of MB, and
+    with 4 KiB pages most of them also miss the TLB. Asking the kernel for
+    2 MiB pages (``madvise(MADV_HUGEPAGE)``, before the memory is first
+    touched) made W3 pulls ~20 % faster here. It is only a hint: on other
+    systems, or with THP disabled, this is plain ``torch.empty``. Callers must
+    fill the tensor (it is uninitialised).
+    """
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if _madvise is not None and nbytes >= _HUGE_MIN_BYTES:
+        start = t.data_ptr()
+        first = (start + _PAGE - 1) // _PAGE * _PAGE
+        length = (start + nbytes - first) // _PAGE * _PAGE
+        _madvise(first, length, _MADV_HUGEPAGE)  # failure (e.g. THP off) just leaves normal pages
+    return t
 
 
 def as_ids(ids: torch.Tensor) -> torch.Tensor:
@@ -72,14 +116,15 @@ class IdIndex:
     def _alloc(self, capacity: int) -> None:
         self._capacity = capacity
         self._bits = capacity.bit_length() - 1
-        self._table = torch.zeros(capacity, 2, dtype=torch.int64)
+        self._table = large_empty((capacity, 2), torch.int64)
+        self._table[:, 0] = 0
         self._table[:, 1] = _EMPTY
         self._keys = self._table[:, 0]  # strided views, for the (rare) insert path
         self._slots = self._table[:, 1]  # -1: entry is free
         # The same memory as one 16-byte element per entry: a 1-D index_select of these moves
         # id and slot together (one cache miss) and is much faster than a 2-D row gather.
         self._packed = self._table.view(torch.complex128).view(capacity)
-        self._claim = torch.empty(capacity, dtype=torch.int32)  # scratch for insert races (pending-key indices)
+        self._claim = large_empty((capacity,), torch.int32)  # scratch for insert races (pending-key indices)
 
     def _gather(self, pos: torch.Tensor) -> torch.Tensor:
         """Entries at ``pos`` as int64 ``[len(pos), 2]`` (id, slot); a bit-exact byte copy."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from fleet.ps.id_index import IdIndex, as_ids
+from fleet.ps.id_index import IdIndex, as_ids, large_empty
 from fleet.ps.optim import InitializerSpec, OptimizerSpec, ServerOptimizer, initial_rows, optimizer_config_json
 
 _CONFIG_KEYS = ("dim", "optimizer", "initializer", "seed")
@@ -59,10 +59,10 @@ class SparseTable:
     def _reset(self, capacity: int) -> None:
         self._index = IdIndex(capacity * 2)
         self._capacity = capacity
-        self._rows = torch.empty(capacity, self.dim, dtype=torch.float32)
-        self._steps = torch.zeros(capacity, dtype=torch.int64)
-        self._state = {n: torch.empty(capacity, self.dim, dtype=torch.float32) for n in self._opt.state_names}
-        self._scratch = torch.empty(capacity, dtype=torch.int64)  # per-slot scratch for de-duplication
+        self._rows = large_empty((capacity, self.dim), torch.float32)
+        self._steps = large_empty((capacity,), torch.int64)
+        self._state = {n: large_empty((capacity, self.dim), torch.float32) for n in self._opt.state_names}
+        self._scratch = large_empty((capacity,), torch.int64)  # per-slot scratch for de-duplication
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> SparseTable:
@@ -107,14 +107,14 @@ class SparseTable:
         n = used
 
         def grown(old: torch.Tensor) -> torch.Tensor:
-            new = old.new_empty((cap, *old.shape[1:]))
+            new = large_empty((cap, *old.shape[1:]), old.dtype)
             new[:n] = old[:n]
             return new
 
         self._rows = grown(self._rows)
         self._steps = grown(self._steps)
         self._state = {name: grown(t) for name, t in self._state.items()}
-        self._scratch = torch.empty(cap, dtype=torch.int64)
+        self._scratch = large_empty((cap,), torch.int64)
         self._capacity = cap
 
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
