@@ -67,12 +67,16 @@ def _measure(
     _time(pull_and_floor, batches)
     results.append(("floor: raw row gather", floor_t[1:], len(sgd)))
     results.append(("pull, existing rows", pull_t[1:], len(sgd)))
-    results.append(("apply_gradient sgd", _time(lambda i: sgd.apply_gradient(existing[i], grads, 0.01), batches), len(sgd)))
+    results.append(
+        ("apply_gradient sgd", _time(lambda i: sgd.apply_gradient(existing[i], grads, 0.01), batches), len(sgd))
+    )
     results.append(("pull, 10% new rows", _time(lambda i: sgd.pull(mixed[i]), batches), len(sgd)))
     for kind in ("adagrad", "adam"):
         table = _warm_table(kind, warm_ids)
         step = table.apply_gradient
-        results.append((f"apply_gradient {kind}", _time(lambda i, s=step: s(existing[i], grads, 0.01), batches), len(table)))
+        results.append(
+            (f"apply_gradient {kind}", _time(lambda i, s=step: s(existing[i], grads, 0.01), batches), len(table))
+        )
     return results
 
 
@@ -100,7 +104,9 @@ def main() -> None:
     grads = torch.randn(BATCH, DIM, generator=gen)
 
     results = _measure(warm_ids, existing, mixed, grads, args.batches)
-    print(f"W3 sparse table: {BATCH} ids/batch, dim {DIM}, {args.batches} batches, torch threads 1, torch {torch.__version__}")
+    print(
+        f"W3 sparse table: {BATCH} ids/batch, dim {DIM}, {args.batches} batches, torch threads 1, torch {torch.__version__}"
+    )
     print(f"{'operation':<26}{'median ms':>11}{'p90 ms':>9}{'M rows/s':>10}{'rows in table':>15}")
     for name, times, rows in results:
         med = statistics.median(times)

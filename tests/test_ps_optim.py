@@ -183,7 +183,9 @@ def test_initial_rows_distributions() -> None:
     assert abs(torch.corrcoef(torch.stack([u[:-1, 0], u[1:, 0]]))[0, 1].item()) < 0.03
     assert abs(torch.corrcoef(torch.stack([u[:, 0], u[:, 1]]))[0, 1].item()) < 0.03
     assert torch.equal(initial_rows(ids[:3], 4, InitializerSpec(kind="zeros"), 0), torch.zeros(3, 4))
-    assert torch.equal(initial_rows(ids[:3], 4, InitializerSpec(kind="constant", value=0.5), 0), torch.full((3, 4), 0.5))
+    assert torch.equal(
+        initial_rows(ids[:3], 4, InitializerSpec(kind="constant", value=0.5), 0), torch.full((3, 4), 0.5)
+    )
 
 
 def test_server_optimizer_leaves_grad_untouched() -> None:

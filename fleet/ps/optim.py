@@ -139,7 +139,9 @@ class OptimizerSpec(pydantic.BaseModel, frozen=True, extra="forbid"):
             if g.get("amsgrad"):
                 raise ValueError(f"{optimizer_class.__name__}(amsgrad=True) is not supported on the parameter server")
             decoupled = issubclass(optimizer_class, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay"))
-            betas = tuple(float(b.item()) if isinstance(b, torch.Tensor) else float(b) for b in g.get("betas"))
+            betas = tuple(
+                float(b.item()) if isinstance(b, torch.Tensor) else float(b) for b in g.get("betas", (0.9, 0.999))
+            )
             return cls(kind="adamw" if decoupled else "adam", betas=betas, eps=num("eps", 1e-8), **common)
         if issubclass(optimizer_class, torch.optim.Adagrad):
             return cls(
