@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fleet import env, rendezvous
+from fleet.collective.liveness import Liveness
 from fleet.data import shard_loader
 from fleet.errors import FleetError
 from fleet.roles import RoleInfo, RoleMaker, detect
@@ -35,6 +36,8 @@ class FleetContext:
         self._groups: dict[float, Any] = {}
         self._models: list[torch.nn.Module] = []
         self._impl: Strategy | None = None
+        self._namespace = f"fleet/{env.current().str(env.FLEET_RESTART_COUNT, '0')}"
+        self.liveness: Liveness | None = None
 
     # --- the Runtime protocol strategies use ---------------------------------
 
@@ -56,6 +59,9 @@ class FleetContext:
                 return model
         return None
 
+    def diagnose_peers(self) -> str | None:
+        return self.liveness.describe() if self.liveness is not None else None
+
     # --- set-up ------------------------------------------------------------------
 
     def _init_process_group(self) -> None:
@@ -68,12 +74,13 @@ class FleetContext:
             world_size=self.role.worker_num, timeout=timedelta(seconds=timeout_s),
         )
         self._groups[timeout_s] = dist.group.WORLD
+        self.liveness = Liveness(self.role.master, self._namespace, self.role.rank, self.role.world_size, timeout_s)
 
     def _connect(self, timeout_s: float) -> dist.Store:
         host, _ = env.split_endpoint(self.role.master or "")
         if rendezvous.is_loopback(host):
             env.set_default(env.GLOO_SOCKET_IFNAME, "lo")
-        store = rendezvous.connect(self.role, timeout_s, namespace=f"fleet/{env.current().str(env.FLEET_RESTART_COUNT, '0')}")
+        store = rendezvous.connect(self.role, timeout_s, namespace=self._namespace)
         rendezvous.authenticate(store, self.role, self.secret, timeout_s)
         return store
 
@@ -229,6 +236,8 @@ def stop_worker() -> None:
         return
     if context._impl is not None:
         context._impl.shutdown()
+    if context.liveness is not None:
+        context.liveness.close()
     if dist.is_initialized() and not context.role.server_num:
         dist.destroy_process_group()
     _context = None

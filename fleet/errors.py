@@ -11,11 +11,10 @@ class PeerError(FleetError):
     """A peer process died, stopped answering, or disagrees with this one."""
 
     @classmethod
-    def from_collective(cls, what: str, error: Exception) -> PeerError:
-        return cls(
-            f"{what} failed: another worker died or stopped answering within the strategy's timeout_s "
-            f"(underlying error: {str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__})."
-        )
+    def from_collective(cls, what: str, error: Exception, diagnosis: str | None = None) -> PeerError:
+        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        who = diagnosis or "another worker died or stopped answering within the strategy's timeout_s"
+        return cls(f"{what} failed: {who} (underlying error: {cause}).")
 
 
 class ModelMismatchError(PeerError):

@@ -54,9 +54,18 @@ def _child(fn, rank, env, args, results):
 
 
 def run_processes(
-    fn: Callable[..., Any], envs: list[dict[str, str]], *args: Any, timeout: float = 60.0
+    fn: Callable[..., Any],
+    envs: list[dict[str, str]],
+    *args: Any,
+    timeout: float = 60.0,
+    wait_for: list[int] | None = None,
 ) -> list[tuple[str, Any]]:
-    """Run fn(rank, *args) in one process per env; return [(status, value)] by rank."""
+    """Run fn(rank, *args) in one process per env; return [(status, value)] by rank.
+
+    ``wait_for``: the ranks whose result matters (others may die or hang on purpose; they are
+    killed once those are in).
+    """
+    wanted = set(range(len(envs)) if wait_for is None else wait_for)
     results = _CTX.Queue()
     procs = [_CTX.Process(target=_child, args=(fn, rank, env, args, results)) for rank, env in enumerate(envs)]
     for proc in procs:
@@ -64,8 +73,8 @@ def run_processes(
     outcome: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(outcome) < len(procs):
-            if any(status != "ok" for status, _ in outcome.values()):
+        while not wanted <= set(outcome):
+            if wait_for is None and any(status != "ok" for status, _ in outcome.values()):
                 # One failed: its peers would wait for it until their timeout; give them a moment, then stop.
                 deadline = min(deadline, time.monotonic() + 5)
             left = deadline - time.monotonic()
@@ -81,6 +90,7 @@ def run_processes(
                 outcome[rank] = (status, value)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
+                dead = [r for r in dead if r in wanted or wait_for is None]
                 if dead:
                     time.sleep(0.5)  # its result may still be in the pipe
                     while not results.empty():
@@ -89,11 +99,15 @@ def run_processes(
                     for r in dead:
                         outcome.setdefault(r, ("died", procs[r].exitcode))
     finally:
-        for proc in procs:
+        for r, proc in enumerate(procs):
+            if r not in wanted:
+                proc.kill()
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+    for r, proc in enumerate(procs):
+        outcome.setdefault(r, ("died", proc.exitcode))
     return [outcome[r] for r in range(len(procs))]
 
 

@@ -11,7 +11,9 @@ import torch
 from dist_harness import fleetrun_env, free_port, run_processes
 
 
-def dying_worker(rank):
+def dying_worker(rank, victim, how):
+    import signal
+
     import fleet
 
     fleet.init(strategy=fleet.DistributedStrategy(timeout_s=5))
@@ -20,8 +22,10 @@ def dying_worker(rank):
     started = time.monotonic()
     try:
         for step in range(50):
-            if rank == 1 and step == 2:
-                os._exit(3)  # a worker dies in the middle of training
+            if rank == victim and step == 2:
+                if how == "exit":
+                    os._exit(3)  # a worker dies in the middle of training
+                os.kill(os.getpid(), signal.SIGSTOP)  # or stops answering without dying
             opt.zero_grad()
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
@@ -30,18 +34,27 @@ def dying_worker(rank):
     return ("finished", "", time.monotonic() - started)
 
 
-@pytest.mark.timeout(60)
-def test_a_dead_worker_becomes_an_error_on_the_survivor_within_the_timeout():
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "victim, how, named",
+    [
+        (1, "exit", "worker 1 stopped answering"),
+        (0, "exit", "worker 0 (which hosts the rendezvous store) is unreachable"),
+        (1, "stop", "worker 1 stopped answering"),
+    ],
+)
+def test_a_dead_or_silent_worker_is_named_on_the_survivor_within_the_timeout(victim, how, named):
     port = free_port()
-    outcome = run_processes(dying_worker, [fleetrun_env(r, 2, port) for r in range(2)], timeout=45)
-    assert outcome[1] == ("died", 3)
-    status, value = outcome[0]
-    assert status == "ok"
+    envs = [fleetrun_env(r, 2, port) for r in range(2)]
+    outcome = run_processes(dying_worker, envs, victim, how, timeout=45, wait_for=[1 - victim])
+    survivor = 1 - victim
+    status, value = outcome[survivor]
+    assert status == "ok", value
     import io
 
     kind, message, seconds = torch.load(io.BytesIO(value), weights_only=False)
     assert kind == "PeerError", message
-    assert "all-reduce of gradient bucket" in message and "another worker died" in message
+    assert "all-reduce of gradient bucket" in message and named in message, message
     assert seconds < 5 + 10
 
 

@@ -14,6 +14,7 @@ clipping or GradScaler.unscale_ see reduced gradients.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -78,11 +79,13 @@ class GradientBuckets:
         bucket_bytes: int,
         compressor: Compressor,
         timeout_s: float,
+        diagnose: Callable[[], str] | None = None,
     ):
         self.group = group
         self.world_size = world_size
         self.compressor = compressor
         self.timeout = timedelta(seconds=timeout_s)
+        self.diagnose = diagnose
         self.enabled = True
         self.scale = 1.0 / world_size
         self.buckets = self._build(params, bucket_bytes)
@@ -155,7 +158,10 @@ class GradientBuckets:
                 try:
                     bucket.work.wait(self.timeout)
                 except RuntimeError as error:
-                    raise PeerError.from_collective(f"all-reduce of gradient bucket {bucket.index}", error) from None
+                    diagnosis = self.diagnose() if self.diagnose is not None else None
+                    raise PeerError.from_collective(
+                        f"all-reduce of gradient bucket {bucket.index}", error, diagnosis
+                    ) from None
                 self.compressor.decompress(bucket.wire, bucket.flat)
                 bucket.work = bucket.wire = None
             bucket.scatter()

@@ -23,6 +23,9 @@ class Runtime(Protocol):
     def model_for(self, params: list[torch.nn.Parameter]) -> torch.nn.Module | None:
         """The model given to distributed_model that holds these parameters, if any."""
 
+    def diagnose_peers(self) -> str | None:
+        """After a failed collective: which peer died or went silent, in words (None if unknown)."""
+
 
 class Strategy(ABC):
     """One way of training across processes. Subclasses live one per module in fleet/strategies/.
