@@ -351,3 +351,36 @@ def test_save_and_load_round_trip(tmp_path) -> None:
         assert c.stats().result()[0]["tables"]["1"]["version"] == 1
         with pytest.raises(PSRemoteError, match="does not exist"):
             c.load(str(tmp_path / "nowhere")).result()
+
+
+@pytest.mark.timeout(60)
+def test_sync_sparse_on_two_servers_when_a_worker_leaves_a_shard_untouched() -> None:
+    """Pushes (and versioned pulls) reach every shard, so versions line up even for shards a worker skips."""
+    with servers(2, 2) as srvs:
+        cfg = {"dim": 2, "optimizer": SGD, "update": "sync"}
+
+        def worker(w: int) -> list[dict]:
+            with client(srvs, w) as c:
+                c.create_sparse(1, cfg).result()
+                ids = torch.tensor([0, 2, 4]) if w == 0 else torch.tensor([1, 3])  # server 0 only / server 1 only
+                for step in range(3):
+                    c.pull_sparse(1, ids, min_version=step).result()
+                    c.push_sparse_grad(1, ids, torch.ones(ids.numel(), 2), step, 0.1).result()
+                c.barrier().result()
+                return c.stats().result()
+
+        stats = run_workers(worker, 2)[0]
+        assert [s["tables"]["1"]["version"] for s in stats] == [3, 3]
+        assert [s["table_ops"]["1"]["PUSH_SPARSE_GRAD"] for s in stats] == [6, 6]
+
+
+@pytest.mark.timeout(60)
+def test_many_requests_in_flight_and_backpressure() -> None:
+    with servers(2, 1) as srvs, PSClient([s.endpoint for s in srvs], SECRET, 0, 3.0, max_in_flight=2) as c:
+        c.create_dense(1, torch.zeros(1000), {"optimizer": SGD, "update": "async"}).result()
+        futures = [c.push_dense_grad(1, torch.ones(1000), 0, 1.0) for _ in range(50)]
+        pulls = [c.pull_dense(1) for _ in range(5)]
+        for f in futures + pulls:
+            f.result()
+        assert torch.allclose(c.pull_dense(1).result(), torch.full((1000,), -50.0))
+        assert [s["ops"]["PUSH_DENSE_GRAD"] for s in c.stats().result()] == [50, 50]

@@ -168,8 +168,10 @@ class PSClient:
         """
         flat = None if init is None else init.detach().reshape(-1).to(torch.float32).contiguous()
         size = flat.numel() if flat is not None else config.get("size")
-        if size is None or (flat is not None and "size" in config and config["size"] != size):
-            raise ValueError(f"dense table {table_id}: config size {config.get('size')} vs init of {size} values")
+        if size is None:
+            raise ValueError(f"dense table {table_id}: a worker without initial values must give config['size']")
+        if flat is not None and config.get("size", size) != size:
+            raise ValueError(f"dense table {table_id}: config['size']={config['size']} but init has {size} values")
         ranges = shard_ranges(int(size), self.num_servers)
         parts = []
         for s, (lo, hi) in enumerate(ranges):

@@ -99,9 +99,9 @@ class IOThread:
         try:
             self.queue.put(job, timeout=job.timeout_s)
         except queue.Full:
-            raise PSClientClosed(
-                f"the request queue stayed full for {job.timeout_s} s (the IO thread is stuck or servers are not "
-                "answering)"
+            raise PSError(
+                f"{self.max_in_flight} requests stayed queued for {job.timeout_s} s: the parameter servers are not "
+                "answering, or a future callback blocks the client's IO thread"
             ) from None
         self.wake()
         return job.future
@@ -162,11 +162,13 @@ class IOThread:
         for sock, mon in zip(self._sockets, self._monitors, strict=True):
             poller.register(sock, zmq.POLLIN)
             poller.register(mon, zmq.POLLIN)
+        blocked: set[int] = set()  # servers whose socket is also polled for POLLOUT
         while not self._closing.is_set():
             self._admit()
             waiting_out = self._flush()
-            for i, sock in enumerate(self._sockets):
-                poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if i in waiting_out else 0))
+            for i in blocked ^ waiting_out:
+                poller.modify(self._sockets[i], zmq.POLLIN | (zmq.POLLOUT if i in waiting_out else 0))
+            blocked = waiting_out
             ready = dict(poller.poll(self._poll_timeout_ms()))
             if self._wake_r in ready:
                 try:
@@ -303,7 +305,8 @@ class IOThread:
             kind = event["event"]
             if kind == zmq.EVENT_DISCONNECTED:
                 self._receive(server)  # replies that arrived before the connection dropped still count
-                self._fail_server(server, "closed the connection (the server process exited or crashed)")
+                why = "closed the connection (the server exited or crashed, or refused an oversized message)"
+                self._fail_server(server, why)
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._refused[server] = "refused this worker's credentials: the shared secret (FLEET_SECRET) differs"
                 self._fail_server(server, self._refused[server], PSAuthError, queued_too=True)
