@@ -8,8 +8,10 @@ the job's exit reason.
 
 from __future__ import annotations
 
+from fleet.errors import FleetError, PeerError
 
-class PSError(RuntimeError):
+
+class PSError(FleetError):
     """Base class of every parameter-server failure."""
 
 
@@ -26,8 +28,8 @@ class WireError(ValueError):
         self.op = op
 
 
-class PSServerUnavailable(PSError):
-    """A server did not answer within the deadline, or its connection was lost."""
+class PSServerUnavailable(PSError, PeerError):
+    """A server did not answer within the deadline, or its connection was lost (a dead peer)."""
 
     def __init__(self, message: str, server_index: int, endpoint: str, op: str):
         super().__init__(message)
