@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleet import env, rendezvous
+from fleet import env, netif, rendezvous
 from fleet.collective.liveness import Liveness
 from fleet.data import shard_loader
 from fleet.errors import FleetError
@@ -77,9 +77,10 @@ class FleetContext:
         self.liveness = Liveness(self.role.master, self._namespace, self.role.rank, self.role.world_size, timeout_s)
 
     def _connect(self, timeout_s: float) -> dist.Store:
-        host, _ = env.split_endpoint(self.role.master or "")
-        if rendezvous.is_loopback(host):
-            env.set_default(env.GLOO_SOCKET_IFNAME, "lo")
+        host, port = env.split_endpoint(self.role.master or "")
+        interface = "lo" if rendezvous.is_loopback(host) else netif.interface_towards(host, port)
+        if interface is not None:
+            env.set_default(env.GLOO_SOCKET_IFNAME, interface)
         store = rendezvous.connect(self.role, timeout_s, namespace=self._namespace)
         rendezvous.authenticate(store, self.role, self.secret, timeout_s)
         return store
