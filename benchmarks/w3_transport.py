@@ -4,9 +4,13 @@
 
 * fleet: one worker (this process) and one server process (``python -m
   fleet.ps.server``). One iteration = push a 4 MB float32 gradient (async SGD
-  on the server) and pull the 4 MB back, each waited for: 8 MB moved.
+  on the server) and pull the 4 MB back: 8 MB moved. Two variants: "push,
+  then pull" waits for each answer (two round trips); "pipelined" sends the
+  pull right behind the push on the same connection and waits for both (one
+  round trip, like the echo; the server still applies the push first).
 * peer: a raw TCP echo between this process and a child process on loopback:
-  send 4 MB, receive the 4 MB echo (``sendall`` / ``recv_into``, no copies).
+  send 4 MB, receive the 4 MB echo (``sendall`` / ``recv_into(MSG_WAITALL)``,
+  no copies beyond the kernel's).
 * small: one 16-byte request and its answer (fleet: PULL_DENSE of a 4-float
   table; peer: a 16-byte echo).
 
@@ -160,6 +164,7 @@ def main() -> None:
     rtt_f, rtt_r = small["fleet"] * 1e6, small["raw"] * 1e6
     print(f"{'16-byte round trip (us)':34}{rtt_f:12.1f}{rtt_r:12.1f}{rtt_r / rtt_f:12.1%}")
     print("target: fleet bandwidth >= 70% of raw TCP")
+    print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,15 @@ replies in the caller's order, so callers never see the sharding.
 
 Every method returns a :class:`concurrent.futures.Future` at once. Tensors
 handed to a push are sent straight from their memory (no copy): do not
-modify them until the push's future has resolved.
+modify them until the push's future has resolved. Callbacks added to these
+futures run on the client's IO thread: keep them short, and never wait there
+for another request of the same client.
+
+Failures: a server that does not answer within ``timeout_s`` (or whose
+connection drops while a request is in flight) raises
+:class:`~fleet.ps.errors.PSServerUnavailable` naming its index and endpoint;
+an error answer raises :class:`~fleet.ps.errors.PSRemoteError`; a refused
+secret raises :class:`~fleet.ps.errors.PSAuthError` at the handshake.
 """
 
 from __future__ import annotations

@@ -104,6 +104,8 @@ class IOThread:
                 "answering, or a future callback blocks the client's IO thread"
             ) from None
         self.wake()
+        if not self.thread.is_alive():  # it ended between the check above and the put: nobody will answer
+            self._fail_everything(PSClientClosed("the parameter-server client is closed"))
         return job.future
 
     def wake(self) -> None:
