@@ -205,7 +205,14 @@ class ParameterServer(TableOps):
             self._send(ident, reply)
 
     def _send(self, ident: bytes, reply: Message) -> None:
-        frames = encode(reply)
+        try:
+            frames = encode(reply)
+        except WireError as exc:  # e.g. a table answered with a tensor the wire cannot carry
+            log.error("parameter server %d cannot encode its %s reply: %s", self.server_index, reply.op_name(), exc)
+            text = f"internal error: the reply cannot be encoded ({exc})".encode()
+            frames = encode(
+                Message(reply.op, reply.table, self.server_index, reply.request_id, status=Status.ERROR, blob=text)
+            )
         self._counts["bytes_out"] += sum(len(f) for f in frames)
         try:  # ROUTER drops rather than blocks on a full or unknown peer; NOBLOCK makes sure
             self._sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
