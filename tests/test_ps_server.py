@@ -152,7 +152,9 @@ def test_sync_pull_times_out_naming_the_missing_worker() -> None:
         t0 = time.monotonic()
         with pytest.raises(PSRemoteError, match=r"missing pushes for step 0 from workers \[1\]"):
             c.pull_dense(1, min_version=1).result()
-        assert time.monotonic() - t0 < 1.5
+        assert (
+            time.monotonic() - t0 < 2.0
+        )  # the server's answer, not the client's deadline (that would be PSServerUnavailable)
 
 
 @pytest.mark.timeout(60)
@@ -252,7 +254,7 @@ def test_wrong_secret_is_refused_and_others_are_served() -> None:
             t0 = time.monotonic()
             with pytest.raises(PSAuthError, match=r"parameter server 0 at 127\.0\.0\.1:\d+ refused"):
                 bad.hello().result()
-            assert time.monotonic() - t0 < 2.0  # from the handshake, not from the deadline
+            assert time.monotonic() - t0 < 2.5  # from the handshake, not from the 3 s deadline
             bad.close(stop_servers_for_me=False)
         assert good.pull_dense(1).result().shape == (2,)
         assert good.stats().result()[0]["auth_rejected"] >= 1
@@ -292,7 +294,7 @@ def test_a_dead_or_frozen_server_becomes_an_error_naming_it(how: str) -> None:
         elapsed = time.monotonic() - t0
         assert info.value.server_index == 1 and info.value.endpoint == endpoint
         assert f"parameter server 1 at {endpoint}" in str(info.value) and "PULL_DENSE" in str(info.value)
-        assert elapsed < 2.5
+        assert elapsed < 3.0  # the 2 s deadline, or sooner when the connection drop is seen
         if how == "freeze":
             assert "did not answer PULL_DENSE within 2.0 s" in str(info.value)
             os.kill(proc.pid, signal.SIGKILL)
