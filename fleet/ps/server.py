@@ -83,6 +83,7 @@ class ParameterServer(TableOps):
             auth.configure_server(sock)
             sock.maxmsgsize = max_message_bytes
             sock.sndhwm = sock.rcvhwm = 10000
+            sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
             if ":" in endpoint.rpartition(":")[0]:
                 sock.ipv6 = True
             self._sock = sock
@@ -253,6 +254,21 @@ class ParameterServer(TableOps):
     def _active(self) -> set[int]:
         return set(range(self.num_workers)) - self._stopped
 
+    @property
+    def _pushing(self) -> int:
+        """Workers that can still push: active and not parked at a barrier.
+
+        A sync step never waits for a worker at the barrier (with backup workers the
+        fast ones finish first and wait there while a late one still trains).
+        """
+        return len(self._active) - len(self._waiting.barrier)
+
+    def _close_ready_steps(self) -> None:
+        """After the set of pushing workers shrank: sync steps waiting only for them may complete."""
+        for table, shard in self._shards.items():
+            if shard.maybe_step(self._pushing):
+                self._answer_pulls(table)
+
     # ------------------------------------------------------------------ ops
     def _hello(self, ident: bytes, msg: Message) -> Message:
         info = {"server_index": self.server_index, "num_workers": self.num_workers, "endpoint": self.endpoint}
@@ -262,6 +278,7 @@ class ParameterServer(TableOps):
         if msg.peer in self._waiting.barrier:
             raise agg.ShardError(f"worker {msg.peer} entered the barrier twice")
         self._waiting.barrier[msg.peer] = self._park(ident, msg)
+        self._close_ready_steps()
         self._release_barrier()
         return None
 
@@ -273,9 +290,7 @@ class ParameterServer(TableOps):
         self._stopped.add(msg.peer)
         self._waiting.barrier.pop(msg.peer, None)
         # fewer workers now: sync steps and barriers waiting for the stopped one may complete
-        for table, shard in self._shards.items():
-            if shard.maybe_step(len(self._active)):
-                self._answer_pulls(table)
+        self._close_ready_steps()
         self._release_barrier()
         return self._ok(msg)
 
@@ -290,7 +305,7 @@ class ParameterServer(TableOps):
                 f"{op_name(parked.msg.op)} of table {table} waited {now - parked.since:.2f} s for version "
                 f"{parked.msg.arg}, but the shard is at version {shard.version}; missing pushes for step "
                 f"{shard.version} from workers {shard.waiting_for(self._active)} "
-                f"({shard.mode} needs {shard.required(len(self._active))})",
+                f"({shard.mode} needs {shard.required(self._pushing)})",
             )
         for table, parked in creates:
             waited = now - parked.since
