@@ -386,3 +386,21 @@ def test_many_requests_in_flight_and_backpressure() -> None:
             f.result()
         assert torch.allclose(c.pull_dense(1).result(), torch.full((1000,), -50.0))
         assert [s["ops"]["PUSH_DENSE_GRAD"] for s in c.stats().result()] == [50, 50]
+
+
+@pytest.mark.timeout(60)
+def test_sync_step_does_not_wait_for_a_worker_parked_at_the_barrier() -> None:
+    """Uneven data: worker 0 runs out after one step; worker 1's second step applies without it."""
+    with servers(1, 2) as srvs, client(srvs, 0) as w0, client(srvs, 1) as w1:
+        config = {"optimizer": SGD, "update": "sync", "size": 2}
+        w0.create_dense(1, torch.zeros(2), config).result()
+        w1.create_dense(1, None, config).result()
+        for w in (w0, w1):
+            w.push_dense_grad(1, torch.ones(2), 0, 1.0).result()
+        done = w0.barrier()  # worker 0 is finished
+        w1.pull_dense(1, min_version=1).result()
+        w1.push_dense_grad(1, torch.full((2,), 3.0), 1, 1.0).result()
+        got = w1.pull_dense(1, min_version=2).result()
+        assert got.ps_version == 2 and torch.allclose(got, torch.full((2,), -4.0))  # -1 (average), then -3 alone
+        w1.barrier().result()
+        done.result()
