@@ -7,6 +7,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from fleet import metrics
+
 
 class ShardedLoader:
     """A DataLoader over this worker's shard; ``set_epoch(e)`` reshuffles like DistributedSampler."""
@@ -16,6 +18,8 @@ class ShardedLoader:
         self.num_shards = num_shards
         self.shard = shard
         self.epoch = 0
+        if isinstance(loader.batch_size, int) and loader.batch_size > 0:
+            metrics.recorder().set_batch_size(loader.batch_size, inferred=True)  # for samples/s
         if isinstance(loader.dataset, IterableDataset):
             self.sampler = None
             self.loader = loader

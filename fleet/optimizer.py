@@ -5,14 +5,24 @@ Strategies subclass it to add communication around ``step``. It does not call
 objects (read through properties, because ``load_state_dict`` replaces them), so
 LR schedulers, ``clip_grad_norm_`` and AMP's GradScaler see exactly what they would
 see without fleet.
+
+Step boundary hooks (timing and injection, for every strategy): a subclass that
+overrides ``step`` calls ``self._end_step(comm_s=..., micro_batches=...)`` once per
+real optimizer step, after the update, and may report communication / waiting as it
+happens with ``self.metrics.add_comm(seconds)`` and dropped stale gradients with
+``self.metrics.add_dropped(n)`` or ``self.metrics.set_dropped(total)``. See
+:mod:`fleet.metrics` and :mod:`fleet.inject`.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from typing import Any
 
 import torch
+
+from fleet import inject, metrics
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -31,6 +41,37 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: dict[int, Any] = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: dict[int, Any] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: dict[int, Any] = OrderedDict()
+        self._boundary_steps = 0
+        self._injector: inject.Injector | None = None
+
+    # --- step boundary: timing and injection --------------------------------------
+
+    @property
+    def metrics(self) -> metrics.StepMetrics:
+        """This process's step timings (:class:`fleet.metrics.StepMetrics`)."""
+        return metrics.recorder()
+
+    def _end_step(self, comm_s: float = 0.0, micro_batches: int = 1) -> None:
+        """Mark the end of one optimizer step (after the update).
+
+        ``comm_s``: seconds of this step spent communicating or waiting for peers, if not
+        already given to ``self.metrics.add_comm``. ``micro_batches``: batches that went into
+        the step (gradient accumulation), for samples/s. Applies an injected delay (counted
+        as this worker's computation) and an injected crash.
+        """
+        if getattr(self, "_injector", None) is None:
+            strategy = getattr(self, "config", None)
+            if strategy is None:
+                api = sys.modules.get("fleet.api")
+                strategy = getattr(getattr(api, "_context", None), "strategy", None)
+            self._injector = inject.for_process(strategy, metrics.worker_identity()[0])
+        self._injector.before_boundary()
+        recorder = metrics.recorder()
+        if comm_s:
+            recorder.add_comm(comm_s)
+        recorder.end_step(micro_batches)
+        self._boundary_steps = getattr(self, "_boundary_steps", 0) + 1
+        self._injector.after_step(self._boundary_steps)
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -65,7 +106,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     def step(self, closure=None):  # noqa: D102
-        return self._inner.step(closure)
+        loss = self._inner.step(closure)
+        self._end_step()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none=set_to_none)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fleet import env
+from fleet.inject import InjectionSpec
 
 
 class StrategyError(ValueError):
@@ -79,6 +80,10 @@ class DistributedStrategy(BaseModel):
 
     seed: int = 0
     """Seed for anything fleet itself draws (sparse row initialisation)."""
+
+    inject: InjectionSpec | None = None
+    """Tests and demos: a straggler delay or a crash on chosen worker ranks, e.g.
+    ``{"ranks": [1], "delay": {"mu": -1.0, "sigma": 0.5}}`` (see fleet.inject; FLEET_INJECT wins)."""
 
     # --- validation -----------------------------------------------------------
 

@@ -33,6 +33,7 @@ PUBLIC = {
     "is_server",
     "is_worker",
     "load_persistables",
+    "progress",
     "register_strategy",
     "role_info",
     "run_server",

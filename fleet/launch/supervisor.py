@@ -38,6 +38,7 @@ from fleet.launch.config import LaunchConfig
 from fleet.launch.output import OutputMux, ProcessOutput, style_for
 from fleet.launch.plan import SERVER, WORKER, JobLayout, ProcessSpec, child_env, local_specs
 from fleet.launch.report import Row, describe, exit_code, failure_block, summary_table
+from fleet.launch.timing import StragglerWatch, clear_metrics, final_report
 
 MAX_PORT_RELAUNCHES = 5
 POLL_S = 0.05
@@ -108,6 +109,7 @@ class Supervisor:
         self.stop_requested = threading.Event()  # set by other threads (e.g. a multi-node peer failed)
         self.stop_reason = ""
         self.stop_code = 1
+        self.stragglers: StragglerWatch | None = None
 
     # --- public -------------------------------------------------------------------
 
@@ -116,9 +118,14 @@ class Supervisor:
         code = 1
         try:
             self.layout = self._layouts()
+            clear_metrics(self.log_dir)
+            self.stragglers = StragglerWatch(self.log_dir, lambda text: self.mux.message(text, style="bold yellow"))
             self._start_all(restart_count=0)
+            self.stragglers.start()
             code = self._supervise()
         finally:
+            if self.stragglers is not None:
+                self.stragglers.stop()
             self._stop([s for s in self.slots if s.running])
             self._reap_groups()
             self._restore_signal_handlers(previous)
@@ -363,6 +370,16 @@ class Supervisor:
         ]
         verdict = "succeeded" if code == 0 else f"failed (exit status {code})"
         self.mux.render(summary_table(rows, f"fleetrun: job {verdict}"))
+        restarts = {s.spec.rank: s.restarts for s in self.slots if s.spec.role == WORKER}
+        stragglers = self.stragglers.ever if self.stragglers is not None else set()
+        try:
+            timing = final_report(self.log_dir, restarts, stragglers)
+        except OSError as error:
+            self.mux.message(f"could not write the timing report: {error}", style="yellow")
+            timing = None
+        if timing is not None:
+            self.mux.render(timing[1])
+            self.mux.message(f"timing report in {self.log_dir / 'report.json'}")
         self.mux.message(f"logs in {self.log_dir}")
 
 

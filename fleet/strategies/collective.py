@@ -7,6 +7,7 @@ steps instead of gradients every step).
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -86,6 +87,7 @@ class CollectiveOptimizer(WrappedOptimizer):
             broadcast_tensors(params, self.group)
             broadcast_optimizer_state(self._inner, self.group)
         self.buckets: GradientBuckets | None = None
+        self._comm_seen = 0.0  # buckets.comm_wait_s already reported to the metrics
         if not config.local_sgd_steps and (self.group is not None or self._accumulation > 1):
             self.buckets = GradientBuckets(
                 params,
@@ -121,7 +123,12 @@ class CollectiveOptimizer(WrappedOptimizer):
         self.steps += 1
         self._arm()
         if self.config.local_sgd_steps and self.group is not None and self.steps % self.config.local_sgd_steps == 0:
+            started = time.perf_counter()
             average_tensors(self.parameters(), self.group)
+            self.metrics.add_comm(time.perf_counter() - started)
+        waited = self.comm_wait_s
+        self._end_step(comm_s=waited - self._comm_seen, micro_batches=self._accumulation)
+        self._comm_seen = waited
         return loss
 
 
