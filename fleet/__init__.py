@@ -40,6 +40,8 @@ _EXPORTS = {
     "run_server": "fleet.api",
     "save_persistables": "fleet.checkpoint",
     "load_persistables": "fleet.checkpoint",
+    "save_checkpoint": "fleet.checkpoint",
+    "load_checkpoint": "fleet.checkpoint",
     "is_first_worker": "fleet.api",
     "is_server": "fleet.api",
     "is_worker": "fleet.api",
@@ -93,7 +95,7 @@ if TYPE_CHECKING:
         worker_index,
         worker_num,
     )
-    from fleet.checkpoint import load_persistables, save_persistables  # noqa: F401
+    from fleet.checkpoint import load_checkpoint, load_persistables, save_checkpoint, save_persistables  # noqa: F401
     from fleet.env import EnvError  # noqa: F401
     from fleet.errors import FleetError, ModelMismatchError, PeerError  # noqa: F401
     from fleet.progress import progress  # noqa: F401

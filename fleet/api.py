@@ -35,6 +35,7 @@ class FleetContext:
         self.store: dist.Store | None = None
         self._groups: dict[float, Any] = {}
         self._models: list[torch.nn.Module] = []
+        self._loaders: list[Any] = []  # distributed_loader results, whose positions checkpoints keep
         self._impl: Strategy | None = None
         self._namespace = f"fleet/{env.current().str(env.FLEET_RESTART_COUNT, '0')}"
         self.liveness: Liveness | None = None
@@ -184,7 +185,9 @@ def distributed_model(model: torch.nn.Module, strategy: DistributedStrategy | No
 def distributed_loader(loader: Any) -> Any:
     """This worker's shard of ``loader``; call ``set_epoch(epoch)`` on it to reshuffle each epoch."""
     context = _require()
-    return shard_loader(loader, context.role.worker_num, context.role.worker_index, seed=context.strategy.seed)
+    sharded = shard_loader(loader, context.role.worker_num, context.role.worker_index, seed=context.strategy.seed)
+    context._loaders.append(sharded)
+    return sharded
 
 
 def role_info() -> RoleInfo:

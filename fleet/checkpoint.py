@@ -1,4 +1,7 @@
-"""Checkpoints of a parameter-server job: ``fleet.save_persistables`` / ``fleet.load_persistables``.
+"""Checkpoints: ``save_persistables``/``load_persistables`` (parameter server) and
+``save_checkpoint``/``load_checkpoint`` (collective and single process).
+
+Parameter server:
 
 Layout under ``dirname``: ``ps-server-<i>/table-<id>.pt`` (each server's shards: values,
 optimizer state, version; written by the servers themselves) and ``worker-0.pt``
@@ -11,6 +14,9 @@ server call make the checkpoint consistent (no push of a later step is in it).
 from __future__ import annotations
 
 import os
+import random
+import shutil
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,7 +48,7 @@ def save_persistables(dirname: str) -> None:
         os.makedirs(dirname, exist_ok=True)
         impl.client().save(dirname).result()
         state = {"optimizers": [opt.inner.state_dict() for opt in impl.optimizers]}
-        torch.save(state, os.path.join(dirname, WORKER_FILE))
+        _atomic_save(state, os.path.join(dirname, WORKER_FILE))
     impl.barrier()  # nobody pushes the next step before the shards are written
 
 
@@ -60,3 +66,90 @@ def load_persistables(dirname: str) -> None:
     for opt, saved in zip(impl.optimizers, state["optimizers"], strict=True):
         opt.inner.load_state_dict(saved)
         opt.refresh()
+
+
+# --- collective (and single-process) checkpoints -----------------------------------------------
+#
+# Layout: <dirname>/step-<n>/state.pt (model, optimizer, step, extras: written by worker 0),
+# <dirname>/step-<n>/worker-<i>.pt (each worker's RNG states and loader positions), and
+# <dirname>/latest naming the newest complete step directory. Every file is written under a
+# temporary name and renamed; ``latest`` moves only after every worker has written its part,
+# so a crash at any moment leaves the previous checkpoint intact and readable.
+
+LATEST = "latest"
+KEEP = 2  # complete checkpoints kept; older step directories are removed
+
+
+class Resumed(NamedTuple):
+    step: int
+    extra: dict[str, Any]
+
+
+def _atomic_save(obj: Any, path: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, **extra: Any) -> None:
+    """Save model, optimizer, ``step``, data-loader positions, RNG states and ``extra``. Call on every worker.
+
+    ``extra`` values must be tensors, numbers, strings, lists, tuples or dicts of them
+    (they are loaded with ``torch.load(weights_only=True)``).
+    """
+    context = api._require()
+    rank = context.role.worker_index
+    name = f"step-{step:09d}"
+    stepdir = os.path.join(dirname, name)
+    os.makedirs(stepdir, exist_ok=True)
+    own = {"rng": _rng_state(), "loaders": [loader.state_dict() for loader in context._loaders]}
+    _atomic_save(own, os.path.join(stepdir, f"worker-{rank}.pt"))
+    if rank == 0:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": int(step),
+                 "extra": extra, "workers": context.role.worker_num}
+        _atomic_save(state, os.path.join(stepdir, "state.pt"))
+    context.implementation(None).barrier()  # every worker's part is on disk before `latest` moves
+    if rank == 0:
+        tmp = os.path.join(dirname, f"{LATEST}.tmp-{os.getpid()}")
+        with open(tmp, "w") as handle:
+            handle.write(name)
+        os.replace(tmp, os.path.join(dirname, LATEST))
+        for old in sorted(d for d in os.listdir(dirname) if d.startswith("step-") and d != name)[:-(KEEP - 1) or None]:
+            shutil.rmtree(os.path.join(dirname, old), ignore_errors=True)
+
+
+def load_checkpoint(dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Resumed | None:
+    """Restore the newest complete checkpoint under ``dirname``; None when there is none yet."""
+    context = api._require()
+    latest = os.path.join(dirname, LATEST)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as handle:
+        stepdir = os.path.join(dirname, handle.read().strip())
+    state = torch.load(os.path.join(stepdir, "state.pt"), weights_only=True)
+    if state["workers"] != context.role.worker_num:
+        raise FleetError(
+            f"{stepdir} was written by {state['workers']} workers but this job has {context.role.worker_num}; "
+            "resume with the same number of workers."
+        )
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    own = torch.load(os.path.join(stepdir, f"worker-{context.role.worker_index}.pt"), weights_only=True)
+    _set_rng_state(own["rng"])
+    for loader, position in zip(context._loaders, own["loaders"], strict=False):
+        loader.load_state_dict(position)
+    return Resumed(state["step"], state["extra"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from fleet import metrics
@@ -15,6 +16,8 @@ class ShardedLoader:
 
     def __init__(self, loader: DataLoader, num_shards: int, shard: int, seed: int = 0):
         self.original = loader
+        self.position = 0  # batches taken from the current epoch, for checkpoints
+        self._skip = 0
         self.num_shards = num_shards
         self.shard = shard
         self.epoch = 0
@@ -34,7 +37,7 @@ class ShardedLoader:
             raise TypeError(
                 f"fleet.distributed_loader cannot shard a custom batch_sampler ({type(loader.batch_sampler).__name__})."
             )
-        self.sampler = DistributedSampler(
+        self.sampler = _ResumableSampler(
             loader.dataset,
             num_replicas=num_shards,
             rank=shard,
@@ -57,15 +60,42 @@ class ShardedLoader:
         )
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._skip = 0  # a resumed position belongs to the epoch it was saved in
         self.epoch = epoch
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)
 
+    def state_dict(self) -> dict[str, int]:
+        """Where this worker is: the epoch and the batches already taken from it."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume: the next iteration of epoch ``state["epoch"]`` skips the batches already trained on."""
+        self.set_epoch(int(state["epoch"]))
+        self._skip = self.position = int(state["position"])
+
     def __iter__(self) -> Iterator[Any]:
+        skip, self._skip = self._skip, 0
+        self.position = skip
         if self.sampler is not None:
-            return iter(self.loader)
-        # An iterable dataset has no indices: take every num_shards-th batch.
-        return (batch for i, batch in enumerate(self.loader) if i % self.num_shards == self.shard)
+            self.sampler.skip = skip * (self.loader.batch_size or 1)
+            if skip:
+                # Creating a DataLoader iterator draws a base seed from the global RNG. The run
+                # being resumed drew it at the start of this epoch, before the checkpoint's RNG
+                # state was taken: drawing again here would shift every later random number.
+                rng = torch.get_rng_state()
+                batches: Iterator[Any] = iter(self.loader)
+                torch.set_rng_state(rng)
+            else:
+                batches = iter(self.loader)
+        else:
+            # An iterable dataset has no indices: take every num_shards-th batch.
+            mine = (batch for i, batch in enumerate(self.loader) if i % self.num_shards == self.shard)
+            batches = (batch for i, batch in enumerate(mine) if i >= skip)
+        for batch in batches:
+            self.position += 1
+            yield batch
 
     def __len__(self) -> int:
         if self.sampler is not None:
@@ -74,6 +104,19 @@ class ShardedLoader:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["loader"], name)
+
+
+class _ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way, after ``skip`` indices."""
+
+    skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = super().__iter__()
+        skip, self.skip = self.skip, 0
+        for i, index in enumerate(indices):
+            if i >= skip:
+                yield index
 
 
 def shard_loader(loader: Any, num_shards: int, shard: int, seed: int = 0) -> Any:
