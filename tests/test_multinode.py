@@ -77,3 +77,25 @@ def test_collective_job_over_two_hosts(two_hosts, tmp_path, monkeypatch):
     sums = re.findall(r"worker (\d) of 2 checksum (-?\d+\.\d+)", "".join(outputs))
     assert sorted(w for w, _ in sums) == ["0", "1"], outputs
     assert sums[0][1] == sums[1][1], "both hosts must end with identical parameters"
+
+
+@pytest.mark.timeout(150)
+def test_parameter_server_job_over_two_hosts(two_hosts, tmp_path, monkeypatch):
+    (ns_a, host_a), (ns_b, host_b) = two_hosts
+    monkeypatch.setenv("FLEET_SECRET", secrets.token_hex(16))
+    strategy = tmp_path / "ps_sync.toml"
+    strategy.write_text('mode = "ps"\nupdate = "sync"\ntimeout_s = 60\n')
+    master = f"{host_a}:29434"
+    extra = ["--servers", "1", "--workers", "1", "--strategy", str(strategy)]
+    nodes = [
+        _fleetrun(ns_a, host_a, 0, master, extra, SCRIPTS / "tiny_ps_train.py", tmp_path),
+        _fleetrun(ns_b, host_b, 1, master, extra, SCRIPTS / "tiny_ps_train.py", tmp_path),
+    ]
+    outputs = []
+    for node in nodes:
+        out, _ = node.communicate(timeout=120)
+        outputs.append(out)
+        assert node.returncode == 0, out
+    sums = re.findall(r"worker (\d) of 2 checksum (-?\d+\.\d+)", "".join(outputs))
+    assert sorted(w for w, _ in sums) == ["0", "1"], outputs
+    assert sums[0][1] == sums[1][1], "sync workers end with the servers' identical parameters"
