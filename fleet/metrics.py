@@ -246,6 +246,10 @@ def recorder() -> StepMetrics:
 def _final_write() -> None:
     if _recorder is not None and _recorder.steps:
         _recorder.write(final=True)
+        if not env.current().has(env.FLEET_ROLE):  # fleetrun reports itself after every worker exited
+            from fleet.launch.timing import report_at_exit
+
+            report_at_exit(_recorder)
 
 
 def set_batch_size(n: int) -> None:

@@ -157,6 +157,19 @@ def test_build_report_and_table(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["stragglers"] == [1]
 
 
+@pytest.mark.timeout(10)
+def test_report_at_exit_without_fleetrun(fresh_recorder, tmp_path, capsys):
+    clock = FakeClock()
+    m = metrics.StepMetrics(tmp_path, rank=0, clock=clock)
+    m.end_step()
+    clock.now += 0.1
+    m.end_step()
+    m.write(final=True)
+    assert timing.report_at_exit(m, wait_s=0.0) == tmp_path / "report.json"
+    assert json.loads((tmp_path / "report.json").read_text())["speedup_condition"]["holds"] is None
+    assert "where the time went" in capsys.readouterr().out
+
+
 # --- progress -----------------------------------------------------------------------------------
 
 

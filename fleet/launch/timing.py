@@ -9,16 +9,19 @@ consecutive checks is reported as ``[fleetrun] straggler: worker 3 ...``.
 After every process exited, :func:`final_report` aggregates the workers' last summaries
 into ``<log dir>/report.json`` and a rich table (fleetrun does this, so it works in every
 mode, for crashed workers too, up to their last periodic write). With several nodes each
-node's fleetrun reports the workers it ran. No torch here.
+node's fleetrun reports the workers it ran. Without fleetrun, :func:`report_at_exit` lets
+worker 0 write the same report when ``FLEET_LOG_DIR`` is set. No torch here.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -80,7 +83,7 @@ def _ms(value: float | None) -> str:
 
 def report_table(report: dict[str, Any]) -> RenderableType:
     table = Table(
-        title="fleetrun: where the time went (per worker)", title_justify="left", show_edge=False, pad_edge=False
+        title="fleet: where the time went (per worker)", title_justify="left", show_edge=False, pad_edge=False
     )
     for name in (
         "worker",
@@ -130,3 +133,30 @@ def final_report(
     report = metrics.build_report(records, restarts, stragglers or ())
     metrics.write_json(Path(log_dir) / "report.json", report)
     return report, report_table(report)
+
+
+def report_at_exit(rec: metrics.StepMetrics, wait_s: float = 3.0) -> Path | None:
+    """Without fleetrun (python, torchrun, mpirun...): worker 0 writes ``report.json`` at exit.
+
+    It uses the metrics files present in ``$FLEET_LOG_DIR`` (shared by the workers when they
+    run on one host or a shared file system), waits up to ``wait_s`` for the other workers'
+    final files, and prints the table. Other workers do nothing.
+    """
+    rank, count = metrics.worker_identity()
+    if rec.log_dir is None or rank != 0:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = {r: x for r, x in metrics.read_records(rec.log_dir).items() if x.get("steps")}
+        if time.monotonic() > deadline or sum(bool(x.get("final")) for x in records.values()) >= count:
+            break
+        time.sleep(0.1)
+    path = rec.log_dir / "report.json"
+    report = metrics.build_report(records)
+    try:
+        metrics.write_json(path, report)
+    except OSError as error:
+        print(f"fleet.metrics: could not write {path}: {error}", file=sys.stderr)
+        return None
+    Console().print(report_table(report))
+    return path
