@@ -60,6 +60,18 @@ def _fleetrun(namespace: str, host: str, node_rank: int, master: str, extra: lis
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp)
 
 
+def _checksums(nodes: list[subprocess.Popen]) -> list[tuple[str, str]]:
+    """Wait for both nodes; every one must succeed; the workers' (index, checksum) lines."""
+    outputs = []
+    for node in nodes:
+        out, _ = node.communicate(timeout=120)
+        outputs.append(out)
+        assert node.returncode == 0, out
+    sums = re.findall(r"worker (\d) of 2 checksum (-?\d+\.\d+)", "".join(outputs))
+    assert sorted(w for w, _ in sums) == ["0", "1"], outputs
+    return sums
+
+
 @pytest.mark.timeout(150)
 def test_collective_job_over_two_hosts(two_hosts, tmp_path, monkeypatch):
     (ns_a, host_a), (ns_b, host_b) = two_hosts
@@ -69,13 +81,7 @@ def test_collective_job_over_two_hosts(two_hosts, tmp_path, monkeypatch):
         _fleetrun(ns_a, host_a, 0, master, ["--workers", "1"], SCRIPTS / "tiny_train.py", tmp_path),
         _fleetrun(ns_b, host_b, 1, master, ["--workers", "1"], SCRIPTS / "tiny_train.py", tmp_path),
     ]
-    outputs = []
-    for node in nodes:
-        out, _ = node.communicate(timeout=120)
-        outputs.append(out)
-        assert node.returncode == 0, out
-    sums = re.findall(r"worker (\d) of 2 checksum (-?\d+\.\d+)", "".join(outputs))
-    assert sorted(w for w, _ in sums) == ["0", "1"], outputs
+    sums = _checksums(nodes)
     assert sums[0][1] == sums[1][1], "both hosts must end with identical parameters"
 
 
@@ -91,11 +97,5 @@ def test_parameter_server_job_over_two_hosts(two_hosts, tmp_path, monkeypatch):
         _fleetrun(ns_a, host_a, 0, master, extra, SCRIPTS / "tiny_ps_train.py", tmp_path),
         _fleetrun(ns_b, host_b, 1, master, extra, SCRIPTS / "tiny_ps_train.py", tmp_path),
     ]
-    outputs = []
-    for node in nodes:
-        out, _ = node.communicate(timeout=120)
-        outputs.append(out)
-        assert node.returncode == 0, out
-    sums = re.findall(r"worker (\d) of 2 checksum (-?\d+\.\d+)", "".join(outputs))
-    assert sorted(w for w, _ in sums) == ["0", "1"], outputs
+    sums = _checksums(nodes)
     assert sums[0][1] == sums[1][1], "sync workers end with the servers' identical parameters"

@@ -63,14 +63,19 @@ def check_same_shapes(params: list[torch.Tensor], names: list[str], group: dist.
         )
 
 
+def _by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors grouped by dtype and device: one flat buffer (one collective) per group."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    return list(groups.values())
+
+
 def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Overwrite ``tensors`` with worker 0's values, one flat broadcast per dtype and device."""
     src = dist.get_global_rank(group, 0)
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     with torch.no_grad():
-        for same in by_kind.values():
+        for same in _by_kind(tensors):
             flat = _flatten_dense_tensors([t.detach() for t in same])
             dist.broadcast(flat, src=src, group=group)
             for tensor, value in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
@@ -80,11 +85,8 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> 
 def average_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Replace ``tensors`` with their mean over the group (local SGD)."""
     world = dist.get_world_size(group)
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     with torch.no_grad():
-        for same in by_kind.values():
+        for same in _by_kind(tensors):
             flat = _flatten_dense_tensors([t.detach() for t in same])
             flat.div_(world)
             dist.all_reduce(flat, group=group)
