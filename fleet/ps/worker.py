@@ -5,7 +5,11 @@ worker starts from them); each :class:`fleet.nn.SparseEmbedding` the optimizer
 holds becomes one sparse table. ``step()`` then trains in the strategy's mode:
 
 - sync: push every table's gradient for step ``version`` with the group's current
-  lr, pull ``min_version=version + 1`` (dense now, sparse rows at the next forward);
+  lr, pull ``min_version=version + 1`` (dense now, sparse rows at the next forward).
+  With backup workers a late push is stale (the server already closed that step
+  without it): it is dropped and counted, and since the shard is then past
+  ``version`` the pull returns at once with the current values, which the worker
+  adopts as its new version (``stale_dropped`` counts this worker's dropped pushes);
 - async: pushes and the dense pull run in the background (bounded in flight), so
   the next forward starts at once with the values of the last finished pull;
 - geo: the user's optimizer steps locally (rows in a local cache); every
@@ -23,6 +27,7 @@ import torch
 from fleet.nn.sparse_embedding import SparseEmbedding, sparse_modules
 from fleet.optimizer import WrappedOptimizer
 from fleet.ps.client import PSClient
+from fleet.ps.id_index import IdIndex
 from fleet.ps.optim import OptimizerSpec
 from fleet.ps.sparse_table import SparseTable
 
@@ -59,13 +64,19 @@ class _Dense:
 class _RemoteRows:
     """A SparseEmbedding's rows on the servers (sync/async): each forward pulls its unique ids."""
 
-    def __init__(self, client: PSClient, table_id: int):
+    def __init__(self, client: PSClient, table_id: int, sync: bool = True):
         self.client = client
         self.table_id = table_id
+        self.sync = sync
         self.version = 0
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.client.pull_sparse(self.table_id, ids, self.version).result()
+        rows = self.client.pull_sparse(self.table_id, ids, self.version).result()
+        if self.sync and self.version:
+            # backup workers: a late worker finds the shards ahead and pushes for their version. (Only
+            # with min_version > 0 is every server asked, so that ps_version is the oldest shard's.)
+            self.version = max(self.version, int(getattr(rows, "ps_version", 0)))
+        return rows
 
 
 class _GeoRows:
@@ -77,15 +88,15 @@ class _GeoRows:
         self.module = module
         self.local = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
         self.base = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
-        self.known = torch.empty(0, dtype=torch.int64)
+        self.known = IdIndex()  # ids whose rows came from the servers: O(batch) per check, not O(seen)
         self.touched: list[torch.Tensor] = []
 
     def _fetch(self, ids: torch.Tensor) -> None:
-        new = ids[~torch.isin(ids, self.known)]
-        if new.numel():
-            rows = self.client.pull_sparse(self.table_id, new).result()
-            self._rebase(new, rows)
-            self.known = torch.cat([self.known, new])
+        missing = ids[self.known.lookup(ids) < 0]
+        if missing.numel():
+            new = torch.unique(missing)
+            self._rebase(new, self.client.pull_sparse(self.table_id, new).result())
+            self.known.insert_new(new)  # only once the rows arrived
 
     def _rebase(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         self.local.add_delta(ids, rows - self.local.pull(ids))
@@ -146,7 +157,7 @@ class PSOptimizer(WrappedOptimizer):
             if self.mode == "geo":
                 rows: Any = _GeoRows(client, table_id, module, module.optimizer_override or spec)
             else:
-                rows = _RemoteRows(client, table_id)
+                rows = _RemoteRows(client, table_id, sync=self.mode == "sync")
             module.remote = rows
             module.table = None
             self.sparse.append((module, group, rows))
@@ -158,6 +169,11 @@ class PSOptimizer(WrappedOptimizer):
             entry.assign(values)
             entry.version = int(values.ps_version)
             entry.base = entry.values().clone()  # type: ignore[attr-defined]
+
+    @property
+    def stale_dropped(self) -> int:
+        """This worker's pushes the servers dropped as stale (sync with backup workers), per table and server."""
+        return self.client.stale_pushes
 
     # ------------------------------------------------------------------ step
     def step(self, closure=None):  # noqa: D102
@@ -171,6 +187,9 @@ class PSOptimizer(WrappedOptimizer):
             self._async_step()
         else:
             self._geo_step()
+        recorder = getattr(self, "metrics", None)  # fleet.metrics step recorder, where the base class has one
+        if recorder is not None and hasattr(recorder, "set_dropped"):
+            recorder.set_dropped(self.stale_dropped)
         return loss
 
     def _push_sparse(self) -> list[Future]:

@@ -1,0 +1,65 @@
+"""Worker-side pieces of the parameter-server optimizer, against a fake client (no processes)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from fleet.nn.sparse_embedding import SparseEmbedding
+from fleet.ps.optim import OptimizerSpec
+from fleet.ps.worker import _GeoRows, _RemoteRows
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+class FakeClient:
+    """Answers sparse pulls with rows ``id + version`` and records what was asked."""
+
+    def __init__(self, dim: int, version: int = 0):
+        self.dim = dim
+        self.version = version
+        self.pulled: list[torch.Tensor] = []
+
+    def pull_sparse(self, table_id: int, ids: torch.Tensor, min_version: int = 0) -> Future:
+        assert min_version <= self.version
+        self.pulled.append(ids.clone())
+        rows = ids.to(torch.float32).unsqueeze(1).expand(-1, self.dim).clone() + self.version
+        rows.ps_version = self.version
+        return _done(rows)
+
+    def push_sparse_delta(self, table_id: int, ids: torch.Tensor, delta: torch.Tensor) -> Future:
+        return _done(None)
+
+
+@pytest.mark.timeout(30)
+def test_geo_cache_fetches_each_id_once_and_keeps_local_updates() -> None:
+    module = SparseEmbedding(2)
+    client = FakeClient(2)
+    rows = _GeoRows(client, 0, module, OptimizerSpec.from_torch(torch.optim.SGD, {"lr": 1.0}))
+    first = rows.pull(torch.tensor([5, -3, 2**62]))
+    assert torch.equal(first[:, 0], torch.tensor([5.0, -3.0, float(2**62)]))
+    rows.apply(torch.tensor([5]), torch.ones(1, 2), lr=1.0)  # a local step changes row 5
+    again = rows.pull(torch.tensor([7, 5, -3]))
+    assert [t.tolist() for t in client.pulled] == [sorted([5, -3, 2**62]), [7]]  # only the new id went out
+    assert again[1].tolist() == [4.0, 4.0] and again[0].tolist() == [7.0, 7.0]
+    for n in range(3):  # many batches: every one is checked against everything seen, in O(batch)
+        rows.pull(torch.arange(n * 1000, n * 1000 + 1500))
+    assert sum(t.numel() for t in client.pulled) == len(rows.known) == 3 + 1 + 3500 - 2  # 5 and 7 seen before
+
+
+@pytest.mark.timeout(30)
+def test_remote_rows_follow_a_shard_that_is_ahead() -> None:
+    client = FakeClient(2, version=7)  # backup workers closed steps without this worker
+    rows = _RemoteRows(client, 0)
+    rows.version = 3  # this worker's last step was 2
+    rows.pull(torch.tensor([1, 2]))
+    assert rows.version == 7  # its next push is for the shard's version, not a stale one
+    async_rows = _RemoteRows(client, 0, sync=False)
+    async_rows.pull(torch.tensor([1, 2]))
+    assert async_rows.version == 0  # async pulls never wait for a version
