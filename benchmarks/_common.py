@@ -60,14 +60,15 @@ def expected_max2_lognormal(mu: float, sigma: float) -> float:
     return 2 * lognormal_mean(mu, sigma) * phi
 
 
-def predicted_speedup(t_comp_1: float, t_sync: float, workers: int) -> float:
+def predicted_speedup(t_comp_1: float, t_sync: float, workers: int, t_sync_1: float = 0.0) -> float:
     """Speedup of R workers over one from the data-parallel model behind T_sync < (R-1)/R x T_comp.
 
     One step of R workers does the work one process does in T = R x t_comp_1; the R workers take
     T/R + t_sync. So S = T / (T/R + t_sync) = R t_comp_1 / (t_comp_1 + t_sync), and S > 1 exactly
-    when t_sync < (R-1)/R x T.
+    when t_sync < (R-1)/R x T. ``t_sync_1``: communication the single worker pays too (a parameter
+    server job with one worker still pushes and pulls), added to the one-worker baseline.
     """
-    return workers * t_comp_1 / (t_comp_1 + t_sync)
+    return workers * (t_comp_1 + t_sync_1) / (t_comp_1 + t_sync)
 
 
 # --------------------------------------------------------------------------- driver helpers

@@ -12,7 +12,7 @@ Per point: T_comp and T_sync per step (averaged over workers and steps after war
 the communication / wait: collective from fleet's own recorder, PS = time in opt.step() push+pull
 plus the sparse pull in the embedding's forward), throughput = sum over workers of batch / step.
 Measured speedup = throughput(R) / throughput(1). Predicted speedup from the model behind the
-condition T_sync < (R-1)/R x T_comp: R x T_comp(1) / (T_comp(1) + T_sync(R)) (see
+condition T_sync < (R-1)/R x T_comp: R x (T_comp(1) + T_sync(1)) / (T_comp(1) + T_sync(R)) (see
 _common.predicted_speedup), i.e. what R workers would give if computation did not slow down when
 R processes share the machine. fleet's own verdict (fleet.metrics.speedup_condition, as in
 fleetrun's report) uses the T_comp measured at R.
@@ -25,6 +25,7 @@ Writes docs/figures/scaling.{csv,json,png}.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import _common as c
@@ -48,10 +49,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workers", default="1,2,4")
     parser.add_argument("--workloads", default="W1,W2")
+    parser.add_argument("--replot", action="store_true", help="redo table and figure from docs/figures/scaling.json")
     args = parser.parse_args()
     counts = [int(n) for n in args.workers.split(",")]
     cores = os.cpu_count() or 1
     print(f"scaling: {c.machine_note()}")
+    suffix = "-quick" if args.quick else ""
+    if args.replot:
+        replot(c.FIGURES / f"scaling{suffix}.json", args.quick, cores)
+        return
     rows = []
     for name in args.workloads.split(","):
         spec = WORKLOADS[name]
@@ -72,7 +78,7 @@ def main() -> None:
             t_comp = c.mean([w["step_mean_s"] - w["comm_mean_s"] for w in ws])
             throughput = sum(spec["batch"] / w["step_mean_s"] for w in ws)
             if base is None:
-                base = {"t_comp": t_comp, "throughput": throughput}
+                base = {"t_comp": t_comp, "t_sync": t_sync, "throughput": throughput}
             condition = speedup_condition(t_sync, t_comp, n)
             processes = n + spec["servers"]
             row = {
@@ -87,7 +93,7 @@ def main() -> None:
                 "condition_holds": condition["holds"],
                 "samples_per_s": throughput,
                 "measured_speedup": throughput / base["throughput"],
-                "predicted_speedup": c.predicted_speedup(base["t_comp"], t_sync, n),
+                "predicted_speedup": c.predicted_speedup(base["t_comp"], t_sync, n, base["t_sync"]),
                 "comp_inflation": t_comp / base["t_comp"],
                 "report_condition": (job["report"] or {}).get("speedup_condition"),
             }
@@ -98,6 +104,22 @@ def main() -> None:
                 flush=True,
             )
 
+    render(rows, args.quick, cores)
+
+
+def replot(path, quick: bool, cores: int) -> None:
+    """Recompute the predictions and redraw from a previous run's JSON (no new measurements)."""
+    rows = json.loads(path.read_text())["rows"]
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        sub = [r for r in rows if r["workload"] == name]
+        t_comp_1, t_sync_1 = sub[0]["t_comp_ms"] / 1e3, sub[0]["t_sync_ms"] / 1e3
+        for r in sub:
+            r["predicted_speedup"] = c.predicted_speedup(t_comp_1, r["t_sync_ms"] / 1e3, r["workers"], t_sync_1)
+    render(rows, quick, cores)
+
+
+def render(rows: list[dict], quick: bool, cores: int) -> None:
+    args = argparse.Namespace(quick=quick)
     header = [
         "workload",
         "R",
@@ -148,7 +170,7 @@ def main() -> None:
             xs = [r["workers"] for r in sub]
             ax.plot(xs, xs, ":", color="grey", label="ideal (R)")
             ax.plot(
-                xs, [r["predicted_speedup"] for r in sub], "s--", label="predicted: R T_comp(1) / (T_comp(1) + T_sync)"
+                xs, [r["predicted_speedup"] for r in sub], "s--", label="predicted: R T_1 / (T_comp(1) + T_sync(R))"
             )
             ax.plot(xs, [r["measured_speedup"] for r in sub], "o-", label="measured (samples/s ratio)")
             for r in sub:
