@@ -18,7 +18,9 @@ Rules, in the order the supervision loop applies them:
 
 Every child is the leader of its own process group (``start_new_session``);
 stopping sends SIGTERM to the group, then SIGKILL after ``stop_timeout``, so
-grandchildren (data loader workers, shell pipelines) go too.
+grandchildren (data loader workers, shell pipelines) go too. On Linux every child
+also asks the kernel to kill it when fleetrun dies (PR_SET_PDEATHSIG), so even a
+SIGKILLed fleetrun leaves no orphan behind.
 """
 
 from __future__ import annotations
@@ -39,6 +41,16 @@ from fleet.launch.output import OutputMux, ProcessOutput, style_for
 from fleet.launch.plan import SERVER, WORKER, JobLayout, ProcessSpec, child_env, local_specs
 from fleet.launch.report import Row, describe, exit_code, failure_block, summary_table
 from fleet.launch.timing import StragglerWatch, clear_metrics, final_report
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL me when fleetrun dies, however it dies (Linux only)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 MAX_PORT_RELAUNCHES = 5
 POLL_S = 0.05
@@ -297,6 +309,7 @@ class Supervisor:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             close_fds=True,
+            preexec_fn=_die_with_parent,
         )
         assert slot.popen.stdout is not None
         slot.output = ProcessOutput(self.mux, slot.label, slot.style, slot.log_path, slot.popen.stdout).start()

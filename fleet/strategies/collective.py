@@ -96,6 +96,7 @@ class CollectiveOptimizer(WrappedOptimizer):
                 bucket_bytes=int(config.bucket_mb * (1 << 20)),
                 compressor=make_compressor(config.grad_compression),
                 timeout_s=config.timeout_s,
+                diagnose=runtime.diagnose_peers,
             )
             self.buckets.scale = 1.0 / (self.world_size * self._accumulation)
             self._arm()
