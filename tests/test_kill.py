@@ -68,7 +68,11 @@ def _one_run(tmp: Path, mode: str, victim_role: str, rng: random.Random) -> tupl
     output = open(tmp / "fleetrun.out", "w")  # noqa: SIM115 - closed when the job ends
     job = subprocess.Popen(command, env=environ, stdout=output, stderr=subprocess.STDOUT)
     time.sleep(rng.uniform(0.5, 5.0))
-    victims = [pid for pid in _children(job.pid) if _role(pid) == victim_role]
+    victims: list[int] = []
+    started_looking = time.monotonic()
+    while not victims and job.poll() is None and time.monotonic() - started_looking < 20:
+        victims = [pid for pid in _children(job.pid) if _role(pid) == victim_role]  # started yet?
+        time.sleep(0.05)
     killed = bool(victims)
     if victims:
         os.kill(rng.choice(victims), signal.SIGKILL)
