@@ -107,9 +107,18 @@ class Shard:
         if self.mode != "geo":
             raise ShardError(f"table {self.table_id} is in {self.mode} mode: push gradients, not deltas")
 
-    def maybe_step(self, active_workers: int) -> bool:
-        """Apply the accumulated sync step if complete; True when the version advanced."""
-        if self.mode != "sync" or not self._pushed or len(self._pushed) < self.required(active_workers):
+    def maybe_step(self, active: set[int], at_barrier: set[int]) -> bool:
+        """Apply the accumulated sync step if complete; True when the version advanced.
+
+        Complete: N - b gradients (fewer once workers stopped for good), or every active
+        worker that is still training has pushed. Workers waiting at a barrier are done
+        with their steps (uneven batch counts, or fast workers with backup workers), so a
+        step does not wait for them; but a barrier is no reason to close a step early:
+        a gradient already on its way from a training worker must still count.
+        """
+        if self.mode != "sync" or not self._pushed:
+            return False
+        if len(self._pushed) < self.required(len(active)) and not (active - at_barrier) <= self._pushed:
             return False
         self._apply_accumulated(len(self._pushed), self._lr)
         self._pushed.clear()

@@ -254,19 +254,14 @@ class ParameterServer(TableOps):
     def _active(self) -> set[int]:
         return set(range(self.num_workers)) - self._stopped
 
-    @property
-    def _pushing(self) -> int:
-        """Workers that can still push: active and not parked at a barrier.
-
-        A sync step never waits for a worker at the barrier (with backup workers the
-        fast ones finish first and wait there while a late one still trains).
-        """
-        return len(self._active) - len(self._waiting.barrier)
+    def _maybe_step(self, shard: agg.Shard) -> bool:
+        """Close the shard's sync step if it is complete (see Shard.maybe_step)."""
+        return shard.maybe_step(self._active, set(self._waiting.barrier))
 
     def _close_ready_steps(self) -> None:
-        """After the set of pushing workers shrank: sync steps waiting only for them may complete."""
+        """After workers stopped or reached a barrier: sync steps waiting only for them may complete."""
         for table, shard in self._shards.items():
-            if shard.maybe_step(self._pushing):
+            if self._maybe_step(shard):
                 self._answer_pulls(table)
 
     # ------------------------------------------------------------------ ops
@@ -305,7 +300,7 @@ class ParameterServer(TableOps):
                 f"{op_name(parked.msg.op)} of table {table} waited {now - parked.since:.2f} s for version "
                 f"{parked.msg.arg}, but the shard is at version {shard.version}; missing pushes for step "
                 f"{shard.version} from workers {shard.waiting_for(self._active)} "
-                f"({shard.mode} needs {shard.required(self._pushing)})",
+                f"({shard.mode} needs {shard.required(len(self._active))})",
             )
         for table, parked in creates:
             waited = now - parked.since

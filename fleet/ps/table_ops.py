@@ -2,7 +2,7 @@
 
 Split out of the server loop module to keep both small; :class:`TableOps` is
 a mixin whose host (the server) provides ``_shards``, ``_waiting``,
-``_active``, ``_pushing``, ``num_workers``, ``server_index`` and the reply helpers
+``_active``, ``_maybe_step``, ``num_workers``, ``server_index`` and the reply helpers
 ``_ok`` / ``_send`` / ``_reply_error`` / ``_park``. Handlers return the reply,
 or None when the request was parked to be answered later.
 """
@@ -117,7 +117,7 @@ class TableOps:
             shard.push_delta(*self._expect(msg, "ids", "deltas"))
         if status == Status.STALE:
             self._counts["stale_dropped"] += 1
-        shard.maybe_step(self._pushing)
+        self._maybe_step(shard)
         self._answer_pulls(msg.table)
         return self._ok(msg, version=shard.version, status=status)
 
