@@ -41,6 +41,7 @@ def train_with_straggler(rank: int, steps: int, slow: int) -> dict:
         "losses": losses,
         "elapsed": elapsed,
         "stale_dropped": opt.stale_dropped,
+        "metrics": (opt.metrics.dropped_stale, opt.metrics.steps),
         "stats": opt.client.stats().result(),
     }
     fleet.stop_worker()
@@ -66,6 +67,8 @@ def test_backup_worker_lets_the_others_advance_and_drops_the_late_gradients(serv
         assert _mean(losses[-5:]) < _mean(losses[:5]) - 0.05, (worker, [round(x, 3) for x in losses])
     # the slow worker's gradients were mostly late: dropped, counted on the servers and on the worker
     assert results[slow]["stale_dropped"] > 0
+    for result in results:  # the step metrics (fleetrun's end-of-run report) carry the same count
+        assert result["metrics"][0] == result["stale_dropped"], result["metrics"]
     for worker, result in enumerate(results):
         on_servers = sum(s["stale_dropped"].get(str(worker), 0) for s in results[0]["stats"])
         assert on_servers == result["stale_dropped"], (worker, on_servers, result["stale_dropped"])

@@ -18,6 +18,7 @@ holds becomes one sparse table. ``step()`` then trains in the strategy's mode:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
@@ -131,6 +132,7 @@ class PSOptimizer(WrappedOptimizer):
         self.k_steps = max(1, int(getattr(config, "k_steps", 1) or 1))
         self.is_first = role.worker_index == 0
         self._local_steps = 0
+        self._local_s = 0.0
         self._pushes: deque[Future] = deque()
         self._pull: list[Future] | None = None
         self.last_table = first_table
@@ -181,15 +183,17 @@ class PSOptimizer(WrappedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        started = time.perf_counter()
         if self.mode == "sync":
             self._sync_step()
         elif self.mode == "async":
             self._async_step()
         else:
             self._geo_step()
-        recorder = getattr(self, "metrics", None)  # fleet.metrics step recorder, where the base class has one
-        if recorder is not None and hasattr(recorder, "set_dropped"):
-            recorder.set_dropped(self.stale_dropped)
+        comm_s = time.perf_counter() - started - self._local_s
+        self._local_s = 0.0
+        self.metrics.set_dropped(self.stale_dropped)
+        self._end_step(comm_s=comm_s)  # step timings, straggler watch and injection (fleet.metrics / fleet.inject)
         return loss
 
     def _push_sparse(self) -> list[Future]:
@@ -228,10 +232,12 @@ class PSOptimizer(WrappedOptimizer):
             self._pull = [self.client.pull_dense(d.table_id) for d in self.dense]
 
     def _geo_step(self) -> None:
+        started = time.perf_counter()
         self._inner.step()
         for module, group, rows in self.sparse:
             ids, grads = module.take_gradients()
             rows.apply(ids, grads, float(group["lr"]))
+        self._local_s = time.perf_counter() - started  # computation, not communication
         self._local_steps += 1
         if self._local_steps % self.k_steps == 0:
             self.geo_sync()
