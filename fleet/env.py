@@ -24,6 +24,7 @@ FLEET_STRATEGY_FILE = "FLEET_STRATEGY_FILE"  # path to a TOML or JSON strategy f
 FLEET_SECRET = "FLEET_SECRET"  # shared secret authenticating peers (hex)
 FLEET_LOG_DIR = "FLEET_LOG_DIR"  # where fleetrun keeps logs; metrics reports land here
 FLEET_RESTART_COUNT = "FLEET_RESTART_COUNT"  # how often fleetrun restarted this process
+FLEET_MAX_RESTARTS = "FLEET_MAX_RESTARTS"  # fleetrun --max-restarts: > 0 lets PS servers wait for workers to rejoin
 FLEET_INJECT = "FLEET_INJECT"  # fault / straggler injection spec for tests and demos
 FLEET_LOCAL_RANK = "FLEET_LOCAL_RANK"  # process index on this node
 

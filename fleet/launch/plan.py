@@ -76,6 +76,7 @@ def child_env(
         env.FLEET_SECRET: layout.secret,
         env.FLEET_LOG_DIR: log_dir,
         env.FLEET_RESTART_COUNT: str(restart_count),
+        env.FLEET_MAX_RESTARTS: str(config.max_restarts),
         env.FLEET_LOCAL_RANK: str(spec.local_rank),
         env.PYTHONUNBUFFERED: "1",
     }

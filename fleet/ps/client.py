@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 
 from fleet.ps.client_io import IOThread, Job
 from fleet.ps.errors import PSError
+from fleet.ps.liveness import HEARTBEAT_S
 from fleet.ps.wire import Message, Op
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,19 @@ class PSClient:
         self._closed = False
         self._io = IOThread(self.endpoints, secret, worker_index, max_in_flight)
         self._io.start(timeout_s=10.0)
+        # Servers tell a dead worker from a busy one by these beats (fleet.ps.liveness).
+        self._beating = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="fleet-ps-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._beating.wait(HEARTBEAT_S):
+            if self._closed:
+                return
+            try:
+                self._submit(self._all(Op.HELLO), timeout_s=5 * HEARTBEAT_S)  # the answer does not matter
+            except PSError:
+                return
 
     # ------------------------------------------------------------ plumbing
     def _msg(self, op: Op, table: int = 0, **fields: Any) -> Message:
@@ -144,6 +159,8 @@ class PSClient:
         """Send STOP (this worker is done) to every server, then stop the IO thread; bounded, never raises."""
         if self._closed:
             return
+        self._beating.set()  # no heartbeat may follow the STOP
+        self._heartbeat.join(timeout=2 * HEARTBEAT_S)
         if stop_servers_for_me:
             try:
                 self._submit(self._all(Op.STOP)).result(self.timeout_s + 1.0)

@@ -66,7 +66,10 @@ def init_server(context: Any) -> Any:
     publish = not role.server_endpoints
     endpoint = f"{_bind_host(context)}:0" if publish else role.server_endpoints[role.server_index]
     try:
-        server = ParameterServer(endpoint, secret, role.server_index, role.worker_num, context.strategy.timeout_s)
+        server = ParameterServer(
+            endpoint, secret, role.server_index, role.worker_num, context.strategy.timeout_s,
+            rejoin=(env.current().int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0,
+        )
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EADDRINUSE and role.source == "fleetrun":
             print(f"fleet: server {role.server_index} cannot bind {endpoint}: address in use", file=sys.stderr)
@@ -82,7 +85,13 @@ def run_server(context: Any) -> None:
     """Serve until every worker has stopped, then exit the process with status 0."""
     server = init_server(context)
     log.info("fleet parameter server %d serving on %s", context.role.server_index, server.endpoint)
-    server.serve()
+    stats = server.serve()
+    gone = sorted(set(stats.get("gone_workers", [])) - set(stats.get("stopped_workers", [])))
+    if gone:
+        names = ", ".join(f"worker {w}" for w in gone)
+        print(f"fleet: parameter server {context.role.server_index}: {names} died or hung (no heartbeat) "
+              "and never came back; the job did not finish cleanly.", file=sys.stderr)
+        sys.exit(1)
     sys.exit(0)
 
 

@@ -28,6 +28,7 @@ import zmq
 from fleet.ps import aggregator as agg
 from fleet.ps import auth
 from fleet.ps.errors import WireError
+from fleet.ps.liveness import WorkerLiveness
 from fleet.ps.table_ops import TableOps
 from fleet.ps.waitlist import Parked, Waitlist
 from fleet.ps.wire import Message, Op, Status, decode, encode, op_name, read_request_id
@@ -64,6 +65,7 @@ class ParameterServer(TableOps):
         timeout_s: float,
         *,
         max_message_bytes: int = -1,
+        rejoin: bool = False,
         torch_threads: int | None = 1,
     ):
         if num_workers < 1:
@@ -98,6 +100,8 @@ class ParameterServer(TableOps):
         self._shards: dict[int, agg.DenseShard | agg.SparseShard] = {}
         self._waiting = Waitlist()
         self._stopped: set[int] = set()
+        self.rejoin = rejoin
+        self._liveness = WorkerLiveness(dead_after_s=max(3.0, min(self.timeout_s, 10.0)))
         self._started = time.monotonic()
         self._ops: dict[str, int] = defaultdict(int)
         self._table_ops: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -135,7 +139,7 @@ class ParameterServer(TableOps):
         poller.register(self._zap.socket, zmq.POLLIN)
         log.info("parameter server %d serving at %s", self.server_index, self.endpoint)
         try:
-            while not self._shutdown.is_set() and len(self._stopped) < self.num_workers:
+            while not self._shutdown.is_set() and len(self._stopped | self._finished_gone) < self.num_workers:
                 ready = dict(poller.poll(self._poll_timeout_ms()))
                 if self._zap.socket in ready:
                     self._zap.serve()
@@ -193,6 +197,8 @@ class ParameterServer(TableOps):
         if not 0 <= msg.peer < self.num_workers:
             self._reply_error(ident, msg, f"worker index {msg.peer} is outside [0, {self.num_workers - 1}]")
             return
+        if msg.peer not in self._stopped and self._liveness.seen(msg.peer, time.monotonic()):
+            log.warning("parameter server %d: worker %d is back", self.server_index, msg.peer)
         if msg.op not in (Op.HELLO, Op.BARRIER, Op.SAVE, Op.LOAD, Op.STATS, Op.STOP):
             self._table_ops[msg.table][name] += 1
         try:
@@ -252,7 +258,26 @@ class ParameterServer(TableOps):
 
     @property
     def _active(self) -> set[int]:
-        return set(range(self.num_workers)) - self._stopped
+        """Workers a sync step waits for: not stopped, and not gone when restarts may bring them back."""
+        gone = self._liveness.gone if self.rejoin else set()
+        return set(range(self.num_workers)) - self._stopped - gone
+
+    @property
+    def _finished_gone(self) -> set[int]:
+        """Gone workers the server no longer waits for before it ends (none while restarts may come)."""
+        return set() if self.rejoin else self._liveness.gone
+
+    def _check_liveness(self, now: float) -> None:
+        busy = {parked.msg.peer for parked in self._waiting}
+        for worker in self._liveness.check(now, busy):
+            log.warning(
+                "parameter server %d: worker %d sent nothing for %.1f s: it died or hung%s",
+                self.server_index, worker, self._liveness.dead_after_s,
+                "; sync steps go on without it until it rejoins" if self.rejoin else "",
+            )
+            if self.rejoin:
+                self._close_ready_steps()
+                self._release_barrier()
 
     def _maybe_step(self, shard: agg.Shard) -> bool:
         """Close the shard's sync step if it is complete (see Shard.maybe_step)."""
@@ -283,6 +308,7 @@ class ParameterServer(TableOps):
 
     def _stop(self, ident: bytes, msg: Message) -> Message:
         self._stopped.add(msg.peer)
+        self._liveness.forget(msg.peer)
         self._waiting.barrier.pop(msg.peer, None)
         # fewer workers now: sync steps and barriers waiting for the stopped one may complete
         self._close_ready_steps()
@@ -291,6 +317,7 @@ class ParameterServer(TableOps):
 
     # ------------------------------------------------------------- deadlines
     def _expire(self, now: float) -> None:
+        self._check_liveness(now)
         pulls, creates, barrier = self._waiting.expired(now)
         for table, parked in pulls:
             shard = self._shards[table]
@@ -327,6 +354,7 @@ class ParameterServer(TableOps):
             "tables": {str(t): shard.info() for t, shard in self._shards.items()},
             "stale_dropped": dict(stale),
             "stopped_workers": sorted(self._stopped),
+            "gone_workers": sorted(self._liveness.ever_gone),
             **{k: self._counts.get(k, 0) for k in ("bytes_in", "bytes_out", "errors", "malformed")},
             "auth_rejected": self._zap.rejected,
             "dropped": self._counts.get("dropped", 0) + self._counts.get("replies_dropped", 0),
