@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from fleet.ps.client_io import IOThread, Job
-from fleet.ps.errors import PSError
+from fleet.ps.errors import PSAuthError, PSError, PSServerUnavailable
 from fleet.ps.liveness import HEARTBEAT_S
 from fleet.ps.wire import Message, Op
 
@@ -154,6 +155,24 @@ class PSClient:
             return infos
 
         return self._submit(self._all(Op.HELLO), check, timeout_s)
+
+    def wait_for_servers(self, timeout_s: float, cause: BaseException | None = None) -> None:
+        """Block until every server answers HELLO (after a server restart), for at most ``timeout_s``.
+
+        Raises ``cause`` (or the last failure) when a server stays away that long.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self._submit(self._all(Op.HELLO), timeout_s=max(0.5, min(2.0, left))).result()
+                return
+            except PSAuthError:
+                raise
+            except PSServerUnavailable as exc:
+                if time.monotonic() + 0.2 >= deadline:
+                    raise (cause or exc) from exc
+            time.sleep(0.2)
 
     def close(self, stop_servers_for_me: bool = True) -> None:
         """Send STOP (this worker is done) to every server, then stop the IO thread; bounded, never raises."""

@@ -65,20 +65,44 @@ def init_server(context: Any) -> Any:
     secret = resolve_secret(context)
     publish = not role.server_endpoints
     endpoint = f"{_bind_host(context)}:0" if publish else role.server_endpoints[role.server_index]
+    environ = env.current()
+    record_dir = environ.str(env.FLEET_LOG_DIR) or None
     try:
         server = ParameterServer(
             endpoint, secret, role.server_index, role.worker_num, context.strategy.timeout_s,
-            rejoin=(env.current().int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0,
+            rejoin=(environ.int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0, checkpoint_record_dir=record_dir,
         )
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EADDRINUSE and role.source == "fleetrun":
             print(f"fleet: server {role.server_index} cannot bind {endpoint}: address in use", file=sys.stderr)
             sys.exit(env.EXIT_PORT_IN_USE)
         raise FleetError(f"server {role.server_index} cannot bind {endpoint}: {exc}") from None
+    if (environ.int(env.FLEET_RESTART_COUNT, 0) or 0) > 0:
+        _restore_after_restart(server, record_dir)
     if publish:
         _store(context).set(f"ps/endpoint/{role.server_index}", server.endpoint)
     context._ps_server = server
     return server
+
+
+def _restore_after_restart(server: Any, record_dir: str | None) -> None:
+    """A restarted server loads its shards from the last checkpoint it saved, before it serves anyone."""
+    from fleet.ps import shard_io
+
+    dirname = shard_io.last_checkpoint(record_dir, server.server_index) if record_dir else None
+    if dirname is None:
+        print(f"fleet: parameter server {server.server_index} restarted with no checkpoint of its shards "
+              f"recorded (fleet.save_persistables was not called yet): its tables start again from the "
+              "workers' current values", file=sys.stderr, flush=True)
+        return
+    try:
+        tables = server.restore(dirname)
+    except Exception:
+        server.shutdown()
+        server._close()
+        raise
+    print(f"fleet: parameter server {server.server_index} restarted from the checkpoint in {dirname} "
+          f"(tables {tables})", flush=True)
 
 
 def run_server(context: Any) -> None:

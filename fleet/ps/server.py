@@ -67,6 +67,7 @@ class ParameterServer(TableOps):
         max_message_bytes: int = -1,
         rejoin: bool = False,
         torch_threads: int | None = 1,
+        checkpoint_record_dir: str | None = None,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}; a parameter server needs at least one worker")
@@ -76,6 +77,7 @@ class ParameterServer(TableOps):
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.torch_threads = torch_threads
+        self.checkpoint_record_dir = checkpoint_record_dir  # where each SAVE is recorded for a restart
         auth.check_secret(secret)
         self._ctx = zmq.Context(io_threads=1)
         try:

@@ -7,6 +7,12 @@ name and moved into place with :func:`os.replace`, so a crash mid-save never
 leaves a half-written checkpoint under the real name. Files are read back
 with ``torch.load(weights_only=True)``: these are our own local files, and
 even so nothing in them is allowed to be code.
+
+Server restarts (``fleetrun --max-restarts K``): after every successful SAVE a
+server records the checkpoint directory in ``<record dir>/ps-server-<i>.checkpoint``
+(:func:`record_checkpoint`, written atomically; the record dir is the job's log
+directory, :data:`fleet.env.FLEET_LOG_DIR`). A restarted server reads it back
+(:func:`last_checkpoint`) and loads its shards from there before serving.
 """
 
 from __future__ import annotations
@@ -40,6 +46,31 @@ def save_shards(dirname: str, server_index: int, shards: Mapping[int, Any]) -> l
         os.replace(tmp, path)
         written.append(path)
     return written
+
+
+def record_path(record_dir: str, server_index: int) -> str:
+    return os.path.join(record_dir, f"ps-server-{server_index}.checkpoint")
+
+
+def record_checkpoint(record_dir: str, server_index: int, dirname: str) -> str:
+    """Remember ``dirname`` as this server's last complete checkpoint (atomic: temporary name, then rename)."""
+    os.makedirs(record_dir, exist_ok=True)
+    path = record_path(record_dir, server_index)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.write(os.path.abspath(dirname))
+    os.replace(tmp, path)
+    return path
+
+
+def last_checkpoint(record_dir: str, server_index: int) -> str | None:
+    """The directory of this server's last recorded SAVE, or None when there is none (or it vanished)."""
+    try:
+        with open(record_path(record_dir, server_index)) as handle:
+            dirname = handle.read().strip()
+    except FileNotFoundError:
+        return None
+    return dirname if dirname and os.path.isdir(shard_dir(dirname, server_index)) else None
 
 
 def load_shards(dirname: str, server_index: int) -> Iterator[tuple[int, str, dict[str, Any], dict[str, Any]]]:

@@ -131,11 +131,19 @@ class TableOps:
 
     def _save(self, ident: bytes, msg: Message) -> Message:
         files = shard_io.save_shards(msg.text(), self.server_index, self._shards)
+        record_dir = getattr(self, "checkpoint_record_dir", None)
+        if record_dir:  # a restarted server loads its shards from here (fleetrun --max-restarts)
+            shard_io.record_checkpoint(record_dir, self.server_index, msg.text())
         return self._ok(msg, blob=json.dumps({"files": files}).encode())
 
     def _load(self, ident: bytes, msg: Message) -> Message:
+        loaded = self.restore(msg.text())
+        return self._ok(msg, blob=json.dumps({"tables": loaded}).encode())
+
+    def restore(self, dirname: str) -> list[int]:
+        """Load this server's shards saved under ``dirname`` (tables, values, optimizer state, versions)."""
         loaded = []
-        for table, kind, config, state in shard_io.load_shards(msg.text(), self.server_index):
+        for table, kind, config, state in shard_io.load_shards(dirname, self.server_index):
             shard = self._shards.get(table)
             if shard is None:
                 shard = (agg.DenseShard if kind == "dense" else agg.SparseShard)(table, config, self.num_workers)
@@ -147,4 +155,4 @@ class TableOps:
         for table in loaded:
             self._answer_creates(table)
             self._answer_pulls(table)
-        return self._ok(msg, blob=json.dumps({"tables": loaded}).encode())
+        return loaded

@@ -14,20 +14,37 @@ holds becomes one sparse table. ``step()`` then trains in the strategy's mode:
   the next forward starts at once with the values of the last finished pull;
 - geo: the user's optimizer steps locally (rows in a local cache); every
   ``k_steps`` the deltas since the last sync are pushed and the values rebased.
+
+Server restarts (``fleetrun --max-restarts K``, seen as ``FLEET_MAX_RESTARTS`` > 0):
+in async and geo mode a :class:`~fleet.ps.errors.PSServerUnavailable` during
+``step()``, ``flush()`` or a SparseEmbedding pull is not fatal. The worker waits
+(up to the strategy's ``timeout_s``) until every server answers HELLO again,
+re-sends its table creates (no-ops for the tables the restarted server loaded
+from its last checkpoint; worker 0's current values otherwise), pulls the dense
+values again and drops its cached geo rows, then goes on. The updates the
+restarted server applied after its last checkpoint are lost (its shards roll
+back to the checkpoint), and so are this worker's pushes that were in flight.
+Sync mode still fails at once naming the server (not supported yet: the
+restarted shards come back at their checkpoint's version while the other
+servers' shards are ahead, and a sync push carries one step for every server).
+Without restarts every server failure raises, naming the server index and endpoint.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from fleet import env
 from fleet.nn.sparse_embedding import SparseEmbedding, sparse_modules
 from fleet.optimizer import WrappedOptimizer
 from fleet.ps.client import PSClient
+from fleet.ps.errors import PSAuthError, PSServerUnavailable
 from fleet.ps.id_index import IdIndex
 from fleet.ps.optim import OptimizerSpec
 from fleet.ps.sparse_table import SparseTable
@@ -70,9 +87,10 @@ class _RemoteRows:
         self.table_id = table_id
         self.sync = sync
         self.version = 0
+        self.guard: Callable[[Callable[[], Any]], Any] = lambda fn: fn()  # set by PSOptimizer: server restarts
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.client.pull_sparse(self.table_id, ids, self.version).result()
+        rows = self.guard(lambda: self.client.pull_sparse(self.table_id, ids, self.version).result())
         if self.sync and self.version:
             # backup workers: a late worker finds the shards ahead and pushes for their version. (Only
             # with min_version > 0 is every server asked, so that ps_version is the oldest shard's.)
@@ -91,6 +109,12 @@ class _GeoRows:
         self.base = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
         self.known = IdIndex()  # ids whose rows came from the servers: O(batch) per check, not O(seen)
         self.touched: list[torch.Tensor] = []
+        self.guard: Callable[[Callable[[], Any]], Any] = lambda fn: fn()  # set by PSOptimizer: server restarts
+
+    def forget(self) -> None:
+        """After a server restart: every row is fetched from the servers again; unsynced changes are dropped."""
+        self.known = IdIndex()
+        self.touched = []
 
     def _fetch(self, ids: torch.Tensor) -> None:
         missing = ids[self.known.lookup(ids) < 0]
@@ -104,7 +128,7 @@ class _GeoRows:
         self.base.add_delta(ids, rows - self.base.pull(ids))
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
-        self._fetch(ids)
+        self.guard(lambda: self._fetch(ids))
         return self.local.pull(ids)
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
@@ -135,6 +159,9 @@ class PSOptimizer(WrappedOptimizer):
         self._local_s = 0.0
         self._pushes: deque[Future] = deque()
         self._pull: list[Future] | None = None
+        self.restartable = (env.current().int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0 and self.mode != "sync"
+        self.server_restarts = 0  # server restarts this worker recovered from
+        self._creates: list[Callable[[], Future]] = []  # re-sent after a server restart
         self.last_table = first_table
         base = {"update": self.mode, "backup_workers": int(config.backup_workers)}
         self.dense: list[_Dense] = []
@@ -149,17 +176,23 @@ class PSOptimizer(WrappedOptimizer):
             init = entry.values() if self.is_first else None
             cfg = cfg if self.is_first else {**cfg, "size": entry.size}
             created.append(client.create_dense(entry.table_id, init, cfg))
+            self._creates.append(
+                lambda e=entry, c=cfg: client.create_dense(e.table_id, e.values() if self.is_first else None, c)
+            )
             self.dense.append(entry)
         self.sparse: list[tuple[SparseEmbedding, dict[str, Any], Any]] = []
         for module, group in sparse_modules(optimizer):
             spec = OptimizerSpec.from_torch(type(optimizer), group)
             table_id = self.last_table
             self.last_table += 1
-            created.append(client.create_sparse(table_id, {**base, **module.table_config(spec)}))
+            sparse_cfg = {**base, **module.table_config(spec)}
+            created.append(client.create_sparse(table_id, sparse_cfg))
+            self._creates.append(lambda t=table_id, c=sparse_cfg: client.create_sparse(t, c))
             if self.mode == "geo":
                 rows: Any = _GeoRows(client, table_id, module, module.optimizer_override or spec)
             else:
                 rows = _RemoteRows(client, table_id, sync=self.mode == "sync")
+            rows.guard = self._guard
             module.remote = rows
             module.table = None
             self.sparse.append((module, group, rows))
@@ -187,9 +220,9 @@ class PSOptimizer(WrappedOptimizer):
         if self.mode == "sync":
             self._sync_step()
         elif self.mode == "async":
-            self._async_step()
+            self._guard(self._async_step)
         else:
-            self._geo_step()
+            self._guard(self._geo_step)
         comm_s = time.perf_counter() - started - self._local_s
         self._local_s = 0.0
         self.metrics.set_dropped(self.stale_dropped)
@@ -255,9 +288,54 @@ class PSOptimizer(WrappedOptimizer):
             entry.assign(values)
             entry.base = values.clone()  # type: ignore[attr-defined]
 
+    # ------------------------------------------------------------- server restarts
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn``; with restarts, a lost server is waited for and resynchronised with (:meth:`_recover`).
+
+        A step or flush is not retried (its pushes are lost; the next step goes on from the servers'
+        values); anything else (a pull for a forward) runs again.
+        """
+        while True:
+            try:
+                return fn()
+            except PSAuthError:
+                raise
+            except PSServerUnavailable as exc:
+                if not self.restartable:
+                    raise
+                self._recover(exc)
+                if fn in (self._async_step, self._geo_step, self._flush):
+                    return None  # this step's pushes are lost; the next step goes on from the servers' values
+
+    def _recover(self, exc: PSServerUnavailable) -> None:
+        """Wait for the restarted server, re-create the tables it lacks and take the servers' values."""
+        timeout_s = self.client.timeout_s
+        print(f"fleet: worker {self.client.worker_index}: {exc}; waiting up to {timeout_s:.0f} s for its restart",
+              flush=True)
+        for future in [*self._pushes, *(self._pull or [])]:
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - lost with the server; the values are pulled again below
+                pass
+        self._pushes.clear()
+        self._pull = None
+        self.client.wait_for_servers(timeout_s, cause=exc)
+        for future in [create() for create in self._creates]:
+            future.result()
+        self.refresh()
+        for _, _, rows in self.sparse:
+            if isinstance(rows, _GeoRows):
+                rows.forget()
+        self.server_restarts += 1
+        print(f"fleet: worker {self.client.worker_index}: parameter server {exc.server_index} is back; "
+              f"resynchronised (server restart {self.server_restarts})", flush=True)
+
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
         """Wait for background pushes and pulls (async) so the servers hold this worker's updates."""
+        self._guard(self._flush)
+
+    def _flush(self) -> None:
         while self._pushes:
             self._pushes.popleft().result()
         if self._pull is not None:
