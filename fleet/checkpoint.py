@@ -50,6 +50,8 @@ def save_persistables(dirname: str) -> None:
         state = {"optimizers": [opt.inner.state_dict() for opt in impl.optimizers]}
         _atomic_save(state, os.path.join(dirname, WORKER_FILE))
     impl.barrier()  # nobody pushes the next step before the shards are written
+    for opt in impl.optimizers:
+        opt.last_checkpoint = os.path.abspath(dirname)  # where a sync job rolls back after a server restart
 
 
 def load_persistables(dirname: str) -> None:

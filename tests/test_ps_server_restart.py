@@ -42,7 +42,7 @@ def test_the_checkpoint_record_is_atomic_and_names_a_saved_directory(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("update", ["async", "geo"])
+@pytest.mark.parametrize("update", ["async", "geo", "sync"])
 def test_a_restarted_server_resumes_from_its_checkpoint_and_workers_reconnect(tmp_path, update):
     done = _run(tmp_path, update, restarts=1)
     output = done.stdout + done.stderr
@@ -51,6 +51,8 @@ def test_a_restarted_server_resumes_from_its_checkpoint_and_workers_reconnect(tm
     assert re.search(r"parameter server 1 restarted from the checkpoint in .*ckpt", output), output[-4000:]
     if update == "async":  # (geo workers may not have a request in flight: ZeroMQ then just delivers it later)
         assert "parameter server 1 is back; resynchronised" in output, output[-4000:]
+    if update == "sync":  # every worker and server roll back to the last checkpoint together
+        assert output.count("every server rolled back to") == 2, output[-4000:]
     for worker in (0, 1):
         found = re.search(rf"worker {worker} done: loss ([\d.]+) -> ([\d.]+)", output)
         assert found, output[-4000:]

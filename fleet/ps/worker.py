@@ -24,9 +24,12 @@ from its last checkpoint; worker 0's current values otherwise), pulls the dense
 values again and drops its cached geo rows, then goes on. The updates the
 restarted server applied after its last checkpoint are lost (its shards roll
 back to the checkpoint), and so are this worker's pushes that were in flight.
-Sync mode still fails at once naming the server (not supported yet: the
-restarted shards come back at their checkpoint's version while the other
-servers' shards are ahead, and a sync push carries one step for every server).
+In sync mode the restarted shards come back at their checkpoint's version while
+the other servers' shards are ahead, so the whole job rolls back instead: every
+worker goes to a barrier, worker 0 has every server load the last checkpoint
+written by ``fleet.save_persistables``, and after a second barrier every worker
+pulls the values and versions again (the steps since that checkpoint are lost; a
+sync job that saved no checkpoint yet cannot recover and raises, saying so).
 Without restarts every server failure raises, naming the server index and endpoint.
 """
 
@@ -159,7 +162,8 @@ class PSOptimizer(WrappedOptimizer):
         self._local_s = 0.0
         self._pushes: deque[Future] = deque()
         self._pull: list[Future] | None = None
-        self.restartable = (env.current().int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0 and self.mode != "sync"
+        self.restartable = (env.current().int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0
+        self.last_checkpoint: str | None = None  # set by fleet.save_persistables / load_persistables
         self.server_restarts = 0  # server restarts this worker recovered from
         self._creates: list[Callable[[], Future]] = []  # re-sent after a server restart
         self.last_table = first_table
@@ -218,7 +222,7 @@ class PSOptimizer(WrappedOptimizer):
                 loss = closure()
         started = time.perf_counter()
         if self.mode == "sync":
-            self._sync_step()
+            self._guard(self._sync_step)
         elif self.mode == "async":
             self._guard(self._async_step)
         else:
@@ -304,7 +308,7 @@ class PSOptimizer(WrappedOptimizer):
                 if not self.restartable:
                     raise
                 self._recover(exc)
-                if fn in (self._async_step, self._geo_step, self._flush):
+                if fn in (self._sync_step, self._async_step, self._geo_step, self._flush):
                     return None  # this step's pushes are lost; the next step goes on from the servers' values
 
     def _recover(self, exc: PSServerUnavailable) -> None:
@@ -320,6 +324,9 @@ class PSOptimizer(WrappedOptimizer):
         self._pushes.clear()
         self._pull = None
         self.client.wait_for_servers(timeout_s, cause=exc)
+        if self.mode == "sync":
+            self._roll_back(exc)
+            return
         for future in [create() for create in self._creates]:
             future.result()
         self.refresh()
@@ -329,6 +336,23 @@ class PSOptimizer(WrappedOptimizer):
         self.server_restarts += 1
         print(f"fleet: worker {self.client.worker_index}: parameter server {exc.server_index} is back; "
               f"resynchronised (server restart {self.server_restarts})", flush=True)
+
+    def _roll_back(self, exc: PSServerUnavailable) -> None:
+        """Sync: every worker and every server go back to the last checkpoint together."""
+        if self.last_checkpoint is None:
+            raise PSServerUnavailable(
+                f"{exc} The server was restarted, but a sync job can only resume from a checkpoint that every "
+                "server loads together, and none was saved yet: call fleet.save_persistables(dirname) periodically.",
+                server_index=exc.server_index, endpoint=exc.endpoint, op=exc.op,
+            ) from exc
+        self.client.barrier().result()  # nobody pushes while the servers reload
+        if self.is_first:
+            self.client.load(self.last_checkpoint).result()
+        self.client.barrier().result()
+        self.refresh()
+        self.server_restarts += 1
+        print(f"fleet: worker {self.client.worker_index}: parameter server {exc.server_index} is back; every "
+              f"server rolled back to {self.last_checkpoint} (server restart {self.server_restarts})", flush=True)
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
