@@ -68,3 +68,17 @@ def test_a_dead_worker_is_named_and_the_server_ends_without_a_launcher(tmp_path)
     assert survivor.returncode != 0 and "worker" in outputs[1] and "[1]" in outputs[1], outputs[1][-2000:]
     assert server.returncode == 1 and "worker 1 died or hung" in outputs[0], outputs[0][-2000:]
     assert elapsed < 2 * timeout_s + 30
+
+
+@pytest.mark.timeout(90)
+def test_workers_with_different_models_are_named_at_distributed_optimizer(tmp_path):
+    strategy = tmp_path / "sync.toml"
+    strategy.write_text('mode = "ps"\nupdate = "sync"\ntimeout_s = 20\n')
+    script = Path(__file__).resolve().parent / "scripts" / "ps_mismatch.py"
+    command = [sys.executable, "-m", "fleet.launch", "--servers", "1", "--workers", "2", "--strategy", str(strategy),
+               "--log-dir", str(tmp_path / "logs"), str(script)]
+    done = subprocess.run(command, env=_clean_env(), capture_output=True, text=True, timeout=80)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "ModelMismatchError" in output and "'1.weight' has shape [3, 8] on worker 1 but [2, 8]" in output, output
+    assert "Traceback" not in output

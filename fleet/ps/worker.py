@@ -35,6 +35,8 @@ Without restarts every server failure raises, naming the server index and endpoi
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -44,15 +46,39 @@ from typing import Any
 import torch
 
 from fleet import env
+from fleet.errors import ModelMismatchError
 from fleet.nn.sparse_embedding import SparseEmbedding, sparse_modules
 from fleet.optimizer import WrappedOptimizer
 from fleet.ps.client import PSClient
-from fleet.ps.errors import PSAuthError, PSServerUnavailable
+from fleet.ps.errors import PSAuthError, PSRemoteError, PSServerUnavailable
 from fleet.ps.id_index import IdIndex
 from fleet.ps.optim import OptimizerSpec
 from fleet.ps.sparse_table import SparseTable
 
 MAX_IN_FLIGHT = 4  # async: pushes waiting for an answer before step() blocks on the oldest
+
+
+def _model_mismatch(exc: PSRemoteError, dense: list[_Dense], worker: int, model: Any) -> Exception:
+    """Turn a conflicting table create into a message naming the first parameter that differs."""
+    found = re.search(r"with config (\{.*?\}), this create asks for \w+ with config (\{.*\})", str(exc))
+    if "conflicting create" not in str(exc) or not found:
+        return exc
+    theirs, mine = (json.loads(text).get("shapes") for text in found.groups())
+    if theirs is None or mine is None or theirs == mine:
+        return exc
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    params = next((d.params for d in dense if len(d.params) == len(mine)), [])
+    for position, (a, b) in enumerate(zip(theirs, mine, strict=False)):
+        if a != b:
+            name = names.get(id(params[position]), f"parameter {position}") if position < len(params) else position
+            return ModelMismatchError(
+                f"Workers hold different models: {name!r} has shape {b} on worker {worker} but {a} on the worker "
+                "that created the parameter-server table first. Every worker must build the same model."
+            )
+    return ModelMismatchError(
+        f"Workers hold different models: worker {worker} has {len(mine)} parameters in a param group where "
+        f"the first worker had {len(theirs)}. Every worker must build the same model and optimizer."
+    )
 
 
 class _Dense:
@@ -152,7 +178,15 @@ class _GeoRows:
 class PSOptimizer(WrappedOptimizer):
     """``step()`` trains through the parameter servers; the surface stays ``torch.optim.Optimizer``'s."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, client: PSClient, config: Any, role: Any, first_table: int):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        client: PSClient,
+        config: Any,
+        role: Any,
+        first_table: int,
+        model: torch.nn.Module | None = None,
+    ):
         super().__init__(optimizer)
         self.client = client
         self.mode = config.update
@@ -176,7 +210,8 @@ class PSOptimizer(WrappedOptimizer):
             if entry.size == 0:
                 continue
             spec = OptimizerSpec.from_torch(type(optimizer), group)
-            cfg = {**base, "optimizer": spec.to_config()}
+            # The shapes travel in the config: a worker whose model differs gets a conflicting create.
+            cfg = {**base, "optimizer": spec.to_config(), "shapes": [list(p.shape) for p in entry.params]}
             init = entry.values() if self.is_first else None
             cfg = cfg if self.is_first else {**cfg, "size": entry.size}
             created.append(client.create_dense(entry.table_id, init, cfg))
@@ -201,7 +236,10 @@ class PSOptimizer(WrappedOptimizer):
             module.table = None
             self.sparse.append((module, group, rows))
         for future in created:
-            future.result()
+            try:
+                future.result()
+            except PSRemoteError as exc:
+                raise _model_mismatch(exc, self.dense, role.worker_index, model) from None
         pulls = [client.pull_dense(d.table_id) for d in self.dense]
         for entry, future in zip(self.dense, pulls, strict=True):
             values = future.result()

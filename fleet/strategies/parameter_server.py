@@ -59,7 +59,8 @@ class ParameterServerStrategy(Strategy):
         if not role.is_worker:
             raise FleetError(f"fleet.distributed_optimizer was called on {role.name}; servers do not train.")
         first = self.optimizers[-1].last_table if self.optimizers else 0
-        wrapped = PSOptimizer(optimizer, self.client(), self.config, role, first)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        wrapped = PSOptimizer(optimizer, self.client(), self.config, role, first, self.runtime.model_for(params))
         self.optimizers.append(wrapped)
         return wrapped
 
