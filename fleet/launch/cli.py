@@ -48,7 +48,7 @@ exit status: 0 when every worker exited 0; a failed process's own status
 # Options that take a value, so the first other non-option word is the script.
 _VALUE_OPTIONS = {
     "--workers", "--worker_num", "--servers", "--server_num", "--strategy", "--log-dir", "--max-restarts",
-    "--nnodes", "--node-rank", "--master", "--host", "--server-grace", "--stop-timeout",
+    "--nnodes", "--node-rank", "--master", "--host", "--server-grace", "--stop-timeout", "--join-timeout",
 }  # fmt: skip
 
 
@@ -141,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument(
         "--host", metavar="ADDR", help="this machine's address as the other nodes reach it (default: as node 0 sees it)"
     )
+    nodes.add_argument(
+        "--join-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=300.0,
+        help="how long the nodes wait for each other (node 0 unreachable, a node not started) (default: 300)",
+    )
     return parser
 
 
@@ -167,7 +174,11 @@ def parse_config(argv: Sequence[str]) -> LaunchConfig:
     cfg.check_count("--workers", args.workers, 1)
     cfg.check_count("--servers", args.servers, 0)
     cfg.check_count("--max-restarts", args.max_restarts, 0)
-    for flag, value in (("--server-grace", args.server_grace), ("--stop-timeout", args.stop_timeout)):
+    for flag, value in (
+        ("--server-grace", args.server_grace),
+        ("--stop-timeout", args.stop_timeout),
+        ("--join-timeout", args.join_timeout),
+    ):
         if not value >= 0:
             raise LaunchError(f"{flag} {value:g} is negative. Give it a number of seconds, 0 or more.")
     master = cfg.check_nodes(args.nnodes, args.node_rank, args.master)
@@ -187,6 +198,7 @@ def parse_config(argv: Sequence[str]) -> LaunchConfig:
         host=args.host,
         server_grace=args.server_grace,
         stop_timeout=args.stop_timeout,
+        join_timeout=args.join_timeout,
     )
     check_multinode(config)
     return config

@@ -52,6 +52,7 @@ class LaunchConfig:
     host: str | None = None  # this node's address as other nodes reach it
     server_grace: float = 10.0
     stop_timeout: float = 5.0
+    join_timeout: float = 300.0
 
     @property
     def is_ps(self) -> bool:

@@ -36,7 +36,7 @@ from fleet.launch.plan import JobLayout
 from fleet.launch.ports import PortAllocator, endpoint
 from fleet.launch.supervisor import Supervisor
 
-JOIN_TIMEOUT_S = 300.0
+STILL_WAITING_EVERY_S = 10.0
 _CONNECT_RETRY_S = 0.5
 
 
@@ -125,7 +125,8 @@ class Hub(_Node):
         master_host, master_port = config.master
         family = socket.AF_INET6 if ":" in master_host else socket.AF_INET
         try:
-            listener = socket.create_server(("", master_port), family=family, reuse_port=False)
+            # Only on the --master address: the control channel listens where configured, nowhere else.
+            listener = socket.create_server((master_host, master_port), family=family, reuse_port=False)
         except OSError as exc:
             raise LaunchError(
                 f"Node 0 cannot listen on --master port {master_port} ({exc.strerror}). "
@@ -135,13 +136,13 @@ class Hub(_Node):
         hosts = {0: config.host or master_host}
         ports = {0: server_ports}
         listener.settimeout(1.0)
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        deadline = time.monotonic() + self.config.join_timeout
         try:
             while len(self.peers) < config.nnodes - 1:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(1, config.nnodes)) - set(self.peers))
                     raise LaunchError(
-                        f"Node(s) {missing} did not join within {JOIN_TIMEOUT_S:g} s. Start fleetrun on every node "
+                        f"Node(s) {missing} did not join within {self.config.join_timeout:g} s. Start fleetrun on every node "
                         f"with --nnodes {config.nnodes} --master {endpoint(master_host, master_port)} and its own "
                         "--node-rank, and check that node 0's port is reachable."
                     )
@@ -270,19 +271,26 @@ class Spoke(_Node):
         assert config.master is not None
         where = endpoint(*config.master)
         self.mux.message(f"joining node 0 at {where}")
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        started = time.monotonic()
+        deadline, next_note = started + config.join_timeout, started + STILL_WAITING_EVERY_S
         while True:
             try:
-                sock = socket.create_connection(config.master, timeout=10)
+                sock = socket.create_connection(config.master, timeout=min(10.0, config.join_timeout))
                 break
             except OSError as exc:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise LaunchError(
-                        f"Could not reach node 0 at --master {where} within {JOIN_TIMEOUT_S:g} s ({exc}). "
+                        f"Could not reach node 0 at --master {where} within {config.join_timeout:g} s ({exc}). "
                         "Start fleetrun with --node-rank 0 on the master node, and check the address and port."
                     ) from None
+                if now > next_note:
+                    self.mux.message(
+                        f"still waiting for node 0 at {where} ({exc}); giving up in {deadline - now:.0f} s"
+                    )
+                    next_note = now + STILL_WAITING_EVERY_S
                 time.sleep(_CONNECT_RETRY_S)
-        sock.settimeout(JOIN_TIMEOUT_S)
+        sock.settimeout(config.join_timeout)
         self.peer = Peer(sock, self.secret)
         self.peer.send(**_hello(config, server_ports))
         reply = self.peer.recv()
