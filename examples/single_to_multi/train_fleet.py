@@ -17,7 +17,7 @@ optimizer = fleet.distributed_optimizer(optimizer)
 loader = fleet.distributed_loader(loader)
 
 for epoch in range(3):
-    for step, (x, y) in enumerate(loader):
+    for x, y in loader:
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
