@@ -25,16 +25,23 @@ import torch.multiprocessing as mp
 def build_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
+        torch.nn.Linear(1024, 2048),
+        torch.nn.ReLU(),
+        torch.nn.Linear(2048, 2048),
+        torch.nn.ReLU(),
         torch.nn.Linear(2048, 10),
     )
 
 
 def worker(rank: int, workers: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update({
-        "FLEET_ROLE": "worker", "FLEET_WORKER_INDEX": str(rank), "FLEET_WORKER_NUM": str(workers),
-        "FLEET_MASTER": f"127.0.0.1:{port}",
-    })
+    os.environ.update(
+        {
+            "FLEET_ROLE": "worker",
+            "FLEET_WORKER_INDEX": str(rank),
+            "FLEET_WORKER_NUM": str(workers),
+            "FLEET_MASTER": f"127.0.0.1:{port}",
+        }
+    )
     torch.set_num_threads(1)
     from torch.nn.parallel import DistributedDataParallel
 
@@ -42,8 +49,10 @@ def worker(rank: int, workers: int, port: int, args: argparse.Namespace, out: st
 
     fleet.init()
     generator = torch.Generator().manual_seed(100 + rank)
-    batches = [(torch.randn(256, 1024, generator=generator), torch.randint(0, 10, (256,), generator=generator))
-               for _ in range(4)]
+    batches = [
+        (torch.randn(256, 1024, generator=generator), torch.randint(0, 10, (256,), generator=generator))
+        for _ in range(4)
+    ]
 
     fleet_model = build_model()
     fleet_opt = fleet.distributed_optimizer(torch.optim.SGD(fleet_model.parameters(), lr=0.01))
@@ -79,7 +88,9 @@ def worker(rank: int, workers: int, port: int, args: argparse.Namespace, out: st
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=80, help="alternations (fleet then DDP, then DDP then fleet, ...)")
+    parser.add_argument(
+        "--rounds", type=int, default=80, help="alternations (fleet then DDP, then DDP then fleet, ...)"
+    )
     parser.add_argument("--steps", type=int, default=1, help="steps of each in one alternation")
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()

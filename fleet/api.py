@@ -71,8 +71,11 @@ class FleetContext:
             self.store = self._connect(timeout_s)
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(
-            backend, store=dist.PrefixStore("pg", self.store), rank=self.role.worker_index,
-            world_size=self.role.worker_num, timeout=timedelta(seconds=timeout_s),
+            backend,
+            store=dist.PrefixStore("pg", self.store),
+            rank=self.role.worker_index,
+            world_size=self.role.worker_num,
+            timeout=timedelta(seconds=timeout_s),
         )
         self._groups[timeout_s] = dist.group.WORLD
         self.liveness = Liveness(self.role.master, self._namespace, self.role.rank, self.role.world_size, timeout_s)

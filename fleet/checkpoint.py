@@ -107,7 +107,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, **extra: Any) -> None:
+def save_checkpoint(
+    dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, **extra: Any
+) -> None:
     """Save model, optimizer, ``step``, data-loader positions, RNG states and ``extra``. Call on every worker.
 
     ``extra`` values must be tensors, numbers, strings, lists, tuples or dicts of them
@@ -121,8 +123,13 @@ def save_checkpoint(dirname: str, model: torch.nn.Module, optimizer: torch.optim
     own = {"rng": _rng_state(), "loaders": [loader.state_dict() for loader in context._loaders]}
     _atomic_save(own, os.path.join(stepdir, f"worker-{rank}.pt"))
     if rank == 0:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": int(step),
-                 "extra": extra, "workers": context.role.worker_num}
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": int(step),
+            "extra": extra,
+            "workers": context.role.worker_num,
+        }
         _atomic_save(state, os.path.join(stepdir, "state.pt"))
     context.implementation(None).barrier()  # every worker's part is on disk before `latest` moves
     if rank == 0:
@@ -130,7 +137,7 @@ def save_checkpoint(dirname: str, model: torch.nn.Module, optimizer: torch.optim
         with open(tmp, "w") as handle:
             handle.write(name)
         os.replace(tmp, os.path.join(dirname, LATEST))
-        for old in sorted(d for d in os.listdir(dirname) if d.startswith("step-") and d != name)[:-(KEEP - 1) or None]:
+        for old in sorted(d for d in os.listdir(dirname) if d.startswith("step-") and d != name)[: -(KEEP - 1) or None]:
             shutil.rmtree(os.path.join(dirname, old), ignore_errors=True)
 
 

@@ -34,7 +34,9 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as error:
         sock.close()
         if error.errno == errno.EADDRINUSE:
-            raise PortInUseError(f"The rendezvous address {host}:{port} is already in use by another program.") from None
+            raise PortInUseError(
+                f"The rendezvous address {host}:{port} is already in use by another program."
+            ) from None
         raise FleetError(
             f"Cannot listen on the rendezvous address {host}:{port} ({error.strerror}). The process of rank 0 must "
             "run on the master host; check MASTER_ADDR / FLEET_MASTER."
@@ -59,7 +61,12 @@ def connect(role: RoleInfo, timeout_s: float, namespace: str = "fleet") -> dist.
     else:
         listener = _bind(host, port)
         store = dist.TCPStore(
-            host, port, role.world_size, True, timeout=timeout, wait_for_workers=False,
+            host,
+            port,
+            role.world_size,
+            True,
+            timeout=timeout,
+            wait_for_workers=False,
             master_listen_fd=listener.fileno(),
         )
         _listeners.append(listener)  # the store serves on this socket: keep it open for the process's life
@@ -82,7 +89,9 @@ def authenticate(store: dist.Store, role: RoleInfo, secret: bytes | None, timeou
                 "start (see its log)."
             ) from None
         if not hmac.compare_digest(seen, expected):
-            raise PeerError(f"process of rank {rank} joined with the wrong secret (FLEET_SECRET); refusing to train with it.")
+            raise PeerError(
+                f"process of rank {rank} joined with the wrong secret (FLEET_SECRET); refusing to train with it."
+            )
 
 
 def is_loopback(host: str) -> bool:

@@ -62,9 +62,26 @@ def _one_run(tmp: Path, mode: str, victim_role: str, rng: random.Random) -> tupl
     strategy.write_text(f'mode = "{mode}"\ntimeout_s = {TIMEOUT_S}\n' + ('update = "sync"\n' if mode == "ps" else ""))
     servers = ["--servers", "2"] if mode == "ps" else []
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    command = [sys.executable, "-m", "fleet.launch", "--workers", "2", *servers, "--strategy", str(strategy),
-               "--stop-timeout", "2", "--server-grace", "5", "--log-dir", str(tmp / "logs"),
-               str(SCRIPT), mode, str(tmp / "checkpoint"), "60"]
+    command = [
+        sys.executable,
+        "-m",
+        "fleet.launch",
+        "--workers",
+        "2",
+        *servers,
+        "--strategy",
+        str(strategy),
+        "--stop-timeout",
+        "2",
+        "--server-grace",
+        "5",
+        "--log-dir",
+        str(tmp / "logs"),
+        str(SCRIPT),
+        mode,
+        str(tmp / "checkpoint"),
+        "60",
+    ]
     output = open(tmp / "fleetrun.out", "w")  # noqa: SIM115 - closed when the job ends
     job = subprocess.Popen(command, env=environ, stdout=output, stderr=subprocess.STDOUT)
     time.sleep(rng.uniform(0.5, 5.0))

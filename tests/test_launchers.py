@@ -30,8 +30,12 @@ def checksums(output: str) -> list[str]:
 
 
 def run_per_rank(envs: list[dict[str, str]]) -> str:
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT)], env=e, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for e in envs]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT)], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for e in envs
+    ]
     outputs = []
     for proc in procs:
         try:
@@ -46,10 +50,19 @@ def run_per_rank(envs: list[dict[str, str]]) -> str:
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun is not installed (apt-get install openmpi-bin)")
 def test_mpirun():
-    environ = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    done = subprocess.run(["mpirun", "--oversubscribe", "-n", "2", sys.executable, str(SCRIPT)],
-                          env=environ, capture_output=True, text=True, timeout=100)
+    environ = clean_env(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    done = subprocess.run(
+        ["mpirun", "--oversubscribe", "-n", "2", sys.executable, str(SCRIPT)],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     a, b = checksums(done.stdout)
     assert a == b
@@ -58,8 +71,18 @@ def test_mpirun():
 @pytest.mark.timeout(120)
 def test_simulated_slurm_step():
     port = str(free_port())
-    envs = [clean_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), SLURM_JOB_ID="4242",
-                      SLURM_STEP_ID="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(2)]
+    envs = [
+        clean_env(
+            SLURM_PROCID=str(r),
+            SLURM_NTASKS="2",
+            SLURM_LOCALID=str(r),
+            SLURM_JOB_ID="4242",
+            SLURM_STEP_ID="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        for r in range(2)
+    ]
     a, b = checksums(run_per_rank(envs))
     assert a == b
 
@@ -67,8 +90,15 @@ def test_simulated_slurm_step():
 @pytest.mark.timeout(120)
 def test_paddle_collective_variables():
     endpoints = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
-    envs = [clean_env(PADDLE_TRAINER_ID=str(r), PADDLE_TRAINERS_NUM="2", PADDLE_TRAINER_ENDPOINTS=endpoints,
-                      TRAINING_ROLE="TRAINER") for r in range(2)]
+    envs = [
+        clean_env(
+            PADDLE_TRAINER_ID=str(r),
+            PADDLE_TRAINERS_NUM="2",
+            PADDLE_TRAINER_ENDPOINTS=endpoints,
+            TRAINING_ROLE="TRAINER",
+        )
+        for r in range(2)
+    ]
     a, b = checksums(run_per_rank(envs))
     assert a == b
 

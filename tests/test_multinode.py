@@ -53,9 +53,25 @@ def two_hosts():
 
 def _fleetrun(namespace: str, host: str, node_rank: int, master: str, extra: list[str], script: Path, tmp: Path):
     command = [
-        "ip", "netns", "exec", namespace, sys.executable, "-m", "fleet.launch", "--nnodes", "2",
-        "--node-rank", str(node_rank), "--master", master, "--host", host, "--log-dir", str(tmp / f"node{node_rank}"),
-        *extra, str(script),
+        "ip",
+        "netns",
+        "exec",
+        namespace,
+        sys.executable,
+        "-m",
+        "fleet.launch",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(node_rank),
+        "--master",
+        master,
+        "--host",
+        host,
+        "--log-dir",
+        str(tmp / f"node{node_rank}"),
+        *extra,
+        str(script),
     ]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp)
 

@@ -27,8 +27,25 @@ def _clean_env(**extra: str) -> dict[str, str]:
 def test_a_restarted_worker_rejoins_the_running_sync_job(tmp_path):
     strategy = tmp_path / "sync.toml"
     strategy.write_text('mode = "ps"\nupdate = "sync"\ntimeout_s = 30\n')
-    command = [sys.executable, "-m", "fleet.launch", "--servers", "1", "--workers", "2", "--max-restarts", "1",
-               "--strategy", str(strategy), "--log-dir", str(tmp_path / "logs"), str(SCRIPT), "40", "8", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "fleet.launch",
+        "--servers",
+        "1",
+        "--workers",
+        "2",
+        "--max-restarts",
+        "1",
+        "--strategy",
+        str(strategy),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        str(SCRIPT),
+        "40",
+        "8",
+        "1",
+    ]
     done = subprocess.run(command, env=_clean_env(), capture_output=True, text=True, timeout=110)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
@@ -51,8 +68,16 @@ def test_a_dead_worker_is_named_and_the_server_ends_without_a_launcher(tmp_path)
         {"FLEET_ROLE": "worker", "FLEET_WORKER_INDEX": str(w)} for w in range(2)
     ]
     started = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), "200", "5", "1"], env=_clean_env(**common, **role),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for role in roles]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), "200", "5", "1"],
+            env=_clean_env(**common, **role),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for role in roles
+    ]
     outputs = []
     for proc in procs:
         try:
@@ -75,8 +100,20 @@ def test_workers_with_different_models_are_named_at_distributed_optimizer(tmp_pa
     strategy = tmp_path / "sync.toml"
     strategy.write_text('mode = "ps"\nupdate = "sync"\ntimeout_s = 20\n')
     script = Path(__file__).resolve().parent / "scripts" / "ps_mismatch.py"
-    command = [sys.executable, "-m", "fleet.launch", "--servers", "1", "--workers", "2", "--strategy", str(strategy),
-               "--log-dir", str(tmp_path / "logs"), str(script)]
+    command = [
+        sys.executable,
+        "-m",
+        "fleet.launch",
+        "--servers",
+        "1",
+        "--workers",
+        "2",
+        "--strategy",
+        str(strategy),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        str(script),
+    ]
     done = subprocess.run(command, env=_clean_env(), capture_output=True, text=True, timeout=80)
     output = done.stdout + done.stderr
     assert done.returncode == 2, output

@@ -23,8 +23,19 @@ def _run(tmp_path: Path, update: str, restarts: int) -> subprocess.CompletedProc
     strategy = tmp_path / f"{update}.toml"
     extra = "k_steps = 3\n" if update == "geo" else ""
     strategy.write_text(f'mode = "ps"\nupdate = "{update}"\ntimeout_s = 20\n{extra}')
-    command = [sys.executable, "-m", "fleet.launch", "--servers", "2", "--workers", "2",
-               "--strategy", str(strategy), "--log-dir", str(tmp_path / "logs")]
+    command = [
+        sys.executable,
+        "-m",
+        "fleet.launch",
+        "--servers",
+        "2",
+        "--workers",
+        "2",
+        "--strategy",
+        str(strategy),
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
     if restarts:
         command += ["--max-restarts", str(restarts)]
     command += [str(SCRIPT), "50", "10", "25", str(tmp_path / "crash.flag"), str(tmp_path / "ckpt")]

@@ -20,8 +20,21 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "resumable_train.py"
 
 def fleetrun(tmp: Path, name: str, crash_step: int, victim: int) -> tuple[str, list[str]]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    command = [sys.executable, "-m", "fleet.launch", "--workers", "2", "--max-restarts", "1",
-               "--log-dir", str(tmp / f"logs-{name}"), str(SCRIPT), str(tmp / name), str(crash_step), str(victim)]
+    command = [
+        sys.executable,
+        "-m",
+        "fleet.launch",
+        "--workers",
+        "2",
+        "--max-restarts",
+        "1",
+        "--log-dir",
+        str(tmp / f"logs-{name}"),
+        str(SCRIPT),
+        str(tmp / name),
+        str(crash_step),
+        str(victim),
+    ]
     done = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=150, cwd=tmp)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output

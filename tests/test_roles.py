@@ -14,7 +14,13 @@ def roles(environ: dict[str, str], servers: int = 0):
 
 def test_no_launcher_is_a_single_worker():
     info = roles({})
-    assert (info.role, info.worker_index, info.worker_num, info.server_num, info.source) == (Role.WORKER, 0, 1, 0, "single")
+    assert (info.role, info.worker_index, info.worker_num, info.server_num, info.source) == (
+        Role.WORKER,
+        0,
+        1,
+        0,
+        "single",
+    )
     assert info.is_first_worker and info.master is None
 
 
@@ -44,10 +50,13 @@ def test_paddle_trainer_and_pserver():
 
 
 def test_paddle_collective_uses_first_trainer_endpoint_as_master():
-    info = roles({
-        "PADDLE_TRAINER_ID": "1", "PADDLE_TRAINERS_NUM": "2",
-        "PADDLE_TRAINER_ENDPOINTS": "10.0.0.1:6170,10.0.0.2:6170",
-    })
+    info = roles(
+        {
+            "PADDLE_TRAINER_ID": "1",
+            "PADDLE_TRAINERS_NUM": "2",
+            "PADDLE_TRAINER_ENDPOINTS": "10.0.0.1:6170,10.0.0.2:6170",
+        }
+    )
     assert info.master == "10.0.0.1:6170" and info.worker_index == 1
 
 
@@ -55,13 +64,24 @@ def test_paddle_collective_uses_first_trainer_endpoint_as_master():
     "environ, fragment",
     [
         ({"TRAINING_ROLE": "BOSS", "PADDLE_TRAINER_ID": "0", "PADDLE_TRAINERS_NUM": "1"}, "TRAINING_ROLE='BOSS'"),
-        ({"PADDLE_TRAINER_ID": "2", "PADDLE_TRAINERS_NUM": "2", "PADDLE_TRAINER_ENDPOINTS": "a:1,b:2"}, "PADDLE_TRAINER_ID=2"),
+        (
+            {"PADDLE_TRAINER_ID": "2", "PADDLE_TRAINERS_NUM": "2", "PADDLE_TRAINER_ENDPOINTS": "a:1,b:2"},
+            "PADDLE_TRAINER_ID=2",
+        ),
         ({"PADDLE_TRAINER_ID": "0", "PADDLE_TRAINERS_NUM": "2"}, "PADDLE_TRAINER_ENDPOINTS"),
-        ({"PADDLE_TRAINER_ID": "0", "PADDLE_TRAINERS_NUM": "2", "PADDLE_TRAINER_ENDPOINTS": "hostonly,b:2"}, "'hostonly'"),
+        (
+            {"PADDLE_TRAINER_ID": "0", "PADDLE_TRAINERS_NUM": "2", "PADDLE_TRAINER_ENDPOINTS": "hostonly,b:2"},
+            "'hostonly'",
+        ),
         ({"TRAINING_ROLE": "PSERVER", "PADDLE_TRAINERS_NUM": "1"}, "PADDLE_PSERVERS_IP_PORT_LIST"),
         (
-            {"TRAINING_ROLE": "PSERVER", "PADDLE_TRAINERS_NUM": "1", "PADDLE_PSERVERS_IP_PORT_LIST": "h:1",
-             "POD_IP": "h", "PADDLE_PORT": "2"},
+            {
+                "TRAINING_ROLE": "PSERVER",
+                "PADDLE_TRAINERS_NUM": "1",
+                "PADDLE_PSERVERS_IP_PORT_LIST": "h:1",
+                "POD_IP": "h",
+                "PADDLE_PORT": "2",
+            },
             "'h:2' is not in",
         ),
         ({"PADDLE_TRAINER_ID": "x", "PADDLE_TRAINERS_NUM": "1"}, "PADDLE_TRAINER_ID='x' is not an integer"),
@@ -119,10 +139,19 @@ def test_slurm():
 
 def test_detection_order_prefers_fleetrun_then_paddle_then_torchrun():
     environ = {
-        "FLEET_ROLE": "worker", "FLEET_WORKER_INDEX": "0", "FLEET_WORKER_NUM": "1",
-        "PADDLE_TRAINER_ID": "0", "PADDLE_TRAINERS_NUM": "1",
-        "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1",
-        "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+        "FLEET_ROLE": "worker",
+        "FLEET_WORKER_INDEX": "0",
+        "FLEET_WORKER_NUM": "1",
+        "PADDLE_TRAINER_ID": "0",
+        "PADDLE_TRAINERS_NUM": "1",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1",
+        "OMPI_COMM_WORLD_RANK": "0",
+        "OMPI_COMM_WORLD_SIZE": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "1",
     }
     assert roles(environ).source == "fleetrun"
     del environ["FLEET_ROLE"]
@@ -136,7 +165,9 @@ def test_detection_order_prefers_fleetrun_then_paddle_then_torchrun():
 
 
 def test_role_makers():
-    maker = UserDefinedRoleMaker(role=Role.SERVER, current_id=1, worker_num=3, server_endpoints=["127.0.0.1:1", "127.0.0.1:2"])
+    maker = UserDefinedRoleMaker(
+        role=Role.SERVER, current_id=1, worker_num=3, server_endpoints=["127.0.0.1:1", "127.0.0.1:2"]
+    )
     info = maker.role_info()
     assert (info.role, info.server_index, info.worker_num, info.source) == (Role.SERVER, 1, 3, "user")
     with pytest.raises(ValueError, match="worker_index"):

@@ -12,7 +12,13 @@ from fleet.env import EnvReader
 
 def test_defaults_are_collective_sync():
     s = DistributedStrategy()
-    assert (s.mode, s.update, s.backup_workers, s.grad_compression, s.timeout_s) == ("collective", "sync", 0, "none", 300.0)
+    assert (s.mode, s.update, s.backup_workers, s.grad_compression, s.timeout_s) == (
+        "collective",
+        "sync",
+        0,
+        "none",
+        300.0,
+    )
 
 
 @pytest.mark.parametrize(

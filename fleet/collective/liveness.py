@@ -25,8 +25,9 @@ class Liveness:
         host, port = env.split_endpoint(master)
         self._store = dist.PrefixStore(
             f"{namespace}/hb",
-            dist.TCPStore(host, port, world_size, False, timeout=timedelta(seconds=min(timeout_s, 10)),
-                          wait_for_workers=False),
+            dist.TCPStore(
+                host, port, world_size, False, timeout=timedelta(seconds=min(timeout_s, 10)), wait_for_workers=False
+            ),
         )
         self.rank = rank
         self.world_size = world_size

@@ -19,7 +19,6 @@ WORKER = "worker"
 SERVER = "server"
 
 
-
 @dataclass(frozen=True)
 class ProcessSpec:
     """One process of the job on this node."""

@@ -52,6 +52,7 @@ def _die_with_parent() -> None:
 
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
+
 MAX_PORT_RELAUNCHES = 5
 POLL_S = 0.05
 OUTPUT_JOIN_S = 2.0

@@ -69,8 +69,13 @@ def init_server(context: Any) -> Any:
     record_dir = environ.str(env.FLEET_LOG_DIR) or None
     try:
         server = ParameterServer(
-            endpoint, secret, role.server_index, role.worker_num, context.strategy.timeout_s,
-            rejoin=(environ.int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0, checkpoint_record_dir=record_dir,
+            endpoint,
+            secret,
+            role.server_index,
+            role.worker_num,
+            context.strategy.timeout_s,
+            rejoin=(environ.int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0,
+            checkpoint_record_dir=record_dir,
         )
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EADDRINUSE and role.source == "fleetrun":
@@ -91,9 +96,13 @@ def _restore_after_restart(server: Any, record_dir: str | None) -> None:
 
     dirname = shard_io.last_checkpoint(record_dir, server.server_index) if record_dir else None
     if dirname is None:
-        print(f"fleet: parameter server {server.server_index} restarted with no checkpoint of its shards "
-              f"recorded (fleet.save_persistables was not called yet): its tables start again from the "
-              "workers' current values", file=sys.stderr, flush=True)
+        print(
+            f"fleet: parameter server {server.server_index} restarted with no checkpoint of its shards "
+            f"recorded (fleet.save_persistables was not called yet): its tables start again from the "
+            "workers' current values",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     try:
         tables = server.restore(dirname)
@@ -101,8 +110,10 @@ def _restore_after_restart(server: Any, record_dir: str | None) -> None:
         server.shutdown()
         server._close()
         raise
-    print(f"fleet: parameter server {server.server_index} restarted from the checkpoint in {dirname} "
-          f"(tables {tables})", flush=True)
+    print(
+        f"fleet: parameter server {server.server_index} restarted from the checkpoint in {dirname} (tables {tables})",
+        flush=True,
+    )
 
 
 def run_server(context: Any) -> None:
@@ -113,8 +124,11 @@ def run_server(context: Any) -> None:
     gone = sorted(set(stats.get("gone_workers", [])) - set(stats.get("stopped_workers", [])))
     if gone:
         names = ", ".join(f"worker {w}" for w in gone)
-        print(f"fleet: parameter server {context.role.server_index}: {names} died or hung (no heartbeat) "
-              "and never came back; the job did not finish cleanly.", file=sys.stderr)
+        print(
+            f"fleet: parameter server {context.role.server_index}: {names} died or hung (no heartbeat) "
+            "and never came back; the job did not finish cleanly.",
+            file=sys.stderr,
+        )
         sys.exit(1)
     sys.exit(0)
 

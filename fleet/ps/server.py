@@ -274,7 +274,9 @@ class ParameterServer(TableOps):
         for worker in self._liveness.check(now, busy):
             log.warning(
                 "parameter server %d: worker %d sent nothing for %.1f s: it died or hung%s",
-                self.server_index, worker, self._liveness.dead_after_s,
+                self.server_index,
+                worker,
+                self._liveness.dead_after_s,
                 "; sync steps go on without it until it rejoins" if self.rejoin else "",
             )
             if self.rejoin:

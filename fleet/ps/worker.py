@@ -352,8 +352,10 @@ class PSOptimizer(WrappedOptimizer):
     def _recover(self, exc: PSServerUnavailable) -> None:
         """Wait for the restarted server, re-create the tables it lacks and take the servers' values."""
         timeout_s = self.client.timeout_s
-        print(f"fleet: worker {self.client.worker_index}: {exc}; waiting up to {timeout_s:.0f} s for its restart",
-              flush=True)
+        print(
+            f"fleet: worker {self.client.worker_index}: {exc}; waiting up to {timeout_s:.0f} s for its restart",
+            flush=True,
+        )
         for future in [*self._pushes, *(self._pull or [])]:
             try:
                 future.result()
@@ -372,8 +374,11 @@ class PSOptimizer(WrappedOptimizer):
             if isinstance(rows, _GeoRows):
                 rows.forget()
         self.server_restarts += 1
-        print(f"fleet: worker {self.client.worker_index}: parameter server {exc.server_index} is back; "
-              f"resynchronised (server restart {self.server_restarts})", flush=True)
+        print(
+            f"fleet: worker {self.client.worker_index}: parameter server {exc.server_index} is back; "
+            f"resynchronised (server restart {self.server_restarts})",
+            flush=True,
+        )
 
     def _roll_back(self, exc: PSServerUnavailable) -> None:
         """Sync: every worker and every server go back to the last checkpoint together."""
@@ -381,7 +386,9 @@ class PSOptimizer(WrappedOptimizer):
             raise PSServerUnavailable(
                 f"{exc} The server was restarted, but a sync job can only resume from a checkpoint that every "
                 "server loads together, and none was saved yet: call fleet.save_persistables(dirname) periodically.",
-                server_index=exc.server_index, endpoint=exc.endpoint, op=exc.op,
+                server_index=exc.server_index,
+                endpoint=exc.endpoint,
+                op=exc.op,
             ) from exc
         self.client.barrier().result()  # nobody pushes while the servers reload
         if self.is_first:
@@ -389,8 +396,11 @@ class PSOptimizer(WrappedOptimizer):
         self.client.barrier().result()
         self.refresh()
         self.server_restarts += 1
-        print(f"fleet: worker {self.client.worker_index}: parameter server {exc.server_index} is back; every "
-              f"server rolled back to {self.last_checkpoint} (server restart {self.server_restarts})", flush=True)
+        print(
+            f"fleet: worker {self.client.worker_index}: parameter server {exc.server_index} is back; every "
+            f"server rolled back to {self.last_checkpoint} (server restart {self.server_restarts})",
+            flush=True,
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:

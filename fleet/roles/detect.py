@@ -59,9 +59,17 @@ def _fleetrun(reader: EnvReader, servers: int) -> RoleInfo:
     if worker_num > 1 and master is None and server_num == 0:
         raise EnvError(f"{env.FLEET_WORKER_NUM}={worker_num} but {env.FLEET_MASTER} (host:port) is not set.")
     return RoleInfo(
-        role=role, worker_index=index, worker_num=worker_num, server_index=server_index, server_num=server_num,
-        server_endpoints=endpoints, master=master, rank=rank, world_size=worker_num + server_num,
-        local_rank=reader.int(env.FLEET_LOCAL_RANK, rank), source="fleetrun",
+        role=role,
+        worker_index=index,
+        worker_num=worker_num,
+        server_index=server_index,
+        server_num=server_num,
+        server_endpoints=endpoints,
+        master=master,
+        rank=rank,
+        world_size=worker_num + server_num,
+        local_rank=reader.int(env.FLEET_LOCAL_RANK, rank),
+        source="fleetrun",
     )
 
 
@@ -86,9 +94,14 @@ def _paddle(reader: EnvReader, servers: int) -> RoleInfo:
             )
         server_index = server_endpoints.index(here)
         return RoleInfo(
-            role=role, worker_num=worker_num, server_index=server_index, server_num=len(server_endpoints),
-            server_endpoints=server_endpoints, rank=worker_num + server_index,
-            world_size=worker_num + len(server_endpoints), source="paddle",
+            role=role,
+            worker_num=worker_num,
+            server_index=server_index,
+            server_num=len(server_endpoints),
+            server_endpoints=server_endpoints,
+            rank=worker_num + server_index,
+            world_size=worker_num + len(server_endpoints),
+            source="paddle",
         )
     index = _index(reader, env.PADDLE_TRAINER_ID, env.PADDLE_TRAINERS_NUM, worker_num)
     master = None
@@ -105,9 +118,15 @@ def _paddle(reader: EnvReader, servers: int) -> RoleInfo:
             )
         master = trainer_endpoints[0]
     return RoleInfo(
-        role=role, worker_index=index, worker_num=worker_num, server_num=len(server_endpoints),
-        server_endpoints=server_endpoints, master=master, rank=index,
-        world_size=worker_num + len(server_endpoints), source="paddle",
+        role=role,
+        worker_index=index,
+        worker_num=worker_num,
+        server_num=len(server_endpoints),
+        server_endpoints=server_endpoints,
+        master=master,
+        rank=index,
+        world_size=worker_num + len(server_endpoints),
+        source="paddle",
     )
 
 

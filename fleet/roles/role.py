@@ -66,6 +66,6 @@ class RoleInfo(BaseModel):
 
     @property
     def name(self) -> str:
-        """"worker 1" or "server 0": how messages name a process."""
+        """ "worker 1" or "server 0": how messages name a process."""
         index = self.worker_index if self.is_worker else self.server_index
         return f"{self.role.value} {index}"

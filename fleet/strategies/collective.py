@@ -43,8 +43,7 @@ class CollectiveStrategy(Strategy):
             raise ValueError(f"servers={config.servers} needs mode='ps'; collective jobs have no servers")
         if config.local_sgd_steps and config.grad_accumulation_steps > 1:
             raise ValueError(
-                "local_sgd_steps and grad_accumulation_steps > 1 cannot be combined; choose one way to "
-                "communicate less"
+                "local_sgd_steps and grad_accumulation_steps > 1 cannot be combined; choose one way to communicate less"
             )
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -1,6 +1,6 @@
 """A job that checkpoints as it trains, for the random-kill tests.
 
-    kill_train.py collective|ps CHECKPOINT_DIR STEPS
+kill_train.py collective|ps CHECKPOINT_DIR STEPS
 """
 
 import sys

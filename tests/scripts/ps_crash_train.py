@@ -1,6 +1,6 @@
 """A PS sync job in which one worker dies once at a given step (restarted by fleetrun or not).
 
-    ps_crash_train.py STEPS CRASH_STEP VICTIM_WORKER
+ps_crash_train.py STEPS CRASH_STEP VICTIM_WORKER
 """
 
 import os

@@ -1,6 +1,6 @@
 """Collective training that checkpoints every step and can crash once, to test restart + resume.
 
-    resumable_train.py CHECKPOINT_DIR CRASH_STEP VICTIM_WORKER   (CRASH_STEP -1: never crash)
+resumable_train.py CHECKPOINT_DIR CRASH_STEP VICTIM_WORKER   (CRASH_STEP -1: never crash)
 """
 
 import os
