@@ -12,6 +12,7 @@ import os
 import queue
 import secrets
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -19,6 +20,25 @@ from typing import Any
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "fleet"])
+
+
+# Variables of every launcher fleet detects: a test that starts its own launch must not inherit them.
+LAUNCHER_PREFIXES = (
+    "FLEET_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI_", "SLURM_", "PADDLE_", "TORCHELASTIC",
+)  # fmt: skip
+LAUNCHER_NAMES = ("TRAINING_ROLE", "POD_IP", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's variables, plus ``extra``."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
+    environ.update(extra)
+    return environ
+
+
+def fleetrun_command(*options: str, script: str, args: tuple[str, ...] = ()) -> list[str]:
+    """``python -m fleet.launch OPTIONS SCRIPT ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "fleet.launch", *options, str(script), *args]
 
 
 def free_port() -> int:

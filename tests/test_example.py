@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -11,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from dist_harness import free_port
+from dist_harness import clean_env, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "single_to_multi"
 
 
 def run(command: list[str], tmp_path: Path) -> str:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    environ = clean_env()
     done = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=150)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output

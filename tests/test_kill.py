@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dist_harness import clean_env
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "kill_train.py"
 RUNS = int(os.environ.get("FLEET_KILL_RUNS", "20"))
 TIMEOUT_S = 5.0
@@ -61,7 +63,7 @@ def _one_run(tmp: Path, mode: str, victim_role: str, rng: random.Random) -> tupl
     strategy = tmp / "strategy.toml"
     strategy.write_text(f'mode = "{mode}"\ntimeout_s = {TIMEOUT_S}\n' + ('update = "sync"\n' if mode == "ps" else ""))
     servers = ["--servers", "2"] if mode == "ps" else []
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    environ = clean_env()
     command = [
         sys.executable,
         "-m",

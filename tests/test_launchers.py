@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -11,16 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dist_harness import free_port
+from dist_harness import clean_env, free_port
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "tiny_train.py"
-LAUNCHER_PREFIXES = ("FLEET_", "RANK", "WORLD_SIZE", "MASTER_", "OMPI_", "PMI_", "SLURM_", "PADDLE_", "TRAINING_ROLE")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
-    environ.update(extra)
-    return environ
 
 
 def checksums(output: str) -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -12,15 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dist_harness import free_port
+from dist_harness import clean_env, free_port
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ps_crash_train.py"
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    environ.update(extra)
-    return environ
 
 
 @pytest.mark.timeout(120)
@@ -46,7 +39,7 @@ def test_a_restarted_worker_rejoins_the_running_sync_job(tmp_path):
         "8",
         "1",
     ]
-    done = subprocess.run(command, env=_clean_env(), capture_output=True, text=True, timeout=110)
+    done = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=110)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "worker 1 joined (restart 1)" in output and "[worker 1] worker 1 done" in output, output
@@ -71,7 +64,7 @@ def test_a_dead_worker_is_named_and_the_server_ends_without_a_launcher(tmp_path)
     procs = [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), "200", "5", "1"],
-            env=_clean_env(**common, **role),
+            env=clean_env(**common, **role),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -114,7 +107,7 @@ def test_workers_with_different_models_are_named_at_distributed_optimizer(tmp_pa
         str(tmp_path / "logs"),
         str(script),
     ]
-    done = subprocess.run(command, env=_clean_env(), capture_output=True, text=True, timeout=80)
+    done = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=80)
     output = done.stdout + done.stderr
     assert done.returncode == 2, output
     assert "ModelMismatchError" in output and "'1.weight' has shape [3, 8] on worker 1 but [2, 8]" in output, output

@@ -11,30 +11,15 @@ import sys
 
 import pytest
 
+from dist_harness import clean_env as launch_env
 from dist_harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "ps_train.py")
-LAUNCHER_PREFIXES = (
-    "FLEET_",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_",
-    "MASTER_",
-    "OMPI_",
-    "PMI_",
-    "SLURM_",
-    "PADDLE_",
-    "TORCHELASTIC",
-)
-LAUNCHER_NAMES = ("TRAINING_ROLE", "POD_IP", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without any launcher's variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env
+    return launch_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
 
 
 def results(output: str) -> list[dict]:

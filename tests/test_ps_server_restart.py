@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from dist_harness import clean_env
 from fleet.ps import shard_io
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ps_server_crash_train.py"
-
-
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "RANK", "WORLD_SIZE", "MASTER_"))}
 
 
 def _run(tmp_path: Path, update: str, restarts: int) -> subprocess.CompletedProcess:
@@ -39,7 +36,7 @@ def _run(tmp_path: Path, update: str, restarts: int) -> subprocess.CompletedProc
     if restarts:
         command += ["--max-restarts", str(restarts)]
     command += [str(SCRIPT), "50", "10", "25", str(tmp_path / "crash.flag"), str(tmp_path / "ckpt")]
-    return subprocess.run(command, env=_clean_env(), capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    return subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=100, cwd=tmp_path)
 
 
 def test_the_checkpoint_record_is_atomic_and_names_a_saved_directory(tmp_path):

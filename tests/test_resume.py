@@ -14,12 +14,13 @@ import pytest
 import torch
 
 import fleet
+from dist_harness import clean_env
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "resumable_train.py"
 
 
 def fleetrun(tmp: Path, name: str, crash_step: int, victim: int) -> tuple[str, list[str]]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    environ = clean_env()
     command = [
         sys.executable,
         "-m",
