@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_harness import clean_env, free_port
+from dist_harness import clean_env, fleetrun_command, free_port
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ps_crash_train.py"
 
@@ -20,25 +20,8 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "ps_crash_train.py"
 def test_a_restarted_worker_rejoins_the_running_sync_job(tmp_path):
     strategy = tmp_path / "sync.toml"
     strategy.write_text('mode = "ps"\nupdate = "sync"\ntimeout_s = 30\n')
-    command = [
-        sys.executable,
-        "-m",
-        "fleet.launch",
-        "--servers",
-        "1",
-        "--workers",
-        "2",
-        "--max-restarts",
-        "1",
-        "--strategy",
-        str(strategy),
-        "--log-dir",
-        str(tmp_path / "logs"),
-        str(SCRIPT),
-        "40",
-        "8",
-        "1",
-    ]
+    options = ("--servers", "1", "--workers", "2", "--max-restarts", "1", "--strategy", str(strategy))
+    command = fleetrun_command(*options, "--log-dir", str(tmp_path / "logs"), script=SCRIPT, args=("40", "8", "1"))
     done = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=110)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
@@ -93,20 +76,8 @@ def test_workers_with_different_models_are_named_at_distributed_optimizer(tmp_pa
     strategy = tmp_path / "sync.toml"
     strategy.write_text('mode = "ps"\nupdate = "sync"\ntimeout_s = 20\n')
     script = Path(__file__).resolve().parent / "scripts" / "ps_mismatch.py"
-    command = [
-        sys.executable,
-        "-m",
-        "fleet.launch",
-        "--servers",
-        "1",
-        "--workers",
-        "2",
-        "--strategy",
-        str(strategy),
-        "--log-dir",
-        str(tmp_path / "logs"),
-        str(script),
-    ]
+    options = ("--servers", "1", "--workers", "2", "--strategy", str(strategy), "--log-dir", str(tmp_path / "logs"))
+    command = fleetrun_command(*options, script=script)
     done = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=80)
     output = done.stdout + done.stderr
     assert done.returncode == 2, output
