@@ -14,11 +14,11 @@ SLOTS, DIM, DENSE, VOCAB, BATCH = 3, 4, 5, 40, 8
 
 
 class Net(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, sparse_optimizer: dict | None = None) -> None:
         super().__init__()
         import fleet
 
-        self.emb = fleet.nn.SparseEmbedding(DIM, seed=3)
+        self.emb = fleet.nn.SparseEmbedding(DIM, seed=3, optimizer=sparse_optimizer)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(SLOTS * DIM + DENSE, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 
     def forward(self, ids: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,18 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return ids, dense, label
 
 
+def make_model(name: str) -> Net:
+    """``...+adagrad_rows``: the sparse table overrides the dense optimizer with its own (Adagrad)."""
+    return Net({"kind": "adagrad", "lr": 0.1} if name.endswith("+adagrad_rows") else None)
+
+
+def make_scheduler(name: str, opt: torch.optim.Optimizer):
+    """``...+steplr``: the learning rate halves every 2 steps (it travels with every push)."""
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if name.endswith("+steplr") else None
+
+
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    name = name.split("+")[0]
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
     if name == "adam":
@@ -59,8 +70,9 @@ def snapshot(model: Net) -> dict[str, torch.Tensor]:
 def reference(opt_name: str, steps: int, workers: int) -> dict[str, torch.Tensor]:
     """Single process on the union of the workers' batches (the model worker 0 builds)."""
     torch.manual_seed(100)
-    model = Net()
+    model = make_model(opt_name)
     opt = make_optimizer(opt_name, model.parameters())
+    scheduler = make_scheduler(opt_name, opt)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     for step in range(steps):
         parts = [batch(step, r) for r in range(workers)]
@@ -68,6 +80,8 @@ def reference(opt_name: str, steps: int, workers: int) -> dict[str, torch.Tensor
         opt.zero_grad()
         loss_fn(model(ids, dense), label).backward()
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
     return snapshot(model)
 
 
@@ -80,8 +94,9 @@ def train(rank: int, opt_name: str, steps: int, want_stats: bool = False) -> dic
     except SystemExit as stop:  # a server: fleet.init served, then exited the process
         return {"served": stop.code}
     torch.manual_seed(100 + fleet.worker_index())  # differs per worker: worker 0's values must win
-    model = Net()
+    model = make_model(opt_name)
     opt = fleet.distributed_optimizer(make_optimizer(opt_name, model.parameters()))
+    scheduler = make_scheduler(opt_name, opt)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     losses = []
     for step in range(steps):
@@ -90,6 +105,8 @@ def train(rank: int, opt_name: str, steps: int, want_stats: bool = False) -> dic
         loss = loss_fn(model(ids, dense), label)
         loss.backward()
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.item())
     fleet.barrier_worker()
     out = {"snapshot": snapshot(model), "losses": losses}

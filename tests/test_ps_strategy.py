@@ -15,7 +15,10 @@ def _assert_matches(results: list, ref: dict) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("opt_name", "servers", "workers"), [("sgd", 1, 2), ("adam", 2, 3)])
+@pytest.mark.parametrize(
+    ("opt_name", "servers", "workers"),
+    [("sgd", 1, 2), ("adam", 2, 3), ("sgd+steplr", 2, 2), ("plain+adagrad_rows", 1, 2)],
+)
 def test_sync_equals_single_process_on_union(opt_name: str, servers: int, workers: int) -> None:
     results = run_job(train, servers, workers, {"update": "sync"}, opt_name, 6)
     _assert_matches(results, reference(opt_name, 6, workers))
