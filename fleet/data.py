@@ -15,7 +15,6 @@ class ShardedLoader:
     """A DataLoader over this worker's shard; ``set_epoch(e)`` reshuffles like DistributedSampler."""
 
     def __init__(self, loader: DataLoader, num_shards: int, shard: int, seed: int = 0):
-        self.original = loader
         self.position = 0  # batches taken from the current epoch, for checkpoints
         self._skip = 0
         self.num_shards = num_shards

@@ -90,13 +90,12 @@ class GradientBuckets:
         self.scale = 1.0 / world_size
         self.buckets = self._build(params, bucket_bytes)
         self._where = {id(p): b for b in self.buckets for p in b.params}
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where_params()]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for b in self.buckets for p in b.params
+        ]
         self._in_backward = False
         self._next = 0
         self.comm_wait_s = 0.0
-
-    def _where_params(self) -> list[torch.Tensor]:
-        return [p for b in self.buckets for p in b.params]
 
     @staticmethod
     def _build(params: list[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:
@@ -118,6 +117,7 @@ class GradientBuckets:
         return buckets
 
     def remove(self) -> None:
+        """Unhook from the parameters (after stop_worker their backward no longer talks to the group)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -41,10 +41,6 @@ class PortAllocator:
         """Mark a port chosen elsewhere (e.g. --master) so it is never handed out."""
         self._given.add(port)
 
-    @property
-    def given(self) -> frozenset[int]:
-        return frozenset(self._given)
-
 
 def endpoint(host: str, port: int) -> str:
     """``host:port``, with IPv6 hosts in brackets."""

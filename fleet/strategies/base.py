@@ -56,9 +56,5 @@ class Strategy(ABC):
     def barrier(self) -> None:
         """Wait for every worker."""
 
-    def timings(self) -> dict[str, float]:
-        """Seconds spent computing and communicating, for metrics."""
-        return {}
-
     def shutdown(self) -> None:
         """Release connections and groups; called by fleet.stop_worker."""

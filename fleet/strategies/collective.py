@@ -46,8 +46,19 @@ class CollectiveStrategy(Strategy):
                 "local_sgd_steps and grad_accumulation_steps > 1 cannot be combined; choose one way to communicate less"
             )
 
+    def __init__(self, config: DistributedStrategy, runtime: Any):
+        super().__init__(config, runtime)
+        self.optimizers: list[CollectiveOptimizer] = []
+
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return CollectiveOptimizer(optimizer, self.config, self.runtime)
+        wrapped = CollectiveOptimizer(optimizer, self.config, self.runtime)
+        self.optimizers.append(wrapped)
+        return wrapped
+
+    def shutdown(self) -> None:
+        for optimizer in self.optimizers:
+            if optimizer.buckets is not None:
+                optimizer.buckets.remove()
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         group = self.runtime.process_group(self.config.timeout_s)
