@@ -270,6 +270,8 @@ class ParameterServer(TableOps):
         return set() if self.rejoin else self._liveness.gone
 
     def _check_liveness(self, now: float) -> None:
+        if not self._liveness.due(now):
+            return  # the server loop runs this after every batch of requests
         busy = {parked.msg.peer for parked in self._waiting}
         for worker in self._liveness.check(now, busy):
             log.warning(
