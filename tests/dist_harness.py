@@ -12,10 +12,12 @@ import os
 import queue
 import secrets
 import socket
+import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 _CTX = mp.get_context("forkserver")
@@ -39,6 +41,20 @@ def clean_env(**extra: str) -> dict[str, str]:
 def fleetrun_command(*options: str, script: str, args: tuple[str, ...] = ()) -> list[str]:
     """``python -m fleet.launch OPTIONS SCRIPT ARGS`` with this interpreter."""
     return [sys.executable, "-m", "fleet.launch", *options, str(script), *args]
+
+
+def run_fleetrun(
+    *args: object, cwd: Path | str, timeout: float = 60.0, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m fleet.launch ARGS`` to completion, plain (uncoloured, wide) output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "fleet.launch", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **(extra_env or {})},
+    )
 
 
 def free_port() -> int:

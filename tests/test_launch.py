@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_harness import run_fleetrun as fleetrun
 from fleet import env
 from fleet.launch import cli
 from fleet.launch.config import LaunchConfig
@@ -22,17 +23,6 @@ SCRIPTS = Path(__file__).parent / "scripts"
 ENV_SCRIPT = SCRIPTS / "launch_env.py"
 JOB_SCRIPT = SCRIPTS / "launch_job.py"
 PREFIX = re.compile(r"^\[(worker|server) (\d+)\] ")
-
-
-def fleetrun(*args: str, cwd: Path, timeout: float = 40) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fleet.launch", *map(str, args)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "160"},
-    )
 
 
 def child_lines(stdout: str) -> list[tuple[str, str]]:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from dist_harness import run_fleetrun as fleetrun
 from fleet import env, inject, metrics
 from fleet.launch import timing
 from fleet.optimizer import WrappedOptimizer
@@ -220,17 +218,6 @@ def test_injector_is_seeded_per_rank_and_only_on_chosen_ranks():
 
 
 # --- under fleetrun -------------------------------------------------------------------------------
-
-
-def fleetrun(*args: str, cwd: Path, extra_env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fleet.launch", *map(str, args)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **extra_env},
-    )
 
 
 @pytest.mark.timeout(90)
