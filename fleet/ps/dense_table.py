@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fleet.ps.optim import OptimizerSpec, ServerOptimizer, optimizer_config_json
+from fleet.ps.optim import OptimizerSpec, ServerOptimizer, check_table_config, optimizer_config_json
 
 _CONFIG_KEYS = ("size", "optimizer")
 
@@ -53,14 +53,7 @@ class DenseTable:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> DenseTable:
         """Build from ``{"size": int, "optimizer": {...}}`` (an :meth:`OptimizerSpec.to_config` dict)."""
-        if not isinstance(config, dict):
-            raise ValueError(f"dense table config must be a dict, got {type(config).__name__}")
-        unknown = sorted(set(config) - set(_CONFIG_KEYS))
-        if unknown:
-            raise ValueError(f"dense table config: unknown key(s) {unknown}; expected {list(_CONFIG_KEYS)}")
-        for key in _CONFIG_KEYS:
-            if key not in config:
-                raise ValueError(f"dense table config: missing key '{key}'")
+        check_table_config("dense", config, _CONFIG_KEYS, _CONFIG_KEYS)
         size = config["size"]
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"dense table config: 'size' must be an int >= 0, got {size!r}")

@@ -362,3 +362,15 @@ class ServerOptimizer:
 def optimizer_config_json(spec: OptimizerSpec) -> str:
     """The spec as a compact JSON string (for state dicts, which hold only tensors and scalars)."""
     return json.dumps(spec.to_config(), sort_keys=True)
+
+
+def check_table_config(kind: str, config: Any, allowed: tuple[str, ...], required: tuple[str, ...]) -> None:
+    """A table config from the wire: a dict with only ``allowed`` keys and every ``required`` one."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{kind} table config must be a dict, got {type(config).__name__}")
+    unknown = sorted(set(config) - set(allowed))
+    if unknown:
+        raise ValueError(f"{kind} table config: unknown key(s) {unknown}; expected {list(allowed)}")
+    for key in required:
+        if key not in config:
+            raise ValueError(f"{kind} table config: missing key '{key}'")

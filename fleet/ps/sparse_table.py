@@ -25,7 +25,14 @@ from typing import Any
 import torch
 
 from fleet.ps.id_index import IdIndex, as_ids, large_empty
-from fleet.ps.optim import InitializerSpec, OptimizerSpec, ServerOptimizer, initial_rows, optimizer_config_json
+from fleet.ps.optim import (
+    InitializerSpec,
+    OptimizerSpec,
+    ServerOptimizer,
+    check_table_config,
+    initial_rows,
+    optimizer_config_json,
+)
 
 _CONFIG_KEYS = ("dim", "optimizer", "initializer", "seed")
 _REQUIRED_KEYS = ("dim", "optimizer")
@@ -67,14 +74,7 @@ class SparseTable:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> SparseTable:
         """Build from ``{"dim", "optimizer", "initializer" (optional), "seed" (optional)}``."""
-        if not isinstance(config, dict):
-            raise ValueError(f"sparse table config must be a dict, got {type(config).__name__}")
-        unknown = sorted(set(config) - set(_CONFIG_KEYS))
-        if unknown:
-            raise ValueError(f"sparse table config: unknown key(s) {unknown}; expected {list(_CONFIG_KEYS)}")
-        for key in _REQUIRED_KEYS:
-            if key not in config:
-                raise ValueError(f"sparse table config: missing key '{key}'")
+        check_table_config("sparse", config, _CONFIG_KEYS, _REQUIRED_KEYS)
         dim, seed = config["dim"], config.get("seed", 0)
         if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
             raise ValueError(f"sparse table config: 'dim' must be an int > 0, got {dim!r}")
