@@ -12,14 +12,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from dist_harness import clean_env
+from dist_harness import clean_env, fleetrun_command
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "kill_train.py"
 RUNS = int(os.environ.get("FLEET_KILL_RUNS", "20"))
@@ -64,26 +63,10 @@ def _one_run(tmp: Path, mode: str, victim_role: str, rng: random.Random) -> tupl
     strategy.write_text(f'mode = "{mode}"\ntimeout_s = {TIMEOUT_S}\n' + ('update = "sync"\n' if mode == "ps" else ""))
     servers = ["--servers", "2"] if mode == "ps" else []
     environ = clean_env()
-    command = [
-        sys.executable,
-        "-m",
-        "fleet.launch",
-        "--workers",
-        "2",
-        *servers,
-        "--strategy",
-        str(strategy),
-        "--stop-timeout",
-        "2",
-        "--server-grace",
-        "5",
-        "--log-dir",
-        str(tmp / "logs"),
-        str(SCRIPT),
-        mode,
-        str(tmp / "checkpoint"),
-        "60",
-    ]
+    options = ("--workers", "2", *servers, "--strategy", str(strategy), "--stop-timeout", "2", "--server-grace", "5")
+    command = fleetrun_command(
+        *options, "--log-dir", str(tmp / "logs"), script=SCRIPT, args=(mode, str(tmp / "checkpoint"), "60")
+    )
     output = open(tmp / "fleetrun.out", "w")  # noqa: SIM115 - closed when the job ends
     job = subprocess.Popen(command, env=environ, stdout=output, stderr=subprocess.STDOUT)
     time.sleep(rng.uniform(0.5, 5.0))

@@ -392,24 +392,17 @@ def test_control_messages_are_signed_and_forgeries_dropped():
 
 @pytest.mark.timeout(60)
 def test_an_unreachable_master_fails_with_a_clear_message(tmp_path):
-    environ = {**os.environ, "FLEET_SECRET": "ab" * 16}
-    command = [
-        sys.executable,
-        "-m",
-        "fleet.launch",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "1",
-        "--master",
-        f"127.0.0.1:{PortAllocator().take()}",
-        "--join-timeout",
-        "2",
+    master = f"127.0.0.1:{PortAllocator().take()}"
+    options = ("--nnodes", "2", "--node-rank", "1", "--master", master, "--join-timeout", "2")
+    done = fleetrun(
+        *options,
         "--log-dir",
-        str(tmp_path / "logs"),
+        tmp_path / "logs",
         ENV_SCRIPT,
-    ]
-    done = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=50)
+        cwd=tmp_path,
+        timeout=50,
+        extra_env={"FLEET_SECRET": "ab" * 16},
+    )
     assert done.returncode != 0
     assert "Could not reach node 0 at --master 127.0.0.1:" in done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr

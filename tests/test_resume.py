@@ -7,35 +7,21 @@ import os
 import random
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import fleet
-from dist_harness import clean_env
+from dist_harness import clean_env, fleetrun_command
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "resumable_train.py"
 
 
 def fleetrun(tmp: Path, name: str, crash_step: int, victim: int) -> tuple[str, list[str]]:
     environ = clean_env()
-    command = [
-        sys.executable,
-        "-m",
-        "fleet.launch",
-        "--workers",
-        "2",
-        "--max-restarts",
-        "1",
-        "--log-dir",
-        str(tmp / f"logs-{name}"),
-        str(SCRIPT),
-        str(tmp / name),
-        str(crash_step),
-        str(victim),
-    ]
+    options = ("--workers", "2", "--max-restarts", "1", "--log-dir", str(tmp / f"logs-{name}"))
+    command = fleetrun_command(*options, script=SCRIPT, args=(str(tmp / name), str(crash_step), str(victim)))
     done = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=150, cwd=tmp)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
