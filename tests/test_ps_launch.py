@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from dist_harness import clean_env as launch_env
-from dist_harness import free_port
+from dist_harness import fleetrun_command, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "ps_train.py")
@@ -102,19 +102,9 @@ def test_torchrun_first_rank_serves_and_endpoints_come_through_the_store() -> No
 def test_fleetrun_with_servers_and_no_strategy_runs_the_default_ps_update(tmp_path) -> None:
     from fleet.api import DEFAULT_PS_UPDATE
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "fleet.launch",
-        "--servers",
-        "1",
-        "--workers",
-        "2",
-        "--log-dir",
-        str(tmp_path / "logs"),
-        SCRIPT,
-        "6",
-    ]
+    cmd = fleetrun_command(
+        "--servers", "1", "--workers", "2", "--log-dir", str(tmp_path / "logs"), script=SCRIPT, args=("6",)
+    )
     done = subprocess.run(cmd, env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = results(done.stdout)
