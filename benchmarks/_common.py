@@ -325,3 +325,11 @@ def worker_main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     worker_main()
+
+
+def save_figure(fig: Any, name: str) -> None:
+    """Lay out and write ``docs/figures/<name>.png``."""
+    fig.tight_layout()
+    path = FIGURES / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")

@@ -132,9 +132,7 @@ def main() -> None:
         ax.set_title(f"Fan-out: log-normal per-step delay, median {args.median_ms:.0f} ms")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(c.FIGURES / f"fanout{suffix}.png", dpi=110)
-        print(f"wrote {c.FIGURES / f'fanout{suffix}.png'}")
+        c.save_figure(fig, f"fanout{suffix}")
 
 
 if __name__ == "__main__":

@@ -109,16 +109,17 @@ def main() -> None:
 
 def replot(path, quick: bool, cores: int) -> None:
     """Recompute the predictions and redraw from a previous run's JSON (no new measurements)."""
-    rows = json.loads(path.read_text())["rows"]
+    saved = json.loads(path.read_text())
+    rows = saved["rows"]
     for name in dict.fromkeys(r["workload"] for r in rows):
         sub = [r for r in rows if r["workload"] == name]
         t_comp_1, t_sync_1 = sub[0]["t_comp_ms"] / 1e3, sub[0]["t_sync_ms"] / 1e3
         for r in sub:
             r["predicted_speedup"] = c.predicted_speedup(t_comp_1, r["t_sync_ms"] / 1e3, r["workers"], t_sync_1)
-    render(rows, quick, cores)
+    render(rows, quick, cores, machine=saved.get("machine"))  # the conditions of the measurement, not of now
 
 
-def render(rows: list[dict], quick: bool, cores: int) -> None:
+def render(rows: list[dict], quick: bool, cores: int, machine: str | None = None) -> None:
     args = argparse.Namespace(quick=quick)
     header = [
         "workload",
@@ -156,7 +157,7 @@ def render(rows: list[dict], quick: bool, cores: int) -> None:
     c.write_json(
         c.FIGURES / f"scaling{suffix}.json",
         {
-            "machine": c.machine_note(),
+            "machine": machine or c.machine_note(),
             "command": "python benchmarks/scaling.py" + (" --quick" if args.quick else ""),
             "rows": rows,
         },
@@ -189,9 +190,7 @@ def render(rows: list[dict], quick: bool, cores: int) -> None:
             ax.set_title(title)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(c.FIGURES / f"scaling{suffix}.png", dpi=110)
-        print(f"wrote {c.FIGURES / f'scaling{suffix}.png'}")
+        c.save_figure(fig, f"scaling{suffix}")
 
 
 if __name__ == "__main__":

@@ -178,9 +178,7 @@ def main() -> None:
         ax.set_title(f"W4: 1 of 4 workers slowed ~3x (log-normal, sigma {args.sigma})")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(c.FIGURES / f"stragglers{suffix}.png", dpi=110)
-        print(f"wrote {c.FIGURES / f'stragglers{suffix}.png'}")
+        c.save_figure(fig, f"stragglers{suffix}")
 
 
 if __name__ == "__main__":
