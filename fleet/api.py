@@ -6,6 +6,7 @@ One context per process, created by ``fleet.init``. Module-level functions in
 
 from __future__ import annotations
 
+import os
 import sys
 from datetime import timedelta
 from typing import Any
@@ -37,6 +38,7 @@ class FleetContext:
         self._models: list[torch.nn.Module] = []
         self._loaders: list[Any] = []  # distributed_loader results, whose positions checkpoints keep
         self._impl: Strategy | None = None
+        self._wrapped = False  # an optimizer or a model was wrapped: the strategy is fixed
         self._namespace = f"fleet/{env.current().str(env.FLEET_RESTART_COUNT, '0')}"
         self.liveness: Liveness | None = None
 
@@ -90,14 +92,31 @@ class FleetContext:
         return store
 
     def implementation(self, strategy: DistributedStrategy | None) -> Strategy:
-        """The strategy object for this config, built once."""
-        if strategy is not None and strategy is not self.strategy:
+        """The strategy object for this config, built once; a job trains under one strategy."""
+        if strategy is not None and strategy != self.strategy:
+            if self._wrapped:
+                raise FleetError(
+                    f"fleet.distributed_optimizer/distributed_model already trains this job under {_describe(self.strategy)}; "
+                    f"a second strategy ({_describe(strategy)}) cannot join it: every optimizer and model of a job "
+                    "trains under one strategy. Pass the same DistributedStrategy (or none) to every call."
+                )
             _check_against_role(strategy, self.role)
             self.strategy = strategy
             self._impl = None
         if self._impl is None:
             self._impl = registry.get(self.strategy.mode)(self.strategy, self)
         return self._impl
+
+    def wrapping(self, strategy: DistributedStrategy | None) -> Strategy:
+        """The strategy that wraps an optimizer or a model (after which it can no longer change)."""
+        impl = self.implementation(strategy)
+        self._wrapped = True
+        return impl
+
+
+def _describe(strategy: DistributedStrategy) -> str:
+    fields = ", ".join(f"{k}={v!r}" for k, v in strategy.model_dump(exclude_defaults=True).items())
+    return f"DistributedStrategy({fields})"
 
 
 _context: FleetContext | None = None
@@ -132,11 +151,17 @@ def init(
 
     With no launcher this is worker 0 of 1 and nothing else happens. On a parameter-server
     process this serves until every worker is done, then exits the process with status 0.
+    ``is_collective`` has Paddle's meaning: True for collective training, False for a
+    parameter-server job; None lets the strategy and the launch decide.
     """
     global _context
     config = _resolve_strategy(strategy)
+    if is_collective is not None:
+        config = _honour_is_collective(config, is_collective)
     servers = config.servers if config.mode == "ps" else 0
     role = role_maker.role_info(servers=servers) if role_maker is not None else detect(servers=servers)
+    if is_collective is not None:
+        config = _check_is_collective(config, is_collective, role)
     if role.server_num and strategy is None and config.mode == "collective" and "mode" not in config.model_fields_set:
         config = DistributedStrategy(mode="ps", update=DEFAULT_PS_UPDATE, timeout_s=config.timeout_s)
     _check_against_role(config, role)
@@ -146,10 +171,10 @@ def init(
     except ValueError:
         raise env.EnvError(f"{env.FLEET_SECRET} must be hex, got {len(secret_hex or '')} other characters.") from None
     if _context is not None:
-        if _context.role != role:
-            raise FleetError("fleet.init was already called with a different role in this process.")
+        _check_same_init(_context, role, config, strategy is not None or is_collective is not None)
         return
     _context = FleetContext(role, config, secret)
+    _mark_joined(role)
     if config.mode == "ps" or role.server_num:
         from fleet.strategies import parameter_server
 
@@ -164,6 +189,74 @@ def init(
             raise
 
 
+def _honour_is_collective(config: DistributedStrategy, is_collective: bool) -> DistributedStrategy:
+    """Paddle's is_collective against the strategy: the mode it implies, or an error if the strategy says otherwise."""
+    if is_collective:
+        if config.mode == "ps":
+            raise StrategyError(
+                "fleet.init(is_collective=True) asks for collective training, but the strategy has mode='ps'. "
+                "Use is_collective=False for a parameter-server job, or a collective strategy."
+            )
+        return config
+    if config.mode == "ps":
+        return config
+    if "mode" in config.model_fields_set:
+        raise StrategyError(
+            f"fleet.init(is_collective=False) asks for a parameter-server job, but the strategy has "
+            f"mode={config.mode!r}. Use is_collective=True, or a strategy with mode='ps'."
+        )
+    chosen = config.model_dump(exclude_unset=True)
+    return DistributedStrategy(**{"update": DEFAULT_PS_UPDATE, **chosen, "mode": "ps"})
+
+
+def _check_is_collective(config: DistributedStrategy, is_collective: bool, role: RoleInfo) -> DistributedStrategy:
+    if is_collective and role.server_num:
+        raise StrategyError(
+            f"fleet.init(is_collective=True) asks for collective training, but the launch started {role.server_num} "
+            "parameter server(s) (fleetrun --servers, or the launcher's server variables). Use is_collective=False "
+            "for a parameter-server job, or launch without servers."
+        )
+    if not is_collective and not role.server_num:
+        if role.worker_num > 1:
+            raise StrategyError(
+                f"fleet.init(is_collective=False) asks for a parameter-server job, but the launch started "
+                f"{role.worker_num} workers and no parameter server. Start servers (`fleetrun --servers S --workers N`, "
+                "or servers=S in the strategy under torchrun/mpirun/srun), or use is_collective=True."
+            )
+        # One process and no server: a local run of a parameter-server script trains on its own.
+        return DistributedStrategy(timeout_s=config.timeout_s, seed=config.seed)
+    return config
+
+
+def _check_same_init(context: FleetContext, role: RoleInfo, config: DistributedStrategy, asked: bool) -> None:
+    """A second fleet.init must ask for what the first one set up."""
+    if context.role != role:
+        raise FleetError(
+            f"fleet.init was already called in this process as {context.role.name}; this call finds "
+            f"{role.name}. Call fleet.init once (fleet.stop_worker() ends the job)."
+        )
+    if asked and config != context.strategy:
+        raise FleetError(
+            f"fleet.init was already called with {_describe(context.strategy)}; this call asks for "
+            f"{_describe(config)}. A process joins one job under one strategy: call fleet.init once, or "
+            "fleet.stop_worker() before starting another."
+        )
+
+
+def _mark_joined(role: RoleInfo) -> None:
+    """Tell fleetrun that this worker called fleet.init (its summary names workers that never did)."""
+    log_dir = env.current().str(env.FLEET_LOG_DIR)
+    if not log_dir or not role.is_worker:
+        return
+    try:
+        path = os.path.join(log_dir, "joined", f"worker-{role.worker_index}")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write(str(os.getpid()))
+    except OSError:
+        pass  # only the summary's note depends on it
+
+
 def _require() -> FleetContext:
     if _context is None:
         init()
@@ -175,14 +268,14 @@ def distributed_optimizer(
     optimizer: torch.optim.Optimizer, strategy: DistributedStrategy | None = None
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` trains across the job. ``isinstance(result, torch.optim.Optimizer)`` holds."""
-    return _require().implementation(strategy).wrap_optimizer(optimizer)
+    return _require().wrapping(strategy).wrap_optimizer(optimizer)
 
 
 def distributed_model(model: torch.nn.Module, strategy: DistributedStrategy | None = None) -> torch.nn.Module:
     """Broadcast worker 0's parameters and buffers and keep buffers in step (DDP semantics). Optional."""
     context = _require()
     context._models.append(model)
-    return context.implementation(strategy).wrap_model(model)
+    return context.wrapping(strategy).wrap_model(model)
 
 
 def distributed_loader(loader: Any) -> Any:
@@ -233,6 +326,17 @@ def barrier_worker() -> None:
     """Wait until every worker reaches this call."""
     context = _require()
     context.implementation(None).barrier()
+
+
+def join() -> Any:
+    """``with fleet.join(): <training loop>``: workers whose loop ends first wait for the others.
+
+    Collective mode: a finished worker shadows the others' collectives until every loop has
+    ended (averages then count only the workers that still have data), and all leave the block
+    with the last trainer's parameters and optimizer state. Without it, a worker whose loop ends
+    early makes the others fail with a PeerError naming it. Elsewhere it does nothing.
+    """
+    return _require().implementation(None).join()
 
 
 def stop_worker() -> None:

@@ -32,6 +32,7 @@ PUBLIC = {
     "is_first_worker",
     "is_server",
     "is_worker",
+    "join",
     "load_checkpoint",
     "load_persistables",
     "progress",

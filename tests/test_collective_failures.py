@@ -54,7 +54,9 @@ def test_a_dead_or_silent_worker_is_named_on_the_survivor_within_the_timeout(vic
 
     kind, message, seconds = torch.load(io.BytesIO(value), weights_only=False)
     assert kind == "PeerError", message
-    assert "all-reduce of gradient bucket" in message and named in message, message
+    # It fails in the round's header exchange or in a bucket's all-reduce, depending on timing.
+    assert "all-reduce of gradient bucket" in message or "agreeing on the next collective" in message, message
+    assert named in message, message
     assert seconds < 5 + 10
 
 

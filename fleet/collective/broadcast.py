@@ -6,6 +6,7 @@ Structure (shapes, state layout) travels as JSON in uint8 tensors, never pickled
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +16,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from fleet.errors import ModelMismatchError
 
 
-def _all_gather_json(value: Any, group: dist.ProcessGroup) -> list[Any]:
+def all_gather_json(value: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every worker's JSON-able ``value``, by rank."""
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
     world = dist.get_world_size(group)
     length = torch.tensor([data.numel()], dtype=torch.int64)
@@ -29,10 +31,10 @@ def _all_gather_json(value: Any, group: dist.ProcessGroup) -> list[Any]:
     return [json.loads(bytes(g[: int(n.item())].tolist())) for g, n in zip(gathered, lengths, strict=True)]
 
 
-def _broadcast_json(value: Any, group: dist.ProcessGroup) -> Any:
-    """Rank 0's value on every rank."""
-    src = dist.get_global_rank(group, 0)
-    payload = json.dumps(value).encode() if dist.get_rank(group) == 0 else b""
+def _broadcast_json(value: Any, group: dist.ProcessGroup, source: int = 0) -> Any:
+    """Rank ``source``'s value on every rank."""
+    src = dist.get_global_rank(group, source)
+    payload = json.dumps(value).encode() if dist.get_rank(group) == source else b""
     length = torch.tensor([len(payload)], dtype=torch.int64)
     dist.broadcast(length, src=src, group=group)
     data = torch.zeros(int(length.item()), dtype=torch.uint8)
@@ -42,10 +44,17 @@ def _broadcast_json(value: Any, group: dist.ProcessGroup) -> Any:
     return json.loads(bytes(data.tolist()))
 
 
-def check_same_shapes(params: list[torch.Tensor], names: list[str], group: dist.ProcessGroup) -> None:
-    """Raise ModelMismatchError on every worker, naming the first parameter that differs."""
-    mine = [[name, list(p.shape), str(p.dtype)] for name, p in zip(names, params, strict=True)]
-    everyone = _all_gather_json(mine, group)
+def check_same_shapes(params: list[torch.Tensor], names: Callable[[], list[str]], group: dist.ProcessGroup) -> None:
+    """Raise ModelMismatchError on every worker, naming the first parameter that differs.
+
+    ``names`` is called (on every worker) only when the shapes differ: finding a parameter's
+    name may cost a scan of the live modules.
+    """
+    shapes = [[list(p.shape), str(p.dtype)] for p in params]
+    if all(theirs == shapes for theirs in all_gather_json(shapes, group)):
+        return
+    mine = [[name, *shape] for name, shape in zip(names(), shapes, strict=True)]
+    everyone = all_gather_json(mine, group)
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         if theirs == reference:
@@ -71,9 +80,9 @@ def _by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Overwrite ``tensors`` with worker 0's values, one flat broadcast per dtype and device."""
-    src = dist.get_global_rank(group, 0)
+def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup, source: int = 0) -> None:
+    """Overwrite ``tensors`` with worker ``source``'s values, one flat broadcast per dtype and device."""
+    src = dist.get_global_rank(group, source)
     with torch.no_grad():
         for same in _by_kind(tensors):
             flat = _flatten_dense_tensors([t.detach() for t in same])
@@ -82,22 +91,33 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> 
                 tensor.copy_(value)
 
 
-def average_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Replace ``tensors`` with their mean over the group (local SGD)."""
-    world = dist.get_world_size(group)
+def average_tensors(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, active: int, contribute: bool = True
+) -> None:
+    """Replace ``tensors`` with their mean over the ``active`` workers (local SGD).
+
+    A worker shadowing inside fleet.join() takes part with ``contribute=False``: it adds
+    nothing and keeps its own values.
+    """
     with torch.no_grad():
         for same in _by_kind(tensors):
             flat = _flatten_dense_tensors([t.detach() for t in same])
-            flat.div_(world)
+            if contribute:
+                flat.div_(active)
+            else:
+                flat.zero_()
             dist.all_reduce(flat, group=group)
-            for tensor, value in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
-                tensor.copy_(value)
+            if contribute:
+                for tensor, value in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+                    tensor.copy_(value)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup) -> None:
-    """Give every worker worker 0's optimizer state (momentum buffers, Adam moments, step counts)."""
-    is_source = dist.get_rank(group) == 0
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, group: dist.ProcessGroup, source: int = 0) -> None:
+    """Give every worker worker ``source``'s optimizer state (momentum buffers, Adam moments, step counts)
+    and hyper-parameters (learning rates an LR scheduler moved)."""
+    is_source = dist.get_rank(group) == source
     full = optimizer.state_dict()
+    hyper = _broadcast_json(_hyper_parameters(full), group, source)
     layout: dict[str, dict[str, Any]] = {}
     if is_source:
         for index, entry in full["state"].items():
@@ -107,7 +127,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, group: dist.Proc
                 else {"value": v}
                 for key, v in entry.items()
             }
-    layout = _broadcast_json(layout, group)
+    layout = _broadcast_json(layout, group, source)
+    if not is_source and hyper != _hyper_parameters(full):
+        for group_state, values in zip(full["param_groups"], hyper, strict=True):
+            for key, value in values.items():
+                if torch.is_tensor(group_state.get(key)):
+                    group_state[key] = torch.full_like(group_state[key], value)
+                else:
+                    group_state[key] = tuple(value) if isinstance(group_state.get(key), tuple) else value
+        if not layout and not full["state"]:
+            optimizer.load_state_dict(full)
     if not layout and not full["state"]:
         return
     state: dict[int, dict[str, Any]] = {}
@@ -123,7 +152,25 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, group: dist.Proc
                 built[key] = tensor
                 tensors.append(tensor)
         state[int(index)] = built
-    broadcast_tensors(tensors, group)
+    broadcast_tensors(tensors, group, source)
     if not is_source:
         full["state"] = state
         optimizer.load_state_dict(full)
+
+
+def _hyper_parameters(state_dict: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON-able hyper-parameters of each param group (lr, momentum, betas, ...)."""
+    out = []
+    for group in state_dict["param_groups"]:
+        values = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if torch.is_tensor(value) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, bool | int | float | str | type(None)) or (
+                isinstance(value, tuple | list) and all(isinstance(v, int | float) for v in value)
+            ):
+                values[key] = list(value) if isinstance(value, tuple) else value
+        out.append(values)
+    return out

@@ -20,6 +20,7 @@ updates the rows, with its class and hyper-parameters unless ``optimizer`` overr
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -127,25 +128,42 @@ class SparseEmbedding(nn.Module):
     def apply_local(self, optimizer_class: type, group: dict[str, Any]) -> None:
         """Apply this step's row gradients to the local table (averaged over collective workers)."""
         ids, grads = self.take_gradients()
-        group_ = _collective_group()
-        if group_ is not None:
-            ids, grads = _all_gather_rows(ids, grads, group_)
+        lr = float(group["lr"])
+        if _row_exchange is not None:
+            ids, grads = _row_exchange(self, ids, grads, lr)
+        self.apply_rows(optimizer_class, group, ids, grads, lr)
+
+    def apply_rows(
+        self, optimizer_class: type, group: dict[str, Any], ids: torch.Tensor, grads: torch.Tensor, lr: float
+    ) -> None:
         table = self.local_table(OptimizerSpec.from_torch(optimizer_class, group))
         if ids.numel():
-            table.apply_gradient(ids, grads, float(group["lr"]))
+            table.apply_gradient(ids, grads, lr)
 
 
-def _collective_group() -> Any:
-    from fleet import api
-
-    context = api._context
-    if context is None or context.role.worker_num == 1 or context.role.server_num:
-        return None
-    return context.process_group(context.strategy.timeout_s)
+# Set by the collective strategy: merges a table's (ids, row gradients) over the workers, so that
+# every worker applies the same update and the local tables stay identical.
+RowExchange = Callable[["SparseEmbedding", torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+_row_exchange: RowExchange | None = None
 
 
-def _all_gather_rows(ids: torch.Tensor, grads: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every worker's (ids, grads), merged; gradients divided by the number of workers (averaged)."""
+def set_row_exchange(exchange: RowExchange | None) -> None:
+    global _row_exchange
+    _row_exchange = exchange
+
+
+def module_of(placeholder: torch.Tensor) -> SparseEmbedding:
+    """The SparseEmbedding whose placeholder parameter this is."""
+    module = _BY_PLACEHOLDER.get(id(placeholder))
+    if module is None or module.placeholder is not placeholder:
+        raise KeyError("not a SparseEmbedding placeholder")
+    return module
+
+
+def all_gather_rows(
+    ids: torch.Tensor, grads: torch.Tensor, group: Any, active: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every worker's (ids, grads), merged; gradients divided by the ``active`` workers (averaged)."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
@@ -164,7 +182,7 @@ def _all_gather_rows(ids: torch.Tensor, grads: torch.Tensor, group: Any) -> tupl
     dist.all_gather(all_grads, padded, group=group)
     n = [int(c.item()) for c in counts]
     merged_ids = torch.cat([t[:k] for t, k in zip(all_ids, n, strict=True)])
-    merged = torch.cat([t[:k] for t, k in zip(all_grads, n, strict=True)]).div_(world)
+    merged = torch.cat([t[:k] for t, k in zip(all_grads, n, strict=True)]).div_(active)
     return merged_ids, merged
 
 

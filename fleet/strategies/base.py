@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -55,6 +56,10 @@ class Strategy(ABC):
 
     def barrier(self) -> None:
         """Wait for every worker."""
+
+    def join(self) -> AbstractContextManager:
+        """``with fleet.join():`` for loops that end unevenly; nothing to do unless the strategy says so."""
+        return nullcontext()
 
     def shutdown(self) -> None:
         """Release connections and groups; called by fleet.stop_worker."""

@@ -1,31 +1,45 @@
 """Collective data parallelism: every worker holds the whole model; gradients are averaged.
 
-Sync only. Options: gradient buckets (bucket_mb), fp16/bf16 gradient compression,
-gradient accumulation over micro-batches, and local SGD (average parameters every k
-steps instead of gradients every step).
+Sync only. One :class:`~fleet.collective.grad_sync.GradSync` per job is shared by every
+optimizer wrapped here and every model given to ``distributed_model``, so the order of
+collectives is one agreed order however many optimizers share a backward. Options:
+gradient buckets (bucket_mb), fp16/bf16 gradient compression, gradient accumulation over
+micro-batches, and local SGD (average parameters every k steps instead of gradients every
+step). ``fleet.join()`` handles loops that end unevenly.
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
 import time
+import weakref
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from fleet.collective import lockstep
 from fleet.collective.broadcast import (
     average_tensors,
     broadcast_optimizer_state,
     broadcast_tensors,
     check_same_shapes,
 )
-from fleet.collective.buckets import GradientBuckets
 from fleet.collective.compression import make_compressor
+from fleet.collective.grad_sync import GradSync
+from fleet.collective.join import Join
+from fleet.errors import PeerError
+from fleet.nn import sparse_embedding
 from fleet.optimizer import WrappedOptimizer
+from fleet.owners import names_of
 from fleet.strategies.base import Strategy
 
 if TYPE_CHECKING:
     from fleet.strategy import DistributedStrategy
+
+EXIT_TIMEOUT_S = 30.0  # how long a finishing process waits for its peers to agree that the job is over
 
 
 class CollectiveStrategy(Strategy):
@@ -48,101 +62,221 @@ class CollectiveStrategy(Strategy):
 
     def __init__(self, config: DistributedStrategy, runtime: Any):
         super().__init__(config, runtime)
-        self.optimizers: list[CollectiveOptimizer] = []
+        # Weakly held, like the synchroniser's registry: a dropped optimizer or model stops taking part.
+        self._optimizers: list[weakref.ref] = []
+        self._models: list[weakref.ref] = []
+        self._sync: GradSync | None = None
+
+    # --- the shared synchroniser ----------------------------------------------------------
+
+    def sync(self) -> GradSync:
+        if self._sync is None:
+            config = self.config
+            group = self.runtime.process_group(config.timeout_s)
+            self._sync = GradSync(
+                group,
+                bucket_bytes=int(config.bucket_mb * (1 << 20)),
+                compressor=make_compressor(config.grad_compression),
+                timeout_s=config.timeout_s,
+                diagnose=self.runtime.diagnose_peers,
+                accumulation=config.grad_accumulation_steps,
+            )
+            # Gradient rounds are needed to average over workers, or to scale accumulated micro-batches.
+            self._sync.hooked = not config.local_sgd_steps and (group is not None or config.grad_accumulation_steps > 1)
+            if group is not None:
+                sparse_embedding.set_row_exchange(self._exchange_rows)
+                atexit.register(self._finish_at_exit)
+        return self._sync
+
+    @property
+    def group(self) -> Any:
+        return self.sync().group
+
+    @property
+    def optimizers(self) -> list[CollectiveOptimizer]:
+        return [o for o in (ref() for ref in self._optimizers) if o is not None]
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        wrapped = CollectiveOptimizer(optimizer, self.config, self.runtime)
-        self.optimizers.append(wrapped)
+        wrapped = CollectiveOptimizer(optimizer, self)
+        self._optimizers.append(weakref.ref(wrapped))
         return wrapped
 
-    def shutdown(self) -> None:
-        for optimizer in self.optimizers:
-            if optimizer.buckets is not None:
-                optimizer.buckets.remove()
-
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        group = self.runtime.process_group(self.config.timeout_s)
-        if group is None:
-            return model
-        params = list(model.parameters())
-        check_same_shapes(params, [n for n, _ in model.named_parameters()], group)
-        broadcast_tensors(params + list(model.buffers()), group)
-        if any(True for _ in model.buffers()):
-            # DDP's broadcast_buffers: running statistics follow worker 0 at every forward.
-            model.register_forward_pre_hook(lambda module, args: broadcast_tensors(list(module.buffers()), group))
+        sync = self.sync()
+        group = sync.group
+        if group is not None:
+            params = list(model.parameters())
+            check_same_shapes(params, lambda: [n for n, _ in model.named_parameters()], group)
+            broadcast_tensors(params + list(model.buffers()), group)
+            if any(True for _ in model.buffers()):
+                index = len(self._models)
+                # DDP's broadcast_buffers: running statistics follow worker 0 at every forward.
+                model.register_forward_pre_hook(lambda module, args: self._broadcast_buffers(index, module))
+        self._models.append(weakref.ref(model))
+        sync.register(model)
         return model
 
+    def _broadcast_buffers(self, index: int, model: torch.nn.Module) -> None:
+        lock = self.sync().lockstep
+        if lock is None or lock.joined:
+            return
+        agreement = lock.announce(lockstep.BUFFERS, index)
+        broadcast_tensors(list(model.buffers()), self.group, agreement.source)
+
     def barrier(self) -> None:
-        group = self.runtime.process_group(self.config.timeout_s)
-        if group is not None:
-            dist.barrier(group=group)
+        lock = self.sync().lockstep
+        if lock is not None:
+            lock.announce(lockstep.BARRIER)
+
+    def join(self) -> Join:
+        return Join(self)
+
+    def shutdown(self) -> None:
+        sync = self._sync
+        if sync is None:
+            return
+        lock = sync.lockstep
+        try:
+            if lock is not None and not lock.finished:
+                lock.finished = True
+                lock.announce(lockstep.FINISH)
+        finally:
+            sync.remove()
+            if lock is not None:
+                sparse_embedding.set_row_exchange(None)
+                atexit.unregister(self._finish_at_exit)
+
+    def _finish_at_exit(self) -> None:
+        """The script ended without fleet.stop_worker(): agree with the peers that the job is over."""
+        sync = self._sync
+        lock = sync.lockstep if sync is not None else None
+        if lock is None or lock.finished or not dist.is_initialized() or hasattr(sys, "last_value"):
+            return  # stopped already, or ending on an uncaught exception: nothing to agree on
+        lock.finished = True
+        lock.timeout = min(lock.timeout, timedelta(seconds=EXIT_TIMEOUT_S))
+        try:
+            lock.announce(lockstep.FINISH)
+        except PeerError as error:
+            print(f"fleet: worker {lock.rank}: {error}", file=sys.stderr, flush=True)
+
+    # --- collectives of a training step outside the gradient rounds --------------------------
+
+    def _exchange_rows(self, module: Any, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> tuple:
+        """A fleet.nn.SparseEmbedding's row gradients, merged over the workers still training."""
+        lock = self.sync().lockstep
+        assert lock is not None
+        index = self._position(module.placeholder)
+        agreement = lock.announce(lockstep.SPARSE_ROWS, index, module.embedding_dim, lockstep.float_bits(lr))
+        return sparse_embedding.all_gather_rows(ids, grads, self.group, len(agreement.active))
+
+    def _position(self, param: torch.Tensor) -> int:
+        return next(i for i, p in enumerate(self.sync().registered()) if p is param)
+
+    def average_parameters(self, optimizer: CollectiveOptimizer) -> None:
+        """Local SGD: every worker takes the mean of the parameters of the workers still training."""
+        index = next(i for i, ref in enumerate(self._optimizers) if ref() is optimizer)
+        agreement = self.sync().lockstep.announce(lockstep.AVERAGE, index)  # type: ignore[union-attr]
+        average_tensors(optimizer.parameters(), self.group, len(agreement.active))
+
+    def add_params(self, params: list[torch.Tensor]) -> None:
+        """New parameters (add_param_group through the wrapper): every worker takes worker 0's values."""
+        sync = self.sync()
+        if sync.lockstep is not None and params:
+            agreement = sync.lockstep.announce(lockstep.PARAMS, len(params))
+            broadcast_tensors(params, self.group, agreement.source)
+        sync.verified(params)
+        sync.refresh()
+
+    # --- fleet.join(): shadowing the others, then taking the last trainer's state -------------
+
+    def shadow(self, leader: lockstep.Header, agreement: lockstep.Agreement) -> None:
+        sync = self.sync()
+        if leader.kind == lockstep.ROUND:
+            sync.shadow_round(agreement)
+        elif leader.kind == lockstep.BUFFERS:
+            broadcast_tensors(list(self._models[leader.a]().buffers()), self.group, agreement.source)
+        elif leader.kind == lockstep.SPARSE_ROWS:
+            param = sync.registered()[leader.a]
+            module = sparse_embedding.module_of(param)
+            empty = torch.empty(0, dtype=torch.int64), torch.empty(0, leader.b)
+            ids, grads = sparse_embedding.all_gather_rows(*empty, self.group, len(agreement.active))
+            optimizer, group = next(
+                (opt, g) for opt in sync.sources if isinstance(opt, torch.optim.Optimizer)
+                for g in opt.param_groups if any(p is param for p in g["params"])
+            )  # fmt: skip
+            module.apply_rows(type(optimizer), group, ids, grads, lockstep.bits_float(leader.c))
+        elif leader.kind == lockstep.AVERAGE:
+            params = self._optimizers[leader.a]().parameters()
+            average_tensors(params, self.group, len(agreement.active), contribute=False)
+
+    def adopt_state(self, source: int) -> None:
+        """After fleet.join(): every worker takes ``source``'s parameters, buffers and optimizer state."""
+        sync = self.sync()
+        models = [m for m in (ref() for ref in self._models) if m is not None]
+        tensors = sync.registered() + [b for model in models for b in model.buffers()]
+        broadcast_tensors(tensors, self.group, source)
+        for optimizer in self.optimizers:
+            broadcast_optimizer_state(optimizer.inner, self.group, source)
 
 
 class CollectiveOptimizer(WrappedOptimizer):
     """Steps the user's optimizer on gradients averaged over every worker."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: DistributedStrategy, runtime: Any):
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: CollectiveStrategy):
         super().__init__(optimizer)
-        self.config = config
-        self.group = runtime.process_group(config.timeout_s)
+        self.config = config = strategy.config
+        self.strategy = strategy
+        self.sync = strategy.sync()
+        self.group = self.sync.group
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
         self._accumulation = config.grad_accumulation_steps
         self._micro_step = 0
         self.steps = 0
         params = self.parameters()
         if self.group is not None:
-            model = runtime.model_for(params)
-            names = _names(params, model)
-            check_same_shapes(params, names, self.group)
+            check_same_shapes(params, lambda: names_of(params), self.group)
             broadcast_tensors(params, self.group)
             broadcast_optimizer_state(self._inner, self.group)
-        self.buckets: GradientBuckets | None = None
-        self._comm_seen = 0.0  # buckets.comm_wait_s already reported to the metrics
-        if not config.local_sgd_steps and (self.group is not None or self._accumulation > 1):
-            self.buckets = GradientBuckets(
-                params,
-                self.group,
-                self.world_size,
-                bucket_bytes=int(config.bucket_mb * (1 << 20)),
-                compressor=make_compressor(config.grad_compression),
-                timeout_s=config.timeout_s,
-                diagnose=runtime.diagnose_peers,
-            )
-            self.buckets.scale = 1.0 / (self.world_size * self._accumulation)
-            self._arm()
+        self.sync.register(optimizer)
+        self._rounds_at_step = self.sync.rounds
+        self._arm()
 
     def _arm(self) -> None:
         """Reduce gradients only on the backward that ends an accumulation window."""
-        if self.buckets is not None:
-            self.buckets.enabled = (self._micro_step + 1) % self._accumulation == 0
+        self.sync.enabled = (self._micro_step + 1) % self._accumulation == 0
 
     @property
     def comm_wait_s(self) -> float:
-        return self.buckets.comm_wait_s if self.buckets is not None else 0.0
+        return self.sync.comm_wait_s
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._micro_step % self._accumulation == 0:
             super().zero_grad(set_to_none=set_to_none)
+            self.sync.refresh()  # a frozen or unfrozen layer is hooked before the backward, not during it
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        before = {id(p) for p in self.parameters()}
+        self._inner.add_param_group(param_group)
+        self.strategy.add_params([p for p in self.parameters() if id(p) not in before])
 
     def step(self, closure=None):
         if (self._micro_step + 1) % self._accumulation != 0:
             self._micro_step += 1
             self._arm()
             return None
+        if closure is None and self.sync.hooked and self.sync.rounds == self._rounds_at_step:
+            self.sync.catch_up()  # this worker's backward produced no gradient; its peers' round still needs it
         loss = self._inner.step(closure)
+        self._rounds_at_step = self.sync.rounds
         self._micro_step += 1
         self.steps += 1
+        if self.sync.lockstep is not None:
+            self.sync.lockstep.steps += 1
         self._arm()
+        comm_s = self.sync.take_comm_wait()
         if self.config.local_sgd_steps and self.group is not None and self.steps % self.config.local_sgd_steps == 0:
             started = time.perf_counter()
-            average_tensors(self.parameters(), self.group)
-            self.metrics.add_comm(time.perf_counter() - started)
-        waited = self.comm_wait_s
-        self._end_step(comm_s=waited - self._comm_seen, micro_batches=self._accumulation)
-        self._comm_seen = waited
+            self.strategy.average_parameters(self)
+            comm_s += time.perf_counter() - started
+        self._end_step(comm_s=comm_s, micro_batches=self._accumulation)
         return loss
-
-
-def _names(params: list[torch.Tensor], model: torch.nn.Module | None) -> list[str]:
-    by_id = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
-    return [by_id.get(id(p), f"param_groups parameter {i}") for i, p in enumerate(params)]

@@ -1,0 +1,490 @@
+"""The gradient synchroniser: one per job, shared by every wrapped optimizer and distributed model.
+
+It gives a job single-process semantics on ordinary training code, without a flag:
+
+- **Registry.** Every parameter of every wrapped optimizer (its ``param_groups``, read live,
+  so ``add_param_group`` counts) and of every model given to ``distributed_model``, once,
+  in registration order. Every worker registers the same things in the same order.
+- **Layout.** The registered parameters that require a gradient now, in buckets. It is
+  rebuilt when that set changes (freezing, unfreezing, ``add_param_group``, an embedding
+  switched to ``sparse=True``), checked at ``zero_grad`` and at the start of every round,
+  so a change takes effect at the next backward on every worker. Each round's header
+  (:mod:`fleet.collective.lockstep`) carries the layout's fingerprint: a worker that froze
+  a layer the others did not fails at once, naming the parameter and the workers.
+- **Round.** A backward that accumulates a gradient into any layout parameter starts a round
+  from the first post-accumulate-grad hook: the header is exchanged, and the parameters
+  whose gradient accumulator the autograd engine will not run in this backward (unused this
+  step: a branch not taken, a frozen layer) are marked ready at once, so the buckets launch,
+  strictly in index order, as backward produces the rest. At the end of backward the
+  buckets are waited for and written back (see :mod:`fleet.collective.buckets`): a
+  parameter that got a gradient on no worker keeps ``.grad`` as it was (``None`` stays
+  ``None``); one that got a gradient on some workers gets the average over the workers
+  still training, absent counting as zero (DDP's semantics).
+- **Sparse gradients** (``nn.Embedding``/``EmbeddingBag`` with ``sparse=True``) are
+  all-reduced as sparse tensors (gloo gathers and sums indices and values) after a small
+  all-reduce of which ones changed anywhere.
+- **Catch-up.** A worker whose backward produced no gradient at all (its loss touched no
+  parameter) runs the round at ``optimizer.step()`` instead, so its peers' round still
+  pairs with one.
+
+Every collective a round issues depends only on the agreed layout, never on which
+parameters this worker happened to use, so collectives cannot pair wrongly by construction.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import time
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from fleet.collective import buckets as bucketing
+from fleet.collective import lockstep
+from fleet.collective.broadcast import all_gather_json
+from fleet.collective.compression import Compressor
+from fleet.errors import FleetError, PeerError
+from fleet.owners import find_owners, is_sparse_embedding_weight
+
+
+class ParamMap:
+    """``param -> value`` that neither keeps parameters alive nor confuses a new one with a freed one."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def get(self, param: torch.Tensor, default: Any = None) -> Any:
+        entry = self._entries.get(id(param))
+        return entry[1] if entry is not None and entry[0]() is param else default
+
+    def __contains__(self, param: torch.Tensor) -> bool:
+        entry = self._entries.get(id(param))
+        return entry is not None and entry[0]() is param
+
+    def set(self, param: torch.Tensor, value: Any) -> None:
+        self._entries[id(param)] = (weakref.ref(param), value)
+
+    def values(self) -> list[Any]:
+        return [value for ref, value in self._entries.values() if ref() is not None]
+
+
+class Layout:
+    """The registered parameters that train now, bucketed; immutable, rebuilt when they change."""
+
+    def __init__(
+        self,
+        registered: list[torch.Tensor],
+        signature: tuple,
+        sparse: set[int],
+        bucket_bytes: int,
+        allocate: bucketing.Allocate,
+    ):
+        self.signature = signature
+        self.registered = len(registered)
+        trainable = [p for p in registered if p.requires_grad]
+        self.ids = {id(p) for p in trainable}
+        self.dense = [p for p in trainable if id(p) not in sparse]
+        self.sparse = [p for p in trainable if id(p) in sparse]
+        self.buckets = bucketing.build(self.dense, bucket_bytes, allocate)
+        self.where = {id(p): b for b in self.buckets for p in b.params}
+        self.nodes = {id(p): get_gradient_edge(p).node for p in self.dense}
+        position = {id(p): i for i, p in enumerate(registered)}
+        text = repr(
+            [self.registered, bucket_bytes]
+            + [(position[id(p)], tuple(p.shape), str(p.dtype), id(p) in sparse) for p in trainable]
+        )
+        # 62 bits: a fingerprint that fits an int64 header field with room to spare.
+        self.fingerprint = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+class GradSync:
+    """Averages gradients over ``group`` (None: one worker, rounds only scale for accumulation)."""
+
+    def __init__(
+        self,
+        group: Any,
+        *,
+        bucket_bytes: int,
+        compressor: Compressor,
+        timeout_s: float,
+        diagnose: Callable[[], str | None] | None = None,
+        accumulation: int = 1,
+        allocate: bucketing.Allocate = bucketing.zeros,
+    ):
+        self.group = group
+        self.lockstep = lockstep.Lockstep(group, timeout_s, diagnose) if group is not None else None
+        self.bucket_bytes = bucket_bytes
+        self.compressor = compressor
+        self.timeout = timedelta(seconds=timeout_s)
+        self.diagnose = diagnose
+        self.accumulation = accumulation
+        self.allocate = allocate
+        self.enabled = True  # False between the micro-batches of an accumulation window
+        self.hooked = True  # False in local-SGD mode: the registry only, no gradient rounds
+        self.rounds = 0
+        self.comm_wait_s = 0.0
+        # Weakly held: an optimizer or model the script dropped stops training with the others.
+        self._sources: list[weakref.ref] = []
+        self._owners = ParamMap()  # param -> Owner (name, module)
+        self._hooks = ParamMap()  # param -> hook handle
+        self._layout: Layout | None = None
+        self._changed: set[int] = set()  # parameters with a new gradient since the last round
+        self._early: set[int] = set()  # this round: judged unused at its start
+        self._idle: dict[int, tuple[Any, int]] = {}  # untrained parameters' gradients at the last round's end
+        self._in_round = False
+        self._next = 0
+        self._scale = 1.0
+        self._verified = ParamMap()  # parameters whose values are known to be worker 0's everywhere
+
+    # --- registry and layout ------------------------------------------------------------
+
+    def register(self, source: torch.optim.Optimizer | nn.Module) -> None:
+        """Add an optimizer's or a model's parameters (already made identical on every worker)."""
+        if not any(s is source for s in self.sources):
+            self._sources.append(weakref.ref(source))
+        self.verified(self.registered())
+        self.refresh()
+
+    @property
+    def sources(self) -> list[torch.optim.Optimizer | nn.Module]:
+        return [s for s in (ref() for ref in self._sources) if s is not None]
+
+    def verified(self, params: list[torch.Tensor]) -> None:
+        """These parameters hold the same values on every worker (broadcast from worker 0)."""
+        for p in params:
+            self._verified.set(p, True)
+
+    def registered(self) -> list[torch.Tensor]:
+        seen: set[int] = set()
+        out = []
+        for source in self.sources:
+            params = (
+                source.parameters()
+                if isinstance(source, nn.Module)
+                else (p for group in source.param_groups for p in group["params"])
+            )
+            for p in params:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def refresh(self) -> Layout:
+        """The layout for the parameters as they are now; rebuilt (and hooked) if they changed."""
+        registered = self.registered()
+        new = [p for p in registered if p not in self._owners]
+        if new:  # a gc scan, only when parameters were added
+            found = find_owners(new)
+            for p in new:
+                self._owners.set(p, found[id(p)])
+        sparse = {id(p) for p in registered if is_sparse_embedding_weight(self._owners.get(p))}
+        signature = tuple((id(p), p.requires_grad, id(p) in sparse) for p in registered)
+        if self._layout is not None and self._layout.signature == signature:
+            return self._layout
+        layout = Layout(registered, signature, sparse, self.bucket_bytes, self.allocate)
+        if self.hooked:
+            for p in layout.dense + layout.sparse:
+                if p not in self._hooks:
+                    self._hooks.set(p, p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                    if self._grad_changed_while_idle(p):
+                        # Newly trainable: backward may have accumulated into it before the hook existed
+                        # (unfrozen just before this backward), so look at the gradient itself.
+                        self._changed.add(id(p))
+        self._layout = layout
+        return layout
+
+    def _grad_changed_while_idle(self, p: torch.Tensor) -> bool:
+        grad = p.grad
+        if grad is None:
+            return False
+        seen = self._idle.get(id(p))
+        return seen is None or seen[0]() is not grad or seen[1] != grad._version
+
+    def _remember_idle(self, layout: Layout) -> None:
+        self._idle = {
+            id(p): (weakref.ref(p.grad), p.grad._version) if p.grad is not None else (lambda: None, -1)
+            for p in self.registered()
+            if id(p) not in layout.ids
+        }
+
+    def remove(self) -> None:
+        """Unhook from the parameters (after stop_worker their backward no longer talks to the group)."""
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks = ParamMap()
+        self.hooked = False
+
+    # --- a round during backward --------------------------------------------------------
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self.hooked:
+            return
+        pid = id(param)
+        if self._in_round and pid in self._early:
+            raise FleetError(
+                f"parameter {self._name(param)!r} got its gradient after fleet had judged it unused in this "
+                "backward pass: its gradient came from a nested backward (reentrant activation checkpointing). "
+                "Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
+            )
+        self._changed.add(pid)
+        if not self.enabled or (self.lockstep is not None and self.lockstep.joined):
+            return
+        if not self._in_round:
+            self._begin(in_backward=True)
+        bucket = self._layout.where.get(pid)  # type: ignore[union-attr]
+        if bucket is not None:
+            bucket.pending -= 1
+            self._launch_ready()
+
+    def _begin(self, in_backward: bool) -> bool:
+        """Start a round: agree on the layout, judge which parameters stay unused; False if nothing to do."""
+        self._in_round = True
+        try:
+            layout = self.refresh()
+            active = 1
+            if self.lockstep is not None:
+                layout, agreement = self._agree(layout)
+                active = len(agreement.active)
+                if any(h.c for h in agreement.headers):
+                    self._check_added_values()
+                if not any(h.b for h in agreement.headers if h.kind == lockstep.ROUND):
+                    self._in_round = False
+                    return False  # a catch-up round where no worker has any gradient: nothing to send
+        except BaseException:
+            self._in_round = False
+            raise
+        self._scale = 1.0 / (active * self.accumulation)
+        self._early = set()
+        for bucket in layout.buckets:
+            bucket.pending = 0
+        for p in layout.dense:
+            if in_backward and torch._C._will_engine_execute_node(layout.nodes[id(p)]):
+                layout.where[id(p)].pending += 1
+            else:
+                self._early.add(id(p))
+        self._next = 0
+        if in_backward:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        self._launch_ready()
+        return True
+
+    def _agree(self, layout: Layout) -> tuple[Layout, lockstep.Agreement]:
+        """Exchange this round's header; the layouts must agree (see :mod:`fleet.collective.lockstep`)."""
+        lock = self.lockstep
+        assert lock is not None
+        unverified = sum(1 for p in self.registered() if p not in self._verified)
+        agreement = lock.exchange(lockstep.ROUND, layout.fingerprint, len(self._changed), unverified)
+        if agreement.fingerprints_differ():
+            # An optimizer the script dropped may be awaiting the garbage collector on some workers only
+            # (a reference cycle, e.g. through an LR scheduler): collect everywhere, then compare again.
+            gc.collect()
+            layout = self.refresh()
+            agreement = lock.exchange(lockstep.ROUND, layout.fingerprint, len(self._changed), unverified)
+        lock.check(agreement, lockstep.ROUND, layout.fingerprint, self.explain_layout)
+        return layout, agreement
+
+    def _launch_ready(self) -> None:
+        buckets = self._layout.buckets  # type: ignore[union-attr]
+        while self._next < len(buckets) and buckets[self._next].pending <= 0:
+            self._launch(buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: bucketing.Bucket) -> None:
+        bucket.gather(self._scale, self._changed)
+        if self.group is not None:
+            bucket.wire = self.compressor.compress(bucket.flat)
+            bucket.work = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
+
+    def _finish(self) -> None:
+        """End of the round: launch what is left, exchange sparse gradients, wait, write back."""
+        layout = self._layout
+        assert layout is not None
+        self._in_round = False
+        try:
+            while self._next < len(layout.buckets):
+                self._launch(layout.buckets[self._next])
+                self._next += 1
+            sparse = self._start_sparse(layout)
+            started = time.perf_counter()
+            for bucket in layout.buckets:
+                if bucket.work is not None:
+                    self._wait(bucket.work, f"all-reduce of gradient bucket {bucket.index}")
+                    self.compressor.decompress(bucket.wire, bucket.flat)
+                    bucket.work = bucket.wire = None
+                bucket.scatter()
+            for param, reduced, work in sparse:
+                if work is not None:
+                    self._wait(work, f"all-reduce of the sparse gradient of {self._name(param)!r}")
+                param.grad = reduced
+            self.comm_wait_s += time.perf_counter() - started
+        finally:
+            self._changed = set()
+            self._early = set()
+            self.rounds += 1
+            self._remember_idle(layout)
+
+    def take_comm_wait(self) -> float:
+        """Seconds spent waiting for the gradient all-reduces since the last call."""
+        waited, self.comm_wait_s = self.comm_wait_s, 0.0
+        if self.lockstep is not None:
+            waited, self.lockstep.waited_s = waited + self.lockstep.waited_s, 0.0
+        return waited
+
+    def catch_up(self) -> None:
+        """At optimizer.step(): run this round now if no backward started one since the last step."""
+        if self._begin(in_backward=False):
+            self._finish()
+        else:
+            self._changed = set()
+            self.rounds += 1
+
+    def shadow_round(self, agreement: lockstep.Agreement) -> None:
+        """Inside fleet.join() with the loop finished: take part in the others' round, adding nothing.
+
+        Issues exactly the collectives a training worker's round issues, in the same order:
+        every bucket, then the sparse flags and the sparse gradients that changed anywhere.
+        """
+        if not any(h.b for h in agreement.headers if h.kind == lockstep.ROUND):
+            return
+        layout = self.refresh()
+        works = []
+        for bucket in layout.buckets:
+            works.append(
+                dist.all_reduce(self.compressor.compress(bucket.zero_contribution()), group=self.group, async_op=True)
+            )
+        if layout.sparse:
+            flags = torch.zeros(len(layout.sparse))
+            self._wait(dist.all_reduce(flags, group=self.group, async_op=True), "agreeing on the sparse gradients")
+            for param, flag in zip(layout.sparse, flags.tolist(), strict=True):
+                if flag >= 0.5:
+                    works.append(dist.all_reduce(_empty_sparse(param), group=self.group, async_op=True))
+        for work in works:
+            self._wait(work, "a gradient all-reduce shadowed inside fleet.join()")
+
+    # --- sparse gradients ---------------------------------------------------------------
+
+    def _start_sparse(self, layout: Layout) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
+        if not layout.sparse:
+            return []
+        flags = torch.tensor([1.0 if id(p) in self._changed else 0.0 for p in layout.sparse])
+        if self.group is not None:
+            self._wait(dist.all_reduce(flags, group=self.group, async_op=True), "agreeing on the sparse gradients")
+        started = []
+        for param, flag in zip(layout.sparse, flags.tolist(), strict=True):
+            if flag < 0.5:
+                continue  # no worker has a new gradient: .grad stays as it is
+            contribution = _sparse(param).mul_(self._scale) if param.grad is not None else _empty_sparse(param)
+            work = dist.all_reduce(contribution, group=self.group, async_op=True) if self.group is not None else None
+            started.append((param, contribution, work))
+        return started
+
+    def _check_added_values(self) -> None:
+        """Parameters added on the unwrapped optimizer were never broadcast: they must already agree."""
+        registered = self.registered()
+        with torch.no_grad():
+            mine = torch.tensor(
+                [[float(p.double().sum()), float(p.double().square().sum())] for p in registered], dtype=torch.float64
+            )
+        gathered = torch.empty(self.lockstep.world * mine.shape[0], 2, dtype=torch.float64)  # type: ignore[union-attr]
+        work = dist.all_gather_single(gathered, mine, group=self.group, async_op=True)
+        self._wait(work, "comparing added parameters")
+        everyone = gathered.view(-1, *mine.shape)
+        differs = (everyone != everyone[0]).any(dim=2).any(dim=0).tolist()
+        if any(differs):
+            names = [self._name(p) for p, d in zip(registered, differs, strict=True) if d]
+            ranks = [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]
+            raise FleetError(
+                f"Parameters added to the optimizer hold different values on different workers: {', '.join(map(repr, names))} "
+                f"(worker {', '.join(map(str, ranks))} differs from worker 0). They were added with add_param_group on "
+                "the unwrapped optimizer, so fleet could not give every worker worker 0's values before the forward "
+                "pass. Call add_param_group on the optimizer fleet.distributed_optimizer returned (it broadcasts "
+                "worker 0's values), or initialise them identically on every worker."
+            )
+        self.verified(registered)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as error:
+            diagnosis = self.diagnose() if self.diagnose is not None else None
+            raise PeerError.from_collective(what, error, diagnosis) from None
+
+    def _name(self, param: torch.Tensor) -> str:
+        owner = self._owners.get(param)
+        return owner.name if owner is not None else "a parameter"
+
+    def explain_layout(self, agreement: lockstep.Agreement) -> str:
+        """Every worker's parameters, gathered only now that they disagree, compared with the first's."""
+        registered = self.registered()
+        sparse = {id(p) for p in registered if is_sparse_embedding_weight(self._owners.get(p))}
+        mine = [[self._name(p), list(p.shape), bool(p.requires_grad), id(p) in sparse] for p in registered]
+        everyone = all_gather_json(mine, self.group)
+        return explain_difference(everyone)
+
+
+def explain_difference(everyone: list[list[list[Any]]]) -> str:
+    """Name the first parameter on which the workers' ``[name, shape, trainable, sparse]`` lists differ."""
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if len(theirs) != len(reference):
+            return (
+                f"Workers train different sets of parameters: worker {rank}'s wrapped optimizers and models hold "
+                f"{len(theirs)} parameters, worker 0's hold {len(reference)} (add_param_group on some workers only?). "
+                "Every worker must add the same parameter groups."
+            )
+    for position, entry in enumerate(reference):
+        column = [w[position] for w in everyone]
+        for field in (1, 2, 3):  # shape, trainable, sparse
+            values = [c[field] for c in column]
+            if len({repr(v) for v in values}) == 1:
+                continue
+            split: dict[str, list[int]] = {}
+            for rank, value in enumerate(values):
+                split.setdefault(repr(value), []).append(rank)
+            if field == 2:
+                on = split.get("True", [])
+                off = split.get("False", [])
+                return (
+                    f"Workers disagree about which parameters train: {entry[0]!r} requires grad on "
+                    f"{_ranks(on)} but is frozen on {_ranks(off)}. Freeze and unfreeze parameters the same way "
+                    "on every worker (the change takes effect at the next backward)."
+                )
+            if field == 1:
+                return (
+                    f"Workers hold different models: {entry[0]!r} has shape "
+                    + " vs ".join(f"{value} on {_ranks(ranks)}" for value, ranks in split.items())
+                    + ". Every worker must build the same model."
+                )
+            return (
+                f"Workers disagree about {entry[0]!r}: its embedding has sparse="
+                + " vs ".join(f"{value} on {_ranks(ranks)}" for value, ranks in split.items())
+                + ". Build the model the same way on every worker."
+            )
+    return "Workers hold the same parameters but different gradient bucket settings (bucket_mb)."
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("worker " if len(ranks) == 1 else "workers ") + ", ".join(str(r) for r in ranks)
+
+
+def _sparse(param: torch.Tensor) -> torch.Tensor:
+    grad = param.grad
+    assert grad is not None
+    if not grad.is_sparse:
+        grad = grad.to_sparse(sparse_dim=1)
+    return grad.coalesce().clone()
+
+
+def _empty_sparse(param: torch.Tensor) -> torch.Tensor:
+    indices = torch.empty(1, 0, dtype=torch.int64, device=param.device)
+    values = torch.empty(0, *param.shape[1:], dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape)

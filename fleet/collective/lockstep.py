@@ -1,0 +1,237 @@
+"""Lockstep: before each collective it issues while training, every worker says what it is about to do.
+
+gloo and NCCL pair collectives by the order in which processes issue them, not by what they
+are. Two workers that issue different collectives (one is in backward while the other left
+its loop early; one froze a layer and the other did not, so their gradient buckets differ)
+pair the wrong tensors: a raw gloo abort, a wait until the timeout, or, when the sizes
+happen to match, silently mixed data. So before each collective of a training step (a
+gradient round, a buffer broadcast, a SparseEmbedding row exchange, a local-SGD average)
+and at ``barrier_worker``/``stop_worker``, every worker all-gathers a small fixed-size
+header: what it is about to do, a fingerprint of its operands, its step count. Headers are
+the same size whatever they say, so this exchange always pairs; if the workers disagree,
+every one of them raises at once, naming who does what, instead of pairing the wrong data.
+The exchange costs one small all-gather (tens of microseconds on loopback) and is itself a
+barrier, so ``barrier_worker`` needs nothing more.
+
+Joining (``fleet.join()``, DDP's ``Join`` in fleet's form): a worker whose loop has ended
+announces ``JOINED`` instead and, for as long as some worker still trains, learns from the
+others' headers which collective comes next and shadows it (contributing nothing). The
+workers still training see who is active in every header, so averages divide by the
+workers that contributed.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fleet.errors import PeerError
+
+ROUND = 1  # gradient round (backward): payload a = layout fingerprint
+BUFFERS = 2  # buffer broadcast before a forward of a distributed_model: a = model index
+SPARSE_ROWS = 3  # fleet.nn.SparseEmbedding local-table exchange: a = table, b = dim, c = lr bits
+AVERAGE = 4  # local SGD parameter average: a = the wrapped optimizer's index
+BARRIER = 5
+FINISH = 6  # fleet.stop_worker(), or the process exits
+JOINED = 7  # this worker's loop ended inside fleet.join(); it shadows the others
+PARAMS = 8  # parameters broadcast after add_param_group: a = number of new parameters
+
+TRAINING = (ROUND, BUFFERS, SPARSE_ROWS, AVERAGE, PARAMS)
+ENDED = (BARRIER, FINISH, JOINED)
+
+WHAT = {
+    ROUND: "all-reduce gradients (backward)",
+    BUFFERS: "broadcast model buffers (forward of a distributed_model)",
+    SPARSE_ROWS: "exchange fleet.nn.SparseEmbedding rows (optimizer step)",
+    AVERAGE: "average parameters (local SGD)",
+    BARRIER: "wait in fleet.barrier_worker()",
+    FINISH: "stop (fleet.stop_worker() or the end of the script)",
+    JOINED: "wait inside fleet.join() with its loop finished",
+    PARAMS: "broadcast parameters added with add_param_group",
+}
+
+_FIELDS = 6  # kind, a, b, c, steps, reserved
+UNEVEN_ADVICE = (
+    "The workers ran different numbers of steps (uneven data?). Wrap the training loop in `with fleet.join():` "
+    "so that finished workers shadow the others' collectives, or give every worker the same number of batches "
+    "(fleet.distributed_loader does)."
+)
+
+
+def float_bits(value: float) -> int:
+    """A float carried in an int64 header field, exactly."""
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
+
+
+@dataclass
+class Header:
+    rank: int
+    kind: int
+    a: int
+    b: int
+    c: int
+    steps: int
+
+    def says(self) -> str:
+        return WHAT.get(self.kind, f"do an unknown collective ({self.kind})")
+
+
+@dataclass
+class Agreement:
+    """What every worker announced for this collective."""
+
+    headers: list[Header]
+
+    @property
+    def active(self) -> list[int]:
+        """Ranks still training (not shadowing inside fleet.join())."""
+        return [h.rank for h in self.headers if h.kind != JOINED]
+
+    @property
+    def source(self) -> int:
+        """The rank whose values a broadcast takes: the lowest one still training."""
+        active = self.active
+        return active[0] if active else 0
+
+    def leader(self) -> Header:
+        return self.headers[self.source]
+
+    def fingerprints_differ(self) -> bool:
+        """A gradient round whose workers (shadows included) hold different layouts."""
+        fingerprints = {h.a for h in self.headers if h.kind in (ROUND, JOINED)}
+        return any(h.kind == ROUND for h in self.headers) and len(fingerprints) > 1
+
+
+class Lockstep:
+    """Announces collectives over ``group`` (rank = this worker's rank in it)."""
+
+    def __init__(self, group: Any, timeout_s: float, diagnose: Callable[[], str | None] | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.diagnose = diagnose
+        self.steps = 0  # optimizer steps taken, for messages and to catch a different number of backwards
+        self.joined = False
+        self.finished = False
+        self.waited_s = 0.0  # time spent in header exchanges: waiting for peers, reported as communication
+
+    def exchange(self, kind: int, a: int = 0, b: int = 0, c: int = 0) -> Agreement:
+        """All-gather the headers; raises PeerError if a peer is gone."""
+        mine = torch.tensor([kind, a, b, c, self.steps, 0], dtype=torch.int64)
+        gathered = torch.empty(self.world * _FIELDS, dtype=torch.int64)
+        started = time.perf_counter()
+        try:
+            work = dist.all_gather_single(gathered, mine, group=self.group, async_op=True)
+            work.wait(self.timeout)
+        except RuntimeError as error:
+            diagnosis = self.diagnose() if self.diagnose is not None else None
+            raise PeerError.from_collective(
+                f"agreeing on the next collective ({WHAT[kind]})", error, diagnosis
+            ) from None
+        finally:
+            self.waited_s += time.perf_counter() - started
+        rows = gathered.view(self.world, _FIELDS).tolist()
+        return Agreement([Header(r, *row[:5]) for r, row in enumerate(rows)])
+
+    def announce(
+        self,
+        kind: int,
+        a: int = 0,
+        b: int = 0,
+        c: int = 0,
+        explain: Callable[[Agreement], str] | None = None,
+    ) -> Agreement:
+        """Say what this worker does next; return the agreement, or raise if an active worker disagrees.
+
+        ``explain``: called (on every worker, since all see the same headers) when the workers
+        agree on the kind but not on the payload ``a``; it may run collectives of its own to
+        find out what differs, and returns the message.
+        """
+        agreement = self.exchange(kind, a, b, c)
+        self.check(agreement, kind, a, explain)
+        return agreement
+
+    def check(self, agreement: Agreement, kind: int, a: int, explain: Callable[[Agreement], str] | None) -> None:
+        headers = agreement.headers
+        if kind in TRAINING:
+            peers = [h for h in headers if h.kind != JOINED]
+            if any(h.kind != kind for h in peers):
+                raise PeerError(self._kind_mismatch(agreement))
+            # Shadows take part in gradient rounds with their own gradient buckets: their JOINED header
+            # carries their layout fingerprint, which must match too.
+            compared = headers if kind == ROUND else peers
+            if any(h.a != a for h in compared):
+                message = explain(agreement) if explain is not None else None
+                raise PeerError(message or self._payload_mismatch(agreement))
+            if kind == ROUND and len({h.steps for h in peers}) > 1:
+                raise PeerError(self._steps_mismatch(agreement))
+        elif kind == BARRIER:
+            if any(h.kind not in (BARRIER, JOINED) for h in headers):
+                raise PeerError(self._kind_mismatch(agreement))
+        elif any(h.kind != kind for h in headers):
+            raise PeerError(self._kind_mismatch(agreement))
+
+    # --- messages ---------------------------------------------------------------------
+
+    def _kind_mismatch(self, agreement: Agreement) -> str:
+        groups: dict[int, list[int]] = {}
+        for h in agreement.headers:
+            groups.setdefault(h.kind, []).append(h.rank)
+        parts = [
+            f"{_workers(ranks)} about to {WHAT.get(kind, kind)} (step {_steps(agreement, ranks)})"
+            for kind, ranks in groups.items()
+        ]
+        text = "Workers issued different collectives: " + "; ".join(parts) + "."
+        ended = [h for h in agreement.headers if h.kind in ENDED]
+        training = [h for h in agreement.headers if h.kind in TRAINING]
+        if ended and training:
+            finished = ", ".join(f"worker {h.rank} (after {h.steps} steps)" for h in ended)
+            text += f" {finished} finished its training loop early while the others still train. {UNEVEN_ADVICE}"
+        elif ended:
+            text += " Every worker must call fleet.barrier_worker() and fleet.stop_worker() the same way."
+        else:
+            text += (
+                " Every worker must run the same sequence of forward, backward and optimizer steps (the same "
+                "models wrapped with fleet.distributed_model, the same number of backward passes per step)."
+            )
+        return text
+
+    def _payload_mismatch(self, agreement: Agreement) -> str:
+        groups: dict[int, list[int]] = {}
+        for h in agreement.headers:
+            if h.kind != JOINED:
+                groups.setdefault(h.a, []).append(h.rank)
+        what = agreement.leader().says()
+        return (
+            f"Workers disagree about the operands of the next collective ({what}): "
+            + " vs ".join(_workers(ranks) for ranks in groups.values())
+            + ". Every worker must build the same model and train the same parameters."
+        )
+
+    def _steps_mismatch(self, agreement: Agreement) -> str:
+        parts = [f"worker {h.rank} is at optimizer step {h.steps}" for h in agreement.headers if h.kind != JOINED]
+        return (
+            "Workers are out of step: " + ", ".join(parts) + " when all-reducing gradients: one ran more "
+            "backward passes before its optimizer step than the other. Every worker must run the same number of "
+            f"backward passes per step. {UNEVEN_ADVICE}"
+        )
+
+
+def _workers(ranks: list[int]) -> str:
+    return ("worker " if len(ranks) == 1 else "workers ") + ", ".join(str(r) for r in ranks)
+
+
+def _steps(agreement: Agreement, ranks: list[int]) -> str:
+    return "/".join(sorted({str(agreement.headers[r].steps) for r in ranks}))

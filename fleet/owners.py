@@ -1,0 +1,59 @@
+"""Which ``nn.Module`` holds a parameter, and the parameter's name in its model.
+
+Users hand fleet an optimizer, not a model, so error messages would otherwise say
+"parameter 3" and fleet could not tell that a parameter is an ``nn.Embedding(sparse=True)``
+weight. The modules are found among the live objects (``gc``), once per call: a parameter's
+name is taken from the module that holds the most of the parameters asked about (the model
+they came from; its ``named_parameters`` path), and its owner is the module that holds it
+directly. A parameter held by no module keeps a positional name.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    module: nn.Module | None  # the module whose own _parameters hold it
+
+
+def _modules() -> list[nn.Module]:
+    # issubclass(type(o)) rather than isinstance: some lazy module proxies warn when their __class__ is read.
+    return [o for o in gc.get_objects() if issubclass(type(o), nn.Module)]
+
+
+def find_owners(params: list[torch.Tensor]) -> dict[int, Owner]:
+    """``id(param) -> Owner`` for every parameter in ``params``."""
+    wanted = {id(p) for p in params}
+    direct: dict[int, nn.Module] = {}
+    named: list[tuple[int, dict[int, str]]] = []  # (how many wanted params the module holds, their names)
+    for module in _modules():
+        for p in module._parameters.values():
+            if p is not None and id(p) in wanted:
+                direct.setdefault(id(p), module)
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in wanted}
+        if names:
+            named.append((len(names), names))
+    owners: dict[int, Owner] = {}
+    for i, p in enumerate(params):
+        # The outermost path within the module that holds the most of them: the model's own name for it.
+        candidates = [(count, len(names[id(p)]), names[id(p)]) for count, names in named if id(p) in names]
+        name = max(candidates)[2] if candidates else f"parameter {i} of the optimizer"
+        owners[id(p)] = Owner(name, direct.get(id(p)))
+    return owners
+
+
+def names_of(params: list[torch.Tensor]) -> list[str]:
+    owners = find_owners(params)
+    return [owners[id(p)].name for p in params]
+
+
+def is_sparse_embedding_weight(owner: Owner) -> bool:
+    """Whether backward gives this parameter a sparse gradient (nn.Embedding / EmbeddingBag with sparse=True)."""
+    return isinstance(owner.module, nn.Embedding | nn.EmbeddingBag) and bool(owner.module.sparse)
