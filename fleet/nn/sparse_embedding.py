@@ -200,10 +200,12 @@ def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
 register_optimizer_step_post_hook(_on_optimizer_step)
 
 
-def sparse_modules(optimizer: torch.optim.Optimizer) -> list[tuple[SparseEmbedding, dict[str, Any]]]:
-    """The SparseEmbeddings whose placeholder is in ``optimizer``, with their param group, in order."""
+def sparse_modules(
+    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]] | None = None
+) -> list[tuple[SparseEmbedding, dict[str, Any]]]:
+    """The SparseEmbeddings whose placeholder is in ``optimizer`` (or in ``groups`` of it), with their group."""
     found = []
-    for group in optimizer.param_groups:
+    for group in optimizer.param_groups if groups is None else groups:
         for p in group["params"]:
             module = _BY_PLACEHOLDER.get(id(p))
             if module is not None and module.placeholder is p:

@@ -17,6 +17,7 @@ dropped and counted per worker. A push for a future step is a protocol error
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,31 @@ def canonical(config: dict[str, Any]) -> str:
 def _make_dense(config: dict[str, Any]) -> Any:
     from fleet.ps.dense_table import DenseTable
 
-    return DenseTable.from_config({k: config[k] for k in _DENSE_TABLE_KEYS if k in config})
+    table_config = {k: config[k] for k in _DENSE_TABLE_KEYS if k in config}
+    return DenseTable.from_config({**table_config, "pieces": [list(p[1:]) for p in pieces_of(config)]})
+
+
+def pieces_of(config: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """``(parameter index, lo, hi)``: which slices of this shard hold which of the table's parameters.
+
+    A dense table is its param group's parameters back to back (``shapes``), cut across the
+    servers by size (``offset``, ``size``); a parameter may straddle two shards.
+    """
+    size = int(config["size"])
+    shapes = config.get("shapes")
+    if not shapes:
+        return [(0, 0, size)] if size else []
+    offset = int(config.get("offset", 0))
+    pieces, start = [], 0
+    for index, shape in enumerate(shapes):
+        end = start + math.prod(int(d) for d in shape)
+        lo, hi = max(start, offset) - offset, min(end, offset + size) - offset
+        if lo < hi:
+            pieces.append((index, lo, hi))
+        start = end
+    if sum(hi - lo for _, lo, hi in pieces) != size:
+        raise ShardError(f"dense table: shapes {shapes} do not add up to a shard of {size} values at offset {offset}")
+    return pieces
 
 
 def _make_sparse(config: dict[str, Any]) -> Any:
@@ -147,7 +172,10 @@ class DenseShard(Shard):
             raise ShardError(f"dense table {table_id}: config needs a non-negative 'size'")
         super().__init__(table_id, config, num_workers, (make or _make_dense)(config))
         self.size = int(config["size"])
+        self.parameters = len(config.get("shapes") or [None])
+        self._piece_params = [index for index, _, _ in pieces_of(config)]
         self._acc: torch.Tensor | None = None
+        self._present: torch.Tensor | None = None  # sync: per parameter, how many pushes of this step had it
         self._snapshot: torch.Tensor | None = None
         self._snapshot_version = -1
 
@@ -174,13 +202,35 @@ class DenseShard(Shard):
             self._snapshot_version = self.version
         return self._snapshot
 
-    def push_grad(self, worker: int, step: int, grad: torch.Tensor, lr: float) -> bool:
-        """Returns False when the push was stale and dropped."""
+    def check_present(self, present: torch.Tensor | None) -> None:
+        if present is None:
+            return
+        if present.dtype != torch.uint8 or list(present.shape) != [self.parameters]:
+            raise ShardError(
+                f"dense table {self.table_id}: presence flags have {present.dtype} {list(present.shape)}, "
+                f"expected torch.uint8 [{self.parameters}] (one per parameter of the table)"
+            )
+
+    def _piece_flags(self, present: torch.Tensor | None) -> list[bool] | None:
+        if present is None:
+            return None
+        flags = present.tolist()
+        return [flags[index] > 0 for index in self._piece_params]
+
+    def push_grad(
+        self, worker: int, step: int, grad: torch.Tensor, lr: float, present: torch.Tensor | None = None
+    ) -> bool:
+        """Returns False when the push was stale and dropped.
+
+        ``present``: uint8 per parameter of the table, 0 where this worker has no gradient
+        (None: it has them all). A parameter no push of a step has is left untouched.
+        """
         self.check_values("gradient", grad)
+        self.check_present(present)
         if not self._check_grad_push(worker, step):
             return False
         if self.mode == "async":
-            self.table.apply_gradient(grad, lr)
+            self.table.apply_gradient(grad, lr, self._piece_flags(present))
             self.version += 1
             return True
         # sync: the received buffer is ours (a ZeroMQ frame), so it can be the accumulator itself
@@ -188,6 +238,11 @@ class DenseShard(Shard):
             self._acc = grad if grad.is_contiguous() else grad.contiguous()
         else:
             self._acc.add_(grad)
+        if present is not None or self._present is not None:
+            flags = present.to(torch.int32) if present is not None else torch.ones(self.parameters, dtype=torch.int32)
+            if self._present is None:  # the earlier pushes of this step had every parameter
+                self._present = torch.full((self.parameters,), len(self._pushed), dtype=torch.int32)
+            self._present.add_(flags)
         self._pushed.add(worker)
         self._lr = lr
         return True
@@ -200,8 +255,11 @@ class DenseShard(Shard):
 
     def _apply_accumulated(self, count: int, lr: float) -> None:
         acc, self._acc = self._acc, None
+        present, self._present = self._present, None
         if acc is not None:
-            self.table.apply_gradient(acc.div_(count), lr)
+            # Absent gradients count as zero in the average (DDP's semantics); a parameter that no
+            # worker had a gradient for is not stepped at all.
+            self.table.apply_gradient(acc.div_(count), lr, self._piece_flags(present))
 
     def state(self) -> dict[str, Any]:
         return {"version": self.version, "table": self.table.state_dict()}
@@ -209,7 +267,7 @@ class DenseShard(Shard):
     def load(self, state: dict[str, Any]) -> None:
         self.table.load_state_dict(state["table"])
         self.version = int(state["version"])
-        self._acc, self._snapshot_version = None, -1
+        self._acc, self._present, self._snapshot_version = None, None, -1
         self._pushed.clear()
 
     def info(self) -> dict[str, Any]:

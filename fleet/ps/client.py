@@ -245,20 +245,30 @@ class PSClient:
 
         return self._submit(parts, assemble)
 
-    def _dense_push(self, op: Op, table_id: int, values: torch.Tensor, step: int, lr: float) -> Future:
+    def _dense_push(
+        self, op: Op, table_id: int, values: torch.Tensor, step: int, lr: float, extra: list[torch.Tensor] = ()
+    ) -> Future:
         size, ranges = self._dense_layout(table_id)
         flat = values.detach().reshape(-1)
         if flat.numel() != size:
             raise ValueError(f"dense table {table_id} holds {size} values, but the pushed tensor has {flat.numel()}")
         flat = flat.to(torch.float32).contiguous()
         parts = [
-            (s, self._msg(op, table_id, step=step, lr=lr, tensors=[flat[lo:hi]])) for s, (lo, hi) in enumerate(ranges)
+            (s, self._msg(op, table_id, step=step, lr=lr, tensors=[flat[lo:hi], *extra]))
+            for s, (lo, hi) in enumerate(ranges)
         ]
         return self._submit(parts)
 
-    def push_dense_grad(self, table_id: int, grad: torch.Tensor, step: int, lr: float) -> Future:
-        """Future[None]: push a gradient for ``step`` (sync) or to apply now (async) with learning rate ``lr``."""
-        return self._dense_push(Op.PUSH_DENSE_GRAD, table_id, grad, step, lr)
+    def push_dense_grad(
+        self, table_id: int, grad: torch.Tensor, step: int, lr: float, present: torch.Tensor | None = None
+    ) -> Future:
+        """Future[None]: push a gradient for ``step`` (sync) or to apply now (async) with learning rate ``lr``.
+
+        ``present``: uint8, one flag per parameter of the table (its ``shapes``), 0 where this
+        worker has no gradient; None when it has them all.
+        """
+        extra = [present.to(torch.uint8).contiguous()] if present is not None else []
+        return self._dense_push(Op.PUSH_DENSE_GRAD, table_id, grad, step, lr, extra)
 
     def push_dense_delta(self, table_id: int, delta: torch.Tensor) -> Future:
         """Future[None]: geo mode, add ``delta`` (this worker's change since its last sync) to the values."""

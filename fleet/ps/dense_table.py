@@ -15,7 +15,8 @@ import torch
 
 from fleet.ps.optim import OptimizerSpec, ServerOptimizer, check_table_config, optimizer_config_json
 
-_CONFIG_KEYS = ("size", "optimizer")
+_CONFIG_KEYS = ("size", "optimizer", "pieces")
+_REQUIRED = ("size", "optimizer")
 
 
 def _check_vector(name: str, t: torch.Tensor, size: int) -> torch.Tensor:
@@ -32,28 +33,42 @@ def _check_vector(name: str, t: torch.Tensor, size: int) -> torch.Tensor:
 class DenseTable:
     """A flat float32 vector plus the optimizer state to update it, for one server.
 
+    ``pieces``: the ``[lo, hi)`` slices of this vector that belong to one parameter each
+    (default: one piece, the whole vector). A gradient may leave pieces out (parameters no
+    worker has a gradient for: frozen, or unused this step); like ``torch.optim``, which
+    skips a parameter whose ``.grad`` is None, the table then leaves their values and
+    optimizer state alone, and each piece keeps its own step count (Adam's bias correction).
+
     Not thread-safe: the server applies requests to a table one at a time.
     """
 
-    def __init__(self, size: int, optimizer: OptimizerSpec, init: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        optimizer: OptimizerSpec,
+        init: torch.Tensor | None = None,
+        pieces: list[tuple[int, int]] | None = None,
+    ) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"size must be an int >= 0, got {size!r}")
         if not isinstance(optimizer, OptimizerSpec):
             raise TypeError(f"optimizer must be an OptimizerSpec, got {type(optimizer).__name__}")
         self.size = size
         self.optimizer = optimizer
+        self.pieces = _check_pieces(pieces, size)
         self._opt = ServerOptimizer(optimizer)
         self._values = torch.zeros(size, dtype=torch.float32)
         self._state = {name: torch.zeros(size, dtype=torch.float32) for name in self._opt.state_names}
         self._opt.fill_new_state(self._state)
         self._step = 0
+        self._piece_steps = [0] * len(self.pieces)
         if init is not None:
             self.set(init)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> DenseTable:
         """Build from ``{"size": int, "optimizer": {...}}`` (an :meth:`OptimizerSpec.to_config` dict)."""
-        check_table_config("dense", config, _CONFIG_KEYS, _CONFIG_KEYS)
+        check_table_config("dense", config, _CONFIG_KEYS, _REQUIRED)
         size = config["size"]
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ValueError(f"dense table config: 'size' must be an int >= 0, got {size!r}")
@@ -61,7 +76,8 @@ class DenseTable:
             spec = OptimizerSpec.from_config(config["optimizer"])
         except ValueError as err:
             raise ValueError(f"dense table config: 'optimizer': {err}") from None
-        return cls(size, spec)
+        pieces = config.get("pieces")
+        return cls(size, spec, pieces=[tuple(p) for p in pieces] if pieces is not None else None)
 
     @property
     def step(self) -> int:
@@ -82,11 +98,35 @@ class DenseTable:
         """Overwrite the values (the job's initial parameters, sent by worker 0)."""
         self._values.copy_(_check_vector("values", values, self.size))
 
-    def apply_gradient(self, grad: torch.Tensor, lr: float) -> None:
-        """One optimizer step with the worker's current learning rate ``lr``."""
+    def apply_gradient(self, grad: torch.Tensor, lr: float, present: list[bool] | None = None) -> None:
+        """One optimizer step with the worker's current learning rate ``lr``.
+
+        ``present``: per piece, whether it has a gradient (None: all of them).
+        """
         g = _check_vector("grad", grad, self.size)
         self._step += 1
-        self._opt.update(self._values, g, self._state, self._step, float(lr))
+        steps = self._piece_steps
+        if (present is None or all(present)) and all(s == steps[0] for s in steps):
+            self._opt.update(self._values, g, self._state, steps[0] + 1 if steps else self._step, float(lr))
+            self._piece_steps = [s + 1 for s in steps]
+            return
+        if present is not None and len(present) != len(self.pieces):
+            raise ValueError(f"dense table: {len(present)} presence flags for {len(self.pieces)} pieces")
+        # Runs of consecutive present pieces on the same step: one update each.
+        index = 0
+        while index < len(self.pieces):
+            if present is not None and not present[index]:
+                index += 1
+                continue
+            end = index + 1
+            while end < len(self.pieces) and (present is None or present[end]) and steps[end] == steps[index]:
+                end += 1
+            lo, hi = self.pieces[index][0], self.pieces[end - 1][1]
+            state = {name: t[lo:hi] for name, t in self._state.items()}
+            self._opt.update(self._values[lo:hi], g[lo:hi], state, steps[index] + 1, float(lr))
+            for k in range(index, end):
+                steps[k] += 1
+            index = end
 
     def add_delta(self, delta: torch.Tensor) -> None:
         """Geo mode: add a worker's parameter change since its last sync; optimizer state untouched."""
@@ -99,6 +139,7 @@ class DenseTable:
             "step": self._step,
             "optimizer": optimizer_config_json(self.optimizer),
             "values": self._values.clone(),
+            "piece_steps": torch.tensor(self._piece_steps, dtype=torch.int64),
         }
         for name, t in self._state.items():
             out[f"state.{name}"] = t.clone()
@@ -124,3 +165,22 @@ class DenseTable:
         for name, t in self._state.items():
             t.copy_(_check_vector(f"state.{name}", state[f"state.{name}"], self.size))
         self._step = int(state["step"])
+        steps = state.get("piece_steps")
+        if steps is not None and len(steps) == len(self.pieces):
+            self._piece_steps = [int(s) for s in steps]
+        else:  # a checkpoint from before per-parameter steps: every piece took every step
+            self._piece_steps = [self._step] * len(self.pieces)
+
+
+def _check_pieces(pieces: list[tuple[int, int]] | None, size: int) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) slices that cover [0, size) exactly."""
+    if pieces is None:
+        return [(0, size)] if size else []
+    expected = 0
+    for piece in pieces:
+        if len(piece) != 2 or piece[0] != expected or not piece[0] < piece[1] <= size:
+            raise ValueError(f"dense table: pieces {pieces} do not cut [0, {size}) into consecutive slices")
+        expected = piece[1]
+    if expected != size:
+        raise ValueError(f"dense table: pieces {pieces} do not cover [0, {size})")
+    return [(int(lo), int(hi)) for lo, hi in pieces]

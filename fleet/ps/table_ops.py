@@ -103,7 +103,9 @@ class TableOps:
         status = Status.OK
         if msg.op == Op.PUSH_DENSE_GRAD:
             shard = self._shard(msg, "dense")
-            if not shard.push_grad(msg.peer, msg.step, self._expect(msg, "grad")[0], msg.lr):
+            # The presence flags travel only when some parameter has no gradient.
+            grad, *present = msg.tensors if len(msg.tensors) == 2 else self._expect(msg, "grad")
+            if not shard.push_grad(msg.peer, msg.step, grad, msg.lr, present[0] if present else None):
                 status = Status.STALE
         elif msg.op == Op.PUSH_SPARSE_GRAD:
             shard = self._shard(msg, "sparse")

@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from fleet import env
-from fleet.errors import ModelMismatchError
+from fleet import env, owners
+from fleet.errors import FleetError, ModelMismatchError
 from fleet.nn.sparse_embedding import SparseEmbedding, sparse_modules
 from fleet.optimizer import WrappedOptimizer
 from fleet.ps.client import PSClient
@@ -66,8 +66,9 @@ def _model_mismatch(exc: PSRemoteError, dense: list[_Dense], worker: int, model:
     theirs, mine = (json.loads(text).get("shapes") for text in found.groups())
     if theirs is None or mine is None or theirs == mine:
         return exc
-    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
     params = next((d.params for d in dense if len(d.params) == len(mine)), [])
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else owners.find_owners(params)
+    names = {k: (v.name if isinstance(v, owners.Owner) else v) for k, v in names.items()}
     for position, (a, b) in enumerate(zip(theirs, mine, strict=False)):
         if a != b:
             name = names.get(id(params[position]), f"parameter {position}") if position < len(params) else position
@@ -82,22 +83,41 @@ def _model_mismatch(exc: PSRemoteError, dense: list[_Dense], worker: int, model:
 
 
 class _Dense:
-    """One param group's flat table."""
+    """One param group's flat table. The group is looked up each time: load_state_dict replaces the dicts."""
 
-    def __init__(self, table_id: int, group: dict[str, Any]):
+    def __init__(self, table_id: int, optimizer: torch.optim.Optimizer, index: int):
         self.table_id = table_id
-        self.group = group
-        self.params = [p for p in group["params"] if p.numel() > 0]
+        self.optimizer = optimizer
+        self.index = index
+        self.params = [p for p in self.group["params"] if p.numel() > 0]
         self.size = sum(p.numel() for p in self.params)
         self.version = 0
+
+    @property
+    def group(self) -> dict[str, Any]:
+        return self.optimizer.param_groups[self.index]
 
     def values(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params]) if self.params else torch.zeros(0)
 
-    def grads(self) -> torch.Tensor:
-        return torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for p in self.params]
-        )
+    def grads(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The flat gradient, and (only when some parameter has none) a uint8 presence flag per parameter.
+
+        A parameter without a gradient (frozen, or unused by this worker) counts as zero in the
+        servers' average, and one that no worker has a gradient for is not stepped at all, as
+        torch.optim skips a parameter whose ``.grad`` is None. Sparse gradients (an
+        ``nn.Embedding(sparse=True)`` in a dense table) travel dense.
+        """
+        parts, present = [], []
+        for p in self.params:
+            grad = p.grad
+            present.append(grad is not None)
+            if grad is None:
+                parts.append(torch.zeros(p.numel(), dtype=torch.float32))
+            else:
+                parts.append((grad.to_dense() if grad.is_sparse else grad).detach().reshape(-1))
+        flat = torch.cat(parts) if parts else torch.zeros(0)
+        return flat, None if all(present) else torch.tensor(present, dtype=torch.uint8)
 
     @torch.no_grad()
     def assign(self, flat: torch.Tensor) -> None:
@@ -184,7 +204,7 @@ class PSOptimizer(WrappedOptimizer):
         client: PSClient,
         config: Any,
         role: Any,
-        first_table: int,
+        new_table: Callable[[], int],
         model: torch.nn.Module | None = None,
     ):
         super().__init__(optimizer)
@@ -200,52 +220,94 @@ class PSOptimizer(WrappedOptimizer):
         self.last_checkpoint: str | None = None  # set by fleet.save_persistables / load_persistables
         self.server_restarts = 0  # server restarts this worker recovered from
         self._creates: list[Callable[[], Future]] = []  # re-sent after a server restart
-        self.last_table = first_table
-        base = {"update": self.mode, "backup_workers": int(config.backup_workers)}
+        self._new_table = new_table
+        self._base = {"update": self.mode, "backup_workers": int(config.backup_workers)}
+        self._worker = role.worker_index
+        self._model = model
         self.dense: list[_Dense] = []
-        created = []
-        for group in optimizer.param_groups:
-            entry = _Dense(self.last_table, group)
-            self.last_table += 1
-            if entry.size == 0:
-                continue
-            spec = OptimizerSpec.from_torch(type(optimizer), group)
-            # The shapes travel in the config: a worker whose model differs gets a conflicting create.
-            cfg = {**base, "optimizer": spec.to_config(), "shapes": [list(p.shape) for p in entry.params]}
-            init = entry.values() if self.is_first else None
-            cfg = cfg if self.is_first else {**cfg, "size": entry.size}
-            created.append(client.create_dense(entry.table_id, init, cfg))
-            self._creates.append(
-                lambda e=entry, c=cfg: client.create_dense(e.table_id, e.values() if self.is_first else None, c)
-            )
-            self.dense.append(entry)
-        self.sparse: list[tuple[SparseEmbedding, dict[str, Any], Any]] = []
-        for module, group in sparse_modules(optimizer):
-            spec = OptimizerSpec.from_torch(type(optimizer), group)
-            table_id = self.last_table
-            self.last_table += 1
-            sparse_cfg = {**base, **module.table_config(spec)}
-            created.append(client.create_sparse(table_id, sparse_cfg))
-            self._creates.append(lambda t=table_id, c=sparse_cfg: client.create_sparse(t, c))
+        self.sparse: list[tuple[SparseEmbedding, int, Any]] = []  # (module, param group index, rows)
+        self._groups: list[list[int]] = []  # the parameters of each param group with a table, by id
+        indices = range(len(optimizer.param_groups))
+        created = [f for i in indices for f in self._add_dense(i)] + [f for i in indices for f in self._add_sparse(i)]
+        self._settle(created, self.dense)
+
+    def _add_dense(self, index: int) -> list[Future]:
+        entry = _Dense(self._new_table(), self._inner, index)
+        self._groups.append([id(p) for p in entry.group["params"]])
+        if entry.size == 0:
+            return []
+        spec = OptimizerSpec.from_torch(type(self._inner), entry.group)
+        # The shapes travel in the config: a worker whose model differs gets a conflicting create.
+        cfg = {**self._base, "optimizer": spec.to_config(), "shapes": [list(p.shape) for p in entry.params]}
+        cfg = cfg if self.is_first else {**cfg, "size": entry.size}
+        self._creates.append(
+            lambda e=entry, c=cfg: self.client.create_dense(e.table_id, e.values() if self.is_first else None, c)
+        )
+        self.dense.append(entry)
+        return [self._creates[-1]()]
+
+    def _add_sparse(self, index: int) -> list[Future]:
+        futures = []
+        group = self._inner.param_groups[index]
+        for module, _ in sparse_modules(self._inner, [group]):
+            spec = OptimizerSpec.from_torch(type(self._inner), group)
+            table_id = self._new_table()
+            sparse_cfg = {**self._base, **module.table_config(spec)}
+            self._creates.append(lambda t=table_id, c=sparse_cfg: self.client.create_sparse(t, c))
+            futures.append(self._creates[-1]())
             if self.mode == "geo":
-                rows: Any = _GeoRows(client, table_id, module, module.optimizer_override or spec)
+                rows: Any = _GeoRows(self.client, table_id, module, module.optimizer_override or spec)
             else:
-                rows = _RemoteRows(client, table_id, sync=self.mode == "sync")
+                rows = _RemoteRows(self.client, table_id, sync=self.mode == "sync")
             rows.guard = self._guard
             module.remote = rows
             module.table = None
-            self.sparse.append((module, group, rows))
+            self.sparse.append((module, index, rows))
+        return futures
+
+    def _settle(self, created: list[Future], entries: list[_Dense], check_values: bool = False) -> None:
+        """Wait for the tables' creation, then start every worker from worker 0's values."""
         for future in created:
             try:
                 future.result()
             except PSRemoteError as exc:
-                raise _model_mismatch(exc, self.dense, role.worker_index, model) from None
-        pulls = [client.pull_dense(d.table_id) for d in self.dense]
-        for entry, future in zip(self.dense, pulls, strict=True):
+                raise _model_mismatch(exc, self.dense, self._worker, self._model) from None
+        pulls = [self.client.pull_dense(d.table_id) for d in entries]
+        for entry, future in zip(entries, pulls, strict=True):
             values = future.result()
+            if check_values and not torch.equal(values, entry.values()):
+                raise FleetError(
+                    f"The parameters of param group {entry.index}, added to the optimizer with add_param_group on "
+                    f"the unwrapped optimizer, hold different values on worker {self._worker} than on worker 0, so "
+                    "this worker's forward pass used values the job does not train. Call add_param_group on the "
+                    "optimizer fleet.distributed_optimizer returned (it gives every worker worker 0's values), or "
+                    "initialise them identically on every worker."
+                )
             entry.assign(values)
             entry.version = int(values.ps_version)
             entry.base = entry.values().clone()  # type: ignore[attr-defined]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._inner.add_param_group(param_group)
+        self._adopt_new_groups(check_values=False)
+
+    def _adopt_new_groups(self, check_values: bool = True) -> None:
+        """Give param groups added since the last look their tables (at add_param_group, or at step())."""
+        groups = self._inner.param_groups
+        for index, known in enumerate(self._groups):
+            if index >= len(groups) or [id(p) for p in groups[index]["params"]] != known:
+                raise FleetError(
+                    f"param group {index} of the optimizer changed its parameters after fleet.distributed_optimizer "
+                    "(in parameter-server mode each param group is a table on the servers): add parameters with "
+                    "add_param_group instead."
+                )
+        if len(groups) == len(self._groups):
+            return
+        self._flush()  # async: nothing in flight refers to the old list of tables
+        first = len(self.dense)
+        indices = range(len(self._groups), len(groups))
+        created = [f for i in indices for f in self._add_dense(i)] + [f for i in indices for f in self._add_sparse(i)]
+        self._settle(created, self.dense[first:], check_values=check_values and not self.is_first)
 
     @property
     def stale_dropped(self) -> int:
@@ -258,6 +320,7 @@ class PSOptimizer(WrappedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._adopt_new_groups()
         started = time.perf_counter()
         if self.mode == "sync":
             self._guard(self._sync_step)
@@ -273,15 +336,17 @@ class PSOptimizer(WrappedOptimizer):
 
     def _push_sparse(self) -> list[Future]:
         futures = []
-        for module, group, rows in self.sparse:
+        for module, index, rows in self.sparse:
             ids, grads = module.take_gradients()
-            futures.append(self.client.push_sparse_grad(rows.table_id, ids, grads, rows.version, float(group["lr"])))
+            lr = float(self._inner.param_groups[index]["lr"])
+            futures.append(self.client.push_sparse_grad(rows.table_id, ids, grads, rows.version, lr))
         return futures
 
     def _sync_step(self) -> None:
-        futures = [
-            self.client.push_dense_grad(d.table_id, d.grads(), d.version, float(d.group["lr"])) for d in self.dense
-        ]
+        futures = []
+        for d in self.dense:
+            grad, present = d.grads()
+            futures.append(self.client.push_dense_grad(d.table_id, grad, d.version, float(d.group["lr"]), present))
         futures += self._push_sparse()
         for future in futures:
             future.result()
@@ -295,7 +360,8 @@ class PSOptimizer(WrappedOptimizer):
 
     def _async_step(self) -> None:
         for d in self.dense:
-            self._pushes.append(self.client.push_dense_grad(d.table_id, d.grads(), 0, float(d.group["lr"])))
+            grad, present = d.grads()
+            self._pushes.append(self.client.push_dense_grad(d.table_id, grad, 0, float(d.group["lr"]), present))
         self._pushes.extend(self._push_sparse())
         while self._pushes and (len(self._pushes) > MAX_IN_FLIGHT or self._pushes[0].done()):
             self._pushes.popleft().result()
@@ -309,9 +375,9 @@ class PSOptimizer(WrappedOptimizer):
     def _geo_step(self) -> None:
         started = time.perf_counter()
         self._inner.step()
-        for module, group, rows in self.sparse:
+        for module, index, rows in self.sparse:
             ids, grads = module.take_gradients()
-            rows.apply(ids, grads, float(group["lr"]))
+            rows.apply(ids, grads, float(self._inner.param_groups[index]["lr"]))
         self._local_s = time.perf_counter() - started  # computation, not communication
         self._local_steps += 1
         if self._local_steps % self.k_steps == 0:

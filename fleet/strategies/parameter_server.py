@@ -42,6 +42,12 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, config: DistributedStrategy, runtime: Any):
         super().__init__(config, runtime)
         self.optimizers: list[Any] = []
+        self._tables = 0
+
+    def _new_table(self) -> int:
+        """The next table id; every worker creates its tables in the same order, so the ids agree."""
+        self._tables += 1
+        return self._tables - 1
 
     def client(self) -> PSClient:
         return worker_client(self.runtime)
@@ -58,9 +64,10 @@ class ParameterServerStrategy(Strategy):
             )
         if not role.is_worker:
             raise FleetError(f"fleet.distributed_optimizer was called on {role.name}; servers do not train.")
-        first = self.optimizers[-1].last_table if self.optimizers else 0
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        wrapped = PSOptimizer(optimizer, self.client(), self.config, role, first, self.runtime.model_for(params))
+        wrapped = PSOptimizer(
+            optimizer, self.client(), self.config, role, self._new_table, self.runtime.model_for(params)
+        )
         self.optimizers.append(wrapped)
         return wrapped
 
