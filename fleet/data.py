@@ -89,8 +89,7 @@ class ShardedLoader:
             else:
                 batches = iter(self.loader)
         else:
-            # An iterable dataset has no indices: take every num_shards-th batch.
-            mine = (batch for i, batch in enumerate(self.loader) if i % self.num_shards == self.shard)
+            mine = _even_share(iter(self.loader), self.num_shards, self.shard, self.loader.drop_last)
             batches = (batch for i, batch in enumerate(mine) if i >= skip)
         for batch in batches:
             self.position += 1
@@ -99,10 +98,34 @@ class ShardedLoader:
     def __len__(self) -> int:
         if self.sampler is not None:
             return len(self.loader)
-        return len(self.loader) // self.num_shards
+        total = len(self.loader)  # raises TypeError for an iterable dataset without __len__, as DataLoader does
+        return total // self.num_shards if self.loader.drop_last else -(-total // self.num_shards)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["loader"], name)
+
+
+def _even_share(batches: Iterator[Any], num_shards: int, shard: int, drop_last: bool) -> Iterator[Any]:
+    """This shard's batches of a stream every worker reads in full: the same number on every worker.
+
+    The stream is taken in rounds of ``num_shards`` consecutive batches, one per worker. When
+    it ends part-way through a round, that last round is dropped (``drop_last=True``, like
+    DistributedSampler's) or completed with the first batches of the epoch again, so that
+    every worker still gets exactly one more (``drop_last=False``, DistributedSampler's
+    padding): no worker is left waiting in a collective for a batch that never comes.
+    """
+    first: list[Any] = []  # the epoch's first batches, kept to complete a last partial round
+    round_: list[Any] = []
+    for batch in batches:
+        if len(first) < num_shards - 1:
+            first.append(batch)
+        round_.append(batch)
+        if len(round_) == num_shards:
+            yield round_[shard]
+            round_ = []
+    if round_ and not drop_last:
+        round_ += (first * num_shards)[: num_shards - len(round_)]
+        yield round_[shard]
 
 
 class _ResumableSampler(DistributedSampler):

@@ -93,3 +93,112 @@ def test_reference_sees_the_patterns() -> None:
     torch.manual_seed(patterns.SEED)
     untouched = patterns.SCENARIOS["unused_branch"].build("sgd")
     assert torch.equal(branch["head_c.weight"], untouched.head_c.weight.detach())
+
+
+# --- workers that disagree fail at once, naming the parameter and the workers -----------------------
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def disagreeing_worker(rank: int, what: str) -> tuple[str, str, float]:
+    import time
+
+    import fleet
+
+    try:
+        fleet.init()  # the strategy comes from FLEET_STRATEGY
+    except SystemExit as stop:  # a parameter server
+        return ("served", str(stop.code), 0.0)
+    torch.manual_seed(patterns.SEED + rank)
+    model = _net()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    started = time.monotonic()
+    try:
+        for step in range(4):
+            if step == 2 and rank == 1:
+                if what == "unfreeze":
+                    model[0].requires_grad_(False)  # only worker 1 freezes the first layer
+                else:  # a new layer whose values differ, added behind the wrapper's back
+                    extra = torch.nn.Linear(2, 2)
+                    opt.inner.add_param_group({"params": list(extra.parameters())})
+            if step == 2 and rank != 1 and what == "inner":
+                torch.manual_seed(rank)
+                opt.inner.add_param_group({"params": list(torch.nn.Linear(2, 2).parameters())})
+            opt.zero_grad()
+            x, y = patterns.batch(rank, step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    except (fleet.PeerError, fleet.FleetError) as error:
+        return (type(error).__name__, str(error), time.monotonic() - started)
+    return ("finished", "", time.monotonic() - started)
+
+
+def _outcomes(outcome: list) -> list[tuple[str, str, float]]:
+    import io
+
+    return [torch.load(io.BytesIO(value), weights_only=False) for status, value in outcome if status == "ok"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_collective_workers_that_freeze_differently_fail_naming_parameter_and_workers():
+    from dist_harness import fleetrun_env, free_port, run_processes
+
+    port = free_port()
+    envs = [fleetrun_env(r, 2, port, FLEET_STRATEGY='{"timeout_s": 60}') for r in range(2)]
+    outcome = run_processes(disagreeing_worker, envs, "unfreeze", timeout=60)
+    for kind, message, seconds in _outcomes(outcome):
+        assert kind == "PeerError", message
+        assert "'0.weight' requires grad on worker 0 but is frozen on worker 1" in message, message
+        assert seconds < 20
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_collective_params_added_behind_the_wrapper_with_different_values_fail():
+    from dist_harness import fleetrun_env, free_port, run_processes
+
+    port = free_port()
+    envs = [fleetrun_env(r, 2, port, FLEET_STRATEGY='{"timeout_s": 60}') for r in range(2)]
+    outcome = run_processes(disagreeing_worker, envs, "inner", timeout=60)
+    for kind, message, _ in _outcomes(outcome):
+        assert kind == "FleetError" and "hold different values on different workers" in message, message
+        assert "add_param_group on the optimizer fleet.distributed_optimizer returned" in message
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("what", ["unfreeze", "inner"])
+def test_ps_sync_workers_that_disagree_fail_naming_the_parameter(what):
+    import json
+    import secrets
+
+    from ps_jobs import _shift
+
+    from dist_harness import free_port, run_processes
+
+    common = {
+        "FLEET_SECRET": secrets.token_hex(16),
+        "FLEET_SERVER_NUM": "1",
+        "FLEET_SERVER_ENDPOINTS": f"127.0.0.1:{free_port()}",
+        "FLEET_WORKER_NUM": "2",
+        "FLEET_STRATEGY": json.dumps({"mode": "ps", "update": "sync", "timeout_s": 60}),
+    }
+    envs = [{**common, "FLEET_ROLE": "server", "FLEET_SERVER_INDEX": "0"}]
+    envs += [{**common, "FLEET_ROLE": "worker", "FLEET_WORKER_INDEX": str(r)} for r in range(2)]
+    # With differing added values only worker 1 can tell (it compares with worker 0's): wait for it alone.
+    outcome = run_processes(
+        _shift, envs, disagreeing_worker, 1, what, timeout=60, wait_for=[1, 2] if what == "unfreeze" else [2]
+    )
+    workers = _outcomes(outcome[1:])
+    assert workers, outcome
+    if what == "unfreeze":
+        for kind, message, seconds in workers:
+            assert kind == "FleetError", message
+            assert "'0.weight' trains (requires_grad=True) on worker 0 but is frozen on worker 1" in message, message
+            assert seconds < 20
+    else:  # worker 1 added values that differ from worker 0's: it is told so
+        kind, message, _ = workers[-1]
+        assert kind == "FleetError" and "hold different values on worker 1 than on worker 0" in message, message

@@ -42,16 +42,13 @@ class Join:
         if lock is None:
             return
         lock.joined = True
-        last_active: list[int] = []
         try:
             while True:
                 layout = sync.refresh()
                 agreement = lock.exchange(lockstep.JOINED, a=layout.fingerprint)
                 active = [agreement.headers[r] for r in agreement.active]
                 if not active:
-                    lock.steps = max(h.steps for h in agreement.headers)
                     break
-                last_active = [h.rank for h in active]
                 kinds = {h.kind for h in active}
                 leader = agreement.leader()
                 if len(kinds) > 1 or leader.kind not in SHADOWED:
@@ -69,8 +66,11 @@ class Join:
                 strategy.shadow(leader, agreement)
         finally:
             lock.joined = False
-        if last_active:
-            strategy.adopt_state(min(last_active))
+        # Every worker saw the same last headers: whoever took the most steps trained last.
+        steps = [h.steps for h in agreement.headers]
+        lock.steps = max(steps)
+        if min(steps) != max(steps):
+            strategy.adopt_state(steps.index(max(steps)))
 
 
 SHADOWED = (lockstep.ROUND, lockstep.BUFFERS, lockstep.SPARSE_ROWS, lockstep.AVERAGE, lockstep.BARRIER)

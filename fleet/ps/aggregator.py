@@ -31,7 +31,19 @@ _SPARSE_TABLE_KEYS = ("dim", "optimizer", "initializer", "seed")
 
 
 class ShardError(ValueError):
-    """A request that does not fit the shard (wrong mode, step, shape): sent back as an error reply."""
+    """A request that does not fit the shard (wrong mode, step, shape): sent back as an error reply.
+
+    ``details``: machine-readable facts for the worker (a ``code`` and its fields), sent with the
+    message so that the worker can explain the error in its own terms (parameter names).
+    """
+
+    def __init__(self, message: str, details: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.details = details or {}
+
+
+# Presence flags of a dense push, one per parameter of the table.
+FROZEN, NO_GRAD, HAS_GRAD = 0, 1, 2
 
 
 def canonical(config: dict[str, Any]) -> str:
@@ -176,6 +188,8 @@ class DenseShard(Shard):
         self._piece_params = [index for index, _, _ in pieces_of(config)]
         self._acc: torch.Tensor | None = None
         self._present: torch.Tensor | None = None  # sync: per parameter, how many pushes of this step had it
+        self._trainable: tuple[int, list[bool]] | None = None  # sync: the first push's frozen/trainable flags
+        self.broken: tuple[str, dict[str, Any]] | None = None  # set when workers disagreed: the table is unusable
         self._snapshot: torch.Tensor | None = None
         self._snapshot_version = -1
 
@@ -210,11 +224,14 @@ class DenseShard(Shard):
                 f"dense table {self.table_id}: presence flags have {present.dtype} {list(present.shape)}, "
                 f"expected torch.uint8 [{self.parameters}] (one per parameter of the table)"
             )
+        if int(present.max()) > HAS_GRAD:
+            raise ShardError(f"dense table {self.table_id}: presence flags must be 0, 1 or 2")
 
-    def _piece_flags(self, present: torch.Tensor | None) -> list[bool] | None:
-        if present is None:
+    def _piece_flags(self, counts: torch.Tensor | None) -> list[bool] | None:
+        """Per piece of the table, whether its parameter has a gradient (``counts`` > 0); None: all have."""
+        if counts is None:
             return None
-        flags = present.tolist()
+        flags = counts.tolist()
         return [flags[index] > 0 for index in self._piece_params]
 
     def push_grad(
@@ -222,30 +239,61 @@ class DenseShard(Shard):
     ) -> bool:
         """Returns False when the push was stale and dropped.
 
-        ``present``: uint8 per parameter of the table, 0 where this worker has no gradient
-        (None: it has them all). A parameter no push of a step has is left untouched.
+        ``present``: uint8 per parameter of the table: :data:`HAS_GRAD`, :data:`NO_GRAD` (it trains
+        but this worker has no gradient for it) or :data:`FROZEN` (None: every one has a gradient).
+        A parameter no push of a step has a gradient for is left untouched. In sync mode the
+        workers must agree on which parameters are frozen: otherwise the table refuses the step
+        (every waiting worker gets the error), rather than mixing the two.
         """
         self.check_values("gradient", grad)
         self.check_present(present)
+        if self.broken is not None:
+            raise ShardError(*self.broken)
         if not self._check_grad_push(worker, step):
             return False
+        has_grad = present == HAS_GRAD if present is not None else None
         if self.mode == "async":
-            self.table.apply_gradient(grad, lr, self._piece_flags(present))
+            self.table.apply_gradient(grad, lr, self._piece_flags(has_grad))
             self.version += 1
             return True
+        self._check_trainable(worker, present)
         # sync: the received buffer is ours (a ZeroMQ frame), so it can be the accumulator itself
         if self._acc is None:
             self._acc = grad if grad.is_contiguous() else grad.contiguous()
         else:
             self._acc.add_(grad)
-        if present is not None or self._present is not None:
-            flags = present.to(torch.int32) if present is not None else torch.ones(self.parameters, dtype=torch.int32)
+        if has_grad is not None or self._present is not None:
+            flags = has_grad.to(torch.int32) if has_grad is not None else torch.ones(self.parameters, dtype=torch.int32)
             if self._present is None:  # the earlier pushes of this step had every parameter
                 self._present = torch.full((self.parameters,), len(self._pushed), dtype=torch.int32)
             self._present.add_(flags)
         self._pushed.add(worker)
         self._lr = lr
         return True
+
+    def _check_trainable(self, worker: int, present: torch.Tensor | None) -> None:
+        trainable = (present != FROZEN).tolist() if present is not None else [True] * self.parameters
+        if self._trainable is None:
+            self._trainable = (worker, trainable)
+            return
+        first, reference = self._trainable
+        if trainable == reference:
+            return
+        index = next(i for i, (a, b) in enumerate(zip(reference, trainable, strict=True)) if a != b)
+        trains, frozen = (first, worker) if reference[index] else (worker, first)
+        details = {
+            "code": "trainable_mismatch",
+            "table": self.table_id,
+            "parameter": index,
+            "trains_on": trains,
+            "frozen_on": frozen,
+        }
+        self.broken = (
+            f"dense table {self.table_id}: parameter {index} trains on worker {trains} but is frozen on worker "
+            f"{frozen} in the same step; workers must freeze and unfreeze parameters alike",
+            details,
+        )
+        raise ShardError(*self.broken)
 
     def push_delta(self, delta: torch.Tensor) -> None:
         self._check_delta_push()
@@ -256,6 +304,7 @@ class DenseShard(Shard):
     def _apply_accumulated(self, count: int, lr: float) -> None:
         acc, self._acc = self._acc, None
         present, self._present = self._present, None
+        self._trainable = None
         if acc is not None:
             # Absent gradients count as zero in the average (DDP's semantics); a parameter that no
             # worker had a gradient for is not stepped at all.
@@ -267,7 +316,7 @@ class DenseShard(Shard):
     def load(self, state: dict[str, Any]) -> None:
         self.table.load_state_dict(state["table"])
         self.version = int(state["version"])
-        self._acc, self._present, self._snapshot_version = None, None, -1
+        self._acc, self._present, self._trainable, self._snapshot_version = None, None, None, -1
         self._pushed.clear()
 
     def info(self) -> dict[str, Any]:

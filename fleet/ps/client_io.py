@@ -38,6 +38,7 @@ from fleet.ps.errors import (
     PSRemoteError,
     PSServerUnavailable,
     WireError,
+    parse_error_reply,
 )
 from fleet.ps.wire import Message, Status, decode, encode, op_name, read_request_id
 
@@ -289,7 +290,8 @@ class IOThread:
         job.pending.clear()
 
     def _remote(self, server: int, op: int, text: str) -> PSRemoteError:
-        return PSRemoteError(server, self.endpoints[server], op_name(op), text)
+        message, details = parse_error_reply(text)
+        return PSRemoteError(server, self.endpoints[server], op_name(op), message, details)
 
     def _unavailable(self, server: int, msg: Message, why: str, cls: type = PSServerUnavailable) -> PSError:
         name = op_name(msg.op)

@@ -8,6 +8,8 @@ the job's exit reason.
 
 from __future__ import annotations
 
+import json
+
 from fleet.errors import FleetError, PeerError
 
 
@@ -43,14 +45,31 @@ class PSAuthError(PSServerUnavailable):
 
 
 class PSRemoteError(PSError):
-    """A server answered a request with an error (bad shape, unknown table, ...)."""
+    """A server answered a request with an error (bad shape, unknown table, ...).
 
-    def __init__(self, server_index: int, endpoint: str, op: str, message: str):
+    ``details``: what the server said in machine-readable form (a ``code`` and its fields),
+    for errors the worker explains in its own terms; empty for plain-text errors.
+    """
+
+    def __init__(self, server_index: int, endpoint: str, op: str, message: str, details: dict | None = None):
         super().__init__(f"parameter server {server_index} at {endpoint} rejected {op}: {message}")
         self.server_index = server_index
         self.endpoint = endpoint
         self.op = op
         self.remote_message = message
+        self.details = details or {}
+
+
+def parse_error_reply(text: str) -> tuple[str, dict]:
+    """An error reply's blob: plain text, or a JSON object with ``message`` and the details."""
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return text, {}
+        if isinstance(data, dict) and isinstance(data.get("message"), str):
+            return data.pop("message"), data
+    return text, {}
 
 
 class PSClientClosed(PSError):

@@ -205,7 +205,9 @@ class ParameterServer(TableOps):
             self._table_ops[msg.table][name] += 1
         try:
             reply = self._handlers[Op(msg.op)](ident, msg)
-        except (agg.ShardError, ValueError, KeyError, TypeError) as exc:
+        except agg.ShardError as exc:
+            reply = self._error(msg, str(exc), exc.details)
+        except (ValueError, KeyError, TypeError) as exc:
             reply = self._error(msg, str(exc) or type(exc).__name__)
         except Exception as exc:  # a bug in a table must not take the server down
             log.error("parameter server %d failed on %s:\n%s", self.server_index, name, traceback.format_exc())
@@ -242,12 +244,14 @@ class ParameterServer(TableOps):
             blob=blob,
         )
 
-    def _error(self, msg: Message, text: str) -> Message:
+    def _error(self, msg: Message, text: str, details: dict[str, Any] | None = None) -> Message:
+        """An error reply: the text, or with ``details`` a JSON object (see :func:`fleet.ps.errors.parse_error_reply`)."""
         self._counts["errors"] += 1
-        return self._ok(msg, blob=text.encode("utf-8", errors="replace"), status=Status.ERROR)
+        blob = json.dumps({"message": text, **details}) if details else text
+        return self._ok(msg, blob=blob.encode("utf-8", errors="replace"), status=Status.ERROR)
 
-    def _reply_error(self, ident: bytes, msg: Message, text: str) -> None:
-        self._send(ident, self._error(msg, text))
+    def _reply_error(self, ident: bytes, msg: Message, text: str, details: dict[str, Any] | None = None) -> None:
+        self._send(ident, self._error(msg, text, details))
 
     def _deadline(self, msg: Message, now: float) -> float:
         """When a parked request gets its timeout error: a little before the sender gives up."""

@@ -89,6 +89,8 @@ class TableOps:
         else:
             shard = self._shard(msg, "sparse")
             shard.check_ids(self._expect(msg, "ids")[0])
+        if getattr(shard, "broken", None) is not None:
+            raise agg.ShardError(*shard.broken)
         if msg.arg > shard.version:
             self._waiting.pulls[msg.table].append(self._park(ident, msg))
             return None
@@ -105,8 +107,14 @@ class TableOps:
             shard = self._shard(msg, "dense")
             # The presence flags travel only when some parameter has no gradient.
             grad, *present = msg.tensors if len(msg.tensors) == 2 else self._expect(msg, "grad")
-            if not shard.push_grad(msg.peer, msg.step, grad, msg.lr, present[0] if present else None):
-                status = Status.STALE
+            try:
+                if not shard.push_grad(msg.peer, msg.step, grad, msg.lr, present[0] if present else None):
+                    status = Status.STALE
+            except agg.ShardError as exc:
+                if shard.broken is not None:  # the workers waiting for this step learn why it never comes
+                    for parked in self._waiting.ready_pulls(msg.table, 1 << 62):
+                        self._reply_error(parked.ident, parked.msg, str(exc), exc.details)
+                raise
         elif msg.op == Op.PUSH_SPARSE_GRAD:
             shard = self._shard(msg, "sparse")
             if not shard.push_grad(msg.peer, msg.step, *self._expect(msg, "ids", "grads"), msg.lr):

@@ -49,6 +49,7 @@ from fleet import env, owners
 from fleet.errors import FleetError, ModelMismatchError
 from fleet.nn.sparse_embedding import SparseEmbedding, sparse_modules
 from fleet.optimizer import WrappedOptimizer
+from fleet.ps.aggregator import FROZEN, HAS_GRAD, NO_GRAD
 from fleet.ps.client import PSClient
 from fleet.ps.errors import PSAuthError, PSRemoteError, PSServerUnavailable
 from fleet.ps.id_index import IdIndex
@@ -108,16 +109,17 @@ class _Dense:
         torch.optim skips a parameter whose ``.grad`` is None. Sparse gradients (an
         ``nn.Embedding(sparse=True)`` in a dense table) travel dense.
         """
-        parts, present = [], []
+        parts, flags = [], []
         for p in self.params:
             grad = p.grad
-            present.append(grad is not None)
             if grad is None:
                 parts.append(torch.zeros(p.numel(), dtype=torch.float32))
+                flags.append(NO_GRAD if p.requires_grad else FROZEN)
             else:
                 parts.append((grad.to_dense() if grad.is_sparse else grad).detach().reshape(-1))
+                flags.append(HAS_GRAD)
         flat = torch.cat(parts) if parts else torch.zeros(0)
-        return flat, None if all(present) else torch.tensor(present, dtype=torch.uint8)
+        return flat, None if all(f == HAS_GRAD for f in flags) else torch.tensor(flags, dtype=torch.uint8)
 
     @torch.no_grad()
     def assign(self, flat: torch.Tensor) -> None:
@@ -343,6 +345,26 @@ class PSOptimizer(WrappedOptimizer):
         return futures
 
     def _sync_step(self) -> None:
+        try:
+            self._sync_push_pull()
+        except PSRemoteError as exc:
+            raise self._explain(exc) from None
+
+    def _explain(self, exc: PSRemoteError) -> Exception:
+        """A server's structured error, in this worker's terms (parameter names)."""
+        details = exc.details
+        if details.get("code") != "trainable_mismatch":
+            return exc
+        entry = next((d for d in self.dense if d.table_id == details["table"]), None)
+        param = entry.params[details["parameter"]] if entry is not None else None
+        name = owners.names_of([param])[0] if param is not None else f"parameter {details['parameter']}"
+        return FleetError(
+            f"Workers disagree about which parameters train: {name!r} trains (requires_grad=True) on worker "
+            f"{details['trains_on']} but is frozen on worker {details['frozen_on']} in the same step. Freeze and "
+            "unfreeze parameters the same way on every worker (the change takes effect at the next step)."
+        )
+
+    def _sync_push_pull(self) -> None:
         futures = []
         for d in self.dense:
             grad, present = d.grads()
