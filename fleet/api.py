@@ -6,7 +6,6 @@ One context per process, created by ``fleet.init``. Module-level functions in
 
 from __future__ import annotations
 
-import os
 import sys
 from datetime import timedelta
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleet import env, netif, rendezvous
+from fleet import env, job_files, netif, rendezvous
 from fleet.collective.liveness import Liveness
 from fleet.data import shard_loader
 from fleet.errors import FleetError
@@ -246,15 +245,8 @@ def _check_same_init(context: FleetContext, role: RoleInfo, config: DistributedS
 def _mark_joined(role: RoleInfo) -> None:
     """Tell fleetrun that this worker called fleet.init (its summary names workers that never did)."""
     log_dir = env.current().str(env.FLEET_LOG_DIR)
-    if not log_dir or not role.is_worker:
-        return
-    try:
-        path = os.path.join(log_dir, "joined", f"worker-{role.worker_index}")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as handle:
-            handle.write(str(os.getpid()))
-    except OSError:
-        pass  # only the summary's note depends on it
+    if log_dir and role.is_worker:
+        job_files.mark_joined(log_dir, role.worker_index)
 
 
 def _require() -> FleetContext:

@@ -221,17 +221,23 @@ def test_user_registered_strategy_trains():
     assert torch.allclose(results[0], expected, atol=1e-6)
 
 
-def mismatch_worker(rank):
+def mismatch_worker(rank, how):
     fleet.init()
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2 + rank))
-    fleet.distributed_model(model, fleet.DistributedStrategy(timeout_s=20))
+    if how == "distributed_model":
+        fleet.distributed_model(model, fleet.DistributedStrategy(timeout_s=20))
+    else:  # the model is never given to fleet: its name is found from the optimizer's parameters
+        fleet.distributed_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), fleet.DistributedStrategy(timeout_s=20)
+        )
     return "no error"
 
 
 @pytest.mark.timeout(60)
-def test_different_models_are_named_not_hung():
+@pytest.mark.parametrize("how", ["distributed_model", "distributed_optimizer"])
+def test_different_models_are_named_not_hung(how):
     with pytest.raises(AssertionError) as error:
-        run_workers(mismatch_worker, 2)
+        run_workers(mismatch_worker, 2, how)
     message = str(error.value)
     assert "ModelMismatchError" in message and "'1.weight'" in message and "worker 1" in message
 
@@ -260,3 +266,85 @@ def test_distributed_model_keeps_parameters_and_buffers_identical():
         if key.endswith("running_mean") or key.endswith("running_var"):
             continue  # updated by each worker's own forward after the broadcast, as with DDP
         assert torch.equal(a[key], b[key]), key
+
+
+# --- fleet.init: is_collective, called twice, one strategy per job ------------------------------------
+
+
+def _ps_worker_env(monkeypatch, workers=1, servers=1):
+    for key, value in {
+        "FLEET_ROLE": "worker",
+        "FLEET_WORKER_INDEX": "0",
+        "FLEET_WORKER_NUM": str(workers),
+        "FLEET_SERVER_NUM": str(servers),
+        "FLEET_SERVER_ENDPOINTS": ",".join(["127.0.0.1:1"] * servers),
+        "FLEET_MASTER": "127.0.0.1:1",
+    }.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_is_collective_true_refuses_a_launch_with_servers(monkeypatch):
+    _ps_worker_env(monkeypatch)
+    with pytest.raises(
+        fleet.StrategyError, match=r"is_collective=True\) asks for collective training, but the launch started 1"
+    ):
+        fleet.init(is_collective=True)
+
+
+def test_is_collective_true_refuses_a_ps_strategy():
+    with pytest.raises(fleet.StrategyError, match=r"is_collective=True.*mode='ps'"):
+        fleet.init(strategy=fleet.DistributedStrategy(mode="ps"), is_collective=True)
+
+
+def test_is_collective_false_needs_servers_when_there_are_several_workers(monkeypatch):
+    _ps_worker_env(monkeypatch, workers=2, servers=0)
+    monkeypatch.delenv("FLEET_SERVER_ENDPOINTS")
+    with pytest.raises(
+        fleet.StrategyError,
+        match=r"is_collective=False\) asks for a parameter-server job, but the launch started 2 workers and no parameter server",
+    ):
+        fleet.init(is_collective=False)
+
+
+def test_is_collective_false_refuses_an_explicit_collective_strategy():
+    with pytest.raises(fleet.StrategyError, match=r"is_collective=False.*mode='collective'"):
+        fleet.init(strategy=fleet.DistributedStrategy(mode="collective"), is_collective=False)
+
+
+def test_is_collective_false_means_a_parameter_server_job():
+    from fleet.api import _honour_is_collective
+
+    chosen = _honour_is_collective(fleet.DistributedStrategy(timeout_s=7), is_collective=False)
+    assert (chosen.mode, chosen.update, chosen.timeout_s) == ("ps", "async", 7)
+    kept = _honour_is_collective(fleet.DistributedStrategy(mode="ps", update="sync"), is_collective=False)
+    assert (kept.mode, kept.update) == ("ps", "sync")
+
+
+def test_is_collective_false_in_one_process_trains_locally():
+    fleet.init(is_collective=False)
+    model = torch.nn.Linear(2, 1)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    before = model.weight.detach().clone()
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert torch.allclose(model.weight.detach(), before - 0.1)
+
+
+def test_a_second_init_must_ask_for_the_same_job():
+    fleet.init(strategy=fleet.DistributedStrategy(bucket_mb=5))
+    fleet.init()  # nothing asked: the job as it is
+    fleet.init(strategy=fleet.DistributedStrategy(bucket_mb=5))  # the same strategy, by value
+    with pytest.raises(
+        fleet.FleetError,
+        match=r"already called with DistributedStrategy\(bucket_mb=5.0\).*asks for DistributedStrategy\(bucket_mb=9.0\)",
+    ):
+        fleet.init(strategy=fleet.DistributedStrategy(bucket_mb=9))
+
+
+def test_one_strategy_per_job_once_something_is_wrapped():
+    fleet.init()
+    model = torch.nn.Linear(2, 1)
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), fleet.DistributedStrategy(bucket_mb=5))
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), fleet.DistributedStrategy(bucket_mb=5))
+    with pytest.raises(fleet.FleetError, match=r"a second strategy .*bucket_mb=9.0.* cannot join it"):
+        fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), fleet.DistributedStrategy(bucket_mb=9))

@@ -93,6 +93,16 @@ def test_workers_get_their_variables_prefixes_and_log_files(tmp_path, workers):
         log = (logs / f"worker.{rank}.log").read_text()
         assert f"FLEET_WORKER_INDEX={rank}" in log and "to stderr" in log and log.endswith("without newline")
     assert len(secrets) == 1 and len(masters) == 1
+    # The script never calls fleet.init: the workers trained on their own, and the summary says so.
+    names = ", ".join(f"worker {rank}" for rank in range(workers))
+    assert f"[fleetrun] {names} finished without calling fleet.init()" in r.stdout, r.stdout
+
+
+@pytest.mark.timeout(90)
+def test_workers_that_called_fleet_init_get_no_such_note(tmp_path):
+    r = fleetrun("--workers", 2, "--log-dir", tmp_path / "logs", SCRIPTS / "tiny_train.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "checksum" in r.stdout and "without calling fleet.init()" not in r.stdout
 
 
 @pytest.mark.timeout(60)

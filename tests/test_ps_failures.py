@@ -72,12 +72,14 @@ def test_a_dead_worker_is_named_and_the_server_ends_without_a_launcher(tmp_path)
 
 
 @pytest.mark.timeout(90)
-def test_workers_with_different_models_are_named_at_distributed_optimizer(tmp_path):
+@pytest.mark.parametrize("how", ["distributed_model", "--no-distributed-model"])
+def test_workers_with_different_models_are_named_at_distributed_optimizer(tmp_path, how):
     strategy = tmp_path / "sync.toml"
     strategy.write_text('mode = "ps"\nupdate = "sync"\ntimeout_s = 20\n')
     script = Path(__file__).resolve().parent / "scripts" / "ps_mismatch.py"
     options = ("--servers", "1", "--workers", "2", "--strategy", str(strategy), "--log-dir", str(tmp_path / "logs"))
-    command = fleetrun_command(*options, script=script)
+    args = (how,) if how.startswith("--") else ()
+    command = fleetrun_command(*options, script=script, args=args)
     done = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=80)
     output = done.stdout + done.stderr
     assert done.returncode == 2, output

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleet import env
+from fleet.job_files import clear_joined, joined_workers
 from fleet.launch.config import LaunchConfig
 from fleet.launch.output import OutputMux, ProcessOutput, style_for
 from fleet.launch.plan import SERVER, WORKER, JobLayout, ProcessSpec, child_env, local_specs
@@ -132,6 +133,7 @@ class Supervisor:
         try:
             self.layout = self._layouts()
             clear_metrics(self.log_dir)
+            clear_joined(self.log_dir)
             self.stragglers = StragglerWatch(self.log_dir, lambda text: self.mux.message(text, style="bold yellow"))
             self._start_all(restart_count=0)
             self.stragglers.start()
@@ -384,6 +386,7 @@ class Supervisor:
         ]
         verdict = "succeeded" if code == 0 else f"failed (exit status {code})"
         self.mux.render(summary_table(rows, f"fleetrun: job {verdict}"))
+        self._note_workers_without_init()
         restarts = {s.spec.rank: s.restarts for s in self.slots if s.spec.role == WORKER}
         stragglers = self.stragglers.ever if self.stragglers is not None else set()
         try:
@@ -395,6 +398,20 @@ class Supervisor:
             self.mux.render(timing[1])
             self.mux.message(f"timing report in {self.log_dir / 'report.json'}")
         self.mux.message(f"logs in {self.log_dir}")
+
+    def _note_workers_without_init(self) -> None:
+        workers = [s for s in self.slots if s.spec.role == WORKER]
+        if self.config.world_workers < 2:
+            return
+        joined = joined_workers(self.log_dir)
+        missing = [s.spec.rank for s in workers if s.returncode == 0 and s.spec.rank not in joined]
+        if missing:
+            names = ", ".join(f"worker {rank}" for rank in missing)
+            self.mux.message(
+                f"{names} finished without calling fleet.init(): they trained on their own, not as one job. "
+                "Add fleet.init() and fleet.distributed_optimizer(...) to the script.",
+                style="bold yellow",
+            )
 
 
 def _kill_group(slot: Slot, sig: int) -> None:
