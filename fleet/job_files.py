@@ -1,15 +1,28 @@
-"""Files a worker leaves in fleetrun's log directory, for the launcher to read (no torch here).
+"""Files a job's workers leave behind for the launcher (no torch here).
 
 ``<log dir>/joined/worker-<i>``: worker ``i`` called ``fleet.init()``. fleetrun's summary
 names the workers of a multi-worker job that finished without it: they trained on their
 own, not as one job, and would otherwise look like a success.
+
+``/dev/shm/<prefix>-*``: the shared-memory segments of workers on one host
+(:mod:`fleet.collective.shm`). Workers unlink them as soon as every worker has mapped
+them; a process killed in that moment would leave one, so fleetrun removes what is left
+under the job's prefix when the job ends. The prefix is derived from the job's secret,
+without revealing it.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import hmac
 import os
 import re
 from pathlib import Path
+
+from fleet import env
+
+SHM_DIR = "/dev/shm"
 
 JOINED = "joined"
 _NAME = re.compile(r"^worker-(\d+)$")
@@ -35,3 +48,24 @@ def joined_workers(log_dir: str | Path) -> set[int]:
 def clear_joined(log_dir: str | Path) -> None:
     for index in joined_workers(log_dir):
         Path(log_dir, JOINED, f"worker-{index}").unlink(missing_ok=True)
+
+
+def shm_prefix(secret_hex: str | None = None) -> str:
+    """``fleet-<16 hex>``: this job's shared-memory names (a fixed ``fleet-local`` without a secret)."""
+    secret_hex = secret_hex if secret_hex is not None else env.current().str(env.FLEET_SECRET)
+    if not secret_hex:
+        return "fleet-local"
+    digest = hmac.new(secret_hex.encode(), b"fleet-shared-memory", hashlib.sha256).hexdigest()
+    return f"fleet-{digest[:16]}"
+
+
+def remove_shm(secret_hex: str) -> list[str]:
+    """Remove whatever segments of this job are left in /dev/shm; return their paths."""
+    removed = []
+    for path in glob.glob(os.path.join(SHM_DIR, f"{shm_prefix(secret_hex)}-*")):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed

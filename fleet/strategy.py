@@ -72,6 +72,10 @@ class DistributedStrategy(BaseModel):
     grad_compression: Literal["none", "fp16", "bf16"] = "none"
     """Collective: dtype gradients travel in (averaged before casting, so fp16 does not overflow)."""
 
+    shared_memory: bool = True
+    """Collective: when every worker runs on one host, sum CPU gradient buckets through shared
+    memory (/dev/shm) instead of the process group (uncompressed buckets only)."""
+
     grad_accumulation_steps: int = Field(1, ge=1)
     """Collective: micro-batches per optimizer step; gradients are reduced once, on the last one."""
 

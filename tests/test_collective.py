@@ -64,11 +64,15 @@ def train_worker(rank: int, optimizer: str, strategy_kwargs: dict, steps: int = 
     return trajectory
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize(
+    ("workers", "shared_memory"), [(2, True), (3, True), (2, False)], ids=["2-shm", "3-shm", "2-process-group"]
+)
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_sync_equals_single_process_on_union(workers, optimizer):
-    trajectories = run_workers(train_worker, workers, optimizer, {"bucket_mb": 0.0005})
+def test_sync_equals_single_process_on_union(workers, shared_memory, optimizer):
+    strategy = {"bucket_mb": 0.0005, "shared_memory": shared_memory}
+    trajectories = run_workers(train_worker, workers, optimizer, strategy)
     for step in range(STEPS + 1):
         for rank in range(1, workers):
             assert torch.equal(trajectories[rank][step], trajectories[0][step]), f"worker {rank} differs at {step}"

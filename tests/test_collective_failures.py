@@ -11,12 +11,12 @@ import torch
 from dist_harness import fleetrun_env, free_port, run_processes
 
 
-def dying_worker(rank, victim, how):
+def dying_worker(rank, victim, how, shared_memory=True):
     import signal
 
     import fleet
 
-    fleet.init(strategy=fleet.DistributedStrategy(timeout_s=5))
+    fleet.init(strategy=fleet.DistributedStrategy(timeout_s=5, shared_memory=shared_memory))
     model = torch.nn.Linear(8, 8)
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     started = time.monotonic()
@@ -34,19 +34,25 @@ def dying_worker(rank, victim, how):
     return ("finished", "", time.monotonic() - started)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    "victim, how, named",
+    "victim, how, shared_memory, named",
     [
-        (1, "exit", "worker 1 stopped answering"),
-        (0, "exit", "worker 0 (which hosts the rendezvous store) is unreachable"),
-        (1, "stop", "worker 1 stopped answering"),
+        # workers on one host talk through shared memory: a dead peer's process is seen to be gone
+        (1, "exit", True, "worker 1 died (its process is gone)"),
+        (0, "exit", True, "worker 0 died (its process is gone)"),
+        (1, "stop", True, "worker 1 stopped answering"),
+        # through the process group (workers on several hosts), the store's heartbeats tell
+        (1, "exit", False, "worker 1 stopped answering"),
+        (0, "exit", False, "worker 0 (which hosts the rendezvous store) is unreachable"),
+        (1, "stop", False, "worker 1 stopped answering"),
     ],
 )
-def test_a_dead_or_silent_worker_is_named_on_the_survivor_within_the_timeout(victim, how, named):
+def test_a_dead_or_silent_worker_is_named_on_the_survivor_within_the_timeout(victim, how, shared_memory, named):
     port = free_port()
     envs = [fleetrun_env(r, 2, port) for r in range(2)]
-    outcome = run_processes(dying_worker, envs, victim, how, timeout=45, wait_for=[1 - victim])
+    outcome = run_processes(dying_worker, envs, victim, how, shared_memory, timeout=45, wait_for=[1 - victim])
     survivor = 1 - victim
     status, value = outcome[survivor]
     assert status == "ok", value

@@ -8,6 +8,7 @@ number of runs per case (20 by default, as the robustness target asks).
 
 from __future__ import annotations
 
+import glob
 import os
 import random
 import signal
@@ -77,7 +78,10 @@ def _one_run(tmp: Path, mode: str, victim_role: str, rng: random.Random) -> tupl
         time.sleep(0.05)
     killed = bool(victims)
     if victims:
-        os.kill(rng.choice(victims), signal.SIGKILL)
+        try:
+            os.kill(rng.choice(victims), signal.SIGKILL)
+        except ProcessLookupError:  # it finished between being found and being killed
+            killed = False
     killed_at = time.monotonic()
     try:
         code = job.wait(timeout=TIMEOUT_S + 10)
@@ -103,7 +107,10 @@ def test_random_kills_end_the_job_in_time_and_leave_checkpoints_whole(tmp_path, 
     for run in range(runs):
         tmp = tmp_path / f"run{run}"
         tmp.mkdir()
+        shared_before = set(glob.glob("/dev/shm/fleet-*"))
         code, seconds, killed = _one_run(tmp, mode, victim_role, rng)
+        left = set(glob.glob("/dev/shm/fleet-*")) - shared_before
+        assert not left, f"shared memory left behind by a killed job: {sorted(left)}"
         outcomes.append((code, round(seconds, 1), killed))
         assert seconds <= TIMEOUT_S + 10, outcomes
         if not killed:

@@ -49,7 +49,8 @@ from torch.autograd.graph import get_gradient_edge
 from fleet.collective import buckets as bucketing
 from fleet.collective import lockstep
 from fleet.collective.broadcast import all_gather_json
-from fleet.collective.compression import Compressor
+from fleet.collective.shm import ChannelError
+from fleet.collective.transport import GroupTransport, SharedMemoryTransport
 from fleet.errors import FleetError, PeerError
 from fleet.owners import find_owners, is_sparse_embedding_weight
 
@@ -84,7 +85,6 @@ class Layout:
         signature: tuple,
         sparse: set[int],
         bucket_bytes: int,
-        allocate: bucketing.Allocate,
     ):
         self.signature = signature
         self.registered = len(registered)
@@ -92,7 +92,7 @@ class Layout:
         self.ids = {id(p) for p in trainable}
         self.dense = [p for p in trainable if id(p) not in sparse]
         self.sparse = [p for p in trainable if id(p) in sparse]
-        self.buckets = bucketing.build(self.dense, bucket_bytes, allocate)
+        self.buckets = bucketing.build(self.dense, bucket_bytes)
         self.where = {id(p): b for b in self.buckets for p in b.params}
         self.nodes = {id(p): get_gradient_edge(p).node for p in self.dense}
         position = {id(p): i for i, p in enumerate(registered)}
@@ -112,20 +112,19 @@ class GradSync:
         group: Any,
         *,
         bucket_bytes: int,
-        compressor: Compressor,
+        transport: GroupTransport | SharedMemoryTransport,
         timeout_s: float,
         diagnose: Callable[[], str | None] | None = None,
         accumulation: int = 1,
-        allocate: bucketing.Allocate = bucketing.zeros,
     ):
         self.group = group
-        self.lockstep = lockstep.Lockstep(group, timeout_s, diagnose) if group is not None else None
+        channel = transport.host.lockstep if isinstance(transport, SharedMemoryTransport) else None
+        self.lockstep = lockstep.Lockstep(group, timeout_s, diagnose, channel) if group is not None else None
         self.bucket_bytes = bucket_bytes
-        self.compressor = compressor
+        self.transport = transport
         self.timeout = timedelta(seconds=timeout_s)
         self.diagnose = diagnose
         self.accumulation = accumulation
-        self.allocate = allocate
         self.enabled = True  # False between the micro-batches of an accumulation window
         self.hooked = True  # False in local-SGD mode: the registry only, no gradient rounds
         self.rounds = 0
@@ -188,7 +187,7 @@ class GradSync:
         signature = tuple((id(p), p.requires_grad, id(p) in sparse) for p in registered)
         if self._layout is not None and self._layout.signature == signature:
             return self._layout
-        layout = Layout(registered, signature, sparse, self.bucket_bytes, self.allocate)
+        layout = Layout(registered, signature, sparse, self.bucket_bytes)
         if self.hooked:
             for p in layout.dense + layout.sparse:
                 if p not in self._hooks:
@@ -257,6 +256,7 @@ class GradSync:
                 if not any(h.b for h in agreement.headers if h.kind == lockstep.ROUND):
                     self._in_round = False
                     return False  # a catch-up round where no worker has any gradient: nothing to send
+            self.transport.bind(layout.buckets)  # collective the first time: after the workers agreed
         except BaseException:
             self._in_round = False
             raise
@@ -297,10 +297,7 @@ class GradSync:
             self._next += 1
 
     def _launch(self, bucket: bucketing.Bucket) -> None:
-        bucket.gather(self._scale, self._changed)
-        if self.group is not None:
-            bucket.wire = self.compressor.compress(bucket.flat)
-            bucket.work = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
+        bucket.work = self.transport.launch(bucket, self._scale, self._changed)
 
     def _finish(self) -> None:
         """End of the round: launch what is left, exchange sparse gradients, wait, write back."""
@@ -315,9 +312,8 @@ class GradSync:
             started = time.perf_counter()
             for bucket in layout.buckets:
                 if bucket.work is not None:
-                    self._wait(bucket.work, f"all-reduce of gradient bucket {bucket.index}")
-                    self.compressor.decompress(bucket.wire, bucket.flat)
-                    bucket.work = bucket.wire = None
+                    work, bucket.work = bucket.work, None
+                    self._wait_bucket(bucket, work, f"all-reduce of gradient bucket {bucket.index}")
                 bucket.scatter()
             for param, reduced, work in sparse:
                 if work is not None:
@@ -354,19 +350,19 @@ class GradSync:
         if not any(h.b for h in agreement.headers if h.kind == lockstep.ROUND):
             return
         layout = self.refresh()
-        works = []
-        for bucket in layout.buckets:
-            works.append(
-                dist.all_reduce(self.compressor.compress(bucket.zero_contribution()), group=self.group, async_op=True)
-            )
+        self.transport.bind(layout.buckets)
+        works = [(bucket, self.transport.start_empty(bucket)) for bucket in layout.buckets]
+        sparse_works = []
         if layout.sparse:
             flags = torch.zeros(len(layout.sparse))
             self._wait(dist.all_reduce(flags, group=self.group, async_op=True), "agreeing on the sparse gradients")
             for param, flag in zip(layout.sparse, flags.tolist(), strict=True):
                 if flag >= 0.5:
-                    works.append(dist.all_reduce(_empty_sparse(param), group=self.group, async_op=True))
-        for work in works:
-            self._wait(work, "a gradient all-reduce shadowed inside fleet.join()")
+                    sparse_works.append(dist.all_reduce(_empty_sparse(param), group=self.group, async_op=True))
+        for bucket, work in works:
+            self._wait_bucket(bucket, work, "a gradient all-reduce shadowed inside fleet.join()")
+        for work in sparse_works:
+            self._wait(work, "a sparse gradient all-reduce shadowed inside fleet.join()")
 
     # --- sparse gradients ---------------------------------------------------------------
 
@@ -411,10 +407,16 @@ class GradSync:
 
     # --- helpers ------------------------------------------------------------------------
 
+    def _wait_bucket(self, bucket: bucketing.Bucket, work: Any, what: str) -> None:
+        self._wait(lambda: self.transport.wait(bucket, work, self.timeout), what)
+
     def _wait(self, work: Any, what: str) -> None:
+        """``work.wait`` (or ``work()``); a failure becomes a PeerError naming the peer at fault."""
         try:
-            work.wait(self.timeout)
+            work() if callable(work) else work.wait(self.timeout)
         except RuntimeError as error:
+            if isinstance(error, ChannelError) and "died" in str(error):
+                raise PeerError.from_collective(what, error, plain=True) from None
             diagnosis = self.diagnose() if self.diagnose is not None else None
             raise PeerError.from_collective(what, error, diagnosis) from None
 

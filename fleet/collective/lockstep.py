@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fleet.collective import shm
 from fleet.errors import PeerError
 
 ROUND = 1  # gradient round (backward): payload a = layout fingerprint
@@ -116,8 +117,15 @@ class Agreement:
 class Lockstep:
     """Announces collectives over ``group`` (rank = this worker's rank in it)."""
 
-    def __init__(self, group: Any, timeout_s: float, diagnose: Callable[[], str | None] | None = None):
+    def __init__(
+        self,
+        group: Any,
+        timeout_s: float,
+        diagnose: Callable[[], str | None] | None = None,
+        channel: shm.Channel | None = None,
+    ):
         self.group = group
+        self.channel = channel  # the workers' shared memory on one host: no gloo round trip
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.timeout = timedelta(seconds=timeout_s)
@@ -129,14 +137,24 @@ class Lockstep:
 
     def exchange(self, kind: int, a: int = 0, b: int = 0, c: int = 0) -> Agreement:
         """All-gather the headers; raises PeerError if a peer is gone."""
+        started = time.perf_counter()
+        if self.channel is not None:
+            try:
+                rows = self.channel.exchange([kind, a, b, c, self.steps, 0])
+            except shm.ChannelError as error:
+                what = f"agreeing on the next collective ({WHAT[kind]})"
+                dead = "died" in str(error)
+                raise PeerError.from_collective(what, error, None if dead else self._diagnosis(), plain=dead) from None
+            finally:
+                self.waited_s += time.perf_counter() - started
+            return Agreement([Header(r, *row[:5]) for r, row in enumerate(rows)])
         mine = torch.tensor([kind, a, b, c, self.steps, 0], dtype=torch.int64)
         gathered = torch.empty(self.world * _FIELDS, dtype=torch.int64)
-        started = time.perf_counter()
         try:
             work = dist.all_gather_single(gathered, mine, group=self.group, async_op=True)
             work.wait(self.timeout)
         except RuntimeError as error:
-            diagnosis = self.diagnose() if self.diagnose is not None else None
+            diagnosis = self._diagnosis()
             raise PeerError.from_collective(
                 f"agreeing on the next collective ({WHAT[kind]})", error, diagnosis
             ) from None
@@ -144,6 +162,9 @@ class Lockstep:
             self.waited_s += time.perf_counter() - started
         rows = gathered.view(self.world, _FIELDS).tolist()
         return Agreement([Header(r, *row[:5]) for r, row in enumerate(rows)])
+
+    def _diagnosis(self) -> str | None:
+        return self.diagnose() if self.diagnose is not None else None
 
     def announce(
         self,

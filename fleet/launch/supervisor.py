@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fleet import env
-from fleet.job_files import clear_joined, joined_workers
+from fleet.job_files import clear_joined, joined_workers, remove_shm
 from fleet.launch.config import LaunchConfig
 from fleet.launch.output import OutputMux, ProcessOutput, style_for
 from fleet.launch.plan import SERVER, WORKER, JobLayout, ProcessSpec, child_env, local_specs
@@ -387,6 +387,8 @@ class Supervisor:
         verdict = "succeeded" if code == 0 else f"failed (exit status {code})"
         self.mux.render(summary_table(rows, f"fleetrun: job {verdict}"))
         self._note_workers_without_init()
+        if self.layout is not None:
+            remove_shm(self.layout.secret)
         restarts = {s.spec.rank: s.restarts for s in self.slots if s.spec.role == WORKER}
         stragglers = self.stragglers.ever if self.stragglers is not None else set()
         try:

@@ -30,6 +30,8 @@ from fleet.collective.broadcast import (
 from fleet.collective.compression import make_compressor
 from fleet.collective.grad_sync import GradSync
 from fleet.collective.join import Join
+from fleet.collective.shm import LocalHost
+from fleet.collective.transport import GroupTransport, SharedMemoryTransport
 from fleet.errors import PeerError
 from fleet.nn import sparse_embedding
 from fleet.optimizer import WrappedOptimizer
@@ -73,10 +75,15 @@ class CollectiveStrategy(Strategy):
         if self._sync is None:
             config = self.config
             group = self.runtime.process_group(config.timeout_s)
+            transport: Any = GroupTransport(group, make_compressor(config.grad_compression))
+            host = LocalHost.connect(group, config.timeout_s) if group is not None and config.shared_memory else None
+            if host is not None:
+                # Compressed buckets keep the process group (what they trade precision for is the wire).
+                transport = SharedMemoryTransport(host, transport, compress=config.grad_compression != "none")
             self._sync = GradSync(
                 group,
                 bucket_bytes=int(config.bucket_mb * (1 << 20)),
-                compressor=make_compressor(config.grad_compression),
+                transport=transport,
                 timeout_s=config.timeout_s,
                 diagnose=self.runtime.diagnose_peers,
                 accumulation=config.grad_accumulation_steps,
@@ -142,6 +149,7 @@ class CollectiveStrategy(Strategy):
                 lock.announce(lockstep.FINISH)
         finally:
             sync.remove()
+            sync.transport.close()
             if lock is not None:
                 sparse_embedding.set_row_exchange(None)
                 atexit.unregister(self._finish_at_exit)

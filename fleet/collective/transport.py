@@ -1,0 +1,252 @@
+"""How a gradient bucket is summed over the workers: the process group's all-reduce, or shared memory.
+
+:class:`GroupTransport` all-reduces a bucket over the job's process group (gloo for CPU
+tensors, NCCL for CUDA), optionally compressed to fp16/bf16 on the wire.
+
+:class:`SharedMemoryTransport` is for CPU buckets when every worker runs on one host (a
+common way to train on a multi-core machine). Each worker owns one contiguous chunk of
+every bucket: it copies the rest of its (pre-scaled) gradients into its send buffer in
+shared memory, then sums its chunk, reading its own share straight from its gradients and
+the others' from their send buffers, and writes the sum into every worker's result buffer
+(which ``.grad`` then points into). Per worker that is about three passes over the
+gradients, against gloo's copies in and out of the loopback TCP stack and its ring of
+messages. The two barriers around each chunk go through the workers' shared-memory
+channel (:mod:`fleet.collective.shm`), on the transport's thread, or on the training
+thread for a bucket that is still waiting when backward ends. Bucket segments are created
+``0600`` and fully allocated (a full ``/dev/shm`` fails at creation, never as a SIGBUS
+later) and unlinked once every worker has mapped them, so nothing is left behind whatever
+happens to the job; if one cannot be created, every worker falls back to the process group
+together, and the strategy says why.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fleet.collective import shm
+from fleet.collective.buckets import Bucket
+from fleet.collective.compression import Compressor
+
+
+class GroupTransport:
+    """A bucket's all-reduce over the process group (``group`` None: one worker, nothing to send)."""
+
+    def __init__(self, group: Any, compressor: Compressor):
+        self.group = group
+        self.compressor = compressor
+
+    def bind(self, buckets: list[Bucket]) -> None:
+        for bucket in buckets:
+            if bucket.flat is None:
+                bucket.attach(torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device))
+
+    def launch(self, bucket: Bucket, scale: float, changed: set[int]) -> Any:
+        """Gather this worker's gradients into the bucket and start summing it over the workers."""
+        bucket.gather(scale, changed)
+        if self.group is None:
+            return None
+        bucket.wire = self.compressor.compress(bucket.flat)
+        return dist.all_reduce(bucket.wire, group=self.group, async_op=True)
+
+    def start_empty(self, bucket: Bucket) -> Any:
+        """Take part without contributing (a worker shadowing inside fleet.join())."""
+        zeros = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        return dist.all_reduce(self.compressor.compress(zeros), group=self.group, async_op=True)
+
+    def wait(self, bucket: Bucket, work: Any, timeout: timedelta) -> None:
+        work.wait(timeout)
+        if bucket.wire is not None:
+            self.compressor.decompress(bucket.wire, bucket.flat)
+            bucket.wire = None
+
+    def close(self) -> None:
+        pass
+
+
+class _Work:
+    """A bucket for the shared-memory thread. Whoever claims it first (that thread, or the training
+    thread waiting for it at the end of backward, which then saves the hand-off) sums it."""
+
+    def __init__(self, index: int, run: Any):
+        self.index = index
+        self.run = run
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._claim = threading.Lock()
+        self._claimed = False
+
+    def claim(self) -> bool:
+        with self._claim:
+            mine, self._claimed = not self._claimed, True
+            return mine
+
+    def execute(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting training thread
+            self.error = exc
+        self.done.set()
+
+    def wait(self, timeout: timedelta) -> None:
+        if self.claim():  # the thread has not started it: do it here rather than wake it up
+            self.execute()
+        elif not self.done.wait(timeout.total_seconds() + 5):  # the thread's own barriers time out first
+            raise RuntimeError(f"shared-memory reduction of bucket {self.index} timed out after {timeout}")
+        if self.error is not None:
+            raise self.error
+
+
+class _Segment:
+    """One bucket's shared memory: every worker's send buffer and result buffer."""
+
+    def __init__(self, sends: list[torch.Tensor], results: list[torch.Tensor]):
+        self.sends = sends
+        self.results = results
+
+
+class SharedMemoryTransport:
+    """Sums CPU buckets through the workers' shared memory (:class:`~fleet.collective.shm.LocalHost`).
+
+    :meth:`bind` is collective over the workers and is called where they agree (after a round's
+    header exchange); a bucket that cannot live in shared memory goes through ``fallback``.
+    """
+
+    def __init__(self, host: shm.LocalHost, fallback: GroupTransport, compress: bool = False):
+        self.host = host
+        self.fallback = fallback
+        self.rank = host.rank
+        self.world = host.world
+        self.channel = host.buckets
+        self.usable = not compress
+        self.note: str | None = None  # why it stopped being used, for the user
+        self._layouts = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def _all_ok(self, ok: bool) -> bool:
+        return min(row[0] for row in self.channel.exchange([1 if ok else 0])) == 1
+
+    def bind(self, buckets: list[Bucket]) -> None:
+        fresh = [b for b in buckets if b.flat is None]
+        if not fresh or not self.usable or any(b.device.type != "cpu" for b in fresh):
+            self.fallback.bind(fresh)
+            return
+        self._layouts += 1
+        name = f"{self.host.token}-{self._layouts}"
+        mine: list[tuple[str, torch.Tensor]] = []
+        error: OSError | None = None
+        for bucket in fresh:
+            path = os.path.join(shm.SHM_DIR, f"{name}-{bucket.index}-{self.rank}")
+            try:
+                mine.append((path, shm.create(path, 2 * bucket.numel, bucket.dtype)))
+            except OSError as exc:
+                error = exc
+                break
+        peers: list[list[torch.Tensor]] = []
+        try:
+            if not self._all_ok(error is None):
+                self.usable = False
+                self.note = f"shared memory could not be allocated ({error or 'on another worker'})"
+                if self.rank == 0 or error is not None:
+                    print(f"fleet: gradients go through the process group: {self.note}", file=sys.stderr, flush=True)
+                self.fallback.bind(fresh)
+                return
+            for bucket, (_, mapped) in zip(fresh, mine, strict=True):
+                paths = [os.path.join(shm.SHM_DIR, f"{name}-{bucket.index}-{peer}") for peer in range(self.world)]
+                peers.append(
+                    [mapped if peer == self.rank else shm.attach(paths[peer], 2 * bucket.numel, bucket.dtype)
+                     for peer in range(self.world)]
+                )  # fmt: skip
+            self._all_ok(True)  # every worker has mapped every segment: the names can go
+        finally:
+            for path, _ in mine:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        for bucket, maps in zip(fresh, peers, strict=True):
+            n = bucket.numel
+            bucket.segment = _Segment([m[:n] for m in maps], [m[n:] for m in maps])
+            bucket.attach(bucket.segment.results[self.rank], send=bucket.segment.sends[self.rank])
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fleet-shm-reduce", daemon=True)
+            self._thread.start()
+
+    def _chunk(self, bucket: Bucket) -> tuple[int, int]:
+        """The part of the bucket this worker sums: the rank-th of ``world`` contiguous chunks."""
+        return self.rank * bucket.numel // self.world, (self.rank + 1) * bucket.numel // self.world
+
+    def _submit(self, segment: _Segment, lo: int, hi: int, own: list, index: int) -> _Work:
+        def run() -> None:
+            self.channel.barrier()  # every worker's gradients are in its send buffer
+            _sum_chunk(segment, self.rank, lo, hi, own)
+            self.channel.barrier()  # every chunk is summed into every result buffer
+
+        work = _Work(index, run)
+        self._queue.put(work)
+        return work
+
+    def launch(self, bucket: Bucket, scale: float, changed: set[int]) -> Any:
+        if bucket.segment is None:
+            return self.fallback.launch(bucket, scale, changed)
+        lo, hi = self._chunk(bucket)
+        # This worker's own share of its chunk is read straight from its gradients: never copied.
+        sources = bucket.gather(scale, changed, keep=(lo, hi))
+        return self._submit(bucket.segment, lo, hi, bucket.own(sources, lo, hi, scale), bucket.index)
+
+    def start_empty(self, bucket: Bucket) -> Any:
+        if bucket.segment is None:
+            return self.fallback.start_empty(bucket)
+        bucket.send.zero_()
+        lo, hi = self._chunk(bucket)
+        return self._submit(bucket.segment, lo, hi, [(lo, hi, None, 1.0)], bucket.index)
+
+    def wait(self, bucket: Bucket, work: Any, timeout: timedelta) -> None:
+        if isinstance(work, _Work):
+            work.wait(timeout)
+        else:
+            self.fallback.wait(bucket, work, timeout)
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            if work.claim():
+                work.execute()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread = None
+
+
+def _sum_chunk(segment: _Segment, rank: int, lo: int, hi: int, own: list) -> None:
+    """Sum ``[lo, hi)`` of the bucket: the other workers' send buffers plus this worker's ``own`` pieces
+    (see :meth:`Bucket.own`), into this worker's result buffer, then copy it into the others'."""
+    total = segment.results[rank][lo:hi]
+    others = [send for k, send in enumerate(segment.sends) if k != rank]
+    for a, b, source, factor in own:
+        out = total[a - lo : b - lo]
+        base = others[0][a:b]
+        if len(others) > 1:
+            torch.add(base, others[1][a:b], out=out)
+            for send in others[2:]:
+                out.add_(send[a:b])
+            base = out
+        if source is None:
+            if base is not out:
+                out.copy_(base)
+        else:
+            torch.add(base, source, alpha=factor, out=out)
+    for k, result in enumerate(segment.results):
+        if k != rank:
+            result[lo:hi].copy_(total)
