@@ -203,6 +203,7 @@ def custom_strategy_worker(rank):
     return torch.cat([model.weight.detach().reshape(-1), model.bias.detach()])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_user_registered_strategy_trains():
     results = run_workers(custom_strategy_worker, 2)
@@ -233,6 +234,7 @@ def mismatch_worker(rank, how):
     return "no error"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["distributed_model", "distributed_optimizer"])
 def test_different_models_are_named_not_hung(how):
@@ -258,6 +260,7 @@ def model_worker(rank):
     return state
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_distributed_model_keeps_parameters_and_buffers_identical():
     a, b = run_workers(model_worker, 2)

@@ -7,6 +7,8 @@ import torch
 
 from dist_harness import run_workers
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 STEPS = 4
 BATCH = 8
 
@@ -64,7 +66,6 @@ def train_worker(rank: int, optimizer: str, strategy_kwargs: dict, steps: int = 
     return trajectory
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("workers", "shared_memory"), [(2, True), (3, True), (2, False)], ids=["2-shm", "3-shm", "2-process-group"]

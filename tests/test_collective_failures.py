@@ -10,6 +10,8 @@ import torch
 
 from dist_harness import fleetrun_env, free_port, run_processes
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 
 def dying_worker(rank, victim, how, shared_memory=True):
     import signal
@@ -34,7 +36,6 @@ def dying_worker(rank, victim, how, shared_memory=True):
     return ("finished", "", time.monotonic() - started)
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     "victim, how, shared_memory, named",

@@ -12,6 +12,8 @@ import pytest
 
 from dist_harness import clean_env, free_port
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "single_to_multi"
 

@@ -21,6 +21,8 @@ import torch
 
 from dist_harness import clean_env, fleetrun_command
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "kill_train.py"
 RUNS = int(os.environ.get("FLEET_KILL_RUNS", "20"))
 TIMEOUT_S = 5.0

@@ -59,6 +59,7 @@ def alive(pid: int) -> bool:
 # --- single-node jobs -------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers", [2, 3])
 def test_workers_get_their_variables_prefixes_and_log_files(tmp_path, workers):
@@ -98,6 +99,7 @@ def test_workers_get_their_variables_prefixes_and_log_files(tmp_path, workers):
     assert f"[fleetrun] {names} finished without calling fleet.init()" in r.stdout, r.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_workers_that_called_fleet_init_get_no_such_note(tmp_path):
     r = fleetrun("--workers", 2, "--log-dir", tmp_path / "logs", SCRIPTS / "tiny_train.py", cwd=tmp_path)
@@ -105,6 +107,7 @@ def test_workers_that_called_fleet_init_get_no_such_note(tmp_path):
     assert "checksum" in r.stdout and "without calling fleet.init()" not in r.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_a_failing_worker_is_named_with_its_last_lines_and_the_others_stopped(tmp_path):
     logs = tmp_path / "logs"
@@ -122,6 +125,7 @@ def test_a_failing_worker_is_named_with_its_last_lines_and_the_others_stopped(tm
     assert not any(alive(p) for p in pids(logs, "pids.*"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_a_worker_killed_by_a_signal_propagates_128_plus_signal(tmp_path):
     r = fleetrun("--workers", 2, "--log-dir", tmp_path / "logs", JOB_SCRIPT, "--kill", 0, "KILL", cwd=tmp_path)
@@ -129,6 +133,7 @@ def test_a_worker_killed_by_a_signal_propagates_128_plus_signal(tmp_path):
     assert "worker 0 failed: killed by SIGKILL (exit status 137)" in r.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_parameter_server_job_servers_exit_after_workers(tmp_path):
     logs = tmp_path / "logs"
@@ -145,6 +150,7 @@ def test_parameter_server_job_servers_exit_after_workers(tmp_path):
     assert (logs / "server.0.log").exists()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_a_server_that_does_not_exit_is_stopped_after_the_grace_period(tmp_path):
     args = ("--servers", 1, "--workers", 1, "--server-grace", 1, "--log-dir", tmp_path / "logs")
@@ -153,6 +159,7 @@ def test_a_server_that_does_not_exit_is_stopped_after_the_grace_period(tmp_path)
     assert "server 0 did not exit within 1 s after the workers finished; stopping them" in r.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_fleetrun_stops_every_child_and_grandchild(tmp_path, sig):
@@ -180,6 +187,7 @@ def test_a_signal_to_fleetrun_stops_every_child_and_grandchild(tmp_path, sig):
     assert not [p for p in started if alive(p)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_port_in_use_relaunches_with_fresh_ports_without_counting_a_restart(tmp_path):
     r = fleetrun("--workers", 2, "--log-dir", tmp_path / "logs", JOB_SCRIPT, "--port-once", cwd=tmp_path)
@@ -191,6 +199,7 @@ def test_port_in_use_relaunches_with_fresh_ports_without_counting_a_restart(tmp_
     assert counts == {"ENV FLEET_RESTART_COUNT=0"}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_collective_job_restarts_as_a_whole(tmp_path):
     logs = tmp_path / "logs"
@@ -202,6 +211,7 @@ def test_collective_job_restarts_as_a_whole(tmp_path):
     assert "FLEET_RESTART_COUNT=1" in (logs / "worker.0.log").read_text()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_parameter_server_job_restarts_only_the_failed_process(tmp_path):
     logs = tmp_path / "logs"
@@ -238,6 +248,7 @@ def _two_nodes(tmp_path: Path, *args) -> list[tuple[int, str]]:
             p.kill()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_two_nodes_share_one_layout_with_global_ranks(tmp_path):
     (rc0, out0), (rc1, out1) = _two_nodes(tmp_path, "--workers", 1, "--servers", 1, JOB_SCRIPT)
@@ -256,6 +267,7 @@ def test_two_nodes_share_one_layout_with_global_ranks(tmp_path):
     assert ("server 1", "server done") in child_lines(out1)  # it waited for worker 0 on the other node too
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_a_failure_on_one_node_stops_the_other(tmp_path):
     start = time.monotonic()
@@ -268,6 +280,7 @@ def test_a_failure_on_one_node_stops_the_other(tmp_path):
 # --- bad input ----------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_bad_input_in_a_subprocess_exits_2_without_traceback(tmp_path):
     r = fleetrun("--bogus", ENV_SCRIPT, cwd=tmp_path, timeout=30)
@@ -355,6 +368,7 @@ def test_multi_node_ranks_and_environment():
     assert values[env.FLEET_RESTART_COUNT] == "2" and values[env.FLEET_MASTER] == "10.0.0.1:7000"
 
 
+@pytest.mark.multiprocess
 def test_the_launcher_modules_do_not_import_torch():
     # Load fleet.launch without running fleet/__init__.py (the training side's face, which imports torch).
     root = str(Path(cli.__file__).parent.parent)
@@ -400,6 +414,7 @@ def test_control_messages_are_signed_and_forgeries_dropped():
     receiver.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_an_unreachable_master_fails_with_a_clear_message(tmp_path):
     master = f"127.0.0.1:{PortAllocator().take()}"

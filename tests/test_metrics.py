@@ -155,6 +155,7 @@ def test_build_report_and_table(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["stragglers"] == [1]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(10)
 def test_report_at_exit_without_fleetrun(fresh_recorder, tmp_path, capsys):
     clock = FakeClock()
@@ -220,6 +221,7 @@ def test_injector_is_seeded_per_rank_and_only_on_chosen_ranks():
 # --- under fleetrun -------------------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_fleetrun_reports_injected_straggler_and_writes_report(tmp_path):
     delay = {"ranks": [1], "delay": {"mu": -3.0, "sigma": 0.1}}  # about 50 ms per step on worker 1
@@ -257,6 +259,7 @@ def test_fleetrun_reports_injected_straggler_and_writes_report(tmp_path):
     assert report["speedup_condition"]["holds"] is False and "speedup condition" in r.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_fleetrun_injected_crash_names_the_worker(tmp_path):
     strategy = tmp_path / "crash.toml"

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 

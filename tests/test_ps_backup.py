@@ -8,6 +8,8 @@ import pytest
 import torch
 from ps_jobs import Net, batch, make_optimizer, run_job
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 DELAY_S = 0.3  # the slow worker's extra time per step
 FAST_S = 0.04  # the others' (so that their steps overlap the slow worker's for a while)
 

@@ -10,6 +10,8 @@ import pytest
 
 from dist_harness import clean_env, fleetrun_command
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "single_to_multi")
 

@@ -13,6 +13,8 @@ import pytest
 
 from dist_harness import clean_env, fleetrun_command, free_port
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ps_crash_train.py"
 
 

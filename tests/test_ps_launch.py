@@ -14,6 +14,8 @@ import pytest
 from dist_harness import clean_env as launch_env
 from dist_harness import fleetrun_command, free_port
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "ps_train.py")
 

@@ -281,6 +281,7 @@ def server_process(index: int = 1, workers: int = 1) -> Iterator[tuple[subproces
         proc.wait(10)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["kill", "freeze"])
 def test_a_dead_or_frozen_server_becomes_an_error_naming_it(how: str) -> None:
@@ -303,6 +304,7 @@ def test_a_dead_or_frozen_server_becomes_an_error_naming_it(how: str) -> None:
         assert time.monotonic() - t0 < 4.0
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_server_process_exits_after_every_worker_stopped() -> None:
     with server_process(index=0, workers=2) as (proc, endpoint):

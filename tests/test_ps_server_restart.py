@@ -13,6 +13,8 @@ import pytest
 from dist_harness import clean_env
 from fleet.ps import shard_io
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "ps_server_crash_train.py"
 
 

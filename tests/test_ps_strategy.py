@@ -6,6 +6,8 @@ import pytest
 import torch
 from ps_jobs import reference, run_job, train
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 
 def _assert_matches(results: list, ref: dict) -> None:
     for worker, result in enumerate(results):

@@ -15,6 +15,8 @@ import torch
 import fleet
 from dist_harness import clean_env, fleetrun_command
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "resumable_train.py"
 
 
