@@ -47,4 +47,6 @@ info = {
     "losses": losses,
 }
 fleet.stop_worker()
-print("RESULT " + json.dumps(info), flush=True)
+# One write (under PIPE_BUF): under torchrun the workers share one stdout, and print() writes twice.
+sys.stdout.write("RESULT " + json.dumps(info) + "\n")
+sys.stdout.flush()
