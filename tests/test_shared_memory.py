@@ -95,3 +95,28 @@ def test_no_shared_memory_on_one_worker_falls_back_together():
     want = patterns.reference("unused_branch", "sgd", 2)
     for result in results:
         assert not patterns.compare(result, want)
+
+
+def overlapped_worker(rank: int) -> dict:
+    """With a core to spare, buckets are summed on a thread of their own while backward goes on."""
+    import fleet
+    from fleet.collective import transport
+
+    transport.overlap_pays = lambda workers_here: True
+    fleet.init()
+    out = {
+        name: patterns.distributed(name, "adam", rank, 2, fleet.distributed_optimizer)
+        for name in ("unused_branch", "two_optimizers")
+    }
+    fleet.stop_worker()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_buckets_summed_on_their_own_thread_equal_single_process():
+    results = run_workers(overlapped_worker, 2)
+    for name in ("unused_branch", "two_optimizers"):
+        want = patterns.reference(name, "adam", 2)
+        for result in results:
+            assert not patterns.compare(result[name], want), name
