@@ -1,11 +1,11 @@
 """W1: fleet's collective sync against plain DistributedDataParallel, alternately in one run.
 
-    python benchmarks/w1_collective.py [--workers 2] [--rounds 8] [--steps 10]
+    python benchmarks/w1_collective.py [--workers 2] [--rounds 80] [--steps 1] [--no-shared-memory]
 
 Both run in the same two processes over the same gloo group, same model, data and seed,
 one intra-op thread per process. Steps alternate (fleet, DDP, DDP, fleet, ...) so drift
 in the shared machine's load hits both alike. Prints the median step time of each and the ratio
-fleet / DDP (target <= 1.03).
+fleet / DDP (target <= 0.90: issue 8; WORKLOADS.md had 1.03).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def worker(rank: int, workers: int, port: int, args: argparse.Namespace, out: st
     ]
 
     fleet_model = build_model()
-    fleet_opt = fleet.distributed_optimizer(torch.optim.SGD(fleet_model.parameters(), lr=0.01))
+    strategy = fleet.DistributedStrategy(shared_memory=not args.no_shared_memory)
+    fleet_opt = fleet.distributed_optimizer(torch.optim.SGD(fleet_model.parameters(), lr=0.01), strategy)
     ddp_model = DistributedDataParallel(build_model())
     ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
     runs = {"fleet": (fleet_model, fleet_opt), "ddp": (ddp_model, ddp_opt)}
@@ -93,6 +94,11 @@ def main() -> int:
     )
     parser.add_argument("--steps", type=int, default=1, help="steps of each in one alternation")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--no-shared-memory",
+        action="store_true",
+        help="fleet sums gradients through the process group (gloo), as workers on several hosts do",
+    )
     args = parser.parse_args()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -104,7 +110,8 @@ def main() -> int:
     os.unlink(out)
     fleet_ms = statistics.median(times["fleet"]) * 1000
     ddp_ms = statistics.median(times["ddp"]) * 1000
-    print(f"W1 dense MLP (6.3 M params), batch 256/worker, {args.workers} workers, gloo on loopback, 1 thread each")
+    path = "process group (gloo)" if args.no_shared_memory else "shared memory (workers on one host)"
+    print(f"W1 dense MLP (6.3 M params), batch 256/worker, {args.workers} workers, 1 thread each; fleet through {path}")
     print(f"{'':10}{'median ms/step':>16}{'p90 ms/step':>14}{'steps':>8}")
     for name, ms in (("fleet", fleet_ms), ("DDP", ddp_ms)):
         samples = sorted(times[name.lower()])
@@ -112,7 +119,7 @@ def main() -> int:
         print(f"{name:10}{ms:16.1f}{p90:14.1f}{len(samples):8d}")
     ratio = fleet_ms / ddp_ms
     paired = statistics.median(times["pair_ratios"])
-    print(f"ratio fleet/DDP (median step time): {ratio:.3f}  (target <= 1.03) {'PASS' if ratio <= 1.03 else 'MISS'}")
+    print(f"ratio fleet/DDP (median step time): {ratio:.3f}  (target <= 0.90) {'PASS' if ratio <= 0.90 else 'MISS'}")
     print(f"median of per-alternation ratios:   {paired:.3f}")
     return 0
 
