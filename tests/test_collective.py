@@ -116,3 +116,24 @@ def test_local_sgd_averages_parameters_every_k_steps():
             opt.step()
     averaged = (flat(models[0]) + flat(models[1])) / 2
     assert torch.allclose(trajectories[0][k], averaged, atol=1e-6)
+
+
+def sparse_sum_worker(rank):
+    import torch.distributed as dist
+
+    import fleet
+    from fleet.collective import sparse_grads
+
+    fleet.init()
+    rows = torch.tensor([[1, 3, 3, 7][rank:][:3]])  # overlapping and repeated rows, a different count per worker
+    mine = torch.sparse_coo_tensor(rows, torch.ones(rows.shape[1], 2) * (rank + 1), (10, 2)).coalesce()
+    gathered = sparse_grads.gather_sum(mine, dist.group.WORLD)  # the path for backends without sparse all-reduce
+    reduced = mine.clone()
+    dist.all_reduce(reduced)  # gloo's own sparse all-reduce
+    fleet.stop_worker()
+    return gathered.to_dense(), reduced.to_dense()
+
+
+def test_sparse_gradients_sum_the_same_by_all_gather_as_by_gloo():
+    for gathered, reduced in run_workers(sparse_sum_worker, 2):
+        assert torch.equal(gathered, reduced) and gathered.sum() > 0

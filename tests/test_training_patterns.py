@@ -18,7 +18,7 @@ from ps_jobs import run_job
 from dist_harness import run_workers
 
 CASES = [(name, kind) for name, s in patterns.SCENARIOS.items() for kind in s.kinds]
-PS_CASES = [(name, kind) for name, kind in CASES if patterns.SCENARIOS[name].ps]
+PS_CASES = [(name, kind) for name, kind in CASES if kind in patterns.SCENARIOS[name].ps_kinds]
 
 
 def collective_worker(rank: int, cases: list, workers: int) -> dict:

@@ -42,12 +42,11 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from fleet.collective import buckets as bucketing
-from fleet.collective import lockstep
+from fleet.collective import disagreement, lockstep, sparse_grads
 from fleet.collective.broadcast import all_gather_json
 from fleet.collective.shm import ChannelError
 from fleet.collective.transport import GroupTransport, SharedMemoryTransport
@@ -352,57 +351,22 @@ class GradSync:
         layout = self.refresh()
         self.transport.bind(layout.buckets)
         works = [(bucket, self.transport.start_empty(bucket)) for bucket in layout.buckets]
-        sparse_works = []
-        if layout.sparse:
-            flags = torch.zeros(len(layout.sparse))
-            self._wait(dist.all_reduce(flags, group=self.group, async_op=True), "agreeing on the sparse gradients")
-            for param, flag in zip(layout.sparse, flags.tolist(), strict=True):
-                if flag >= 0.5:
-                    sparse_works.append(dist.all_reduce(_empty_sparse(param), group=self.group, async_op=True))
+        sparse_works = sparse_grads.start(layout.sparse, [False] * len(layout.sparse), 1.0, self.group, self._wait)
         for bucket, work in works:
             self._wait_bucket(bucket, work, "a gradient all-reduce shadowed inside fleet.join()")
-        for work in sparse_works:
+        for _, _, work in sparse_works:
             self._wait(work, "a sparse gradient all-reduce shadowed inside fleet.join()")
 
     # --- sparse gradients ---------------------------------------------------------------
 
     def _start_sparse(self, layout: Layout) -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
-        if not layout.sparse:
-            return []
-        flags = torch.tensor([1.0 if id(p) in self._changed else 0.0 for p in layout.sparse])
-        if self.group is not None:
-            self._wait(dist.all_reduce(flags, group=self.group, async_op=True), "agreeing on the sparse gradients")
-        started = []
-        for param, flag in zip(layout.sparse, flags.tolist(), strict=True):
-            if flag < 0.5:
-                continue  # no worker has a new gradient: .grad stays as it is
-            contribution = _sparse(param).mul_(self._scale) if param.grad is not None else _empty_sparse(param)
-            work = dist.all_reduce(contribution, group=self.group, async_op=True) if self.group is not None else None
-            started.append((param, contribution, work))
-        return started
+        changed = [id(p) in self._changed for p in layout.sparse]
+        return sparse_grads.start(layout.sparse, changed, self._scale, self.group, self._wait)
 
     def _check_added_values(self) -> None:
         """Parameters added on the unwrapped optimizer were never broadcast: they must already agree."""
         registered = self.registered()
-        with torch.no_grad():
-            mine = torch.tensor(
-                [[float(p.double().sum()), float(p.double().square().sum())] for p in registered], dtype=torch.float64
-            )
-        gathered = torch.empty(self.lockstep.world * mine.shape[0], 2, dtype=torch.float64)  # type: ignore[union-attr]
-        work = dist.all_gather_single(gathered, mine, group=self.group, async_op=True)
-        self._wait(work, "comparing added parameters")
-        everyone = gathered.view(-1, *mine.shape)
-        differs = (everyone != everyone[0]).any(dim=2).any(dim=0).tolist()
-        if any(differs):
-            names = [self._name(p) for p, d in zip(registered, differs, strict=True) if d]
-            ranks = [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]
-            raise FleetError(
-                f"Parameters added to the optimizer hold different values on different workers: {', '.join(map(repr, names))} "
-                f"(worker {', '.join(map(str, ranks))} differs from worker 0). They were added with add_param_group on "
-                "the unwrapped optimizer, so fleet could not give every worker worker 0's values before the forward "
-                "pass. Call add_param_group on the optimizer fleet.distributed_optimizer returned (it broadcasts "
-                "worker 0's values), or initialise them identically on every worker."
-            )
+        disagreement.check_same_values(registered, self._name, self.group, self._wait)
         self.verified(registered)
 
     # --- helpers ------------------------------------------------------------------------
@@ -430,63 +394,4 @@ class GradSync:
         sparse = {id(p) for p in registered if is_sparse_embedding_weight(self._owners.get(p))}
         mine = [[self._name(p), list(p.shape), bool(p.requires_grad), id(p) in sparse] for p in registered]
         everyone = all_gather_json(mine, self.group)
-        return explain_difference(everyone)
-
-
-def explain_difference(everyone: list[list[list[Any]]]) -> str:
-    """Name the first parameter on which the workers' ``[name, shape, trainable, sparse]`` lists differ."""
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        if len(theirs) != len(reference):
-            return (
-                f"Workers train different sets of parameters: worker {rank}'s wrapped optimizers and models hold "
-                f"{len(theirs)} parameters, worker 0's hold {len(reference)} (add_param_group on some workers only?). "
-                "Every worker must add the same parameter groups."
-            )
-    for position, entry in enumerate(reference):
-        column = [w[position] for w in everyone]
-        for field in (1, 2, 3):  # shape, trainable, sparse
-            values = [c[field] for c in column]
-            if len({repr(v) for v in values}) == 1:
-                continue
-            split: dict[str, list[int]] = {}
-            for rank, value in enumerate(values):
-                split.setdefault(repr(value), []).append(rank)
-            if field == 2:
-                on = split.get("True", [])
-                off = split.get("False", [])
-                return (
-                    f"Workers disagree about which parameters train: {entry[0]!r} requires grad on "
-                    f"{_ranks(on)} but is frozen on {_ranks(off)}. Freeze and unfreeze parameters the same way "
-                    "on every worker (the change takes effect at the next backward)."
-                )
-            if field == 1:
-                return (
-                    f"Workers hold different models: {entry[0]!r} has shape "
-                    + " vs ".join(f"{value} on {_ranks(ranks)}" for value, ranks in split.items())
-                    + ". Every worker must build the same model."
-                )
-            return (
-                f"Workers disagree about {entry[0]!r}: its embedding has sparse="
-                + " vs ".join(f"{value} on {_ranks(ranks)}" for value, ranks in split.items())
-                + ". Build the model the same way on every worker."
-            )
-    return "Workers hold the same parameters but different gradient bucket settings (bucket_mb)."
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("worker " if len(ranks) == 1 else "workers ") + ", ".join(str(r) for r in ranks)
-
-
-def _sparse(param: torch.Tensor) -> torch.Tensor:
-    grad = param.grad
-    assert grad is not None
-    if not grad.is_sparse:
-        grad = grad.to_sparse(sparse_dim=1)
-    return grad.coalesce().clone()
-
-
-def _empty_sparse(param: torch.Tensor) -> torch.Tensor:
-    indices = torch.empty(1, 0, dtype=torch.int64, device=param.device)
-    values = torch.empty(0, *param.shape[1:], dtype=param.dtype, device=param.device)
-    return torch.sparse_coo_tensor(indices, values, param.shape)
+        return disagreement.explain(everyone)
