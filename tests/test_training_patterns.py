@@ -143,29 +143,24 @@ def _outcomes(outcome: list) -> list[tuple[str, str, float]]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
-def test_collective_workers_that_freeze_differently_fail_naming_parameter_and_workers():
+@pytest.mark.parametrize(
+    ("what", "kind", "expected"),
+    [
+        ("unfreeze", "PeerError", "'0.weight' requires grad on worker 0 but is frozen on worker 1"),
+        ("inner", "FleetError", "hold different values on different workers"),  # added behind the wrapper's back
+    ],
+)
+def test_collective_workers_that_disagree_fail_naming_parameter_and_workers(what, kind, expected):
     from dist_harness import fleetrun_env, free_port, run_processes
 
     port = free_port()
     envs = [fleetrun_env(r, 2, port, FLEET_STRATEGY='{"timeout_s": 60}') for r in range(2)]
-    outcome = run_processes(disagreeing_worker, envs, "unfreeze", timeout=60)
-    for kind, message, seconds in _outcomes(outcome):
-        assert kind == "PeerError", message
-        assert "'0.weight' requires grad on worker 0 but is frozen on worker 1" in message, message
+    outcome = run_processes(disagreeing_worker, envs, what, timeout=60)
+    results = _outcomes(outcome)
+    assert len(results) == 2, outcome
+    for got, message, seconds in results:
+        assert got == kind and expected in message, message
         assert seconds < 20
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(90)
-def test_collective_params_added_behind_the_wrapper_with_different_values_fail():
-    from dist_harness import fleetrun_env, free_port, run_processes
-
-    port = free_port()
-    envs = [fleetrun_env(r, 2, port, FLEET_STRATEGY='{"timeout_s": 60}') for r in range(2)]
-    outcome = run_processes(disagreeing_worker, envs, "inner", timeout=60)
-    for kind, message, _ in _outcomes(outcome):
-        assert kind == "FleetError" and "hold different values on different workers" in message, message
-        assert "add_param_group on the optimizer fleet.distributed_optimizer returned" in message
 
 
 @pytest.mark.multiprocess
