@@ -235,7 +235,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     rank, workers = fleet.worker_index(), fleet.worker_num()
     model, lr, data, loss_of, embedding = _build(args.workload, rank, args.batch, args.lr)
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=lr))
-    strategy = fleet.api._context.strategy
+    strategy = fleet.context.current().strategy
     mode = getattr(strategy, "mode", "collective")
     update = getattr(strategy, "update", "sync")
     collective = mode == "collective" and workers > 1

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleet import env, job_files, netif, rendezvous
+from fleet import context, env, job_files, netif, rendezvous
 from fleet.collective.liveness import Liveness
 from fleet.data import shard_loader
 from fleet.errors import FleetError
@@ -26,20 +26,25 @@ DEFAULT_PS_UPDATE = "async"  # Paddle's parameter-server default (a_sync=True)
 
 
 class FleetContext:
-    """This process's view of the job."""
+    """This process's view of the job (the :class:`~fleet.strategies.base.Runtime` strategies use)."""
 
     def __init__(self, role: RoleInfo, strategy: DistributedStrategy, secret: bytes | None):
         self.role = role
         self.strategy = strategy
         self.secret = secret
-        self.store: dist.Store | None = None
+        self.models: list[torch.nn.Module] = []  # given to distributed_model (names, buffers)
+        self.loaders: list[Any] = []  # distributed_loader results, whose positions checkpoints keep
+        self.liveness: Liveness | None = None
+        self._store: dist.Store | None = None
         self._groups: dict[float, Any] = {}
-        self._models: list[torch.nn.Module] = []
-        self._loaders: list[Any] = []  # distributed_loader results, whose positions checkpoints keep
         self._impl: Strategy | None = None
         self._wrapped = False  # an optimizer or a model was wrapped: the strategy is fixed
         self._namespace = f"fleet/{env.current().str(env.FLEET_RESTART_COUNT, '0')}"
-        self.liveness: Liveness | None = None
+
+    @property
+    def active_strategy(self) -> Strategy | None:
+        """The strategy object, once one was built (fleet.init builds it)."""
+        return self._impl
 
     # --- the Runtime protocol strategies use ---------------------------------
 
@@ -47,33 +52,20 @@ class FleetContext:
         """The workers' group with this timeout; None when there is one worker."""
         if self.role.worker_num == 1 or self.role.server_num:
             return None
-        if not dist.is_initialized():
-            self._init_process_group()
+        self.init_process_group()
         if timeout_s not in self._groups:
             # new_group is collective: every worker asks for the same timeouts in the same order.
             self._groups[timeout_s] = dist.new_group(timeout=timedelta(seconds=timeout_s))
         return self._groups[timeout_s]
 
-    def model_for(self, params: list[torch.nn.Parameter]) -> torch.nn.Module | None:
-        wanted = {id(p) for p in params}
-        for model in self._models:
-            if wanted & {id(p) for p in model.parameters()}:
-                return model
-        return None
-
-    def diagnose_peers(self) -> str | None:
-        return self.liveness.describe() if self.liveness is not None else None
-
-    # --- set-up ------------------------------------------------------------------
-
-    def _init_process_group(self) -> None:
+    def init_process_group(self) -> None:
+        if dist.is_initialized():
+            return
         timeout_s = self.strategy.timeout_s
-        if self.store is None:
-            self.store = self._connect(timeout_s)
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore("pg", self.store),
+            store=dist.PrefixStore("pg", self.rendezvous_store()),
             rank=self.role.worker_index,
             world_size=self.role.worker_num,
             timeout=timedelta(seconds=timeout_s),
@@ -81,29 +73,46 @@ class FleetContext:
         self._groups[timeout_s] = dist.group.WORLD
         self.liveness = Liveness(self.role.master, self._namespace, self.role.rank, self.role.world_size, timeout_s)
 
-    def _connect(self, timeout_s: float) -> dist.Store:
-        host, port = env.split_endpoint(self.role.master or "")
-        interface = "lo" if rendezvous.is_loopback(host) else netif.interface_towards(host, port)
-        if interface is not None:
-            env.set_default(env.GLOO_SOCKET_IFNAME, interface)
-        store = rendezvous.connect(self.role, timeout_s, namespace=self._namespace)
-        rendezvous.authenticate(store, self.role, self.secret, timeout_s)
-        return store
+    def rendezvous_store(self) -> dist.Store:
+        if self._store is None:
+            host, port = env.split_endpoint(self.role.master or "")
+            interface = "lo" if rendezvous.is_loopback(host) else netif.interface_towards(host, port)
+            if interface is not None:
+                env.set_default(env.GLOO_SOCKET_IFNAME, interface)
+            timeout_s = self.strategy.timeout_s
+            store = rendezvous.connect(self.role, timeout_s, namespace=self._namespace)
+            rendezvous.authenticate(store, self.role, self.secret, timeout_s)
+            self._store = store
+        return self._store
+
+    def model_for(self, params: list[torch.nn.Parameter]) -> torch.nn.Module | None:
+        wanted = {id(p) for p in params}
+        for model in self.models:
+            if wanted & {id(p) for p in model.parameters()}:
+                return model
+        return None
+
+    def diagnose_peers(self) -> str | None:
+        return self.liveness.describe() if self.liveness is not None else None
+
+    # --- the strategy ---------------------------------------------------------------
 
     def implementation(self, strategy: DistributedStrategy | None) -> Strategy:
-        """The strategy object for this config, built once; a job trains under one strategy."""
+        """The strategy object for this config, built (and joined) once; a job trains under one strategy."""
         if strategy is not None and strategy != self.strategy:
             if self._wrapped:
                 raise FleetError(
-                    f"fleet.distributed_optimizer/distributed_model already trains this job under {_describe(self.strategy)}; "
-                    f"a second strategy ({_describe(strategy)}) cannot join it: every optimizer and model of a job "
-                    "trains under one strategy. Pass the same DistributedStrategy (or none) to every call."
+                    f"fleet.distributed_optimizer/distributed_model already trains this job under "
+                    f"{_describe(self.strategy)}; a second strategy ({_describe(strategy)}) cannot join it: every "
+                    "optimizer and model of a job trains under one strategy. Pass the same DistributedStrategy "
+                    "(or none) to every call."
                 )
             _check_against_role(strategy, self.role)
             self.strategy = strategy
             self._impl = None
         if self._impl is None:
             self._impl = registry.get(self.strategy.mode)(self.strategy, self)
+            self._impl.join()
         return self._impl
 
     def wrapping(self, strategy: DistributedStrategy | None) -> Strategy:
@@ -112,13 +121,19 @@ class FleetContext:
         self._wrapped = True
         return impl
 
+    def stop(self) -> None:
+        """fleet.stop_worker: the strategy lets go, then the group and the heartbeats."""
+        if self._impl is not None:
+            self._impl.shutdown()
+        if self.liveness is not None:
+            self.liveness.close()
+        if dist.is_initialized() and not self.role.server_num:
+            dist.destroy_process_group()
+
 
 def _describe(strategy: DistributedStrategy) -> str:
     fields = ", ".join(f"{k}={v!r}" for k, v in strategy.model_dump(exclude_defaults=True).items())
     return f"DistributedStrategy({fields})"
-
-
-_context: FleetContext | None = None
 
 
 def _check_against_role(strategy: DistributedStrategy, role: RoleInfo) -> None:
@@ -153,7 +168,6 @@ def init(
     ``is_collective`` has Paddle's meaning: True for collective training, False for a
     parameter-server job; None lets the strategy and the launch decide.
     """
-    global _context
     config = _resolve_strategy(strategy)
     if is_collective is not None:
         config = _honour_is_collective(config, is_collective)
@@ -169,23 +183,20 @@ def init(
         secret = bytes.fromhex(secret_hex) if secret_hex else None
     except ValueError:
         raise env.EnvError(f"{env.FLEET_SECRET} must be hex, got {len(secret_hex or '')} other characters.") from None
-    if _context is not None:
-        _check_same_init(_context, role, config, strategy is not None or is_collective is not None)
+    existing = context.current()
+    if existing is not None:
+        _check_same_init(existing, role, config, strategy is not None or is_collective is not None)
         return
-    _context = FleetContext(role, config, secret)
+    job = FleetContext(role, config, secret)
+    context.set_current(job)
     _mark_joined(role)
-    if config.mode == "ps" or role.server_num:
-        from fleet.strategies import parameter_server
-
-        parameter_server.join(_context)
-    elif role.worker_num > 1:
-        try:
-            _context._init_process_group()
-        except rendezvous.PortInUseError as error:
-            if role.source == "fleetrun":
-                print(f"fleet: {error} fleetrun will relaunch with a new port.", file=sys.stderr)
-                sys.exit(env.EXIT_PORT_IN_USE)
-            raise
+    try:
+        job.implementation(None)  # the strategy joins the job (a server serves here, then exits)
+    except rendezvous.PortInUseError as error:
+        if role.source == "fleetrun":
+            print(f"fleet: {error} fleetrun will relaunch with a new port.", file=sys.stderr)
+            sys.exit(env.EXIT_PORT_IN_USE)
+        raise
 
 
 def _honour_is_collective(config: DistributedStrategy, is_collective: bool) -> DistributedStrategy:
@@ -249,75 +260,78 @@ def _mark_joined(role: RoleInfo) -> None:
         job_files.mark_joined(log_dir, role.worker_index)
 
 
-def _require() -> FleetContext:
-    if _context is None:
+def current_job() -> FleetContext:
+    """This process's job; a plain process that never called fleet.init joins as worker 0 of 1."""
+    if context.current() is None:
         init()
-    assert _context is not None
-    return _context
+    job = context.current()
+    assert job is not None
+    return job
+
+
 
 
 def distributed_optimizer(
     optimizer: torch.optim.Optimizer, strategy: DistributedStrategy | None = None
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` trains across the job. ``isinstance(result, torch.optim.Optimizer)`` holds."""
-    return _require().wrapping(strategy).wrap_optimizer(optimizer)
+    return current_job().wrapping(strategy).wrap_optimizer(optimizer)
 
 
 def distributed_model(model: torch.nn.Module, strategy: DistributedStrategy | None = None) -> torch.nn.Module:
     """Broadcast worker 0's parameters and buffers and keep buffers in step (DDP semantics). Optional."""
-    context = _require()
-    context._models.append(model)
-    return context.wrapping(strategy).wrap_model(model)
+    job = current_job()
+    job.models.append(model)
+    return job.wrapping(strategy).wrap_model(model)
 
 
 def distributed_loader(loader: Any) -> Any:
     """This worker's shard of ``loader``; call ``set_epoch(epoch)`` on it to reshuffle each epoch."""
-    context = _require()
-    sharded = shard_loader(loader, context.role.worker_num, context.role.worker_index, seed=context.strategy.seed)
-    context._loaders.append(sharded)
+    job = current_job()
+    sharded = shard_loader(loader, job.role.worker_num, job.role.worker_index, seed=job.strategy.seed)
+    job.loaders.append(sharded)
     return sharded
 
 
 def role_info() -> RoleInfo:
-    return _require().role
+    return current_job().role
 
 
 def worker_index() -> int:
-    return _require().role.worker_index
+    return current_job().role.worker_index
 
 
 def worker_num() -> int:
-    return _require().role.worker_num
+    return current_job().role.worker_num
 
 
 def server_index() -> int:
-    return _require().role.server_index
+    return current_job().role.server_index
 
 
 def server_num() -> int:
-    return _require().role.server_num
+    return current_job().role.server_num
 
 
 def server_endpoints() -> list[str]:
-    return list(_require().role.server_endpoints)
+    return current_job().implementation(None).server_endpoints()
 
 
 def is_worker() -> bool:
-    return _require().role.is_worker
+    return current_job().role.is_worker
 
 
 def is_server() -> bool:
-    return _require().role.is_server
+    return current_job().role.is_server
 
 
 def is_first_worker() -> bool:
-    return _require().role.is_first_worker
+    return current_job().role.is_first_worker
 
 
 def barrier_worker() -> None:
     """Wait until every worker reaches this call."""
-    context = _require()
-    context.implementation(None).barrier()
+    current_job().implementation(None).barrier()
 
 
 def join() -> Any:
@@ -328,44 +342,34 @@ def join() -> Any:
     with the last trainer's parameters and optimizer state. Without it, a worker whose loop ends
     early makes the others fail with a PeerError naming it. Elsewhere it does nothing.
     """
-    return _require().implementation(None).join()
+    return current_job().implementation(None).uneven_inputs()
 
 
 def stop_worker() -> None:
     """This worker is done: release connections (and let parameter servers finish)."""
-    global _context
-    context = _context
-    if context is None:
+    job = context.current()
+    if job is None:
         return
-    if context._impl is not None:
-        context._impl.shutdown()
-    if context.liveness is not None:
-        context.liveness.close()
-    if dist.is_initialized() and not context.role.server_num:
-        dist.destroy_process_group()
-    _context = None
+    try:
+        job.stop()
+    finally:
+        context.set_current(None)
 
 
 def init_server(dirname: str | None = None) -> None:
     """Paddle's explicit form: bind this server process (``fleet.init`` already serves on servers)."""
-    from fleet.ps import launch_server
-
-    context = _require()
-    launch_server.init_server(context)
     if dirname is not None:
         raise FleetError("init_server(dirname) is not supported; call fleet.load_persistables(dirname) on worker 0.")
+    current_job().implementation(None).serve(run=False)
 
 
 def run_server() -> None:
     """Paddle's explicit form: serve until every worker stopped, then exit the process with status 0."""
-    from fleet.ps import launch_server
-
-    launch_server.run_server(_require())
+    current_job().implementation(None).serve(run=True)
 
 
 def _reset_for_tests() -> None:
     """Forget the context without talking to peers (tests reuse one interpreter)."""
-    global _context
     if dist.is_initialized():
         dist.destroy_process_group()
-    _context = None
+    context.set_current(None)

@@ -42,7 +42,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fleet import env
+from fleet import context, env
+from fleet.atomic import write_text_atomic
 
 WINDOW_STEPS = 20
 WRITE_EVERY_S = 1.0
@@ -89,10 +90,9 @@ def median(values: Iterable[float]) -> float | None:
 
 def worker_identity() -> tuple[int, int]:
     """(worker index, worker count): from ``fleet.init``'s context if any, else the launcher's variables."""
-    api = sys.modules.get("fleet.api")
-    context = getattr(api, "_context", None)
-    if context is not None:
-        return context.role.worker_index, context.role.worker_num
+    job = context.current()
+    if job is not None:
+        return job.role.worker_index, job.role.worker_num
     reader = env.current()
     for index, count in (
         (env.FLEET_WORKER_INDEX, env.FLEET_WORKER_NUM),
@@ -221,9 +221,7 @@ class StepMetrics:
             return None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            temp.write_text(json.dumps(self.summary(final)))
-            os.replace(temp, path)
+            write_text_atomic(path, json.dumps(self.summary(final)))
         except OSError as error:
             print(f"fleet.metrics: could not write {path}: {error}", file=sys.stderr)
             return None
@@ -410,6 +408,4 @@ def read_records(log_dir: str | Path) -> dict[int, dict[str, Any]]:
 def write_json(path: Path, data: Any) -> None:
     """Write JSON atomically (temporary file + rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temp.write_text(json.dumps(data, indent=2))
-    os.replace(temp, path)
+    write_text_atomic(path, json.dumps(data, indent=2))

@@ -16,13 +16,12 @@ happens with ``self.metrics.add_comm(seconds)`` and dropped stale gradients with
 
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from fleet import inject, metrics
+from fleet import context, inject, metrics
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -62,8 +61,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
         if getattr(self, "_injector", None) is None:
             strategy = getattr(self, "config", None)
             if strategy is None:
-                api = sys.modules.get("fleet.api")
-                strategy = getattr(getattr(api, "_context", None), "strategy", None)
+                job = context.current()
+                strategy = job.strategy if job is not None else None
             self._injector = inject.for_process(strategy, metrics.worker_identity()[0])
         self._injector.before_boundary()
         recorder = metrics.recorder()

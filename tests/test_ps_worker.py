@@ -9,7 +9,7 @@ import torch
 
 from fleet.nn.sparse_embedding import SparseEmbedding
 from fleet.ps.optim import OptimizerSpec
-from fleet.ps.worker import _GeoRows, _RemoteRows
+from fleet.ps.rows import GeoRows, RemoteRows
 
 
 def _done(value) -> Future:
@@ -41,7 +41,7 @@ class FakeClient:
 def test_geo_cache_fetches_each_id_once_and_keeps_local_updates() -> None:
     module = SparseEmbedding(2)
     client = FakeClient(2)
-    rows = _GeoRows(client, 0, module, OptimizerSpec.from_torch(torch.optim.SGD, {"lr": 1.0}))
+    rows = GeoRows(client, 0, module, OptimizerSpec.from_torch(torch.optim.SGD, {"lr": 1.0}))
     first = rows.pull(torch.tensor([5, -3, 2**62]))
     assert torch.equal(first[:, 0], torch.tensor([5.0, -3.0, float(2**62)]))
     rows.apply(torch.tensor([5]), torch.ones(1, 2), lr=1.0)  # a local step changes row 5
@@ -56,10 +56,10 @@ def test_geo_cache_fetches_each_id_once_and_keeps_local_updates() -> None:
 @pytest.mark.timeout(30)
 def test_remote_rows_follow_a_shard_that_is_ahead() -> None:
     client = FakeClient(2, version=7)  # backup workers closed steps without this worker
-    rows = _RemoteRows(client, 0)
+    rows = RemoteRows(client, 0)
     rows.version = 3  # this worker's last step was 2
     rows.pull(torch.tensor([1, 2]))
     assert rows.version == 7  # its next push is for the shard's version, not a stale one
-    async_rows = _RemoteRows(client, 0, sync=False)
+    async_rows = RemoteRows(client, 0, sync=False)
     async_rows.pull(torch.tensor([1, 2]))
     assert async_rows.version == 0  # async pulls never wait for a version

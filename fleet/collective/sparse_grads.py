@@ -76,3 +76,26 @@ def gather_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     merged_indices = torch.cat([t[:n] for t, n in zip(all_indices, sizes, strict=True)]).unsqueeze(0)
     merged_values = torch.cat([t[:n] for t, n in zip(all_values, sizes, strict=True)])
     return torch.sparse_coo_tensor(merged_indices, merged_values, tensor.shape).coalesce()
+
+
+def gather_rows(ids: torch.Tensor, grads: torch.Tensor, group: Any, active: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``fleet.nn.SparseEmbedding`` step's (ids, row gradients) of every worker, merged (ids may repeat);
+    gradients divided by the ``active`` workers, so that every worker applies the same averaged update."""
+    world = dist.get_world_size(group)
+    dim = grads.shape[1]
+    count = torch.tensor([ids.numel()], dtype=torch.int64)
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    sizes = [int(c.item()) for c in counts]
+    longest = max(sizes)
+    padded_ids = torch.zeros(longest, dtype=torch.int64)
+    padded_ids[: ids.numel()] = ids
+    padded = torch.zeros(longest, dim)
+    padded[: ids.numel()] = grads
+    all_ids = [torch.empty_like(padded_ids) for _ in range(world)]
+    all_grads = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(all_ids, padded_ids, group=group)
+    dist.all_gather(all_grads, padded, group=group)
+    merged_ids = torch.cat([t[:n] for t, n in zip(all_ids, sizes, strict=True)])
+    merged = torch.cat([t[:n] for t, n in zip(all_grads, sizes, strict=True)]).div_(active)
+    return merged_ids, merged

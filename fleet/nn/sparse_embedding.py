@@ -2,15 +2,12 @@
 
 One module serves every mode. Each forward looks up the batch's unique ids, as a
 leaf tensor that collects the per-row gradients, and expands them to the batch
-through the inverse index. Where the rows live:
-
-- single process and collective mode: a local :class:`~fleet.ps.sparse_table.SparseTable`,
-  updated whenever the optimizer that holds this module's parameters steps (a
-  torch optimizer step hook, so even an unwrapped ``torch.optim.SGD`` trains it).
-  With N collective workers the (ids, row gradients) are all-gathered and every
-  worker applies the same averaged update, so the tables stay identical;
-- parameter-server mode: rows are pulled from the servers; the wrapped optimizer
-  (:mod:`fleet.ps.worker`) pushes the row gradients.
+through the inverse index. Where the rows live is the active strategy's choice
+(:mod:`fleet.tables`): a local table in a single process (updated whenever the
+optimizer that holds this module's parameters steps, through a torch optimizer step
+hook, so even an unwrapped ``torch.optim.SGD`` trains it), the same table with each
+step's row gradients merged over the workers in collective mode, rows on the servers
+in parameter-server mode (the wrapped optimizer pushes the row gradients).
 
 The module owns a zero-size placeholder ``nn.Parameter`` so that it appears in
 ``model.parameters()``: the optimizer holding the placeholder is the one that
@@ -19,18 +16,14 @@ updates the rows, with its class and hyper-parameters unless ``optimizer`` overr
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from fleet.ps.optim import InitializerSpec, OptimizerSpec, initial_rows
-from fleet.ps.sparse_table import SparseTable
-
-_BY_PLACEHOLDER: weakref.WeakValueDictionary[int, SparseEmbedding] = weakref.WeakValueDictionary()
+from fleet import context, tables
+from fleet.ps.optim import InitializerSpec, OptimizerSpec
 
 
 def _initializer(value: Any) -> InitializerSpec:
@@ -75,10 +68,9 @@ class SparseEmbedding(nn.Module):
         self.optimizer_override = _optimizer(optimizer)
         self.seed = 0 if seed is None else int(seed)
         self.placeholder = nn.Parameter(torch.empty(0))
-        _BY_PLACEHOLDER[id(self.placeholder)] = self
-        self.remote: Any = None
-        """Set by the parameter-server optimizer: an object with ``pull(unique_ids) -> rows``."""
-        self.table: SparseTable | None = None
+        tables.register(self.placeholder, self)
+        self.local = tables.LocalRows(self)
+        """The table in this process: the backend unless the strategy provides another."""
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def extra_repr(self) -> str:
@@ -92,19 +84,18 @@ class SparseEmbedding(nn.Module):
             "seed": self.seed,
         }
 
-    # ------------------------------------------------------------------ lookup
-    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.remote is not None:
-            return self.remote.pull(ids)
-        if self.table is not None:
-            return self.table.pull(ids)
-        return initial_rows(ids, self.embedding_dim, self.initializer, self.seed)
+    def backend(self) -> tables.TableBackend:
+        """Where the rows live now: the active strategy's choice, else this process's table."""
+        strategy = context.strategy()
+        chosen = strategy.table_backend(self) if strategy is not None else None
+        return chosen if chosen is not None else self.local
 
+    # ------------------------------------------------------------------ lookup
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             raise TypeError(f"SparseEmbedding takes integer ids, got {ids.dtype}")
         unique, inverse = torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True)
-        rows = self._rows(unique)
+        rows = self.backend().pull(unique)
         if torch.is_grad_enabled() and self.training:
             rows = rows.detach().requires_grad_(True)
             self._pending.append((unique, rows))
@@ -119,95 +110,13 @@ class SparseEmbedding(nn.Module):
         grads = torch.cat([r.grad if r.grad is not None else torch.zeros_like(r) for _, r in pending])
         return ids, grads.detach()
 
-    # ------------------------------------------------------------------ local updates
-    def local_table(self, spec: OptimizerSpec) -> SparseTable:
-        if self.table is None:
-            self.table = SparseTable(self.embedding_dim, self.optimizer_override or spec, self.initializer, self.seed)
-        return self.table
-
-    def apply_local(self, optimizer_class: type, group: dict[str, Any]) -> None:
-        """Apply this step's row gradients to the local table (averaged over collective workers)."""
-        ids, grads = self.take_gradients()
-        lr = float(group["lr"])
-        if _row_exchange is not None:
-            ids, grads = _row_exchange(self, ids, grads, lr)
-        self.apply_rows(optimizer_class, group, ids, grads, lr)
-
-    def apply_rows(
-        self, optimizer_class: type, group: dict[str, Any], ids: torch.Tensor, grads: torch.Tensor, lr: float
-    ) -> None:
-        table = self.local_table(OptimizerSpec.from_torch(optimizer_class, group))
-        if ids.numel():
-            table.apply_gradient(ids, grads, lr)
-
-
-# Set by the collective strategy: merges a table's (ids, row gradients) over the workers, so that
-# every worker applies the same update and the local tables stay identical.
-RowExchange = Callable[["SparseEmbedding", torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
-_row_exchange: RowExchange | None = None
-
-
-def set_row_exchange(exchange: RowExchange | None) -> None:
-    global _row_exchange
-    _row_exchange = exchange
-
-
-def module_of(placeholder: torch.Tensor) -> SparseEmbedding:
-    """The SparseEmbedding whose placeholder parameter this is."""
-    module = _BY_PLACEHOLDER.get(id(placeholder))
-    if module is None or module.placeholder is not placeholder:
-        raise KeyError("not a SparseEmbedding placeholder")
-    return module
-
-
-def all_gather_rows(
-    ids: torch.Tensor, grads: torch.Tensor, group: Any, active: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every worker's (ids, grads), merged; gradients divided by the ``active`` workers (averaged)."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    dim = grads.shape[1]
-    count = torch.tensor([ids.numel()], dtype=torch.int64)
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    longest = max(int(c.item()) for c in counts)
-    padded_ids = torch.zeros(longest, dtype=torch.int64)
-    padded_ids[: ids.numel()] = ids
-    padded = torch.zeros(longest, dim)
-    padded[: ids.numel()] = grads
-    all_ids = [torch.empty_like(padded_ids) for _ in range(world)]
-    all_grads = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(all_ids, padded_ids, group=group)
-    dist.all_gather(all_grads, padded, group=group)
-    n = [int(c.item()) for c in counts]
-    merged_ids = torch.cat([t[:k] for t, k in zip(all_ids, n, strict=True)])
-    merged = torch.cat([t[:k] for t, k in zip(all_grads, n, strict=True)]).div_(active)
-    return merged_ids, merged
-
 
 def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global step hook: an optimizer holding a SparseEmbedding's placeholder updates its local rows."""
-    if not _BY_PLACEHOLDER:
+    """Global step hook: an optimizer holding a SparseEmbedding's placeholder steps its table."""
+    if not tables.any_registered():  # every optimizer step of the process passes here
         return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            module = _BY_PLACEHOLDER.get(id(p))
-            if module is not None and module.placeholder is p and module.remote is None:
-                module.apply_local(type(optimizer), group)
+    for module, group in tables.modules_in(optimizer):
+        module.backend().step(type(optimizer), group)
 
 
 register_optimizer_step_post_hook(_on_optimizer_step)
-
-
-def sparse_modules(
-    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]] | None = None
-) -> list[tuple[SparseEmbedding, dict[str, Any]]]:
-    """The SparseEmbeddings whose placeholder is in ``optimizer`` (or in ``groups`` of it), with their group."""
-    found = []
-    for group in optimizer.param_groups if groups is None else groups:
-        for p in group["params"]:
-            module = _BY_PLACEHOLDER.get(id(p))
-            if module is not None and module.placeholder is p:
-                found.append((module, group))
-    return found

@@ -24,23 +24,17 @@ log = logging.getLogger(__name__)
 _RANK_ONLY = ("torchrun", "mpi", "slurm")
 
 
-def _store(context: Any) -> Any:
-    if context.store is None:
-        context.store = context._connect(context.strategy.timeout_s)
-    return context.store
-
-
-def resolve_secret(context: Any) -> bytes:
+def resolve_secret(runtime: Any) -> bytes:
     """The job's secret; under rank-only launchers rank 0 makes one and shares it through the store."""
-    if context.secret:
-        return context.secret
-    role = context.role
+    if runtime.secret:
+        return runtime.secret
+    role = runtime.role
     if role.source in _RANK_ONLY and role.master:
-        store = _store(context)
+        store = runtime.rendezvous_store()
         if role.rank == 0:
             store.set("ps/secret", secrets.token_hex(16))
-        context.secret = bytes.fromhex(store.get("ps/secret").decode())
-        return context.secret
+        runtime.secret = bytes.fromhex(store.get("ps/secret").decode())
+        return runtime.secret
     raise env.EnvError(
         f"A parameter-server job needs a shared secret in {env.FLEET_SECRET} (hex) so that servers can "
         f"authenticate workers; fleetrun sets it. When starting processes by hand, export the same value "
@@ -48,23 +42,21 @@ def resolve_secret(context: Any) -> bytes:
     )
 
 
-def _bind_host(context: Any) -> str:
-    host, _ = env.split_endpoint(context.role.master) if context.role.master else ("127.0.0.1", 0)
+def _bind_host(role: Any) -> str:
+    host, _ = env.split_endpoint(role.master) if role.master else ("127.0.0.1", 0)
     return "127.0.0.1" if not host or rendezvous.is_loopback(host) else host
 
 
-def init_server(context: Any) -> Any:
+def init_server(runtime: Any, timeout_s: float) -> Any:
     """Build (bind) this process's ParameterServer; publish its endpoint under rank-only launchers."""
     from fleet.ps.server import ParameterServer
 
-    role = context.role
+    role = runtime.role
     if not role.is_server:
         raise FleetError(f"fleet.init_server() was called on {role.name}; only server processes serve.")
-    if getattr(context, "_ps_server", None) is not None:
-        return context._ps_server
-    secret = resolve_secret(context)
+    secret = resolve_secret(runtime)
     publish = not role.server_endpoints
-    endpoint = f"{_bind_host(context)}:0" if publish else role.server_endpoints[role.server_index]
+    endpoint = f"{_bind_host(role)}:0" if publish else role.server_endpoints[role.server_index]
     environ = env.current()
     record_dir = environ.str(env.FLEET_LOG_DIR) or None
     try:
@@ -73,7 +65,7 @@ def init_server(context: Any) -> Any:
             secret,
             role.server_index,
             role.worker_num,
-            context.strategy.timeout_s,
+            timeout_s,
             rejoin=(environ.int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0,
             checkpoint_record_dir=record_dir,
         )
@@ -85,8 +77,7 @@ def init_server(context: Any) -> Any:
     if (environ.int(env.FLEET_RESTART_COUNT, 0) or 0) > 0:
         _restore_after_restart(server, record_dir)
     if publish:
-        _store(context).set(f"ps/endpoint/{role.server_index}", server.endpoint)
-    context._ps_server = server
+        runtime.rendezvous_store().set(f"ps/endpoint/{role.server_index}", server.endpoint)
     return server
 
 
@@ -116,16 +107,15 @@ def _restore_after_restart(server: Any, record_dir: str | None) -> None:
     )
 
 
-def run_server(context: Any) -> None:
+def run_server(server: Any, server_index: int) -> None:
     """Serve until every worker has stopped, then exit the process with status 0."""
-    server = init_server(context)
-    log.info("fleet parameter server %d serving on %s", context.role.server_index, server.endpoint)
+    log.info("fleet parameter server %d serving on %s", server_index, server.endpoint)
     stats = server.serve()
     gone = sorted(set(stats.get("gone_workers", [])) - set(stats.get("stopped_workers", [])))
     if gone:
         names = ", ".join(f"worker {w}" for w in gone)
         print(
-            f"fleet: parameter server {context.role.server_index}: {names} died or hung (no heartbeat) "
+            f"fleet: parameter server {server_index}: {names} died or hung (no heartbeat) "
             "and never came back; the job did not finish cleanly.",
             file=sys.stderr,
         )
@@ -133,12 +123,10 @@ def run_server(context: Any) -> None:
     sys.exit(0)
 
 
-def worker_endpoints(context: Any) -> tuple[str, ...]:
+def worker_endpoints(runtime: Any) -> tuple[str, ...]:
     """The servers' endpoints in index order, read from the store when the launcher did not give them."""
-    role = context.role
+    role = runtime.role
     if role.server_endpoints:
         return tuple(role.server_endpoints)
-    store = _store(context)
-    endpoints = tuple(store.get(f"ps/endpoint/{i}").decode() for i in range(role.server_num))
-    context.role = role.model_copy(update={"server_endpoints": endpoints})
-    return endpoints
+    store = runtime.rendezvous_store()
+    return tuple(store.get(f"ps/endpoint/{i}").decode() for i in range(role.server_num))

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from fleet.atomic import save_atomic, write_text_atomic
+
 _NAME = re.compile(r"^table-(\d+)\.pt$")
 
 
@@ -41,9 +43,7 @@ def save_shards(dirname: str, server_index: int, shards: Mapping[int, Any]) -> l
     written = []
     for table, shard in sorted(shards.items()):
         path = os.path.join(target, f"table-{table}.pt")
-        tmp = f"{path}.tmp-{os.getpid()}"
-        torch.save({"kind": shard.kind, "config": shard.key, "state": shard.state()}, tmp)
-        os.replace(tmp, path)
+        save_atomic({"kind": shard.kind, "config": shard.key, "state": shard.state()}, path)
         written.append(path)
     return written
 
@@ -56,10 +56,7 @@ def record_checkpoint(record_dir: str, server_index: int, dirname: str) -> str:
     """Remember ``dirname`` as this server's last complete checkpoint (atomic: temporary name, then rename)."""
     os.makedirs(record_dir, exist_ok=True)
     path = record_path(record_dir, server_index)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
-        handle.write(os.path.abspath(dirname))
-    os.replace(tmp, path)
+    write_text_atomic(path, os.path.abspath(dirname))
     return path
 
 

@@ -68,9 +68,16 @@ class TableOps:
 
     def _check_same(self, shard: agg.Shard, kind: str, config: dict[str, Any]) -> None:
         if shard.kind != kind or shard.key != agg.canonical(config):
+            details = {
+                "code": "conflicting_create",
+                "table": shard.table_id,
+                "existing": {"kind": shard.kind, "config": shard.config},
+                "requested": {"kind": kind, "config": config},
+            }
             raise agg.ShardError(
                 f"conflicting create of table {shard.table_id}: it exists as {shard.kind} with config {shard.key}, "
-                f"this create asks for {kind} with config {agg.canonical(config)}"
+                f"this create asks for {kind} with config {agg.canonical(config)}",
+                details,
             )
 
     def _answer_creates(self, table: int) -> None:
@@ -79,7 +86,9 @@ class TableOps:
             try:
                 self._check_same(shard, "dense", json.loads(bytes(parked.msg.blob).decode("utf-8")))
                 self._send(parked.ident, self._ok(parked.msg, version=shard.version))
-            except (agg.ShardError, ValueError) as exc:
+            except agg.ShardError as exc:
+                self._reply_error(parked.ident, parked.msg, str(exc), exc.details)
+            except ValueError as exc:
                 self._reply_error(parked.ident, parked.msg, str(exc))
 
     def _pull(self, ident: bytes, msg: Message) -> Message | None:

@@ -1,4 +1,28 @@
-"""The small interface every distributed strategy implements."""
+"""The interface every distributed strategy implements: its whole lifecycle in a job.
+
+A strategy is one class (one module under ``fleet/strategies/``), registered by name
+(``fleet.register_strategy``), built once per job with the validated
+:class:`~fleet.strategy.DistributedStrategy` and the :class:`Runtime`. The core
+(``fleet.api``, ``fleet.checkpoint``, ``fleet.nn``) calls only these methods and never
+branches on the mode:
+
+==========================  ==============================================================
+``join()``                  at ``fleet.init``: rendezvous, process groups, connections; on a
+                            process that serves (a parameter server) it serves, then exits
+``wrap_optimizer(opt)``     ``fleet.distributed_optimizer``: an optimizer with ``opt``'s surface
+``wrap_model(model)``       ``fleet.distributed_model`` (optional for the user)
+``table_backend(module)``   where a ``fleet.nn.SparseEmbedding``'s rows live (None: in-process)
+``barrier()``               ``fleet.barrier_worker``
+``uneven_inputs()``         ``with fleet.join():`` for loops that end unevenly
+``save_state(dir, ...)``    ``fleet.save_checkpoint``: the model and optimizer, in its format
+``load_state(dir, ...)``    ``fleet.load_checkpoint``
+``save_persistables(dir)``  Paddle's parameter-server checkpoint (others say what to use)
+``serve()``                 Paddle's explicit ``init_server``/``run_server`` (servers only)
+``shutdown()``              ``fleet.stop_worker``
+==========================  ==============================================================
+
+See ``docs/strategies.md`` for a walk through a complete one (``sharding``).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +32,29 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from fleet.errors import FleetError
+
 if TYPE_CHECKING:
     from fleet.roles import RoleInfo
     from fleet.strategy import DistributedStrategy
+    from fleet.tables import TableBackend, TableModule
 
 
 class Runtime(Protocol):
-    """What a strategy may ask of the running fleet context."""
+    """What a strategy may ask of the running job (``fleet.api.FleetContext`` implements it)."""
 
     role: RoleInfo
+    secret: bytes | None
+    """The job's shared secret (a strategy may set it once it learned it, e.g. through the store)."""
 
     def process_group(self, timeout_s: float) -> Any:
-        """The workers' torch.distributed group (None for a single worker)."""
+        """The workers' torch.distributed group with this timeout (None for a single worker)."""
+
+    def init_process_group(self) -> None:
+        """Join the workers' torch.distributed group now (idempotent)."""
+
+    def rendezvous_store(self) -> Any:
+        """The job's authenticated rendezvous store (connected on first use)."""
 
     def model_for(self, params: list[torch.nn.Parameter]) -> torch.nn.Module | None:
         """The model given to distributed_model that holds these parameters, if any."""
@@ -29,15 +64,11 @@ class Runtime(Protocol):
 
 
 class Strategy(ABC):
-    """One way of training across processes. Subclasses live one per module in fleet/strategies/.
-
-    A strategy is built once per ``distributed_optimizer`` call with the validated
-    DistributedStrategy and the runtime; it wraps the user's optimizer (and optionally model).
-    """
-
     name: ClassVar[str] = ""
     supported_updates: ClassVar[tuple[str, ...]] = ("sync",)
     """Values of DistributedStrategy.update this strategy runs."""
+    reshardable_checkpoints: ClassVar[bool] = False
+    """Whether a checkpoint saved with N workers loads with M (save_state/load_state reshard)."""
 
     def __init__(self, config: DistributedStrategy, runtime: Runtime):
         self.config = config
@@ -47,6 +78,18 @@ class Strategy(ABC):
     def check(cls, config: DistributedStrategy) -> None:
         """Reject options this strategy cannot honour; raise ValueError naming the field and the fix."""
 
+    # --- joining and leaving ----------------------------------------------------------------
+
+    def join(self) -> None:
+        """At fleet.init (and when a new strategy replaces one before anything was wrapped)."""
+        if self.runtime.role.worker_num > 1:
+            self.runtime.init_process_group()
+
+    def shutdown(self) -> None:
+        """Release connections and groups; called by fleet.stop_worker."""
+
+    # --- training -------------------------------------------------------------------------------
+
     @abstractmethod
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Return an optimizer with the wrapped one's surface that trains in this strategy's way."""
@@ -54,12 +97,50 @@ class Strategy(ABC):
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
+    def table_backend(self, module: TableModule) -> TableBackend | None:
+        """Where ``module``'s rows live under this strategy; None: the module's own in-process table."""
+        return None
+
     def barrier(self) -> None:
         """Wait for every worker."""
 
-    def join(self) -> AbstractContextManager:
+    def uneven_inputs(self) -> AbstractContextManager:
         """``with fleet.join():`` for loops that end unevenly; nothing to do unless the strategy says so."""
         return nullcontext()
 
-    def shutdown(self) -> None:
-        """Release connections and groups; called by fleet.stop_worker."""
+    def server_endpoints(self) -> list[str]:
+        return list(self.runtime.role.server_endpoints)
+
+    # --- checkpoints ------------------------------------------------------------------------------
+
+    def save_state(self, dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Write the model's and the optimizer's state under ``dirname`` (every worker calls it).
+
+        The default suits strategies whose workers hold the whole model: worker 0 writes it.
+        """
+        from fleet.atomic import save_atomic
+
+        if self.runtime.role.worker_index == 0:
+            save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{dirname}/state.pt")
+
+    def load_state(self, dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        state = torch.load(f"{dirname}/state.pt", weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def save_persistables(self, dirname: str) -> None:
+        raise FleetError(
+            f"save_persistables/load_persistables checkpoint a parameter-server job (mode='ps'); this job has "
+            f"mode={self.config.mode!r}: use fleet.save_checkpoint(dirname, model, optimizer, step) and "
+            "fleet.load_checkpoint(dirname, model, optimizer), on every worker."
+        )
+
+    def load_persistables(self, dirname: str) -> None:
+        self.save_persistables(dirname)
+
+    def serve(self, run: bool) -> None:
+        """Paddle's explicit server calls: bind (``run=False``), or serve until done and exit."""
+        raise FleetError(
+            f"fleet.init_server()/run_server() run a parameter server; this job has mode={self.config.mode!r} "
+            "and no server process."
+        )

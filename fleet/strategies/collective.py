@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fleet.collective import lockstep
+from fleet import tables
+from fleet.collective import lockstep, sparse_grads
 from fleet.collective.broadcast import (
     average_tensors,
     broadcast_optimizer_state,
@@ -33,7 +34,6 @@ from fleet.collective.join import Join
 from fleet.collective.shm import LocalHost
 from fleet.collective.transport import GroupTransport, SharedMemoryTransport
 from fleet.errors import PeerError
-from fleet.nn import sparse_embedding
 from fleet.optimizer import WrappedOptimizer
 from fleet.owners import names_of
 from fleet.strategies.base import Strategy
@@ -68,6 +68,7 @@ class CollectiveStrategy(Strategy):
         self._optimizers: list[weakref.ref] = []
         self._models: list[weakref.ref] = []
         self._sync: GradSync | None = None
+        self._backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its ExchangedRows
 
     # --- the shared synchroniser ----------------------------------------------------------
 
@@ -91,7 +92,6 @@ class CollectiveStrategy(Strategy):
             # Gradient rounds are needed to average over workers, or to scale accumulated micro-batches.
             self._sync.hooked = not config.local_sgd_steps and (group is not None or config.grad_accumulation_steps > 1)
             if group is not None:
-                sparse_embedding.set_row_exchange(self._exchange_rows)
                 atexit.register(self._finish_at_exit)
         return self._sync
 
@@ -135,8 +135,17 @@ class CollectiveStrategy(Strategy):
         if lock is not None:
             lock.announce(lockstep.BARRIER)
 
-    def join(self) -> Join:
+    def uneven_inputs(self) -> Join:
         return Join(self)
+
+    def table_backend(self, module: tables.TableModule) -> tables.TableBackend | None:
+        """Every worker keeps the module's table; each step's row gradients are merged over the workers first."""
+        if self.runtime.role.worker_num == 1:
+            return None
+        backend = self._backends.get(module)
+        if backend is None:
+            backend = self._backends[module] = tables.ExchangedRows(module.local, self._exchange_rows)
+        return backend
 
     def shutdown(self) -> None:
         sync = self._sync
@@ -151,7 +160,6 @@ class CollectiveStrategy(Strategy):
             sync.remove()
             sync.transport.close()
             if lock is not None:
-                sparse_embedding.set_row_exchange(None)
                 atexit.unregister(self._finish_at_exit)
 
     def _finish_at_exit(self) -> None:
@@ -175,7 +183,7 @@ class CollectiveStrategy(Strategy):
         assert lock is not None
         index = self._position(module.placeholder)
         agreement = lock.announce(lockstep.SPARSE_ROWS, index, module.embedding_dim, lockstep.float_bits(lr))
-        return sparse_embedding.all_gather_rows(ids, grads, self.group, len(agreement.active))
+        return sparse_grads.gather_rows(ids, grads, self.group, len(agreement.active))
 
     def _position(self, param: torch.Tensor) -> int:
         return next(i for i, p in enumerate(self.sync().registered()) if p is param)
@@ -205,14 +213,14 @@ class CollectiveStrategy(Strategy):
             broadcast_tensors(list(self._models[leader.a]().buffers()), self.group, agreement.source)
         elif leader.kind == lockstep.SPARSE_ROWS:
             param = sync.registered()[leader.a]
-            module = sparse_embedding.module_of(param)
+            module = tables.module_of(param)
             empty = torch.empty(0, dtype=torch.int64), torch.empty(0, leader.b)
-            ids, grads = sparse_embedding.all_gather_rows(*empty, self.group, len(agreement.active))
+            ids, grads = sparse_grads.gather_rows(*empty, self.group, len(agreement.active))
             optimizer, group = next(
                 (opt, g) for opt in sync.sources if isinstance(opt, torch.optim.Optimizer)
                 for g in opt.param_groups if any(p is param for p in g["params"])
             )  # fmt: skip
-            module.apply_rows(type(optimizer), group, ids, grads, lockstep.bits_float(leader.c))
+            module.local.apply(type(optimizer), group, ids, grads, lockstep.bits_float(leader.c))
         elif leader.kind == lockstep.AVERAGE:
             params = self._optimizers[leader.a]().parameters()
             average_tensors(params, self.group, len(agreement.active), contribute=False)

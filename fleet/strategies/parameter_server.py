@@ -1,23 +1,32 @@
 """Parameter-server strategy: servers hold the tables and run the optimizer; workers push and pull.
 
 ``join`` runs at ``fleet.init``: it settles the secret and the server endpoints and, on a
-server process, serves until every worker stopped, then exits with status 0 (so a
-script needs no server branch). On a worker, ``wrap_optimizer`` returns a
-:class:`fleet.ps.worker.PSOptimizer` over one :class:`fleet.ps.client.PSClient` per process.
+server process, serves until every worker stopped, then exits with status 0 (so a script
+needs no server branch). On a worker, ``wrap_optimizer`` returns a
+:class:`fleet.ps.worker.PSOptimizer` over one :class:`fleet.ps.client.PSClient` per process,
+and the ``fleet.nn.SparseEmbedding`` tables that optimizer holds are served from the
+servers (:meth:`table_backend`). ``save_persistables``/``load_persistables`` checkpoint
+every server's shards plus worker 0's optimizer-side state.
 """
 
 from __future__ import annotations
 
+import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fleet.errors import FleetError
-from fleet.strategies.base import Strategy
+from fleet.strategies.base import Runtime, Strategy
 
 if TYPE_CHECKING:
     from fleet.ps.client import PSClient
+    from fleet.ps.server import ParameterServer
     from fleet.strategy import DistributedStrategy
+    from fleet.tables import TableBackend, TableModule
+
+WORKER_FILE = "worker-0.pt"
 
 
 class ParameterServerStrategy(Strategy):
@@ -39,18 +48,73 @@ class ParameterServerStrategy(Strategy):
         if config.grad_accumulation_steps > 1:
             raise ValueError("grad_accumulation_steps applies to mode='collective' only")
 
-    def __init__(self, config: DistributedStrategy, runtime: Any):
+    def __init__(self, config: DistributedStrategy, runtime: Runtime):
         super().__init__(config, runtime)
-        self.optimizers: list[Any] = []
+        self._optimizers: list[weakref.ref] = []
         self._tables = 0
+        self._client: PSClient | None = None
+        self._server: ParameterServer | None = None
+        self._endpoints: tuple[str, ...] = tuple(runtime.role.server_endpoints)
+
+    @property
+    def optimizers(self) -> list[Any]:
+        return [o for o in (ref() for ref in self._optimizers) if o is not None]
 
     def _new_table(self) -> int:
         """The next table id; every worker creates its tables in the same order, so the ids agree."""
         self._tables += 1
         return self._tables - 1
 
+    # --- joining and leaving ----------------------------------------------------------------
+
+    def join(self) -> None:
+        """Serve on a server (and exit the process); connect on a worker."""
+        from fleet.ps import launch_server
+
+        if not self.runtime.role.server_num:
+            return  # mode='ps' with no servers: wrap_optimizer explains
+        launch_server.resolve_secret(self.runtime)
+        if self.runtime.role.is_server:
+            self.serve(run=True)
+        else:
+            self.client()
+
+    def serve(self, run: bool) -> None:
+        from fleet.ps import launch_server
+
+        if self._server is None:
+            self._server = launch_server.init_server(self.runtime, self.config.timeout_s)
+        if run:
+            launch_server.run_server(self._server, self.runtime.role.server_index)
+
     def client(self) -> PSClient:
-        return worker_client(self.runtime)
+        """This worker's PSClient, made once per process."""
+        from fleet.ps.client import PSClient
+        from fleet.ps.launch_server import resolve_secret
+
+        if self._client is None:
+            role = self.runtime.role
+            client = PSClient(self.server_endpoints(), resolve_secret(self.runtime), role.worker_index, self.config.timeout_s)
+            self._client = client
+        return self._client
+
+    def server_endpoints(self) -> list[str]:
+        from fleet.ps.launch_server import worker_endpoints
+
+        if not self._endpoints and self.runtime.role.server_num:
+            self._endpoints = worker_endpoints(self.runtime)
+        return list(self._endpoints)
+
+    def shutdown(self) -> None:
+        try:
+            for opt in self.optimizers:
+                opt.flush()
+        finally:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+    # --- training -------------------------------------------------------------------------------
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         from fleet.ps.worker import PSOptimizer
@@ -65,11 +129,18 @@ class ParameterServerStrategy(Strategy):
         if not role.is_worker:
             raise FleetError(f"fleet.distributed_optimizer was called on {role.name}; servers do not train.")
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        wrapped = PSOptimizer(
-            optimizer, self.client(), self.config, role, self._new_table, self.runtime.model_for(params)
-        )
-        self.optimizers.append(wrapped)
+        model = self.runtime.model_for(params)
+        wrapped = PSOptimizer(optimizer, self.client(), self.config, role, self._new_table, model)
+        self._optimizers.append(weakref.ref(wrapped))
         return wrapped
+
+    def table_backend(self, module: TableModule) -> TableBackend | None:
+        """The servers' rows, once an optimizer holding the module was wrapped (its initial rows before)."""
+        for opt in self.optimizers:
+            rows = opt.rows_for(module)
+            if rows is not None:
+                return rows
+        return None
 
     def barrier(self) -> None:
         for opt in self.optimizers:
@@ -77,38 +148,50 @@ class ParameterServerStrategy(Strategy):
         if self.runtime.role.server_num:
             self.client().barrier().result()
 
-    def shutdown(self) -> None:
-        client = getattr(self.runtime, "_ps_client", None)
-        try:
-            for opt in self.optimizers:
-                opt.flush()
-        finally:
-            if client is not None:
-                client.close()
-                self.runtime._ps_client = None
+    # --- checkpoints ------------------------------------------------------------------------------
 
+    def _checkpointed(self) -> list[Any]:
+        optimizers = self.optimizers
+        if not optimizers:
+            raise FleetError(
+                "save_persistables/load_persistables checkpoint a parameter-server job: call them on every worker "
+                "after fleet.distributed_optimizer(...)."
+            )
+        return optimizers
 
-def worker_client(context: Any) -> PSClient:
-    """This worker's PSClient, made once per process."""
-    from fleet.ps.client import PSClient
-    from fleet.ps.launch_server import resolve_secret, worker_endpoints
+    def save_persistables(self, dirname: str) -> None:
+        """Every server writes its shards under ``dirname``; worker 0 adds its optimizer state. Call on every worker."""
+        from fleet.atomic import save_atomic
 
-    client = getattr(context, "_ps_client", None)
-    if client is None:
-        endpoints = worker_endpoints(context)
-        client = PSClient(endpoints, resolve_secret(context), context.role.worker_index, context.strategy.timeout_s)
-        context._ps_client = client
-    return client
+        optimizers = self._checkpointed()
+        self.barrier()  # every worker's pushes for the steps so far are applied
+        if self.runtime.role.is_first_worker:
+            os.makedirs(dirname, exist_ok=True)
+            self.client().save(dirname).result()
+            save_atomic({"optimizers": [opt.inner.state_dict() for opt in optimizers]}, os.path.join(dirname, WORKER_FILE))
+        self.barrier()  # nobody pushes the next step before the shards are written
+        for opt in optimizers:
+            opt.last_checkpoint = os.path.abspath(dirname)  # where a sync job rolls back after a server restart
 
+    def load_persistables(self, dirname: str) -> None:
+        """Restore a checkpoint saved with the same number of servers; every worker then pulls the values."""
+        optimizers = self._checkpointed()
+        path = os.path.join(dirname, WORKER_FILE)
+        if not os.path.isfile(path):
+            raise FleetError(f"{path} does not exist: {dirname!r} is not a checkpoint written by fleet.save_persistables.")
+        self.barrier()
+        if self.runtime.role.is_first_worker:
+            self.client().load(dirname).result()
+        self.barrier()
+        state = torch.load(path, weights_only=True)
+        for opt, saved in zip(optimizers, state["optimizers"], strict=True):
+            opt.inner.load_state_dict(saved)
+            opt.refresh()
 
-def join(context: Any) -> None:
-    """Called by ``fleet.init`` for PS jobs: serve on a server (and exit), connect on a worker."""
-    from fleet.ps.launch_server import resolve_secret, run_server
+    def save_state(self, dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        raise FleetError(
+            "In a parameter-server job the parameters and the optimizer state live on the servers: checkpoint it "
+            "with fleet.save_persistables(dirname) and fleet.load_persistables(dirname), on every worker."
+        )
 
-    if not context.role.server_num:
-        return  # mode='ps' with no servers: wrap_optimizer explains
-    resolve_secret(context)
-    if context.role.is_server:
-        run_server(context)
-    else:
-        worker_client(context)
+    load_state = save_state

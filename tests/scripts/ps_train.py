@@ -35,15 +35,14 @@ for step in range(steps):
     opt.step()
     losses.append(round(loss.item(), 4))
 fleet.barrier_worker()
-from fleet import api  # noqa: E402
-
+job = fleet.context.current()
 info = {
     "worker": fleet.worker_index(),
     "workers": fleet.worker_num(),
     "servers": fleet.server_num(),
     "endpoints": list(fleet.server_endpoints()),
-    "mode": api._context.strategy.mode,
-    "update": api._context.strategy.update,
+    "mode": job.strategy.mode,
+    "update": job.strategy.update,
     "losses": losses,
 }
 fleet.stop_worker()

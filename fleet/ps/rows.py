@@ -1,0 +1,94 @@
+"""Where a ``fleet.nn.SparseEmbedding``'s rows live in a parameter-server job (its table backends).
+
+:class:`RemoteRows` (sync and async): each forward pulls the batch's unique ids from the
+servers; the wrapped optimizer pushes the row gradients. :class:`GeoRows` (geo): rows are
+cached here, trained by the local optimizer and synced every ``k_steps``. Both take a
+``guard`` from the optimizer, which waits out a server restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fleet.ps.client import PSClient
+from fleet.ps.id_index import IdIndex
+from fleet.ps.optim import OptimizerSpec
+from fleet.ps.sparse_table import SparseTable
+from fleet.tables import TableModule
+
+Guard = Callable[[Callable[[], Any]], Any]
+
+
+def _unguarded(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+class RemoteRows:
+    def __init__(self, client: PSClient, table_id: int, sync: bool = True):
+        self.client = client
+        self.table_id = table_id
+        self.sync = sync
+        self.version = 0
+        self.guard: Guard = _unguarded
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.guard(lambda: self.client.pull_sparse(self.table_id, ids, self.version).result())
+        if self.sync and self.version:
+            # backup workers: a late worker finds the shards ahead and pushes for their version. (Only
+            # with min_version > 0 is every server asked, so that ps_version is the oldest shard's.)
+            self.version = max(self.version, int(getattr(rows, "ps_version", 0)))
+        return rows
+
+    def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
+        """The wrapped optimizer pushes the gradients itself."""
+
+
+class GeoRows:
+    def __init__(self, client: PSClient, table_id: int, module: TableModule, spec: OptimizerSpec):
+        self.client = client
+        self.table_id = table_id
+        self.local = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
+        self.base = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
+        self.known = IdIndex()  # ids whose rows came from the servers: O(batch) per check, not O(seen)
+        self.touched: list[torch.Tensor] = []
+        self.guard: Guard = _unguarded
+
+    def forget(self) -> None:
+        """After a server restart: every row is fetched from the servers again; unsynced changes are dropped."""
+        self.known = IdIndex()
+        self.touched = []
+
+    def _fetch(self, ids: torch.Tensor) -> None:
+        missing = ids[self.known.lookup(ids) < 0]
+        if missing.numel():
+            new = torch.unique(missing)
+            self._rebase(new, self.client.pull_sparse(self.table_id, new).result())
+            self.known.insert_new(new)  # only once the rows arrived
+
+    def _rebase(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self.local.add_delta(ids, rows - self.local.pull(ids))
+        self.base.add_delta(ids, rows - self.base.pull(ids))
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        self.guard(lambda: self._fetch(ids))
+        return self.local.pull(ids)
+
+    def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
+        """The wrapped optimizer applies the gradients itself (:meth:`apply`)."""
+
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        if ids.numel():
+            self.local.apply_gradient(ids, grads, lr)
+            self.touched.append(ids)
+
+    def sync(self) -> None:
+        if not self.touched:
+            return
+        ids = torch.unique(torch.cat(self.touched))
+        self.touched = []
+        delta = self.local.pull(ids) - self.base.pull(ids)
+        self.client.push_sparse_delta(self.table_id, ids, delta).result()
+        self._rebase(ids, self.client.pull_sparse(self.table_id, ids).result())
