@@ -240,7 +240,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     update = getattr(strategy, "update", "sync")
     collective = mode == "collective" and workers > 1
     injector = inject.Injector(inject.parse(args.delay, "--delay") if args.delay else None, rank)
-    recorder = fleet.metrics.recorder()
+    recorder = fleet.timing.recorder()
 
     pulled = [0.0]  # PS: the sparse pull inside the embedding's forward is communication
     if embedding is not None and mode == "ps":

@@ -14,7 +14,7 @@ plus the sparse pull in the embedding's forward), throughput = sum over workers 
 Measured speedup = throughput(R) / throughput(1). Predicted speedup from the model behind the
 condition T_sync < (R-1)/R x T_comp: R x (T_comp(1) + T_sync(1)) / (T_comp(1) + T_sync(R)) (see
 _common.predicted_speedup), i.e. what R workers would give if computation did not slow down when
-R processes share the machine. fleet's own verdict (fleet.metrics.speedup_condition, as in
+R processes share the machine. fleet's own verdict (fleet.step_report.speedup_condition, as in
 fleetrun's report) uses the T_comp measured at R.
 
 On a 2-core machine 4 workers (and 2 workers + a server) oversubscribe the cores: T_comp grows
@@ -30,7 +30,7 @@ import os
 
 import _common as c
 
-from fleet.metrics import speedup_condition
+from fleet.step_report import speedup_condition
 
 WORKLOADS = {
     "W1": {"workload": "w1", "batch": 256, "strategy": {"mode": "collective"}, "servers": 0, "steps": (20, 6)},

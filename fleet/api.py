@@ -269,8 +269,6 @@ def current_job() -> FleetContext:
     return job
 
 
-
-
 def distributed_optimizer(
     optimizer: torch.optim.Optimizer, strategy: DistributedStrategy | None = None
 ) -> torch.optim.Optimizer:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from fleet import metrics
+from fleet import timing
 
 
 class ShardedLoader:
@@ -21,7 +21,7 @@ class ShardedLoader:
         self.shard = shard
         self.epoch = 0
         if isinstance(loader.batch_size, int) and loader.batch_size > 0:
-            metrics.recorder().set_batch_size(loader.batch_size, inferred=True)  # for samples/s
+            timing.recorder().set_batch_size(loader.batch_size, inferred=True)  # for samples/s
         if isinstance(loader.dataset, IterableDataset):
             self.sampler = None
             self.loader = loader

@@ -11,7 +11,7 @@ overrides ``step`` calls ``self._end_step(comm_s=..., micro_batches=...)`` once 
 real optimizer step, after the update, and may report communication / waiting as it
 happens with ``self.metrics.add_comm(seconds)`` and dropped stale gradients with
 ``self.metrics.add_dropped(n)`` or ``self.metrics.set_dropped(total)``. See
-:mod:`fleet.metrics` and :mod:`fleet.inject`.
+:mod:`fleet.timing` and :mod:`fleet.inject`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fleet import context, inject, metrics
+from fleet import context, inject, timing
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -46,9 +46,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
     # --- step boundary: timing and injection --------------------------------------
 
     @property
-    def metrics(self) -> metrics.StepMetrics:
-        """This process's step timings (:class:`fleet.metrics.StepMetrics`)."""
-        return metrics.recorder()
+    def metrics(self) -> timing.StepMetrics:
+        """This process's step timings (:class:`fleet.timing.StepMetrics`)."""
+        return timing.recorder()
 
     def _end_step(self, comm_s: float = 0.0, micro_batches: int = 1) -> None:
         """Mark the end of one optimizer step (after the update).
@@ -63,9 +63,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
             if strategy is None:
                 job = context.current()
                 strategy = job.strategy if job is not None else None
-            self._injector = inject.for_process(strategy, metrics.worker_identity()[0])
+            self._injector = inject.for_process(strategy, timing.worker_identity()[0])
         self._injector.before_boundary()
-        recorder = metrics.recorder()
+        recorder = timing.recorder()
         if comm_s:
             recorder.add_comm(comm_s)
         recorder.end_step(micro_batches)

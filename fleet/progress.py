@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import IO, TypeVar
 
-from fleet.metrics import worker_identity
+from fleet.timing import worker_identity
 
 T = TypeVar("T")
 

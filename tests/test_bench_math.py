@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import _common as c  # noqa: E402
 
-from fleet.metrics import speedup_condition  # noqa: E402
+from fleet.step_report import speedup_condition  # noqa: E402
 
 
 @pytest.mark.timeout(30)

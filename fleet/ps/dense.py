@@ -162,4 +162,6 @@ class DenseTables:
                     "initialise them identically on every worker."
                 )
 
-        self.adopt(self.pull(entries), entries, version=True, base=True, check=same_as_worker_0 if check_values else None)
+        self.adopt(
+            self.pull(entries), entries, version=True, base=True, check=same_as_worker_0 if check_values else None
+        )

@@ -69,7 +69,9 @@ class Recovery:
             future.result()
         opt.refresh()
         self.server_restarts += 1
-        self._say(f"parameter server {exc.server_index} is back; resynchronised (server restart {self.server_restarts})")
+        self._say(
+            f"parameter server {exc.server_index} is back; resynchronised (server restart {self.server_restarts})"
+        )
 
     def _roll_back(self, exc: PSServerUnavailable) -> None:
         """Sync: every worker and every server go back to the last checkpoint together."""

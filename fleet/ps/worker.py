@@ -141,7 +141,7 @@ class PSOptimizer(WrappedOptimizer):
         except PSRemoteError as exc:
             raise self._explain(exc) from None
         self.metrics.set_dropped(self.stale_dropped)
-        # step timings, straggler watch and injection (fleet.metrics / fleet.inject)
+        # step timings, straggler watch and injection (fleet.timing / fleet.inject)
         self._end_step(comm_s=time.perf_counter() - started - local_s)
         return loss
 

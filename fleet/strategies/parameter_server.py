@@ -94,7 +94,9 @@ class ParameterServerStrategy(Strategy):
 
         if self._client is None:
             role = self.runtime.role
-            client = PSClient(self.server_endpoints(), resolve_secret(self.runtime), role.worker_index, self.config.timeout_s)
+            client = PSClient(
+                self.server_endpoints(), resolve_secret(self.runtime), role.worker_index, self.config.timeout_s
+            )
             self._client = client
         return self._client
 
@@ -168,7 +170,9 @@ class ParameterServerStrategy(Strategy):
         if self.runtime.role.is_first_worker:
             os.makedirs(dirname, exist_ok=True)
             self.client().save(dirname).result()
-            save_atomic({"optimizers": [opt.inner.state_dict() for opt in optimizers]}, os.path.join(dirname, WORKER_FILE))
+            save_atomic(
+                {"optimizers": [opt.inner.state_dict() for opt in optimizers]}, os.path.join(dirname, WORKER_FILE)
+            )
         self.barrier()  # nobody pushes the next step before the shards are written
         for opt in optimizers:
             opt.last_checkpoint = os.path.abspath(dirname)  # where a sync job rolls back after a server restart
@@ -178,7 +182,9 @@ class ParameterServerStrategy(Strategy):
         optimizers = self._checkpointed()
         path = os.path.join(dirname, WORKER_FILE)
         if not os.path.isfile(path):
-            raise FleetError(f"{path} does not exist: {dirname!r} is not a checkpoint written by fleet.save_persistables.")
+            raise FleetError(
+                f"{path} does not exist: {dirname!r} is not a checkpoint written by fleet.save_persistables."
+            )
         self.barrier()
         if self.runtime.role.is_first_worker:
             self.client().load(dirname).result()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dist_harness import run_fleetrun as fleetrun
-from fleet import env, inject, metrics
-from fleet.launch import timing
+from fleet import env, inject, step_report, timing
+from fleet.launch import timing as launch_timing
 from fleet.optimizer import WrappedOptimizer
 from fleet.progress import progress
 
@@ -30,9 +30,9 @@ class FakeClock:
 def fresh_recorder(monkeypatch, tmp_path):
     for name in (env.FLEET_INJECT, env.FLEET_LOG_DIR, env.FLEET_RESTART_COUNT, env.FLEET_WORKER_INDEX, env.RANK):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(metrics, "_recorder", None)
+    monkeypatch.setattr(timing, "_recorder", None)
     yield
-    monkeypatch.setattr(metrics, "_recorder", None)
+    monkeypatch.setattr(timing, "_recorder", None)
 
 
 # --- worker-side metrics ---------------------------------------------------------------
@@ -40,18 +40,18 @@ def fresh_recorder(monkeypatch, tmp_path):
 
 @pytest.mark.timeout(10)
 def test_histogram_percentiles_within_bin_width():
-    hist = metrics.LogHistogram()
+    hist = step_report.LogHistogram()
     for i in range(1, 1001):
         hist.add(i / 1000)  # 1 ms .. 1 s
     assert hist.percentile(50) == pytest.approx(0.5, rel=0.03)
     assert hist.percentile(95) == pytest.approx(0.95, rel=0.03)
-    assert metrics.LogHistogram().percentile(50) is None
+    assert step_report.LogHistogram().percentile(50) is None
 
 
 @pytest.mark.timeout(10)
 def test_step_metrics_split_compute_and_comm_and_write_atomically(tmp_path):
     clock = FakeClock()
-    m = metrics.StepMetrics(tmp_path, rank=3, restarts=2, write_every_s=0.5, clock=clock)
+    m = timing.StepMetrics(tmp_path, rank=3, restarts=2, write_every_s=0.5, clock=clock)
     m.set_batch_size(16)
     m.end_step()  # first boundary only starts the clock
     for _ in range(10):
@@ -69,7 +69,7 @@ def test_step_metrics_split_compute_and_comm_and_write_atomically(tmp_path):
     assert record["window"]["steps"] == 10 and record["window"]["compute_p50"] == pytest.approx(0.07)
     assert record["run"]["step_p50"] == pytest.approx(0.1, rel=0.03)
     assert not list(path.parent.glob(".*tmp"))
-    row = metrics.worker_row(record)
+    row = step_report.worker_row(record)
     assert row["comm_compute_ratio"] == pytest.approx(0.3 / 0.7)
     assert row["samples_per_s"] == pytest.approx(320.0)
     with pytest.raises(ValueError, match="set_batch_size"):
@@ -99,15 +99,15 @@ def _record(rank: int, compute_p50: float, steps: int = 20) -> dict:
 
 @pytest.mark.timeout(10)
 def test_find_stragglers_compares_with_the_others_median():
-    assert metrics.find_stragglers({0: 0.010, 1: 0.011, 2: 0.040, 3: 0.009}) == {2: (0.040, 0.010)}
-    assert metrics.find_stragglers({0: 0.010, 1: 0.014}) == {}  # 1.4x is not well above
-    assert metrics.find_stragglers({0: 0.0001, 1: 0.0004}) == {}  # 4x but 0.3 ms: noise
-    assert metrics.find_stragglers({0: 0.5}) == {}
+    assert step_report.find_stragglers({0: 0.010, 1: 0.011, 2: 0.040, 3: 0.009}) == {2: (0.040, 0.010)}
+    assert step_report.find_stragglers({0: 0.010, 1: 0.014}) == {}  # 1.4x is not well above
+    assert step_report.find_stragglers({0: 0.0001, 1: 0.0004}) == {}  # 4x but 0.3 ms: noise
+    assert step_report.find_stragglers({0: 0.5}) == {}
 
 
 @pytest.mark.timeout(10)
 def test_tracker_needs_consecutive_checks_and_reports_once_per_episode():
-    tracker = metrics.StragglerTracker()
+    tracker = step_report.StragglerTracker()
     slow = {0: _record(0, 0.01), 1: _record(1, 0.05)}
     assert tracker.update(slow) == {}
     assert set(tracker.update(slow)) == {1}
@@ -115,7 +115,7 @@ def test_tracker_needs_consecutive_checks_and_reports_once_per_episode():
     assert tracker.update({0: _record(0, 0.01), 1: _record(1, 0.01)}) == {}  # recovered
     assert tracker.update(slow) == {} and set(tracker.update(slow)) == {1}
     young = {0: _record(0, 0.01), 1: _record(1, 0.05, steps=2)}
-    fresh = metrics.StragglerTracker()
+    fresh = step_report.StragglerTracker()
     assert fresh.update(young) == {} and fresh.update(young) == {}
 
 
@@ -124,18 +124,18 @@ def test_tracker_needs_consecutive_checks_and_reports_once_per_episode():
 
 @pytest.mark.timeout(10)
 def test_speedup_condition():
-    ok = metrics.speedup_condition(t_sync=0.4, t_comp=1.0, workers=2)
+    ok = step_report.speedup_condition(t_sync=0.4, t_comp=1.0, workers=2)
     assert ok["holds"] is True and ok["bound_s"] == pytest.approx(0.5) and ok["verdict"].startswith("holds")
-    bad = metrics.speedup_condition(t_sync=0.8, t_comp=1.0, workers=4)
+    bad = step_report.speedup_condition(t_sync=0.8, t_comp=1.0, workers=4)
     assert bad["holds"] is False and bad["bound_s"] == pytest.approx(0.75) and bad["verdict"].startswith("fails")
-    assert metrics.speedup_condition(0.0, 1.0, 1)["holds"] is None
+    assert step_report.speedup_condition(0.0, 1.0, 1)["holds"] is None
 
 
 @pytest.mark.timeout(10)
 def test_build_report_and_table(tmp_path):
     records = {}
     for rank, comm in enumerate([0.3, 0.1]):
-        m = metrics.StepMetrics(tmp_path, rank=rank, clock=(clock := FakeClock()))
+        m = timing.StepMetrics(tmp_path, rank=rank, clock=(clock := FakeClock()))
         m.set_batch_size(10)
         m.end_step()
         for _ in range(10):
@@ -143,28 +143,27 @@ def test_build_report_and_table(tmp_path):
             m.add_comm(comm / 10)
             m.end_step()
         m.write(final=True)
-    records = metrics.read_records(tmp_path)
-    report = metrics.build_report(records, restarts={1: 2}, stragglers={1})
+    records = step_report.read_records(tmp_path)
+    report = step_report.build_report(records, restarts={1: 2}, stragglers={1})
     assert [w["rank"] for w in report["workers"]] == [0, 1] and report["workers"][1]["restarts"] == 2
     assert report["total_samples_per_s"] == pytest.approx(200.0)
     condition = report["speedup_condition"]
     assert condition["t_sync_s"] == pytest.approx(0.02) and condition["t_comp_s"] == pytest.approx(0.08)
     assert condition["holds"] is True  # 0.02 < 1/2 x 0.08
-    result = timing.final_report(tmp_path, {1: 2}, {1})
+    result = launch_timing.final_report(tmp_path, {1: 2}, {1})
     assert result is not None
     assert json.loads((tmp_path / "report.json").read_text())["stragglers"] == [1]
 
 
-@pytest.mark.multiprocess
 @pytest.mark.timeout(10)
 def test_report_at_exit_without_fleetrun(fresh_recorder, tmp_path, capsys):
     clock = FakeClock()
-    m = metrics.StepMetrics(tmp_path, rank=0, clock=clock)
+    m = timing.StepMetrics(tmp_path, rank=0, clock=clock)
     m.end_step()
     clock.now += 0.1
     m.end_step()
     m.write(final=True)
-    assert timing.report_at_exit(m, wait_s=0.0) == tmp_path / "report.json"
+    assert step_report.report_at_exit(m, 0, 1, wait_s=0.0) == tmp_path / "report.json"
     assert json.loads((tmp_path / "report.json").read_text())["speedup_condition"]["holds"] is None
     assert "where the time went" in capsys.readouterr().out
 
@@ -270,3 +269,40 @@ def test_fleetrun_injected_crash_names_the_worker(tmp_path):
     assert r.returncode == 7, r.stdout + r.stderr
     assert "worker 1 failed (exit status 7)" in r.stdout
     assert "fleet.inject: worker 1 crashes at step 3" in r.stdout
+
+
+def test_the_report_table_reads_at_80_columns():
+    """A log file or a CI console is 80 columns wide: no header or number may be cut."""
+    import io
+
+    from rich.console import Console
+
+    rows = [
+        {
+            "rank": r,
+            "steps": 12345,
+            "step_s_per_step": 0.1375,
+            "step_p50_s": 0.1375,
+            "step_p95_s": 0.3005,
+            "compute_s_per_step": 0.1002,
+            "comm_s_per_step": 0.0373,
+            "comm_compute_ratio": 0.37,
+            "samples_per_s": 13512.0,
+            "dropped_stale": 124,
+            "restarts": 2,
+        }
+        for r in range(2)
+    ]
+    condition = step_report.speedup_condition(0.0373, 0.1002, 2)
+    report = {"workers": rows, "total_samples_per_s": 27024.0, "stragglers": [1], "speedup_condition": condition}
+    out = io.StringIO()
+    Console(file=out, width=80, no_color=True).print(step_report.report_table(report))
+    text = out.getvalue()
+    assert "…" not in text, text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    header = next(line for line in text.splitlines() if line.lstrip().startswith("worker"))
+    for name in ("steps", "step", "compute", "comm", "p95", "samp/s", "drop", "rst"):
+        assert name in header.split(), header
+    # the three means add up: 100.2 + 37.3 = 137.5
+    assert "137.5" in text and "100.2" in text and "37.3" in text and "300.5" in text and "13,512" in text
+    assert "1 slow" in text and "step = compute + comm" in text
