@@ -9,13 +9,12 @@ the same fields as the native ones.
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fleet import env
+from fleet import env, strategy_file
 from fleet.inject import InjectionSpec
 
 
@@ -191,23 +190,10 @@ class DistributedStrategy(BaseModel):
 
         A TOML file may hold the fields at top level or under a ``[strategy]`` table.
         """
-        path = Path(path)
-        if not path.is_file():
-            raise StrategyError(f"Strategy file {str(path)!r} does not exist.")
-        text = path.read_text()
         try:
-            if path.suffix == ".json":
-                data = json.loads(text)
-            elif path.suffix == ".toml":
-                data = tomllib.loads(text)
-            else:
-                raise StrategyError(f"Strategy file {str(path)!r} must end in .toml or .json.")
-        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as error:
-            raise StrategyError(f"Strategy file {str(path)!r} does not parse: {error}.") from None
-        if isinstance(data, dict) and isinstance(data.get("strategy"), dict) and len(data) == 1:
-            data = data["strategy"]
-        if not isinstance(data, dict):
-            raise StrategyError(f"Strategy file {str(path)!r} must hold a table of fields.")
+            data = strategy_file.read(path)
+        except strategy_file.StrategyFileError as error:
+            raise StrategyError(str(error)) from None
         try:
             return cls(**data)
         except StrategyError as error:

@@ -70,8 +70,125 @@ def fresh_context(monkeypatch):
     fleet.api._reset_for_tests()
 
 
+# The public functions' parameters (names, kinds, defaults): changing one breaks users' scripts.
+SIGNATURES = {
+    "barrier_worker": "()",
+    "distributed_loader": "(loader)",
+    "distributed_model": "(model, strategy=None)",
+    "distributed_optimizer": "(optimizer, strategy=None)",
+    "init": "(role_maker=None, strategy=None, is_collective=None)",
+    "init_server": "(dirname=None)",
+    "is_first_worker": "()",
+    "is_server": "()",
+    "is_worker": "()",
+    "join": "()",
+    "load_checkpoint": "(dirname, model, optimizer)",
+    "load_persistables": "(dirname)",
+    "progress": "(iterable, total=None, description='working', *, every_s=10.0, stream=None)",
+    "register_strategy": "(name, cls, override=False)",
+    "role_info": "()",
+    "run_server": "()",
+    "save_checkpoint": "(dirname, model, optimizer, step, **extra)",
+    "save_persistables": "(dirname)",
+    "server_endpoints": "()",
+    "server_index": "()",
+    "server_num": "()",
+    "stop_worker": "()",
+    "worker_index": "()",
+    "worker_num": "()",
+}
+
+
+def _shape(function) -> str:
+    import inspect
+
+    return str(
+        inspect.signature(function).replace(
+            parameters=[
+                p.replace(annotation=inspect.Parameter.empty) for p in inspect.signature(function).parameters.values()
+            ],
+            return_annotation=inspect.Signature.empty,
+        )
+    )
+
+
 def test_public_api_is_frozen():
+    import inspect
+
     assert set(fleet.__all__) == PUBLIC
+    functions = {name: getattr(fleet, name) for name in sorted(PUBLIC)}  # every exported name resolves
+    assert {name for name, obj in functions.items() if inspect.isfunction(obj)} == set(SIGNATURES)
+    for name, expected in SIGNATURES.items():
+        assert _shape(functions[name]) == expected, name
+
+
+def test_exported_names_survive_importing_every_submodule():
+    """``import fleet.<module>`` binds the module on the package: no module may share an exported name."""
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.walk_packages(fleet.__path__, "fleet."):
+        if ".launch" not in module.name:
+            importlib.import_module(module.name)
+    for name in PUBLIC:
+        assert not inspect_is_module(getattr(fleet, name)), f"fleet.{name} is a module, not the exported object"
+    assert callable(fleet.progress) and list(fleet.progress(range(3))) == [0, 1, 2]
+
+
+def inspect_is_module(obj) -> bool:
+    import types
+
+    return isinstance(obj, types.ModuleType)
+
+
+def test_no_import_circle_in_fleet():
+    """Data flows one way (face -> strategies -> engines): the modules' imports, also inside functions, form no cycle."""
+    import ast
+    from pathlib import Path
+
+    root = Path(fleet.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules if name != "fleet"}
+    for name in graph:
+        tree = ast.parse(modules[name].read_text())
+        hidden = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if id(node) in hidden:
+                continue
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names
+                ]
+            graph[name] |= {t for t in targets if t in graph and t != name}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(dep) :] + [dep]))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
 
 
 def test_plain_python_is_worker_zero_of_one():
@@ -351,3 +468,23 @@ def test_one_strategy_per_job_once_something_is_wrapped():
     fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), fleet.DistributedStrategy(bucket_mb=5))
     with pytest.raises(fleet.FleetError, match=r"a second strategy .*bucket_mb=9.0.* cannot join it"):
         fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), fleet.DistributedStrategy(bucket_mb=9))
+
+
+def test_register_strategy_refuses_to_replace_a_name_without_override():
+    from fleet.strategies import registry
+    from fleet.strategies.collective import CollectiveStrategy
+
+    class Mine(CollectiveStrategy):
+        pass
+
+    with pytest.raises(ValueError, match=r"'collective' is a built-in strategy.*override=True"):
+        fleet.register_strategy("collective", Mine)
+    try:
+        fleet.register_strategy("mine-once", Mine)
+        fleet.register_strategy("mine-once", Mine)  # the same class again: harmless
+        with pytest.raises(ValueError, match=r"'mine-once' is already registered \(Mine\)"):
+            fleet.register_strategy("mine-once", CollectiveStrategy)
+        fleet.register_strategy("mine-once", CollectiveStrategy, override=True)
+        assert registry.get("mine-once") is CollectiveStrategy
+    finally:
+        registry._registered.pop("mine-once", None)

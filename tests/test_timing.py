@@ -13,7 +13,7 @@ from dist_harness import run_fleetrun as fleetrun
 from fleet import env, inject, step_report, timing
 from fleet.launch import timing as launch_timing
 from fleet.optimizer import WrappedOptimizer
-from fleet.progress import progress
+from fleet.progress_bar import progress
 
 JOB = Path(__file__).parent / "scripts" / "timing_job.py"
 

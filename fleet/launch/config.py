@@ -3,20 +3,18 @@
 Every check raises :class:`LaunchError` with a one-paragraph message that
 names the thing at fault and the fix; the CLI prints it and exits with
 :data:`fleet.env.EXIT_USER_ERROR`. Nothing here imports torch or pydantic: the
-strategy file is read with ``tomllib`` / ``json`` only to catch a launch that
+strategy file is read (:mod:`fleet.strategy_file`) only to catch a launch that
 contradicts it (servers for a collective strategy, a parameter-server strategy
 without servers). The training side validates the rest of the file.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleet import env
+from fleet import env, strategy_file
 
 
 class LaunchError(ValueError):
@@ -122,56 +120,13 @@ def check_nodes(nnodes: int, node_rank: int, master: str | None) -> tuple[str, i
     return parsed
 
 
-def _read_strategy(path: Path) -> object:
-    text = path.read_text(encoding="utf-8")
-    return json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-
-
-def strategy_mode(data: dict) -> str | None:
-    """The ``mode`` of a strategy mapping, as DistributedStrategy reads it.
-
-    A lone ``[strategy]`` table is unwrapped; Paddle's ``a_sync`` (true or false) means "ps".
-    None when the file leaves the mode to its default.
-    """
-    if isinstance(data.get("strategy"), dict) and len(data) == 1:
-        data = data["strategy"]
-    mode = data.get("mode")
-    if isinstance(mode, str):
-        return mode.strip()
-    if "a_sync" in data:
-        return "ps"
-    return None
-
-
 def load_strategy_file(text: str) -> StrategyFile:
-    path = Path(text).expanduser()
-    if not path.is_file():
-        raise LaunchError(
-            f"The strategy file {text!r} given to --strategy does not exist. "
-            "Check the path, or leave --strategy out to let the script choose its strategy."
-        )
-    if path.suffix not in (".toml", ".json"):
-        raise LaunchError(
-            f"The strategy file {text!r} must end in .toml or .json, which says how to read it. "
-            "Rename it, for example to strategy.toml."
-        )
     try:
-        data = _read_strategy(path)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise LaunchError(
-            f"The strategy file {text!r} does not parse ({exc}). "
-            'Write it as TOML (.toml) or JSON (.json), for example: mode = "collective".'
-        ) from None
-    except OSError as exc:
-        raise LaunchError(
-            f"The strategy file {text!r} cannot be read ({exc.strerror}). Check its permissions."
-        ) from None
-    if not isinstance(data, dict):
-        raise LaunchError(
-            f"The strategy file {text!r} holds a {type(data).__name__}, not a table of settings. "
-            'Write it as a TOML table or a JSON object, for example {"mode": "ps"}.'
-        )
-    return StrategyFile(path=path.resolve(), mode=strategy_mode(data))
+        data = strategy_file.read(text, given="given to --strategy")
+    except strategy_file.StrategyFileError as error:
+        hint = " Check the path, or leave --strategy out to let the script choose its strategy."
+        raise LaunchError(f"{error}{hint if 'does not exist' in str(error) else ''}") from None
+    return StrategyFile(path=Path(text).expanduser().resolve(), mode=strategy_file.mode_of(data))
 
 
 def check_strategy_against_servers(strategy: StrategyFile | None, servers: int) -> None:

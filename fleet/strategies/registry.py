@@ -16,14 +16,25 @@ _BUILTIN = {
 _registered: dict[str, type[Strategy]] = {}
 
 
-def register_strategy(name: str, cls: type[Strategy]) -> None:
-    """Make ``DistributedStrategy(mode=name)`` run ``cls`` (a subclass of fleet.strategies.Strategy)."""
+def register_strategy(name: str, cls: type[Strategy], override: bool = False) -> None:
+    """Make ``DistributedStrategy(mode=name)`` run ``cls`` (a subclass of fleet.strategies.Strategy).
+
+    A name that is taken (a built-in such as "collective", or one registered before) is
+    refused unless ``override=True``.
+    """
     from fleet.strategies.base import Strategy
 
     if not isinstance(cls, type) or not issubclass(cls, Strategy):
         raise TypeError(f"register_strategy({name!r}, ...) needs a subclass of fleet.strategies.Strategy, got {cls!r}.")
     if not name or not isinstance(name, str):
         raise ValueError(f"A strategy name must be a non-empty string, got {name!r}.")
+    taken = name in _BUILTIN or name in _registered
+    if taken and not override and _registered.get(name) is not cls:
+        what = "a built-in strategy" if name in _BUILTIN else f"already registered ({_registered[name].__name__})"
+        raise ValueError(
+            f"register_strategy({name!r}, {cls.__name__}): {name!r} is {what}. Choose another name, or pass "
+            "override=True to replace it."
+        )
     _registered[name] = cls
 
 
