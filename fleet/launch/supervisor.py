@@ -60,6 +60,29 @@ OUTPUT_JOIN_S = 2.0
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+class Spawner:
+    """How the supervisor starts and signals its processes (tests hand it fake processes)."""
+
+    def start(self, command: list[str], environ: Mapping[str, str]) -> subprocess.Popen:
+        return subprocess.Popen(
+            command,
+            env=environ,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+            preexec_fn=_die_with_parent,
+        )
+
+    def signal_group(self, process: subprocess.Popen, sig: int) -> None:
+        """``sig`` to the process and everything it started (its own session and group)."""
+        try:
+            os.killpg(process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 @dataclass
 class Slot:
     """One process of the job and its current incarnation."""
@@ -102,6 +125,7 @@ class Supervisor:
         port_relaunch: bool = True,
         others_done: Callable[[], bool] | None = None,
         on_workers_done: Callable[[], None] | None = None,
+        spawner: Spawner | None = None,
     ):
         self.config = config
         self.log_dir = log_dir
@@ -111,6 +135,7 @@ class Supervisor:
         self._port_relaunch = port_relaunch
         self._others_done = others_done or (lambda: True)
         self._on_workers_done = on_workers_done or (lambda: None)
+        self.spawner = spawner or Spawner()
         self.failure: str | None = None  # "worker 1 failed (exit status 1)" once the job failed here
         specs = local_specs(config)
         self.slots = [
@@ -304,16 +329,7 @@ class Supervisor:
         slot.restarts = restart_count
         slot.returncode, slot.ended, slot.stopped = None, None, False
         slot.started = time.monotonic()
-        slot.popen = subprocess.Popen(
-            command,
-            env=environ,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-            preexec_fn=_die_with_parent,
-        )
+        slot.popen = self.spawner.start(command, environ)
         assert slot.popen.stdout is not None
         slot.output = ProcessOutput(self.mux, slot.label, slot.style, slot.log_path, slot.popen.stdout).start()
 
@@ -337,13 +353,13 @@ class Supervisor:
             return
         for slot in targets:
             slot.stopped = True
-            _kill_group(slot, signal.SIGTERM)
+            self._kill_group(slot, signal.SIGTERM)
         deadline = time.monotonic() + self.config.stop_timeout
         while any(s.running for s in targets) and time.monotonic() < deadline and not self._force:
             self._poll()
             time.sleep(POLL_S)
         for slot in targets:
-            _kill_group(slot, signal.SIGKILL)  # the leader if still there, and any grandchildren
+            self._kill_group(slot, signal.SIGKILL)  # the leader if still there, and any grandchildren
             if slot.running:
                 assert slot.popen is not None
                 slot.returncode = slot.popen.wait()
@@ -355,8 +371,12 @@ class Supervisor:
         """Kill what is left in the groups of processes that exited by themselves (orphaned grandchildren)."""
         for slot in self.slots:
             if slot.popen is not None:
-                _kill_group(slot, signal.SIGKILL)
+                self._kill_group(slot, signal.SIGKILL)
             self._join_output(slot)
+
+    def _kill_group(self, slot: Slot, sig: int) -> None:
+        if slot.popen is not None:
+            self.spawner.signal_group(slot.popen, sig)
 
     def _join_output(self, slot: Slot) -> None:
         if slot.output is not None:
@@ -414,15 +434,6 @@ class Supervisor:
                 "Add fleet.init() and fleet.distributed_optimizer(...) to the script.",
                 style="bold yellow",
             )
-
-
-def _kill_group(slot: Slot, sig: int) -> None:
-    if slot.popen is None:
-        return
-    try:
-        os.killpg(slot.popen.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _signame(signum: int) -> str:

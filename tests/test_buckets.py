@@ -1,0 +1,83 @@
+"""Gradient buckets and the synchroniser's bookkeeping, in one process (no process group)."""
+
+from __future__ import annotations
+
+import torch
+
+from fleet.collective import buckets
+from fleet.collective.compression import make_compressor
+from fleet.collective.grad_sync import GradSync
+from fleet.collective.transport import GroupTransport
+
+
+def _params(*sizes: int, dtype=torch.float32) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
+
+
+def _bucket(params: list[torch.Tensor]) -> buckets.Bucket:
+    bucket = buckets.Bucket(0, params)
+    bucket.attach(torch.zeros(bucket.numel))
+    return bucket
+
+
+def test_buckets_follow_backward_order_start_small_and_split_by_dtype():
+    first_kb = buckets.FIRST_BUCKET_BYTES // 4
+    params = _params(5, dtype=torch.float64) + _params(10, first_kb, 30)
+    built = buckets.build(params, bucket_bytes=1 << 30)
+    # reverse order; the first bucket closes at 1 MB, later ones at bucket_bytes or a dtype change
+    assert [[p.numel() for p in b.params] for b in built] == [[30, first_kb], [10], [5]]
+    assert built[1].numel == 10 + 1  # the values, then one flag per parameter
+
+
+def test_a_parameter_nobody_changed_keeps_its_gradient_exactly():
+    kept, new, absent = _params(3, 2, 4)
+    bucket = _bucket([kept, new, absent])
+    kept.grad = torch.tensor([1.0, 2.0, 3.0])
+    new.grad = torch.tensor([4.0, 5.0])
+    bucket.gather(0.5, changed={id(new)})
+    assert bucket.send[:9].tolist() == [0.5, 1.0, 1.5, 2.0, 2.5, 0, 0, 0, 0]
+    assert bucket.flags.tolist() == [0.0, 1.0, 0.0]
+    bucket.scatter()  # as after a sum in which no other worker changed anything
+    assert kept.grad.tolist() == [1.0, 2.0, 3.0] and absent.grad is None
+    assert new.grad.data_ptr() == bucket.values[3:5].data_ptr()  # points into the reduced buffer
+
+
+def test_a_gradient_living_in_the_bucket_is_kept_aside_before_the_buffer_is_overwritten():
+    (param,) = _params(3)
+    bucket = _bucket([param])
+    bucket.values.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    param.grad = bucket.values.view_as(param)  # as after a previous round
+    bucket.gather(1.0, changed=set())  # nobody has a new gradient for it this round
+    bucket.values.fill_(9.0)  # the reduction writes the buffer (its flag stays 0: nobody changed it)
+    bucket.scatter()
+    assert param.grad.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_kept_range_is_not_copied_and_is_summed_from_the_gradient_itself():
+    a, b = _params(4, 4)
+    bucket = buckets.Bucket(0, [a, b])
+    bucket.attach(torch.zeros(bucket.numel), send=torch.full((bucket.numel,), -1.0))
+    a.grad, b.grad = torch.arange(4.0), torch.arange(4.0, 8.0)
+    sources = bucket.gather(0.5, changed={id(a), id(b)}, keep=(2, 6))
+    assert bucket.send[:8].tolist() == [0.0, 0.5, -1, -1, -1, -1, 3.0, 3.5]  # [2, 6) left to the owner
+    pieces = bucket.own(sources, 2, 9, 0.5)
+    assert [(lo, hi, factor) for lo, hi, _, factor in pieces] == [(2, 4, 0.5), (4, 8, 0.5), (8, 9, 1.0)]
+    assert pieces[0][2].tolist() == [2.0, 3.0] and pieces[1][2].tolist()[:2] == [4.0, 5.0]
+    assert pieces[2][2].data_ptr() == bucket.send[8:9].data_ptr()  # the flags travel in the send buffer
+
+
+def test_accumulated_micro_batches_are_averaged_in_one_process():
+    model = torch.nn.Linear(3, 1)
+    reference = torch.nn.Linear(3, 1)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 3)
+    sync = GradSync(
+        None, bucket_bytes=1 << 20, transport=GroupTransport(None, make_compressor("none")), timeout_s=5, accumulation=2
+    )
+    sync.register(model)
+    for micro, half in enumerate((x[:4], x[4:])):
+        sync.enabled = micro == 1  # the window's last micro-batch starts the round
+        model(half).sum().backward()
+    (reference(x).sum() / 2).backward()  # the mean over the two micro-batches
+    assert torch.allclose(model.weight.grad, reference.weight.grad)
+    assert sync.rounds == 1
