@@ -11,7 +11,7 @@ Two halves:
   / wait from fleet's own recorder in collective mode, and for the parameter server the time
   spent in ``opt.step()`` (push + pull) plus the sparse pull in the embedding's forward).
 
-Workloads: ``w1`` (WORKLOADS.md W1 MLP, cross-entropy, SGD 0.01), ``ctr`` (W2's CTR model from
+Workloads: ``w1`` (benchmarks/README.md W1 MLP, cross-entropy, SGD 0.01), ``ctr`` (W2's CTR model from
 examples/single_to_multi/train_ctr.py, SGD 0.1), ``sleep`` (a Linear(8, 1) whose "compute" is the
 injected log-normal delay: the cleanest fan-out measurement).
 

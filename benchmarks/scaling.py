@@ -4,8 +4,8 @@
     python benchmarks/scaling.py --quick    # fewer steps
 
 Each point is a real fleetrun job of benchmarks/_common.py with weak scaling (fixed batch per
-worker): W1 = WORKLOADS.md W1 exactly (6.3 M-parameter MLP, batch 256/worker, collective sync,
-SGD 0.01, 1 thread per process), W2 = WORKLOADS.md W2 (CTR model, batch 512/worker) on a parameter
+worker): W1 = benchmarks/README.md W1 exactly (6.3 M-parameter MLP, batch 256/worker, collective sync,
+SGD 0.01, 1 thread per process), W2 = benchmarks/README.md W2 (CTR model, batch 512/worker) on a parameter
 server in async mode with 1 server. Scaled down in length only: a few dozen steps per point.
 
 Per point: T_comp and T_sync per step (averaged over workers and steps after warm-up; T_sync is

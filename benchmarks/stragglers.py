@@ -1,4 +1,4 @@
-"""W4: one straggler among 4 workers; wall time to a fixed training loss per mode (WORKLOADS.md W4).
+"""W4: one straggler among 4 workers; wall time to a fixed training loss per mode (benchmarks/README.md W4).
 
     python benchmarks/stragglers.py            # full: target loss 0.35, ~5 minutes on 2 busy cores
     python benchmarks/stragglers.py --quick    # smoke run: target loss 0.66

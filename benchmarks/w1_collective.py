@@ -5,7 +5,7 @@
 Both run in the same two processes over the same gloo group, same model, data and seed,
 one intra-op thread per process. Steps alternate (fleet, DDP, DDP, fleet, ...) so drift
 in the shared machine's load hits both alike. Prints the median step time of each and the ratio
-fleet / DDP (target <= 0.90: issue 8; WORKLOADS.md had 1.03).
+fleet / DDP (target <= 0.90: issue 8; benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""W2: CTR model on the parameter server (see WORKLOADS.md): samples/s and loss at 300 steps.
+"""W2: CTR model on the parameter server (see benchmarks/README.md): samples/s and loss at 300 steps.
 
     python benchmarks/w2_ctr.py [--steps 300] [--modes async,sync,geo] [--servers 1,2]
 
