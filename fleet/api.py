@@ -137,9 +137,9 @@ def _describe(strategy: DistributedStrategy) -> str:
 
 
 def _check_against_role(strategy: DistributedStrategy, role: RoleInfo) -> None:
-    if role.server_num and strategy.mode == "collective":
+    if role.server_num and strategy.mode in ("collective", "sharding"):
         raise StrategyError(
-            f"The launch started {role.server_num} parameter server(s), but the strategy has mode='collective'. "
+            f"The launch started {role.server_num} parameter server(s), but the strategy has mode={strategy.mode!r}. "
             "Use mode='ps' (or launch without servers)."
         )
     if strategy.mode == "ps" and strategy.backup_workers >= role.worker_num:

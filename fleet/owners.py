@@ -57,3 +57,11 @@ def names_of(params: list[torch.Tensor]) -> list[str]:
 def is_sparse_embedding_weight(owner: Owner) -> bool:
     """Whether backward gives this parameter a sparse gradient (nn.Embedding / EmbeddingBag with sparse=True)."""
     return isinstance(owner.module, nn.Embedding | nn.EmbeddingBag) and bool(owner.module.sparse)
+
+
+def modules_holding(params: list[torch.Tensor]) -> list[nn.Module]:
+    """The outermost modules that hold any of ``params`` (the models they came from)."""
+    wanted = {id(p) for p in params}
+    holding = [m for m in _modules() if any(id(p) in wanted for p in m.parameters())]
+    inner = {id(child) for m in holding for child in m.modules() if child is not m}
+    return [m for m in holding if id(m) not in inner]

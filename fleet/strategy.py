@@ -47,7 +47,8 @@ class DistributedStrategy(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     mode: str = "collective"
-    """"collective" (all-reduce data parallel) or "ps" (parameter server), or a name given to
+    """"collective" (all-reduce data parallel), "sharding" (FSDP2: parameters, gradients and
+    optimizer state sharded over the workers), "ps" (parameter server), or a name given to
     ``fleet.register_strategy``."""
 
     update: Literal["sync", "async", "geo"] = "sync"
@@ -74,6 +75,18 @@ class DistributedStrategy(BaseModel):
     shared_memory: bool = True
     """Collective: when every worker runs on one host, sum CPU gradient buckets through shared
     memory (/dev/shm) instead of the process group (uncompressed buckets only)."""
+
+    sharding_stage: Literal[2, 3] = 3
+    """Sharding: 3 shards the parameters too and gathers each layer's again in backward (ZeRO-3,
+    FSDP); 2 gathers them once per step, whole from forward to the end of backward (ZeRO-2's
+    communication and peak memory). Gradients and optimizer state are sharded in both."""
+
+    shard_modules: list[str] = Field(default_factory=list)
+    """Sharding: class names of the submodules to shard as units (e.g. ["TransformerBlock"]);
+    by default every direct child module that holds parameters."""
+
+    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
+    """Sharding: compute in this dtype (FSDP2's MixedPrecisionPolicy); gradients reduce in float32."""
 
     grad_accumulation_steps: int = Field(1, ge=1)
     """Collective: micro-batches per optimizer step; gradients are reduced once, on the last one."""
@@ -123,6 +136,18 @@ class DistributedStrategy(BaseModel):
                 data["k_steps"] = configs["k_steps"]
                 if data.get("a_sync") and configs["k_steps"] and "update" not in data:
                     data["update"] = "geo"
+        sharding_configs = data.pop("sharding_configs", None)
+        if sharding_configs is not None:
+            if not isinstance(sharding_configs, dict) or set(sharding_configs) - {"stage"}:
+                raise ValueError(f"sharding_configs must be a dict such as {{'stage': 3}}, got {sharding_configs!r}")
+            if "stage" in sharding_configs:
+                data["sharding_stage"] = sharding_configs["stage"]
+        if "sharding" in data:
+            sharding = data.pop("sharding")
+            if not isinstance(sharding, bool):
+                raise ValueError(f"sharding must be True or False, got {sharding!r}")
+            if sharding:
+                data.setdefault("mode", "sharding")
         if "a_sync" in data:
             a_sync = data.pop("a_sync")
             if not isinstance(a_sync, bool):
@@ -150,6 +175,30 @@ class DistributedStrategy(BaseModel):
         return self
 
     # --- Paddle's spellings ----------------------------------------------------
+
+    @property
+    def sharding(self) -> bool:
+        """Paddle: True for sharded data parallelism (mode="sharding")."""
+        return self.mode == "sharding"
+
+    @sharding.setter
+    def sharding(self, value: bool) -> None:
+        if value:
+            self._replace(mode="sharding")
+        else:  # back to plain data parallelism: the sharding options go with it
+            self._replace(mode="collective", sharding_stage=3, shard_modules=[], mixed_precision="none")
+
+    @property
+    def sharding_configs(self) -> dict[str, int]:
+        """Paddle: ``{"stage": 2 or 3}``."""
+        return {"stage": self.sharding_stage}
+
+    @sharding_configs.setter
+    def sharding_configs(self, value: dict[str, int]) -> None:
+        if not isinstance(value, dict) or set(value) - {"stage"}:
+            raise StrategyError(f"sharding_configs = {value!r} is not allowed: expected {{'stage': 2 or 3}}.")
+        if "stage" in value:
+            self._replace(sharding_stage=value["stage"])
 
     @property
     def a_sync(self) -> bool:

@@ -77,6 +77,10 @@ class Strategy(ABC):
     @classmethod
     def check(cls, config: DistributedStrategy) -> None:
         """Reject options this strategy cannot honour; raise ValueError naming the field and the fix."""
+        if cls.name != "sharding":
+            for field in ("sharding_stage", "shard_modules", "mixed_precision"):
+                if getattr(config, field) != type(config).model_fields[field].get_default(call_default_factory=True):
+                    raise ValueError(f"{field} applies to mode='sharding' only (this strategy has mode={config.mode!r})")
 
     # --- joining and leaving ----------------------------------------------------------------
 

@@ -50,6 +50,7 @@ class CollectiveStrategy(Strategy):
 
     @classmethod
     def check(cls, config: DistributedStrategy) -> None:
+        super().check(config)
         if config.backup_workers:
             raise ValueError(
                 f"backup_workers={config.backup_workers} needs mode='ps' with update='sync'; collective "

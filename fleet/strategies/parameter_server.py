@@ -35,6 +35,7 @@ class ParameterServerStrategy(Strategy):
 
     @classmethod
     def check(cls, config: DistributedStrategy) -> None:
+        super().check(config)
         if config.backup_workers and config.update != "sync":
             raise ValueError(
                 f"backup_workers={config.backup_workers} applies to update='sync' only (got update={config.update!r})"

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 _BUILTIN = {
     "collective": ("fleet.strategies.collective", "CollectiveStrategy"),
     "ps": ("fleet.strategies.parameter_server", "ParameterServerStrategy"),
+    "sharding": ("fleet.strategies.sharding", "ShardingStrategy"),
 }
 _registered: dict[str, type[Strategy]] = {}
 

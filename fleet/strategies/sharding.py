@@ -1,0 +1,200 @@
+"""Sharded data parallelism on PyTorch's FSDP2: each worker holds 1/N of the parameters, gradients and optimizer state.
+
+Written only against :class:`~fleet.strategies.base.Strategy` (``docs/strategies.md`` walks
+through it): the core knows nothing of it beyond its name in the registry.
+
+``distributed_optimizer(opt, DistributedStrategy(mode="sharding"))`` finds the model the
+optimizer's parameters belong to, makes every worker start from worker 0's values, and
+shards it with ``torch.distributed.fsdp.fully_shard``: each direct child module holding
+parameters (or the classes named in ``shard_modules``) as a unit, then the model itself.
+``fully_shard`` replaces the parameters with sharded ones, so the user's optimizer gets them
+in place of the old ones, in the same param groups with the same hyper-parameters (an LR
+scheduler built on it keeps working), and any state it already had is sharded the same way.
+
+Stages (``sharding_stage``), mapped onto FSDP2's ``reshard_after_forward``:
+
+- 3 (ZeRO-3, FSDP's FULL_SHARD): a unit's parameters are gathered for its forward, freed,
+  and gathered again for its backward; the least memory.
+- 2 (ZeRO-2, Paddle's sharding stage 2): gathered once, whole from forward to the end of
+  backward; one all-gather per step fewer, ZeRO-2's peak memory (FSDP2 frees them after
+  backward rather than keeping them between steps, which costs no communication: ZeRO-2
+  gathers the updated parameters after the step anyway).
+
+In both, gradients are reduce-scattered and each worker's optimizer steps its own shard.
+``mixed_precision`` is FSDP2's ``MixedPrecisionPolicy`` (compute in bf16/fp16, gradients
+reduced in float32). Checkpoints go through ``torch.distributed.checkpoint``: every worker
+writes its shards, and a checkpoint saved by N workers loads with M.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from fleet import owners
+from fleet.collective.broadcast import broadcast_tensors, check_same_shapes
+from fleet.collective.grad_sync import ParamMap
+from fleet.errors import FleetError
+from fleet.optimizer import WrappedOptimizer
+from fleet.strategies.base import Runtime, Strategy
+
+if TYPE_CHECKING:
+    from fleet.strategy import DistributedStrategy
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ShardingStrategy(Strategy):
+    name = "sharding"
+    supported_updates = ("sync",)
+    reshardable_checkpoints = True
+
+    @classmethod
+    def check(cls, config: DistributedStrategy) -> None:
+        for field, allowed in (
+            ("servers", 0),
+            ("backup_workers", 0),
+            ("local_sgd_steps", 0),
+            ("grad_accumulation_steps", 1),
+            ("grad_compression", "none"),
+        ):
+            if getattr(config, field) != allowed:
+                raise ValueError(
+                    f"{field}={getattr(config, field)!r} does not apply to mode='sharding' (FSDP2 reduce-scatters "
+                    "every gradient; use mixed_precision to reduce what travels, mode='collective' for the rest)"
+                )
+
+    def __init__(self, config: DistributedStrategy, runtime: Runtime):
+        super().__init__(config, runtime)
+        self._sharded: weakref.WeakSet = weakref.WeakSet()  # the models fully_shard was applied to
+        self._replaced = ParamMap()  # an old parameter (weakly) -> its sharded replacement
+        self._optimizers: list[weakref.ref] = []
+
+    # --- sharding the model ----------------------------------------------------------------
+
+    def _roots(self, params: list[torch.Tensor]) -> list[torch.nn.Module]:
+        """The models that hold ``params``: the one given to distributed_model, else the outermost modules."""
+        given = self.runtime.model_for(params)
+        if given is not None:
+            return [given]
+        found = owners.modules_holding(params)
+        if not found:
+            raise FleetError(
+                "mode='sharding' shards the model that holds the optimizer's parameters, but these parameters "
+                "belong to no nn.Module. Build the optimizer from model.parameters()."
+            )
+        return found
+
+    def _shard(self, model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
+        """fully_shard ``model`` (once); return ``id(old parameter) -> its sharded replacement``."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        before = dict(model.named_parameters())
+        group = self.runtime.process_group(self.config.timeout_s)
+        if model in self._sharded or group is None:
+            return {}
+        params = list(before.values())
+        check_same_shapes(params, lambda: list(before), group)
+        broadcast_tensors(params + list(model.buffers()), group)  # FSDP2 would shard each worker's own values
+        device = "cuda" if params and params[0].is_cuda else "cpu"
+        mesh = init_device_mesh(device, (dist.get_world_size(group),))
+        options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.config.sharding_stage == 3}
+        if self.config.mixed_precision != "none":
+            dtype = DTYPES[self.config.mixed_precision]
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for unit in self._units(model):
+            fully_shard(unit, **options)
+        fully_shard(model, **options)
+        self._sharded.add(model)
+        after = dict(model.named_parameters())
+        for name, old in before.items():
+            self._replaced.set(old, after[name])
+        return {id(before[name]): after[name] for name in before}
+
+    def _units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        names = set(self.config.shard_modules)
+        if names:
+            units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+            if not units:
+                raise FleetError(
+                    f"shard_modules={sorted(names)} matches no submodule of {type(model).__name__}; its submodules "
+                    f"are of the classes {sorted({type(m).__name__ for m in model.modules() if m is not model})}."
+                )
+            return units
+        return [child for child in model.children() if any(True for _ in child.parameters())]
+
+    # --- the Strategy interface ------------------------------------------------------------------
+
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        self._shard(model)
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # Parameters of a model already sharded (by distributed_model, or another optimizer) were replaced.
+        replaced = {id(p): self._replaced.get(p) for p in params if p in self._replaced}
+        fresh = [p for p in params if id(p) not in replaced]
+        if fresh:
+            for model in self._roots(fresh):
+                replaced.update(self._shard(model))
+        if replaced:
+            _swap_parameters(optimizer, replaced)
+        wrapped = ShardingOptimizer(optimizer)
+        self._optimizers.append(weakref.ref(wrapped))
+        return wrapped
+
+    def barrier(self) -> None:
+        group = self.runtime.process_group(self.config.timeout_s)
+        if group is not None:
+            dist.barrier(group=group)
+
+    def save_state(self, dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Every worker writes its shards (torch.distributed.checkpoint), in a format any worker count loads."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(model, _inner(optimizer))
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.save(state, checkpoint_id=os.path.join(dirname, "sharded"), no_dist=not dist.is_initialized())
+
+    def load_state(self, dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        inner = _inner(optimizer)
+        model_state, optim_state = get_state_dict(model, inner)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=os.path.join(dirname, "sharded"), no_dist=not dist.is_initialized())
+        set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+class ShardingOptimizer(WrappedOptimizer):
+    """The user's optimizer over the sharded parameters; FSDP2 already reduced the gradients in backward."""
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return optimizer.inner if isinstance(optimizer, WrappedOptimizer) else optimizer
+
+
+def _swap_parameters(optimizer: torch.optim.Optimizer, replaced: dict[int, torch.nn.Parameter]) -> None:
+    """Put the sharded parameters in place of the old ones, in the same param groups, with their state sharded."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    for old_id, new in replaced.items():
+        old = next((p for p in list(optimizer.state) if id(p) == old_id), None)
+        if old is None:
+            continue
+        state = optimizer.state.pop(old)
+        optimizer.state[new] = {
+            key: distribute_tensor(value, new.device_mesh, new.placements)
+            if torch.is_tensor(value) and value.shape == new.shape
+            else value
+            for key, value in state.items()
+        }

@@ -1,0 +1,119 @@
+"""mode="sharding" (FSDP2) equals single-process training on the union of the batches, and resumes across worker counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_harness import run_workers
+
+pytestmark = pytest.mark.multiprocess
+
+BATCH = 8
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+    )
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + worker)
+    return torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+
+
+def _train_step(model, opt, scheduler, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    opt.zero_grad()
+    losses = [torch.nn.functional.cross_entropy(model(x), y) for x, y in parts]
+    (sum(losses) / len(losses)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # active: the norm of the averaged gradient
+    opt.step()
+    scheduler.step()
+
+
+def reference(kind: str, plan: list[int]) -> list[torch.Tensor]:
+    """One process; step ``s`` trains on the union of the batches of ``plan[s]`` workers."""
+    model = make_model(0)
+    opt = make_optimizer(kind, model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+    for step, workers in enumerate(plan):
+        _train_step(model, opt, scheduler, [batch(w, step) for w in range(workers)])
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _full(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
+
+
+def sharded_worker(
+    rank: int, kind: str, stage: int, steps: range, plan: list[int], ckpt: str | None, save_at: int | None
+):
+    import fleet
+
+    fleet.init()
+    model = make_model(seed=rank)  # different on every worker: worker 0's values must win
+    opt = make_optimizer(kind, model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)  # built before wrapping
+    opt = fleet.distributed_optimizer(opt, fleet.DistributedStrategy(mode="sharding", sharding_stage=stage))
+    shards = [tuple(p.to_local().shape) for p in model.parameters() if hasattr(p, "to_local")]
+    start = steps.start
+    if ckpt is not None and start > 0:
+        resumed = fleet.load_checkpoint(ckpt, model, opt)
+        assert resumed is not None and resumed.step == start
+        scheduler.last_epoch = start  # the scheduler's own position is the script's to keep
+    for step in steps:
+        _train_step(model, opt, scheduler, [batch(rank, step)])
+        if save_at is not None and step + 1 == save_at:
+            fleet.save_checkpoint(ckpt, model, opt, step + 1)
+    out = {"params": _full(model), "shards": shards, "lr": opt.param_groups[0]["lr"]}
+    fleet.stop_worker()
+    return out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharding_equals_single_process_on_union(workers, kind, stage):
+    steps = 4
+    results = run_workers(
+        sharded_worker, workers, kind, stage, range(steps), [workers] * steps, None, None, timeout=120
+    )
+    want = reference(kind, [workers] * steps)
+    for rank, result in enumerate(results):
+        for got, expected in zip(result["params"], want, strict=True):
+            assert torch.allclose(got, expected, atol=1e-5), (rank, (got - expected).abs().max())
+        assert result["lr"] == pytest.approx(0.8**steps * make_optimizer(kind, [torch.zeros(1)]).param_groups[0]["lr"])
+    first_weight = results[0]["shards"][0]
+    assert first_weight[0] == -(-16 // workers), "each worker holds its share of the rows, not the whole weight"
+
+
+@pytest.mark.timeout(200)
+def test_a_checkpoint_saved_by_two_workers_resumes_with_three(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    plan = [2, 2, 3, 3]  # two steps on two workers, then two on three
+    run_workers(sharded_worker, 2, "adam", 3, range(2), plan, ckpt, 2, timeout=120)
+    resumed = run_workers(sharded_worker, 3, "adam", 3, range(2, 4), plan, ckpt, None, timeout=120)
+    want = reference("adam", plan)
+    for result in resumed:
+        for got, expected in zip(result["params"], want, strict=True):
+            assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+
+
+@pytest.mark.timeout(150)
+def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    whole = run_workers(sharded_worker, 2, "sgd", 2, range(4), [2] * 4, None, None, timeout=120)
+    run_workers(sharded_worker, 2, "sgd", 2, range(2), [2] * 4, ckpt, 2, timeout=120)
+    resumed = run_workers(sharded_worker, 2, "sgd", 2, range(2, 4), [2] * 4, ckpt, None, timeout=120)
+    for a, b in zip(whole, resumed, strict=True):
+        for x, y in zip(a["params"], b["params"], strict=True):
+            assert torch.allclose(x, y, atol=1e-6)
