@@ -137,15 +137,11 @@ def _describe(strategy: DistributedStrategy) -> str:
 
 
 def _check_against_role(strategy: DistributedStrategy, role: RoleInfo) -> None:
-    if role.server_num and strategy.mode in ("collective", "sharding"):
-        raise StrategyError(
-            f"The launch started {role.server_num} parameter server(s), but the strategy has mode={strategy.mode!r}. "
-            "Use mode='ps' (or launch without servers)."
-        )
-    if strategy.mode == "ps" and strategy.backup_workers >= role.worker_num:
-        raise StrategyError(
-            f"backup_workers={strategy.backup_workers} must be below the number of workers ({role.worker_num})."
-        )
+    """The strategy against the launch (servers, worker count): its own rules, as StrategyError."""
+    try:
+        registry.get(strategy.mode).check_launch(strategy, role)
+    except ValueError as error:
+        raise StrategyError(str(error)) from None
 
 
 def _resolve_strategy(strategy: DistributedStrategy | None) -> DistributedStrategy:

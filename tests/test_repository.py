@@ -14,6 +14,8 @@ def test_nothing_refers_to_files_outside_the_repository():
     for name in tracked:
         if not name.endswith((".py", ".md", ".toml", ".json", ".txt", ".yml", ".yaml", ".cfg")) and name != ".ci/run":
             continue
+        if name == "tests/test_repository.py":  # this file spells the paths it looks for
+            continue
         text = (ROOT / name).read_text(errors="replace")
         if "../shared" in text or "/work/shared" in text:
             offenders.append(name)

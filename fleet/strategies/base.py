@@ -82,6 +82,18 @@ class Strategy(ABC):
                 if getattr(config, field) != type(config).model_fields[field].get_default(call_default_factory=True):
                     raise ValueError(f"{field} applies to mode='sharding' only (this strategy has mode={config.mode!r})")
 
+    uses_servers: ClassVar[bool] = False
+    """Whether the strategy runs with parameter-server processes in the launch."""
+
+    @classmethod
+    def check_launch(cls, config: DistributedStrategy, role: RoleInfo) -> None:
+        """Reject a launch this strategy cannot run (ValueError, naming what to change)."""
+        if role.server_num and not cls.uses_servers:
+            raise ValueError(
+                f"The launch started {role.server_num} parameter server(s), but the strategy has "
+                f"mode={config.mode!r}. Use mode='ps' (or launch without servers)."
+            )
+
     # --- joining and leaving ----------------------------------------------------------------
 
     def join(self) -> None:

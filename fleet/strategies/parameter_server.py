@@ -23,6 +23,7 @@ from fleet.strategies.base import Runtime, Strategy
 if TYPE_CHECKING:
     from fleet.ps.client import PSClient
     from fleet.ps.server import ParameterServer
+    from fleet.roles import RoleInfo
     from fleet.strategy import DistributedStrategy
     from fleet.tables import TableBackend, TableModule
 
@@ -32,6 +33,14 @@ WORKER_FILE = "worker-0.pt"
 class ParameterServerStrategy(Strategy):
     name = "ps"
     supported_updates = ("sync", "async", "geo")
+    uses_servers = True
+
+    @classmethod
+    def check_launch(cls, config: DistributedStrategy, role: RoleInfo) -> None:
+        if config.backup_workers >= role.worker_num:
+            raise ValueError(
+                f"backup_workers={config.backup_workers} must be below the number of workers ({role.worker_num})."
+            )
 
     @classmethod
     def check(cls, config: DistributedStrategy) -> None:

@@ -1,0 +1,175 @@
+"""Memory of mode="sharding" (FSDP2) against DistributedDataParallel, per worker, for 1, 2 and 4 workers.
+
+    python benchmarks/sharding_memory.py [--workers 1 2 4] [--layers 12] [--width 2048] [--steps 3] [--stage 3]
+
+The model is an MLP of ``layers`` Linear(width, width) blocks (12 x 2048 x 2048: 50.4 M
+parameters), trained with Adam, batch 8 per worker, one intra-op thread per process, gloo
+on loopback. For each worker count both are run, one after the other in this command:
+DDP, then fleet's sharding (``--stage 3``, the default: parameters, gradients and Adam's
+moments sharded; ``--stage 2``: parameters gathered once per step).
+
+Per worker it measures, after the timed steps:
+
+- **state**: the bytes this worker holds in parameters, gradients and optimizer state (the
+  local shards, for sharding), counted tensor by tensor: what sharding is about;
+- **peak RSS in training**: the process's peak resident memory during the timed steps (the
+  high-water mark is reset after the first step) minus what it held before the model was
+  built: it also counts activations, gathered layers and communication buffers. Large
+  allocations are mmap'd (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors leave the RSS;
+- **step time**: the median over the timed steps.
+
+Target: with full sharding each worker's state is at most 1/N + 10 % of DDP's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+
+def build_model(layers: int, width: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    blocks: list[torch.nn.Module] = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(width, 10))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    params = sum(_local(p).nbytes for p in model.parameters())
+    grads = sum(_local(p.grad).nbytes for p in model.parameters() if p.grad is not None)
+    inner = getattr(optimizer, "inner", optimizer)
+    states = sum(_local(v).nbytes for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
+    return {"params": params, "grads": grads, "optimizer": states, "total": params + grads + states}
+
+
+def _status_bytes(field: str) -> int:
+    """VmRSS (now) or VmHWM (the peak since the last reset) of this process, from /proc."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # resets VmHWM to the current RSS (Linux)
+    except OSError:
+        pass
+
+
+def worker(rank: int, workers: int, port: int, kind: str, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(
+        {
+            "FLEET_ROLE": "worker",
+            "FLEET_WORKER_INDEX": str(rank),
+            "FLEET_WORKER_NUM": str(workers),
+            "FLEET_MASTER": f"127.0.0.1:{port}",
+        }
+    )
+    torch.set_num_threads(1)
+    import fleet
+
+    fleet.init()
+    before = _status_bytes("VmRSS")
+    model = build_model(args.layers, args.width)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    if kind == "ddp":
+        if workers > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(model)
+    else:
+        strategy = fleet.DistributedStrategy(mode="sharding", sharding_stage=args.stage)
+        optimizer = fleet.distributed_optimizer(optimizer, strategy)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, args.width, generator=g), torch.randint(0, 10, (8,), generator=g)
+    times = []
+    for step in range(args.steps + 1):
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)  # keep the gradients: they are part of what a worker holds
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if step:  # the first step allocates the optimizer state
+            times.append(time.perf_counter() - started)
+        else:
+            _reset_peak()
+    result = {
+        "kind": kind,
+        "workers": workers,
+        "parameters": args.layers * (args.width + 1) * args.width + (args.width + 1) * 10,
+        "state": state_bytes(model, optimizer),
+        "peak_rss_growth": _status_bytes("VmHWM") - before,
+        "step_s": statistics.median(times),
+    }
+    if rank == 0:
+        with open(out, "w") as handle:
+            json.dump(result, handle)
+    fleet.stop_worker()
+
+
+def run(kind: str, workers: int, args: argparse.Namespace) -> dict:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+        out = handle.name
+    mp.start_processes(worker, args=(workers, port, kind, args, out), nprocs=workers, start_method="spawn")
+    with open(out) as handle:
+        result = json.load(handle)
+    os.unlink(out)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--stage", type=int, choices=[2, 3], default=3, help="sharding stage (3: parameters too)")
+    args = parser.parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)  # the workers free big tensors back to the system
+    mib = 1 << 20
+    print(
+        f"{'workers':>7} {'strategy':>9} {'state MiB':>10} {'of DDP':>7} {'target':>7} {'peak RSS MiB':>13} {'step ms':>8}"
+    )
+    ok = True
+    for workers in args.workers:
+        ddp = run("ddp", workers, args)
+        sharded = run("sharding", workers, args)
+        share = sharded["state"]["total"] / ddp["state"]["total"]
+        target = 1 / workers + 0.10
+        ok &= share <= target
+        for result in (ddp, sharded):
+            mark = f"{share:7.3f} {target:7.3f}" if result is sharded else f"{'':7} {'':7}"
+            print(
+                f"{workers:>7} {result['kind']:>9} {result['state']['total'] / mib:10.1f} {mark} "
+                f"{result['peak_rss_growth'] / mib:13.1f} {result['step_s'] * 1e3:8.1f}"
+            )
+        print(f"{'':>7} sharding / DDP step time: {sharded['step_s'] / ddp['step_s']:.2f}")
+    print(
+        f"model: {ddp['parameters'] / 1e6:.1f} M parameters, Adam; target state <= 1/N + 10 % of DDP's: "
+        + ("PASS" if ok else "MISS")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
