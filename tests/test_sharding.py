@@ -117,3 +117,39 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
     for a, b in zip(whole, resumed, strict=True):
         for x, y in zip(a["params"], b["params"], strict=True):
             assert torch.allclose(x, y, atol=1e-6)
+
+
+def sparse_embedding_worker(rank: int, steps: int) -> dict:
+    """A model with a fleet.nn.SparseEmbedding: its dense part is sharded, its rows kept whole everywhere."""
+    import fleet
+    from ps_jobs import Net, batch, make_optimizer, snapshot
+
+    fleet.init()
+    torch.manual_seed(100 + rank)
+    model = Net()
+    opt = fleet.distributed_optimizer(
+        make_optimizer("sgd", model.parameters()), fleet.DistributedStrategy(mode="sharding")
+    )
+    for step in range(steps):
+        ids, dense, label = batch(step, rank)
+        opt.zero_grad()
+        torch.nn.functional.binary_cross_entropy_with_logits(model(ids, dense), label).backward()
+        opt.step()
+    for module in model.mlp:  # gather the sharded weights back to compare them
+        for name, p in list(module.named_parameters()):
+            if hasattr(p, "full_tensor"):
+                setattr(module, name, torch.nn.Parameter(p.full_tensor()))
+    out = snapshot(model)
+    fleet.stop_worker()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_sparse_embedding_rows_train_with_the_sharded_model():
+    from ps_jobs import reference
+
+    results = run_workers(sparse_embedding_worker, 2, 5, timeout=90)
+    want = reference("sgd", 5, 2)
+    for result in results:
+        for name, expected in want.items():
+            assert torch.allclose(result[name], expected, atol=1e-5), (name, (result[name] - expected).abs().max())

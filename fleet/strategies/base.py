@@ -80,7 +80,9 @@ class Strategy(ABC):
         if cls.name != "sharding":
             for field in ("sharding_stage", "shard_modules", "mixed_precision"):
                 if getattr(config, field) != type(config).model_fields[field].get_default(call_default_factory=True):
-                    raise ValueError(f"{field} applies to mode='sharding' only (this strategy has mode={config.mode!r})")
+                    raise ValueError(
+                        f"{field} applies to mode='sharding' only (this strategy has mode={config.mode!r})"
+                    )
 
     uses_servers: ClassVar[bool] = False
     """Whether the strategy runs with parameter-server processes in the launch."""

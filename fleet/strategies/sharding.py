@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fleet import owners
+from fleet import owners, tables
+from fleet.collective import sparse_grads
 from fleet.collective.broadcast import broadcast_tensors, check_same_shapes
 from fleet.collective.grad_sync import ParamMap
 from fleet.errors import FleetError
@@ -103,7 +104,13 @@ class ShardingStrategy(Strategy):
         broadcast_tensors(params + list(model.buffers()), group)  # FSDP2 would shard each worker's own values
         device = "cuda" if params and params[0].is_cuda else "cpu"
         mesh = init_device_mesh(device, (dist.get_world_size(group),))
-        options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.config.sharding_stage == 3}
+        # fleet.nn.SparseEmbedding's placeholder (no elements) names the table: it must stay the same object.
+        placeholders = {p for p in params if tables.module_of(p) is not None}
+        options: dict[str, Any] = {
+            "mesh": mesh,
+            "reshard_after_forward": self.config.sharding_stage == 3,
+            "ignored_params": placeholders,
+        }
         if self.config.mixed_precision != "none":
             dtype = DTYPES[self.config.mixed_precision]
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -126,7 +133,7 @@ class ShardingStrategy(Strategy):
                     f"are of the classes {sorted({type(m).__name__ for m in model.modules() if m is not model})}."
                 )
             return units
-        return [child for child in model.children() if any(True for _ in child.parameters())]
+        return [child for child in model.children() if any(p.numel() for p in child.parameters())]
 
     # --- the Strategy interface ------------------------------------------------------------------
 
@@ -147,6 +154,16 @@ class ShardingStrategy(Strategy):
         wrapped = ShardingOptimizer(optimizer)
         self._optimizers.append(weakref.ref(wrapped))
         return wrapped
+
+    def table_backend(self, module: tables.TableModule) -> tables.TableBackend | None:
+        """fleet.nn.SparseEmbedding tables stay whole on every worker, updated with every worker's rows."""
+        group = self.runtime.process_group(self.config.timeout_s)
+        if group is None:
+            return None
+        world = dist.get_world_size(group)
+        return tables.ExchangedRows(
+            module.local, lambda m, ids, grads, lr: sparse_grads.gather_rows(ids, grads, group, world)
+        )
 
     def barrier(self) -> None:
         group = self.runtime.process_group(self.config.timeout_s)
