@@ -167,7 +167,7 @@ def init(
     config = _resolve_strategy(strategy)
     if is_collective is not None:
         config = _honour_is_collective(config, is_collective)
-    servers = config.servers if config.mode == "ps" else 0
+    servers = config.servers if registry.get(config.mode).uses_servers else 0
     role = role_maker.role_info(servers=servers) if role_maker is not None else detect(servers=servers)
     if is_collective is not None:
         config = _check_is_collective(config, is_collective, role)

@@ -18,7 +18,7 @@ def dying_worker(rank, victim, how, shared_memory=True):
 
     import fleet
 
-    fleet.init(strategy=fleet.DistributedStrategy(timeout_s=5, shared_memory=shared_memory))
+    fleet.init(strategy=fleet.DistributedStrategy(timeout_s=3, shared_memory=shared_memory))
     model = torch.nn.Linear(8, 8)
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     started = time.monotonic()
@@ -64,7 +64,7 @@ def test_a_dead_or_silent_worker_is_named_on_the_survivor_within_the_timeout(vic
     # It fails in the round's header exchange or in a bucket's all-reduce, depending on timing.
     assert "all-reduce of gradient bucket" in message or "agreeing on the next collective" in message, message
     assert named in message, message
-    assert seconds < 5 + 10
+    assert seconds < 3 + 10
 
 
 def optimizer_state_worker(rank):

@@ -54,7 +54,14 @@ def _full(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def sharded_worker(
-    rank: int, kind: str, stage: int, steps: range, plan: list[int], ckpt: str | None, save_at: int | None
+    rank: int,
+    kind: str,
+    stage: int,
+    steps: range,
+    plan: list[int],
+    ckpt: str | None,
+    save_at: int | None,
+    stop: bool = True,
 ):
     import fleet
 
@@ -74,26 +81,35 @@ def sharded_worker(
         if save_at is not None and step + 1 == save_at:
             fleet.save_checkpoint(ckpt, model, opt, step + 1)
     out = {"params": _full(model), "shards": shards, "lr": opt.param_groups[0]["lr"]}
-    fleet.stop_worker()
+    if stop:
+        fleet.stop_worker()
     return out
+
+
+def both_optimizers_worker(rank: int, stage: int, steps: int, workers: int) -> dict:
+    """One job, one strategy: a model with SGD, then another with Adam (each sharded when wrapped)."""
+    return {
+        kind: sharded_worker(rank, kind, stage, range(steps), [workers] * steps, None, None, stop=kind == "adam")
+        for kind in ("sgd", "adam")
+    }
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("workers", [2, 3])
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_sharding_equals_single_process_on_union(workers, kind, stage):
+def test_sharding_equals_single_process_on_union(workers, stage):
     steps = 4
-    results = run_workers(
-        sharded_worker, workers, kind, stage, range(steps), [workers] * steps, None, None, timeout=120
-    )
-    want = reference(kind, [workers] * steps)
-    for rank, result in enumerate(results):
-        for got, expected in zip(result["params"], want, strict=True):
-            assert torch.allclose(got, expected, atol=1e-5), (rank, (got - expected).abs().max())
-        assert result["lr"] == pytest.approx(0.8**steps * make_optimizer(kind, [torch.zeros(1)]).param_groups[0]["lr"])
-    first_weight = results[0]["shards"][0]
-    assert first_weight[0] == -(-16 // workers), "each worker holds its share of the rows, not the whole weight"
+    results = run_workers(both_optimizers_worker, workers, stage, steps, workers, timeout=120)
+    for kind in ("sgd", "adam"):
+        want = reference(kind, [workers] * steps)
+        for rank, result in enumerate(results):
+            got_all = result[kind]
+            for got, expected in zip(got_all["params"], want, strict=True):
+                assert torch.allclose(got, expected, atol=1e-5), (kind, rank, (got - expected).abs().max())
+            lr = make_optimizer(kind, [torch.zeros(1)]).param_groups[0]["lr"]
+            assert got_all["lr"] == pytest.approx(0.8**steps * lr)
+        first_weight = results[0][kind]["shards"][0]
+        assert first_weight[0] == -(-16 // workers), "each worker holds its share of the rows, not the whole weight"
 
 
 @pytest.mark.timeout(200)
@@ -121,8 +137,9 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
 
 def sparse_embedding_worker(rank: int, steps: int) -> dict:
     """A model with a fleet.nn.SparseEmbedding: its dense part is sharded, its rows kept whole everywhere."""
-    import fleet
     from ps_jobs import Net, batch, make_optimizer, snapshot
+
+    import fleet
 
     fleet.init()
     torch.manual_seed(100 + rank)
@@ -153,3 +170,57 @@ def test_sparse_embedding_rows_train_with_the_sharded_model():
     for result in results:
         for name, expected in want.items():
             assert torch.allclose(result[name], expected, atol=1e-5), (name, (result[name] - expected).abs().max())
+
+
+def mixed_precision_worker(rank: int) -> dict:
+    import fleet
+
+    fleet.init()
+    model = make_model(seed=0)
+    opt = make_optimizer("adam", model.parameters())
+    strategy = fleet.DistributedStrategy(mode="sharding", mixed_precision="bf16", shard_modules=["Linear"])
+    opt = fleet.distributed_optimizer(opt, strategy)
+    losses = []
+    for step in range(30):
+        x, y = batch(rank, step % 3)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    dtypes = {str(p.dtype) for p in model.parameters()}
+    out = {"losses": losses, "params": _full(model), "dtypes": dtypes}
+    fleet.stop_worker()
+    return out
+
+
+def mixed_precision_reference(steps: int, workers: int) -> tuple[list[list[float]], list[torch.Tensor]]:
+    """Float32 single-process training on the union; per-step losses of every worker's part."""
+    model = make_model(seed=0)
+    opt = make_optimizer("adam", model.parameters())
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        parts = [
+            torch.nn.functional.cross_entropy(model(x), y) for x, y in (batch(w, step % 3) for w in range(workers))
+        ]
+        (sum(parts) / workers).backward()
+        opt.step()
+        losses.append([part.item() for part in parts])
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_mixed_precision_computes_in_bf16_keeps_float32_parameters_and_tracks_float32_training():
+    results = run_workers(mixed_precision_worker, 2, timeout=90)
+    want_losses, want_params = mixed_precision_reference(30, 2)
+    for rank, result in enumerate(results):
+        assert result["dtypes"] == {"torch.float32"}  # the sharded parameters stay float32; compute is bf16
+        got = torch.tensor(result["losses"])
+        want = torch.tensor([step[rank] for step in want_losses])
+        assert not torch.equal(got, want)  # bf16 rounding shows: the compute really ran in bf16
+        assert (got - want).abs().max() < 0.05, (got - want).abs().max()
+        for got_param, want_param in zip(result["params"], want_params, strict=True):
+            assert (got_param - want_param).abs().max() < 0.05
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
