@@ -39,9 +39,9 @@ class FakeSocket:
             raise zmq.Again()
         return self.replies.pop(0)
 
-    def answer(self, request: Message, *, status=Status.OK, tensors=(), blob: bytes = b"") -> None:
+    def answer(self, request: Message, *, status=Status.OK, tensors=(), blob: bytes = b"", arg: int = 0) -> None:
         reply = Message(
-            request.op, request.table, 0, request.request_id, status=status, tensors=list(tensors), blob=blob
+            request.op, request.table, 0, request.request_id, arg=arg, status=status, tensors=list(tensors), blob=blob
         )
         self.replies.append([bytes(f) for f in encode(reply)])
 
@@ -132,3 +132,28 @@ def test_a_lost_server_fails_what_is_in_flight_on_it_and_only_that():
     io._fail_everything(PSClientClosed("closed"))
     with pytest.raises(PSClientClosed):
         on_b.future.result(timeout=1)
+
+
+def test_a_restarted_server_answering_hello_fails_the_requests_it_cannot_answer_at_once():
+    io, (a,) = _io(1)
+
+    def hello_answered_by(incarnation: int) -> Job:
+        hello = _job([(0, _request(Op.HELLO))])
+        io.queue.put(hello)
+        io._admit()
+        io._flush()
+        a.answer(a.sent[-1], arg=incarnation)
+        io._receive(0)
+        return hello
+
+    hello_answered_by(5)
+    pull = _job([(0, _request(Op.PULL_SPARSE))])  # reaches the new server, which parks it for a version it lacks
+    io.queue.put(pull)
+    io._admit()
+    io._flush()
+    hello_answered_by(5).future.result(timeout=1)  # the same server: nothing happens
+    assert not pull.future.done()
+    beat = hello_answered_by(9)  # a heartbeat answered by a new incarnation
+    beat.future.result(timeout=1)
+    with pytest.raises(PSServerUnavailable, match="parameter server 0 at 127.0.0.1:7000 was restarted .* PULL_SPARSE"):
+        pull.future.result(timeout=1)

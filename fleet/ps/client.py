@@ -102,7 +102,8 @@ class PSClient:
             if self._closed:
                 return
             try:
-                self._submit(self._all(Op.HELLO), timeout_s=5 * HEARTBEAT_S)  # the answer does not matter
+                # Unanswered beats are not errors; a restarted server's answer is (fleet.ps.client_io).
+                self._submit(self._all(Op.HELLO), timeout_s=5 * HEARTBEAT_S)
             except PSError:
                 return
 

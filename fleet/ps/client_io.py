@@ -40,7 +40,7 @@ from fleet.ps.errors import (
     WireError,
     parse_error_reply,
 )
-from fleet.ps.wire import Message, Status, decode, encode, op_name, read_request_id
+from fleet.ps.wire import Message, Op, Status, decode, encode, op_name, read_request_id
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class IOThread:
         self._active: set[Job] = set()
         self._outbox: list[deque[tuple[int, Message, Job]]] = [deque() for _ in self.endpoints]
         self._refused: dict[int, str] = {}  # server -> why its handshake failed
+        self._incarnations = [0] * len(endpoints)  # per server, as its last HELLO reply said; 0: not known yet
         self.thread = threading.Thread(target=self._main, name=f"fleet-ps-io-w{worker_index}", daemon=True)
 
     # ------------------------------------------------------ caller side
@@ -253,6 +254,8 @@ class IOThread:
                 if entry is not None:
                     self._fail(entry[1], self._remote(server, exc.op, f"malformed reply: {exc}"))
                 continue
+            if reply.op == Op.HELLO and reply.status == Status.OK:
+                self._check_incarnation(server, reply.arg)
             entry = self._inflight.pop(reply.request_id, None)
             if entry is None:
                 continue  # the answer to a request that already timed out or failed
@@ -318,14 +321,33 @@ class IOThread:
             else:
                 self._fail_server(server, f"failed the connection handshake (event {kind!r})", queued_too=True)
 
-    def _fail_server(self, server: int, why: str, cls: type = PSServerUnavailable, queued_too: bool = False) -> None:
+    def _check_incarnation(self, server: int, incarnation: int) -> None:
+        """A new incarnation answering HELLO: the server restarted while this worker did not notice.
+
+        Its requests to the old server may have reached the new one, which cannot answer them (a sync
+        pull waits for a version it is no longer on); failing them now starts the recovery at once
+        instead of after the request timeout.
+        """
+        known = self._incarnations[server]
+        self._incarnations[server] = incarnation
+        if known and incarnation != known:
+            self._fail_server(server, "was restarted (a new server process answers at its endpoint)", not_op=Op.HELLO)
+
+    def _fail_server(
+        self,
+        server: int,
+        why: str,
+        cls: type = PSServerUnavailable,
+        queued_too: bool = False,
+        not_op: int | None = None,
+    ) -> None:
         """Fail the jobs whose requests to ``server`` are on the wire (or, with ``queued_too``, waiting)."""
         unsent = {id(entry[1]) for entry in self._outbox[server]} if not queued_too else set()
         for srv, job, part in list(self._inflight.values()):
             if srv != server or job.done:
                 continue
             msg = job.parts[part][1]
-            if id(msg) in unsent:
+            if id(msg) in unsent or msg.op == not_op:
                 continue
             self._fail(job, self._unavailable(server, msg, f"{why} while {op_name(msg.op)} was in flight", cls))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import secrets
 import threading
 import time
 import traceback
@@ -105,6 +106,9 @@ class ParameterServer(TableOps):
         self.rejoin = rejoin
         self._liveness = WorkerLiveness(dead_after_s=max(3.0, min(self.timeout_s, 10.0)))
         self._started = time.monotonic()
+        # Tells this run of the server from an earlier one at the same endpoint: a worker whose request
+        # ZeroMQ delivered to a restarted server learns from the next HELLO that the state it knew is gone.
+        self.incarnation = secrets.randbits(62) + 1
         self._ops: dict[str, int] = defaultdict(int)
         self._table_ops: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._counts: dict[str, int] = defaultdict(int)
@@ -302,7 +306,7 @@ class ParameterServer(TableOps):
     # ------------------------------------------------------------------ ops
     def _hello(self, ident: bytes, msg: Message) -> Message:
         info = {"server_index": self.server_index, "num_workers": self.num_workers, "endpoint": self.endpoint}
-        return self._ok(msg, blob=json.dumps(info).encode())
+        return self._ok(msg, blob=json.dumps(info).encode(), version=self.incarnation)
 
     def _barrier_op(self, ident: bytes, msg: Message) -> None:
         if msg.peer in self._waiting.barrier:
