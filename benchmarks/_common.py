@@ -108,6 +108,18 @@ def fleetrun(
     return {"workers": results, "report": report, "wall_s": wall}
 
 
+def become_local_worker(rank: int, workers: int, port: int) -> None:
+    """The environment of collective worker ``rank`` of a job on this host with its master at ``port``."""
+    os.environ.update(
+        {
+            "FLEET_ROLE": "worker",
+            "FLEET_WORKER_INDEX": str(rank),
+            "FLEET_WORKER_NUM": str(workers),
+            "FLEET_MASTER": f"127.0.0.1:{port}",
+        }
+    )
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 

@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+from _common import become_local_worker
 
 
 def build_model() -> torch.nn.Module:
@@ -34,14 +35,7 @@ def build_model() -> torch.nn.Module:
 
 
 def worker(rank: int, workers: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(
-        {
-            "FLEET_ROLE": "worker",
-            "FLEET_WORKER_INDEX": str(rank),
-            "FLEET_WORKER_NUM": str(workers),
-            "FLEET_MASTER": f"127.0.0.1:{port}",
-        }
-    )
+    become_local_worker(rank, workers, port)
     torch.set_num_threads(1)
     from torch.nn.parallel import DistributedDataParallel
 

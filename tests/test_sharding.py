@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from patterns import batch, make_optimizer
 
 from dist_harness import run_workers
 
 pytestmark = pytest.mark.multiprocess
-
-BATCH = 8
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -17,17 +16,6 @@ def make_model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
     )
-
-
-def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
-    return torch.optim.Adam(params, lr=0.01)
-
-
-def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + worker)
-    return torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
 
 
 def _train_step(model, opt, scheduler, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
