@@ -122,6 +122,38 @@ def test_public_api_is_frozen():
         assert _shape(functions[name]) == expected, name
 
 
+# fleet.metrics (a submodule, Paddle's fleet.metrics): classes by constructor, Paddle's functions.
+METRICS_SIGNATURES = {
+    "AUC": "(num_thresholds=4095)",
+    "Accuracy": "(threshold=0.5)",
+    "MAE": "()",
+    "Max": "()",
+    "Mean": "()",
+    "Metric": "()",
+    "Min": "()",
+    "RMSE": "()",
+    "Sum": "()",
+    "acc": "(correct, total)",
+    "auc": "(stat_pos, stat_neg)",
+    "mae": "(abserr, total_ins_num)",
+    "max": "(input)",
+    "min": "(input)",
+    "mse": "(sqrerr, total_ins_num)",
+    "rmse": "(sqrerr, total_ins_num)",
+    "sum": "(input)",
+}
+
+
+def test_metrics_api_is_frozen():
+    metrics = fleet.metrics
+    assert set(metrics.__all__) == set(METRICS_SIGNATURES)
+    for name, expected in METRICS_SIGNATURES.items():
+        assert _shape(getattr(metrics, name)) == expected, name
+    for name in ("AUC", "Accuracy", "MAE", "Max", "Mean", "Min", "RMSE", "Sum"):
+        cls = getattr(metrics, name)
+        assert all(callable(getattr(cls, method, None)) for method in ("update", "compute", "reset")), name
+
+
 def test_exported_names_survive_importing_every_submodule():
     """``import fleet.<module>`` binds the module on the package: no module may share an exported name."""
     import importlib

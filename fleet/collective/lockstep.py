@@ -6,7 +6,7 @@ its loop early; one froze a layer and the other did not, so their gradient bucke
 pair the wrong tensors: a raw gloo abort, a wait until the timeout, or, when the sizes
 happen to match, silently mixed data. So before each collective of a training step (a
 gradient round, a buffer broadcast, a SparseEmbedding row exchange, a local-SGD average)
-and at ``barrier_worker``/``stop_worker``, every worker all-gathers a small fixed-size
+and at ``barrier_worker``/``stop_worker`` and a ``fleet.metrics`` reduction, every worker all-gathers a small fixed-size
 header: what it is about to do, a fingerprint of its operands, its step count. Headers are
 the same size whatever they say, so this exchange always pairs; if the workers disagree,
 every one of them raises at once, naming who does what, instead of pairing the wrong data.
@@ -43,6 +43,7 @@ BARRIER = 5
 FINISH = 6  # fleet.stop_worker(), or the process exits
 JOINED = 7  # this worker's loop ended inside fleet.join(); it shadows the others
 PARAMS = 8  # parameters broadcast after add_param_group: a = number of new parameters
+REDUCE = 9  # fleet.metrics: all-reduce a float64 vector: a = its length, b = the op's index in REDUCE_OPS
 
 TRAINING = (ROUND, BUFFERS, SPARSE_ROWS, AVERAGE, PARAMS)
 ENDED = (BARRIER, FINISH, JOINED)
@@ -56,8 +57,10 @@ WHAT = {
     FINISH: "stop (fleet.stop_worker() or the end of the script)",
     JOINED: "wait inside fleet.join() with its loop finished",
     PARAMS: "broadcast parameters added with add_param_group",
+    REDUCE: "all-reduce a global metric (compute() of a fleet.metrics metric)",
 }
 
+REDUCE_OPS = ("sum", "max", "min")  # REDUCE's b, by index: fleet.strategies.base.REDUCE_OPS (tested equal)
 _FIELDS = 6  # kind, a, b, c, steps, reserved
 UNEVEN_ADVICE = (
     "The workers ran different numbers of steps (uneven data?). Wrap the training loop in `with fleet.join():` "
@@ -201,6 +204,11 @@ class Lockstep:
         elif kind == BARRIER:
             if any(h.kind not in (BARRIER, JOINED) for h in headers):
                 raise PeerError(self._kind_mismatch(agreement))
+        elif kind == REDUCE:
+            if any(h.kind != kind for h in headers):
+                raise PeerError(self._kind_mismatch(agreement))
+            if any((h.a, h.b) != (headers[0].a, headers[0].b) for h in headers):
+                raise PeerError(self._reduce_mismatch(agreement))
         elif any(h.kind != kind for h in headers):
             raise PeerError(self._kind_mismatch(agreement))
 
@@ -217,7 +225,12 @@ class Lockstep:
         text = "Workers issued different collectives: " + "; ".join(parts) + "."
         ended = [h for h in agreement.headers if h.kind in ENDED]
         training = [h for h in agreement.headers if h.kind in TRAINING]
-        if ended and training:
+        if any(h.kind == REDUCE for h in agreement.headers):
+            text += (
+                " A metric's compute() is a collective: every worker calls compute() of the same fleet.metrics "
+                "metrics, in the same order, at the same point of its script (for example after its loop)."
+            )
+        elif ended and training:
             finished = ", ".join(f"worker {h.rank} (after {h.steps} steps)" for h in ended)
             text += f" {finished} finished its training loop early while the others still train. {UNEVEN_ADVICE}"
         elif ended:
@@ -239,6 +252,19 @@ class Lockstep:
             f"Workers disagree about the operands of the next collective ({what}): "
             + " vs ".join(_workers(ranks) for ranks in groups.values())
             + ". Every worker must build the same model and train the same parameters."
+        )
+
+    def _reduce_mismatch(self, agreement: Agreement) -> str:
+        groups: dict[tuple[int, int], list[int]] = {}
+        for h in agreement.headers:
+            groups.setdefault((h.a, h.b), []).append(h.rank)
+        parts = [
+            f"{_workers(ranks)} reducing {n} values by {REDUCE_OPS[op] if 0 <= op < len(REDUCE_OPS) else op}"
+            for (n, op), ranks in groups.items()
+        ]
+        return (
+            "Workers disagree about the global metric they compute: " + ", ".join(parts) + ". Every worker must "
+            "call compute() of the same fleet.metrics metrics (same kind, same num_thresholds), in the same order."
         )
 
     def _steps_mismatch(self, agreement: Agreement) -> str:

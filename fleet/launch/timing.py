@@ -1,6 +1,6 @@
 """fleetrun's side of "where the time goes": straggler watch while the job runs, report at its end.
 
-Workers write ``<log dir>/metrics/worker-<i>.json`` (see :mod:`fleet.metrics`). While the
+Workers write ``<log dir>/metrics/worker-<i>.json`` (see :mod:`fleet.timing`). While the
 job runs, :class:`StragglerWatch` reads them every ``interval`` seconds and applies
 :class:`fleet.step_report.StragglerTracker`: a worker whose computation p50 over its last 20
 steps exceeds 1.5x the median of the other workers' p50 (and by more than 5 ms) on 2

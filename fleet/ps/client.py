@@ -35,7 +35,7 @@ import torch
 from fleet.ps.client_io import IOThread, Job
 from fleet.ps.errors import PSAuthError, PSError, PSServerUnavailable
 from fleet.ps.liveness import HEARTBEAT_S
-from fleet.ps.wire import Message, Op
+from fleet.ps.wire import REDUCE_OPS, Message, Op
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +354,18 @@ class PSClient:
         request the workers sent before the barrier.
         """
         return self._submit(self._all(Op.BARRIER), timeout_s=timeout_s)
+
+    def all_reduce(self, values: torch.Tensor, op: str = "sum", timeout_s: float | None = None) -> Future:
+        """Future[Tensor]: ``values`` (as a float64 vector) reduced element-wise over every worker still running.
+
+        ``op``: "sum", "max" or "min". Server 0 answers once every worker that has not stopped sent a
+        vector of the same length (``fleet.metrics``' one collective in a parameter-server job).
+        """
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce op={op!r}; expected one of {', '.join(REDUCE_OPS)}")
+        flat = values.detach().reshape(-1).to(device="cpu", dtype=torch.float64).contiguous()
+        msg = self._msg(Op.ALL_REDUCE, arg=REDUCE_OPS.index(op), tensors=[flat])
+        return self._submit([(0, msg)], lambda replies: replies[0].tensors[0].clone(), timeout_s)
 
     def save(self, dirname: str, timeout_s: float | None = None) -> Future:
         """Future[list[dict]]: every server writes its shards under ``dirname`` (a path the servers can reach)."""

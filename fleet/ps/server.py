@@ -30,6 +30,7 @@ from fleet.ps import aggregator as agg
 from fleet.ps import auth
 from fleet.ps.errors import WireError
 from fleet.ps.liveness import WorkerLiveness
+from fleet.ps.reduce import ReduceOps, against_barrier
 from fleet.ps.table_ops import TableOps
 from fleet.ps.waitlist import Parked, Waitlist
 from fleet.ps.wire import Message, Op, Status, decode, encode, op_name, read_request_id
@@ -48,7 +49,7 @@ def zmq_address(endpoint: str) -> str:
     return f"tcp://{host}:{'*' if int(port) == 0 else port}"
 
 
-class ParameterServer(TableOps):
+class ParameterServer(TableOps, ReduceOps):
     """Holds table shards and answers workers until every worker has sent STOP.
 
     ``endpoint`` is bound at construction (so a port clash surfaces at once and
@@ -127,6 +128,7 @@ class ParameterServer(TableOps):
             Op.LOAD: self._load,
             Op.STATS: lambda ident, msg: self._ok(msg, blob=json.dumps(self.stats()).encode()),
             Op.STOP: self._stop,
+            Op.ALL_REDUCE: self._all_reduce_op,
         }
 
     # ------------------------------------------------------------------ loop
@@ -205,7 +207,7 @@ class ParameterServer(TableOps):
             return
         if msg.peer not in self._stopped and self._liveness.seen(msg.peer, time.monotonic()):
             log.warning("parameter server %d: worker %d is back", self.server_index, msg.peer)
-        if msg.op not in (Op.HELLO, Op.BARRIER, Op.SAVE, Op.LOAD, Op.STATS, Op.STOP):
+        if msg.op not in (Op.HELLO, Op.BARRIER, Op.SAVE, Op.LOAD, Op.STATS, Op.STOP, Op.ALL_REDUCE):
             self._table_ops[msg.table][name] += 1
         try:
             reply = self._handlers[Op(msg.op)](ident, msg)
@@ -292,6 +294,7 @@ class ParameterServer(TableOps):
             if self.rejoin:
                 self._close_ready_steps()
                 self._release_barrier()
+                self._release_reduce()
 
     def _maybe_step(self, shard: agg.Shard) -> bool:
         """Close the shard's sync step if it is complete (see Shard.maybe_step)."""
@@ -311,6 +314,9 @@ class ParameterServer(TableOps):
     def _barrier_op(self, ident: bytes, msg: Message) -> None:
         if msg.peer in self._waiting.barrier:
             raise agg.ShardError(f"worker {msg.peer} entered the barrier twice")
+        if self._waiting.reduce:  # the others all-reduce a metric: nobody may wait here for them
+            waiting = [msg.peer, *self._waiting.barrier]
+            raise ValueError(self._fail_collectives(against_barrier(list(self._waiting.reduce), waiting)))
         self._waiting.barrier[msg.peer] = self._park(ident, msg)
         self._close_ready_steps()
         self._release_barrier()
@@ -324,9 +330,11 @@ class ParameterServer(TableOps):
         self._stopped.add(msg.peer)
         self._liveness.forget(msg.peer)
         self._waiting.barrier.pop(msg.peer, None)
-        # fewer workers now: sync steps and barriers waiting for the stopped one may complete
+        self._waiting.reduce.pop(msg.peer, None)
+        # fewer workers now: sync steps, barriers and all-reduces waiting for the stopped one may complete
         self._close_ready_steps()
         self._release_barrier()
+        self._release_reduce()
         return self._ok(msg)
 
     # ------------------------------------------------------------- deadlines
@@ -351,6 +359,7 @@ class ParameterServer(TableOps):
             missing = sorted(self._active - set(self._waiting.barrier) - {parked.msg.peer})
             text = f"barrier timed out after {now - parked.since:.2f} s waiting for workers {missing}"
             self._reply_error(parked.ident, parked.msg, text)
+        self._expire_reduce(now)
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:

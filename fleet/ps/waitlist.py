@@ -1,4 +1,4 @@
-"""Requests a server answers later: sync pulls, creates waiting for the creator, barriers.
+"""Requests a server answers later: sync pulls, creates waiting for the creator, barriers, all-reduces.
 
 The server loop never blocks, so a request that cannot be answered yet is
 parked here with a deadline. The loop asks for the ones that became ready
@@ -33,6 +33,7 @@ class Waitlist:
         self.pulls: dict[int, list[Parked]] = defaultdict(list)  # table -> pulls waiting for a version
         self.creates: dict[int, list[Parked]] = defaultdict(list)  # table -> creates waiting for its creator
         self.barrier: dict[int, Parked] = {}  # worker -> its BARRIER
+        self.reduce: dict[int, Parked] = {}  # worker -> its ALL_REDUCE (server 0)
 
     def __iter__(self) -> Iterator[Parked]:
         for waiting in self.pulls.values():
@@ -40,6 +41,7 @@ class Waitlist:
         for waiting in self.creates.values():
             yield from waiting
         yield from self.barrier.values()
+        yield from self.reduce.values()
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -68,6 +70,18 @@ class Waitlist:
         self.barrier.clear()
         return released
 
+    def release_reduce(self, active: set[int]) -> list[Parked]:
+        """Every parked ALL_REDUCE, once every active worker sent one (else nothing)."""
+        if not self.reduce or not active <= set(self.reduce):
+            return []
+        released = list(self.reduce.values())
+        self.reduce.clear()
+        return released
+
+    def expired_reduce(self, now: float) -> list[Parked]:
+        """Remove and return the ALL_REDUCE requests past their deadline."""
+        return [self.reduce.pop(w) for w, parked in list(self.reduce.items()) if parked.deadline <= now]
+
     def expired(self, now: float) -> tuple[list[tuple[int, Parked]], list[tuple[int, Parked]], list[Parked]]:
         """Remove and return (pulls by table, creates by table, barrier entries) past their deadline."""
         out: tuple[list[tuple[int, Parked]], list[tuple[int, Parked]], list[Parked]] = ([], [], [])
@@ -86,4 +100,5 @@ class Waitlist:
         self.pulls.clear()
         self.creates.clear()
         self.barrier.clear()
+        self.reduce.clear()
         return everything

@@ -57,6 +57,12 @@ class Op(enum.IntEnum):
     LOAD = 12
     STATS = 13
     STOP = 14
+    ALL_REDUCE = 15
+
+
+#: ALL_REDUCE (``fleet.metrics``): one 1-D float64 tensor, ``arg`` = the reduction's index here;
+#: server 0 answers every worker with the element-wise reduction once every active worker sent its own.
+REDUCE_OPS = ("sum", "max", "min")
 
 
 class Status(enum.IntEnum):

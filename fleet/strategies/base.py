@@ -3,8 +3,8 @@
 A strategy is one class (one module under ``fleet/strategies/``), registered by name
 (``fleet.register_strategy``), built once per job with the validated
 :class:`~fleet.strategy.DistributedStrategy` and the :class:`Runtime`. The core
-(``fleet.api``, ``fleet.checkpoint``, ``fleet.nn``) calls only these methods and never
-branches on the mode:
+(``fleet.api``, ``fleet.checkpoint``, ``fleet.nn``, ``fleet.metrics``) calls only these
+methods and never branches on the mode:
 
 ==========================  ==============================================================
 ``join()``                  at ``fleet.init``: rendezvous, process groups, connections; on a
@@ -13,6 +13,7 @@ branches on the mode:
 ``wrap_model(model)``       ``fleet.distributed_model`` (optional for the user)
 ``table_backend(module)``   where a ``fleet.nn.SparseEmbedding``'s rows live (None: in-process)
 ``barrier()``               ``fleet.barrier_worker``
+``all_reduce(values, op)``  ``fleet.metrics``: a small float64 vector summed (max, min) over the workers
 ``uneven_inputs()``         ``with fleet.join():`` for loops that end unevenly
 ``save_state(dir, ...)``    ``fleet.save_checkpoint``: the model and optimizer, in its format
 ``load_state(dir, ...)``    ``fleet.load_checkpoint``
@@ -28,16 +29,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from fleet.errors import FleetError
+from fleet.errors import FleetError, PeerError
 
 if TYPE_CHECKING:
     from fleet.roles import RoleInfo
     from fleet.strategy import DistributedStrategy
     from fleet.tables import TableBackend, TableModule
+
+REDUCE_OPS = ("sum", "max", "min")
+"""The reductions :meth:`Strategy.all_reduce` offers (element-wise over the workers)."""
 
 
 class Runtime(Protocol):
@@ -122,6 +127,34 @@ class Strategy(ABC):
     def barrier(self) -> None:
         """Wait for every worker."""
 
+    def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """``values`` (a 1-D float64 CPU tensor) reduced element-wise over every worker: ``op`` in REDUCE_OPS.
+
+        ``fleet.metrics``' one collective: every worker calls it with a vector of the same length.
+        The default goes through the workers' process group (``values`` itself for one worker);
+        a strategy whose workers have no such group (parameter servers) reduces another way.
+        """
+        check_reduce(values, op)
+        group = self.runtime.process_group(self.config.timeout_s)
+        if group is None:
+            if self.runtime.role.worker_num > 1:
+                raise FleetError(
+                    f"{type(self).__name__} has no process group over its {self.runtime.role.worker_num} workers; "
+                    "it must implement all_reduce (fleet.metrics) another way."
+                )
+            return values
+        import torch.distributed as dist
+
+        out = values.clone()
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        try:
+            work = dist.all_reduce(out, op=ops[op], group=group, async_op=True)
+            work.wait(timedelta(seconds=self.config.timeout_s))
+        except RuntimeError as error:
+            what = f"all-reducing a global metric ({op} of {values.numel()} values, fleet.metrics)"
+            raise PeerError.from_collective(what, error, self.runtime.diagnose_peers()) from None
+        return out
+
     def uneven_inputs(self) -> AbstractContextManager:
         """``with fleet.join():`` for loops that end unevenly; nothing to do unless the strategy says so."""
         return nullcontext()
@@ -162,3 +195,18 @@ class Strategy(ABC):
             f"fleet.init_server()/run_server() run a parameter server; this job has mode={self.config.mode!r} "
             "and no server process."
         )
+
+
+def check_reduce(values: torch.Tensor, op: str) -> None:
+    """What :meth:`Strategy.all_reduce` takes: a 1-D float64 CPU tensor and one of REDUCE_OPS."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"all_reduce op={op!r}; expected one of {', '.join(REDUCE_OPS)}")
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.float64 or values.dim() != 1:
+        got = (
+            f"{values.dtype} tensor of shape {list(values.shape)}"
+            if isinstance(values, torch.Tensor)
+            else type(values).__name__
+        )
+        raise ValueError(f"all_reduce takes a 1-D float64 tensor; got a {got}")
+    if values.device.type != "cpu":
+        raise ValueError(f"all_reduce takes a CPU tensor (the reduction goes through gloo); got one on {values.device}")

@@ -36,7 +36,7 @@ from fleet.collective.transport import GroupTransport, SharedMemoryTransport
 from fleet.errors import PeerError
 from fleet.optimizer import WrappedOptimizer
 from fleet.owners import names_of
-from fleet.strategies.base import Strategy
+from fleet.strategies.base import REDUCE_OPS, Strategy, check_reduce
 
 if TYPE_CHECKING:
     from fleet.strategy import DistributedStrategy
@@ -135,6 +135,16 @@ class CollectiveStrategy(Strategy):
         lock = self.sync().lockstep
         if lock is not None:
             lock.announce(lockstep.BARRIER)
+
+    def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """fleet.metrics' reduction, announced first like every collective: a worker doing something else fails."""
+        if self.runtime.role.worker_num == 1:
+            return super().all_reduce(values, op)
+        check_reduce(values, op)
+        lock = self.sync().lockstep
+        if lock is not None:
+            lock.announce(lockstep.REDUCE, values.numel(), REDUCE_OPS.index(op))
+        return super().all_reduce(values, op)
 
     def uneven_inputs(self) -> Join:
         return Join(self)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fleet.errors import FleetError
-from fleet.strategies.base import Runtime, Strategy
+from fleet.strategies.base import Runtime, Strategy, check_reduce
 
 if TYPE_CHECKING:
     from fleet.ps.client import PSClient
@@ -159,6 +159,13 @@ class ParameterServerStrategy(Strategy):
             opt.flush()
         if self.runtime.role.server_num:
             self.client().barrier().result()
+
+    def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The workers have no process group here: server 0 reduces (a stopped worker is not waited for)."""
+        if not self.runtime.role.server_num:
+            return super().all_reduce(values, op)
+        check_reduce(values, op)
+        return self.client().all_reduce(values, op).result()
 
     # --- checkpoints ------------------------------------------------------------------------------
 
