@@ -54,6 +54,8 @@ _EXPORTS = {
     "worker_index": "fleet.api",
     "worker_num": "fleet.api",
     "progress": "fleet.progress_bar",
+    "file_shard": "fleet.files",
+    "SlotDataset": "fleet.slot_data",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -100,8 +102,10 @@ if TYPE_CHECKING:
     from fleet.checkpoint import load_checkpoint, load_persistables, save_checkpoint, save_persistables  # noqa: F401
     from fleet.env import EnvError  # noqa: F401
     from fleet.errors import FleetError, ModelMismatchError, PeerError  # noqa: F401
+    from fleet.files import file_shard  # noqa: F401
     from fleet.progress_bar import progress  # noqa: F401
     from fleet.roles import PaddleCloudRoleMaker, Role, RoleInfo, UserDefinedRoleMaker  # noqa: F401
+    from fleet.slot_data import SlotDataset  # noqa: F401
     from fleet.strategies import Strategy, register_strategy  # noqa: F401
     from fleet.strategy import DistributedStrategy, StrategyError  # noqa: F401
 

@@ -25,6 +25,8 @@ class ShardedLoader:
         if isinstance(loader.dataset, IterableDataset):
             self.sampler = None
             self.loader = loader
+            if getattr(loader.dataset, "shards_itself", False):  # fleet.SlotDataset: already this worker's share
+                self.num_shards, self.shard = 1, 0
             return
         if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
             raise TypeError(

@@ -20,6 +20,7 @@ PUBLIC = {
     "PeerError",
     "Role",
     "RoleInfo",
+    "SlotDataset",
     "Strategy",
     "StrategyError",
     "UserDefinedRoleMaker",
@@ -27,6 +28,7 @@ PUBLIC = {
     "distributed_loader",
     "distributed_model",
     "distributed_optimizer",
+    "file_shard",
     "init",
     "init_server",
     "is_first_worker",
@@ -76,6 +78,7 @@ SIGNATURES = {
     "distributed_loader": "(loader)",
     "distributed_model": "(model, strategy=None)",
     "distributed_optimizer": "(optimizer, strategy=None)",
+    "file_shard": "(files)",
     "init": "(role_maker=None, strategy=None, is_collective=None)",
     "init_server": "(dirname=None)",
     "is_first_worker": "()",
@@ -540,3 +543,10 @@ def test_sharding_in_one_process_trains_and_checkpoints(tmp_path):
     assert fleet.load_checkpoint(str(tmp_path), model, opt).step == 1
     assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
     assert opt.state_dict()["state"]  # Adam's moments came back too
+
+
+def test_slot_dataset_signature_is_frozen():
+    assert _shape(fleet.SlotDataset) == (
+        "(files, batch_size, *, sparse_slots=26, dense=13, shard=True, chunk_bytes=4194304)"
+    )
+    assert issubclass(fleet.SlotDataset, torch.utils.data.IterableDataset)

@@ -5,11 +5,18 @@
     fleetrun --servers 1 --workers 2 --strategy strategies/ps_async.toml train_ctr.py   # parameter server
 
 Options: --steps N, --batch B, --report FILE (worker results as JSON lines, for benchmarks).
+
+From files instead of the synthetic generator (Paddle's MultiSlot text or fleet's binary
+slot files; each worker reads its fleet.file_shard of the list, all the same number of batches):
+
+    python -m fleet.slot_data generate data/ --files 4 --samples 20000
+    fleetrun --workers 2 train_ctr.py --files 'data/part-*' --epochs 2
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import time
 
@@ -44,9 +51,19 @@ def batches(worker: int, batch: int):
         yield ids, dense, (dense @ w_true > 0).float()
 
 
+def file_list(spec: str) -> list[str]:
+    """Comma-separated paths or glob patterns, in order (a pattern's matches sorted)."""
+    names: list[str] = []
+    for part in filter(None, spec.split(",")):
+        names += sorted(glob.glob(part)) or [part]  # no match: fleet names the missing file
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=None, help="default: 50, or every batch of --epochs")
+    parser.add_argument("--files", default=None, help="train from these files: comma-separated paths or globs")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over --files")
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--report", default=None)
@@ -58,21 +75,40 @@ def main() -> None:
     model = CTRModel()
     optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    data = batches(fleet.worker_index(), args.batch)
+    if args.files:
+        files = file_list(args.files)
+        dataset = fleet.SlotDataset(files, args.batch)
+        print(
+            f"worker {fleet.worker_index()} reads {len(fleet.file_shard(files))} of {len(files)} files: "
+            f"{len(dataset)} batches per epoch, {dataset.dropped} samples left unread",
+            flush=True,
+        )
+        data = (batch for _ in range(args.epochs) for batch in dataset)
+        steps = args.steps if args.steps is not None else args.epochs * len(dataset)
+    else:
+        data = batches(fleet.worker_index(), args.batch)
+        steps = args.steps if args.steps is not None else 50
     start = time.perf_counter()
-    for step in range(args.steps):
+    first_loss = None
+    for step, (ids, dense, label) in zip(range(steps), data, strict=False):
         if step == args.warmup:
             start = time.perf_counter()
-        ids, dense, label = next(data)
         optimizer.zero_grad()
         loss = loss_fn(model(ids, dense), label)
         loss.backward()
         optimizer.step()
-        if step % 10 == 0 or step == args.steps - 1:
+        first_loss = loss.item() if first_loss is None else first_loss
+        if step % 10 == 0 or step == steps - 1:
             print(f"worker {fleet.worker_index()} step {step} loss {loss.item():.4f}", flush=True)
     elapsed = time.perf_counter() - start
-    timed = max(args.steps - args.warmup, 0)
-    result = {"worker": fleet.worker_index(), "loss": loss.item(), "samples_per_s": timed * args.batch / elapsed}
+    timed = max(step + 1 - args.warmup, 0)
+    result = {
+        "worker": fleet.worker_index(),
+        "loss": loss.item(),
+        "first_loss": first_loss,
+        "steps": step + 1,
+        "samples_per_s": timed * args.batch / elapsed,
+    }
     print(json.dumps(result), flush=True)
     if args.report:
         with open(args.report, "a") as f:
