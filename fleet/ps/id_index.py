@@ -21,12 +21,14 @@ tail costs a few rounds. (Reading a whole 4-entry cache line per query in the
 first round was tried and is ~2.5x slower: with one thread, the number of
 misses in flight is bounded by instructions per miss, and torch's gather
 spends a few per element.) Capacity is a power of two and doubles (with a full
-vectorised rehash) before the load would exceed 0.25 (see ``_MAX_LOAD``). Entries are never
-deleted, which is what makes "a free entry before any match means absent"
-correct.
+vectorised rehash) before the load would exceed 0.25 (see ``_MAX_LOAD``). A removed
+entry becomes a tombstone (slot ``-2``, still occupied for probing, free for inserts),
+which is what keeps "an empty entry before any match means absent" correct; a rehash
+drops the tombstones.
 
 Slots are handed out densely in creation order (0, 1, 2, ...) so the caller can
-keep rows in a plain growable tensor indexed by slot. Not thread-safe: a server
+keep rows in a plain growable tensor indexed by slot; :meth:`IdIndex.renumber` removes
+ids and renumbers the rest after the caller compacted its rows. Not thread-safe: a server
 must serialise calls per table.
 """
 
@@ -45,6 +47,7 @@ _INSERT_WINDOW = 8
 # 16 bytes x 4-8 entries per id of index memory.
 _MAX_LOAD = 0.25
 _EMPTY = -1  # slot-column marker; never an id
+_TOMBSTONE = -2  # a removed entry: probing goes on past it, inserts may reuse it
 
 # 64-bit odd multipliers (from splitmix64), as signed int64 so torch accepts them.
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -111,6 +114,7 @@ class IdIndex:
             cap *= 2
         self._alloc(cap)
         self._size = 0
+        self._tombstones = 0
 
     # ------------------------------------------------------------------ basics
     def _alloc(self, capacity: int) -> None:
@@ -165,10 +169,9 @@ class IdIndex:
         pos = self._home(ids)
         entry = self._gather(pos)
         slot = entry[:, 1]
-        occupied = slot >= 0
-        hit = (entry[:, 0] == ids) & occupied
+        hit = (entry[:, 0] == ids) & (slot >= 0)
         out = torch.where(hit, slot, -1)
-        active = (occupied & ~hit).nonzero().squeeze(1)
+        active = ((slot != _EMPTY) & ~hit).nonzero().squeeze(1)
         if active.numel():
             self._lookup_tail(ids, pos, active, out)
         return out
@@ -183,8 +186,8 @@ class IdIndex:
             width = _TAIL_WINDOWS[min(rnd, len(_TAIL_WINDOWS) - 1)]
             rnd += 1
             entry = self._gather(((q_pos.unsqueeze(1) + torch.arange(width)) & mask).view(-1)).view(-1, width, 2)
-            occupied = entry[:, :, 1] >= 0
-            match = occupied & (entry[:, :, 0] == q_ids.unsqueeze(1))
+            occupied = entry[:, :, 1] != _EMPTY
+            match = (entry[:, :, 1] >= 0) & (entry[:, :, 0] == q_ids.unsqueeze(1))
             flat_hit = match.view(-1).nonzero().squeeze(1)
             if flat_hit.numel():
                 found = entry.view(-1).index_select(0, flat_hit * 2 + 1)
@@ -207,21 +210,40 @@ class IdIndex:
         slots = torch.arange(self._size, self._size + n, dtype=torch.int64)
         if n == 0:
             return slots
-        if self._size + n > _MAX_LOAD * self._capacity:
+        if self._size + self._tombstones + n > _MAX_LOAD * self._capacity:
             self._grow(self._size + n)
         self._place(ids, slots)
         self._size += n
         return slots
 
     def _grow(self, needed: int) -> None:
-        """Double capacity until ``needed`` fits under the load limit, then rehash everything."""
+        """Double capacity until ``needed`` fits under the load limit, then rehash the live entries."""
         cap = self._capacity
-        while needed > _MAX_LOAD * cap:
+        # Room for tombstones too: a rehash that leaves the live load near the limit would repeat soon.
+        while needed > 0.75 * _MAX_LOAD * cap:
             cap *= 2
         live = self._slots >= 0
         keys, vals = self._keys[live], self._slots[live]
         self._alloc(cap)
         self._place(keys, vals)
+        self._tombstones = 0
+
+    def renumber(self, new_slot: torch.Tensor) -> torch.Tensor:
+        """Give every id at slot ``s`` the slot ``new_slot[s]``, removing those mapped to -1; return the removed ids.
+
+        ``new_slot`` has one entry per slot (``len(self)``); the kept ids must map onto
+        ``0 .. kept - 1``. One pass over the entries, no rehash (removed entries become tombstones).
+        """
+        if tuple(new_slot.shape) != (self._size,):
+            raise ValueError(f"renumber needs one new slot per id ({self._size}), got shape {tuple(new_slot.shape)}")
+        pos = (self._slots >= 0).nonzero().squeeze(1)
+        moved = new_slot.index_select(0, self._slots.index_select(0, pos))
+        removed = moved < 0
+        gone = pos[removed]
+        self._slots.index_copy_(0, pos, torch.where(removed, _TOMBSTONE, moved))
+        self._size -= gone.numel()
+        self._tombstones += gone.numel()
+        return self._keys.index_select(0, gone)
 
     def _place(self, keys: torch.Tensor, vals: torch.Tensor) -> None:
         """Write unique, absent keys into free entries, in vectorised claim rounds.

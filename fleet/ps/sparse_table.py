@@ -15,6 +15,12 @@ operation is a fixed number of whole-batch torch ops; nothing loops over ids.
 Updates are row-wise ("lazy"): only the rows named in a push change, each with
 its own state and step, so a row that gets a gradient every step follows
 ``torch.optim`` exactly. Not thread-safe: the server serialises calls per table.
+
+With a life cycle (:mod:`fleet.ps.lifecycle`: admission, TTL, ``max_rows``) rows are
+created by updates only, once admitted; a pull of an id without a row returns its
+initial value (zeros while an entry has not admitted it) and stores nothing. Every
+table remembers which rows changed since the last save and which ids it evicted, so a
+save can be a delta (:meth:`state_dict` with ``delta=True``, :meth:`apply_delta`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 import torch
 
 from fleet.ps.id_index import IdIndex, as_ids, large_empty
+from fleet.ps.lifecycle import EVICT_SLACK, Admission, LifeCycle
 from fleet.ps.optim import (
     InitializerSpec,
     OptimizerSpec,
@@ -34,7 +41,9 @@ from fleet.ps.optim import (
     optimizer_config_json,
 )
 
-_CONFIG_KEYS = ("dim", "optimizer", "initializer", "seed")
+_CONFIG_KEYS = ("dim", "optimizer", "initializer", "seed", "servers", *LifeCycle.CONFIG_KEYS)
+# Evicted ids are remembered for the next delta save; past this many (and 4x the table) a delta is refused.
+_MAX_REMEMBERED_DELETIONS = 1 << 22
 _REQUIRED_KEYS = ("dim", "optimizer")
 
 
@@ -47,6 +56,7 @@ class SparseTable:
         optimizer: OptimizerSpec,
         initializer: InitializerSpec | None = None,
         seed: int = 0,
+        lifecycle: LifeCycle | None = None,
     ) -> None:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
             raise ValueError(f"dim must be an int > 0, got {dim!r}")
@@ -61,6 +71,13 @@ class SparseTable:
         self._opt = ServerOptimizer(optimizer)
         # Per-row step counts cost two random accesses per row; keep them only where the math reads them.
         self._track_steps = self._opt.needs_step
+        self.lifecycle = lifecycle if lifecycle is not None else LifeCycle()
+        self._admission = Admission(self.lifecycle.entry, self.lifecycle.sketch_width, seed)
+        self.clock = 0
+        self.counts = {"dropped_gradients": 0, "evicted": 0, "refused_rows": 0}
+        self._next_expiry = 0
+        self._deleted: list[torch.Tensor] | None = []  # None: too many to remember, the next save must be a base
+        self._deleted_count = 0
         self._reset(capacity=1024)
 
     def _reset(self, capacity: int) -> None:
@@ -70,10 +87,21 @@ class SparseTable:
         self._steps = large_empty((capacity,), torch.int64)
         self._state = {n: large_empty((capacity, self.dim), torch.float32) for n in self._opt.state_names}
         self._scratch = large_empty((capacity,), torch.int64)  # per-slot scratch for de-duplication
+        self._dirty = torch.zeros(capacity, dtype=torch.bool)  # changed since the last save
+        self._stats = {}
+        if self.lifecycle.active:
+            self._stats = {
+                "last_seen": large_empty((capacity,), torch.int32),
+                "show": large_empty((capacity,), torch.float32),
+                "click": large_empty((capacity,), torch.float32),
+            }
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> SparseTable:
-        """Build from ``{"dim", "optimizer", "initializer" (optional), "seed" (optional)}``."""
+        """Build from ``{"dim", "optimizer", "initializer", "seed"}`` and the life-cycle keys (optional ones).
+
+        ``max_rows`` is the job's cap; with ``servers`` S each shard keeps at most ``max_rows // S``.
+        """
         check_table_config("sparse", config, _CONFIG_KEYS, _REQUIRED_KEYS)
         dim, seed = config["dim"], config.get("seed", 0)
         if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
@@ -90,11 +118,18 @@ class SparseTable:
                 init = InitializerSpec.from_config(config["initializer"])
             except ValueError as err:
                 raise ValueError(f"sparse table config: 'initializer': {err}") from None
-        return cls(dim, spec, init, seed)
+        try:
+            lifecycle = LifeCycle.from_config(config, shards=int(config.get("servers", 1)))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"sparse table config: {err}") from None
+        return cls(dim, spec, init, seed, lifecycle)
 
     def __len__(self) -> int:
-        """Number of rows created so far."""
+        """Number of rows the table holds now."""
         return len(self._index)
+
+    def info(self) -> dict[str, Any]:
+        return {"rows": len(self), "clock": self.clock, **self.counts}
 
     # ------------------------------------------------------------------ storage
     def _grow_to(self, needed: int, used: int) -> None:
@@ -114,6 +149,10 @@ class SparseTable:
         self._rows = grown(self._rows)
         self._steps = grown(self._steps)
         self._state = {name: grown(t) for name, t in self._state.items()}
+        self._stats = {name: grown(t) for name, t in self._stats.items()}
+        dirty = torch.zeros(cap, dtype=torch.bool)
+        dirty[:n] = self._dirty[:n]
+        self._dirty = dirty
         self._scratch = large_empty((cap,), torch.int64)
         self._capacity = cap
 
@@ -121,14 +160,142 @@ class SparseTable:
         """Slots for ``ids`` (any order, duplicates allowed), creating missing rows."""
         first = len(self._index)
         slots, new_ids = self._index.get_or_insert(ids)
-        m = new_ids.numel()
-        if m:
-            self._grow_to(first + m, used=first)
-            end = first + m
-            self._rows[first:end] = initial_rows(new_ids, self.dim, self.initializer, self.seed)
-            self._steps[first:end] = 0
-            self._opt.fill_new_state({name: t[first:end] for name, t in self._state.items()})
+        if new_ids.numel():
+            self._init_rows(first, new_ids)
         return slots
+
+    def _init_rows(self, first: int, new_ids: torch.Tensor) -> None:
+        """Fill the new slots ``first ..`` (already in the index) for ``new_ids``."""
+        end = first + new_ids.numel()
+        self._grow_to(end, used=first)
+        self._rows[first:end] = initial_rows(new_ids, self.dim, self.initializer, self.seed)
+        self._steps[first:end] = 0
+        self._opt.fill_new_state({name: t[first:end] for name, t in self._state.items()})
+        self._dirty[first:end] = True
+        if self._stats:
+            self._stats["last_seen"][first:end] = self.clock
+            self._stats["show"][first:end] = 0.0
+            self._stats["click"][first:end] = 0.0
+
+    # ------------------------------------------------------------------ life cycle
+    def tick(self, step: int | None = None) -> None:
+        """Advance the clock: to ``step`` when given (never back), else by one; expire rows past their TTL."""
+        self.clock = self.clock + 1 if step is None else max(self.clock, int(step))
+        ttl = self.lifecycle.ttl_steps
+        if ttl is not None and self.clock >= self._next_expiry:
+            self._next_expiry = self.clock + max(1, ttl // 8)
+            self._remove(self._expired())
+
+    def _expired(self) -> torch.Tensor:
+        n = len(self)
+        ttl = self.lifecycle.ttl_steps
+        if ttl is None or not n:
+            return torch.zeros(n, dtype=torch.bool)
+        return (self.clock - self._stats["last_seen"][:n]) > ttl
+
+    def scores(self) -> torch.Tensor:
+        """Each row's decayed show/click score (Paddle's CTR accessor score), by slot."""
+        n = len(self)
+        if not self._stats:
+            return torch.zeros(n)
+        age = self.clock - self._stats["last_seen"][:n]
+        lc = self.lifecycle
+        return lc.score(lc.decayed(self._stats["show"][:n], age), lc.decayed(self._stats["click"][:n], age))
+
+    def shrink(self, threshold: float | None = None) -> int:
+        """Remove rows past their TTL and, with ``threshold``, rows scoring below it; return how many went."""
+        gone = self._expired()
+        if threshold is not None and self._stats:
+            gone |= self.scores() < float(threshold)
+        return self._remove(gone)
+
+    def _remove(self, gone: torch.Tensor) -> int:
+        """Drop the rows whose slot is set in ``gone``, compacting the rest in place (slot order kept)."""
+        count = int(gone.sum())
+        if not count:
+            return 0
+        n = len(self)
+        keep = (~gone).nonzero().squeeze(1)
+        m = keep.numel()
+        for t in (self._rows, self._steps, self._dirty, *self._state.values(), *self._stats.values()):
+            t[:m] = t[:n].index_select(0, keep)
+        new_slot = torch.full((n,), -1, dtype=torch.int64)
+        new_slot[keep] = torch.arange(m)
+        self._remember_deleted(self._index.renumber(new_slot))
+        self.counts["evicted"] += count
+        return count
+
+    def _remember_deleted(self, ids: torch.Tensor) -> None:
+        if self._deleted is None:
+            return
+        self._deleted.append(ids)
+        self._deleted_count += ids.numel()
+        if self._deleted_count > max(_MAX_REMEMBERED_DELETIONS, 4 * len(self)):
+            self._deleted = None  # unbounded memory otherwise, for a job that never saves a delta
+
+    def _make_room(self, new_ids: torch.Tensor, protect: torch.Tensor) -> torch.Tensor:
+        """Evict lowest-scoring rows (not those in ``protect``) so ``new_ids`` fit under max_rows; return those that fit."""
+        cap = self.lifecycle.max_rows
+        n = len(self)
+        if cap is None or n + new_ids.numel() <= cap:
+            return new_ids
+        target = min(cap - new_ids.numel(), int(cap * (1 - EVICT_SLACK)))
+        score = self.scores()
+        score[protect] = float("inf")
+        evictable = n - int(torch.unique(protect).numel())
+        count = min(max(n - target, 0), evictable)
+        if count:
+            gone = torch.zeros(n, dtype=torch.bool)
+            gone[torch.topk(score, count, largest=False, sorted=False).indices] = True
+            self._remove(gone)
+        room = cap - len(self)
+        if room < new_ids.numel():
+            self.counts["refused_rows"] += new_ids.numel() - room
+            new_ids = new_ids[:room]
+        return new_ids
+
+    def _admitted_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slots for an update's ``ids`` under the life cycle: new ids get rows once admitted; -1 for the rest."""
+        slots = self._index.lookup(ids)
+        missing = slots < 0
+        if not bool(missing.any()):
+            return slots
+        new_ids = torch.unique(ids[missing])
+        admitted = new_ids[self._admission.admit(new_ids, self.clock)]
+        if admitted.numel():
+            admitted = self._make_room(admitted, protect=slots[~missing])
+            self._init_rows(len(self), admitted)
+            self._index.insert_new(admitted)
+            slots = self._index.lookup(ids)  # eviction compacts, so every slot may have moved
+        return slots
+
+    def _update_slots(self, ids: torch.Tensor, values: torch.Tensor, clicks: torch.Tensor | None):
+        """Slots, values and clicks of the ids an update may change (dropping, and counting, the unadmitted)."""
+        if not self.lifecycle.active:
+            return self._slots(ids), values, clicks
+        slots = self._admitted_slots(ids)
+        kept = slots >= 0
+        if not bool(kept.all()):
+            self.counts["dropped_gradients"] += int((~kept).sum())
+            where = kept.nonzero().squeeze(1)
+            slots, values = slots.index_select(0, where), values.index_select(0, where)
+            clicks = clicks.index_select(0, where) if clicks is not None else None
+        return slots, values, clicks
+
+    def _touch(self, slots: torch.Tensor, clicks: torch.Tensor | None) -> None:
+        """Record an update of ``slots`` (duplicates allowed): dirty, last seen now, one more show, the clicks."""
+        self._dirty.index_fill_(0, slots, True)
+        if not self._stats:
+            return
+        lc, last_seen = self.lifecycle, self._stats["last_seen"]
+        age = self.clock - last_seen.index_select(0, slots)
+        show, click = self._stats["show"], self._stats["click"]
+        # Repeated slots compute identical values from the old ones, so their writes agree.
+        show.index_copy_(0, slots, lc.decayed(show.index_select(0, slots), age) + 1.0)
+        click.index_copy_(0, slots, lc.decayed(click.index_select(0, slots), age))
+        if clicks is not None:
+            click.index_add_(0, slots, clicks.to(torch.float32))
+        last_seen.index_fill_(0, slots, self.clock)
 
     def _check_rows(self, name: str, values: torch.Tensor, n: int) -> torch.Tensor:
         if not isinstance(values, torch.Tensor):
@@ -175,17 +342,49 @@ class SparseTable:
 
     # ------------------------------------------------------------------ requests
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows for ``ids`` as a new float32 ``[len(ids), dim]`` tensor; missing rows are created."""
-        slots = self._slots(as_ids(ids))
-        return self._rows.index_select(0, slots)
+        """Rows for ``ids`` as a new float32 ``[len(ids), dim]`` tensor; missing rows are created.
 
-    def apply_gradient(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
-        """One row-wise optimizer step on the named rows; duplicate ids' gradients are summed first."""
+        With a life cycle nothing is created: an id without a row reads its initial value, or
+        zeros while an entry has not admitted it.
+        """
+        ids = as_ids(ids)
+        if not self.lifecycle.active:
+            slots = self._slots(ids)  # first: creating rows may replace self._rows
+            return self._rows.index_select(0, slots)
+        slots = self._index.lookup(ids)
+        out = self._rows.index_select(0, slots.clamp(min=0))
+        missing = (slots < 0).nonzero().squeeze(1)
+        if missing.numel():
+            if self.lifecycle.entry is not None:
+                out.index_fill_(0, missing, 0.0)
+            else:
+                fresh = initial_rows(ids.index_select(0, missing), self.dim, self.initializer, self.seed)
+                out.index_copy_(0, missing, fresh)
+        return out
+
+    def apply_gradient(
+        self,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        clicks: torch.Tensor | None = None,
+        step: int | None = None,
+    ) -> None:
+        """One row-wise optimizer step on the named rows; duplicate ids' gradients are summed first.
+
+        Advances the clock (to ``step`` when given). ``clicks`` (one per id, optional) feed the
+        rows' click counts.
+        """
         ids = as_ids(ids)
         grads = self._check_rows("grads", grads, ids.numel())
+        clicks = self._check_clicks(clicks, ids.numel())
+        self.tick(step)
         if ids.numel() == 0:
             return
-        slots = self._slots(ids)
+        slots, grads, clicks = self._update_slots(ids, grads, clicks)
+        if slots.numel() == 0:
+            return
+        self._touch(slots, clicks)
         g = self._sum_duplicates(slots, grads)
         step: int | torch.Tensor = 1
         if self._track_steps:
@@ -199,36 +398,71 @@ class SparseTable:
         for name, t in self._state.items():
             t.index_copy_(0, slots, state[name])
 
-    def add_delta(self, ids: torch.Tensor, deltas: torch.Tensor) -> None:
+    def add_delta(self, ids: torch.Tensor, deltas: torch.Tensor, step: int | None = None) -> None:
         """Geo mode: add per-row parameter changes (duplicates add up); optimizer state untouched."""
         ids = as_ids(ids)
         deltas = self._check_rows("deltas", deltas, ids.numel())
+        self.tick(step)
         if ids.numel():
-            self._rows.index_add_(0, self._slots(ids), deltas)
+            slots, deltas, _ = self._update_slots(ids, deltas, None)
+            self._touch(slots, None)
+            self._rows.index_add_(0, slots, deltas)
+
+    def _check_clicks(self, clicks: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        if clicks is None:
+            return None
+        if not isinstance(clicks, torch.Tensor) or tuple(clicks.shape) != (n,) or not clicks.dtype.is_floating_point:
+            raise ValueError(f"clicks must be a float tensor of shape ({n},), one per id")
+        return clicks.to(torch.float32)
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, torch.Tensor | int | float | str]:
-        """Copies of ids, rows, per-row steps and optimizer state (row ``i`` belongs to ``ids[i]``).
+    def state_dict(self, delta: bool = False) -> dict[str, Any]:
+        """Copies of ids, rows, per-row steps, optimizer state and statistics (row ``i`` belongs to ``ids[i]``).
 
         ``steps`` counts each row's updates for optimizers whose math reads it
         (momentum SGD, Adam/AdamW, Adagrad with ``lr_decay``); it stays 0 otherwise.
+        ``delta=True``: only the rows created or changed since :meth:`mark_saved`, and the ids
+        evicted since (``deleted``); :meth:`apply_delta` replays it onto the previous save.
         """
         n = len(self._index)
-        out: dict[str, torch.Tensor | int | float | str] = {
+        ids = self._index.ids_by_slot()
+        pick = slice(None)
+        out: dict[str, Any] = {
             "dim": self.dim,
             "seed": self.seed,
             "optimizer": optimizer_config_json(self.optimizer),
             "initializer": json.dumps(self.initializer.to_config(), sort_keys=True),
-            "ids": self._index.ids_by_slot(),
-            "rows": self._rows[:n].clone(),
-            "steps": self._steps[:n].clone(),
+            "lifecycle": json.dumps(self.lifecycle.to_config(), sort_keys=True),
+            "clock": self.clock,
+            "next_expiry": self._next_expiry,
+            "counts": json.dumps(self.counts, sort_keys=True),
+            "admission": self._admission.state_dict(),
         }
+        if delta:
+            if self._deleted is None:
+                raise ValueError(
+                    f"a delta save needs the ids evicted since the last save, and more than "
+                    f"{_MAX_REMEMBERED_DELETIONS:,} were evicted: save a base (mode='base') instead"
+                )
+            pick = self._dirty[:n].nonzero().squeeze(1)
+            out["delta"] = True
+            out["deleted"] = torch.cat(self._deleted) if self._deleted else torch.empty(0, dtype=torch.int64)
+        out["ids"] = ids[pick].clone()
+        out["rows"] = self._rows[:n][pick].clone()
+        out["steps"] = self._steps[:n][pick].clone()
         for name, t in self._state.items():
-            out[f"state.{name}"] = t[:n].clone()
+            out[f"state.{name}"] = t[:n][pick].clone()
+        for name, t in self._stats.items():
+            out[f"stats.{name}"] = t[:n][pick].clone()
         return out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace all rows with a :meth:`state_dict`'s; dim and optimizer kind must match."""
+    def mark_saved(self) -> None:
+        """The last :meth:`state_dict` is on disk: the next delta starts from here."""
+        self._dirty.zero_()
+        self._deleted, self._deleted_count = [], 0
+
+    def _checked_rows(self, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(ids, {field: per-row tensor}) of a state_dict, every shape checked."""
         for key in ("ids", "rows", "steps"):
             if key not in state:
                 raise ValueError(f"sparse table state_dict: missing key '{key}'")
@@ -244,21 +478,71 @@ class SparseTable:
         n = ids.numel()
         if torch.unique(ids).numel() != n:
             raise ValueError("sparse table state_dict: 'ids' contains duplicates")
-        rows = self._check_rows("rows", state["rows"], n)
+        fields = {"rows": self._check_rows("rows", state["rows"], n)}
         steps = state["steps"]
         if tuple(steps.shape) != (n,):
             raise ValueError(f"sparse table state_dict: 'steps' has shape {tuple(steps.shape)}, expected ({n},)")
-        tensors = {}
+        fields["steps"] = steps.to(torch.int64)
         for name in self._opt.state_names:
             if f"state.{name}" not in state:
                 raise ValueError(f"sparse table state_dict: missing optimizer state 'state.{name}'")
-            tensors[name] = self._check_rows(f"state.{name}", state[f"state.{name}"], n)
+            fields[f"state.{name}"] = self._check_rows(f"state.{name}", state[f"state.{name}"], n)
+        for name, t in self._stats.items():
+            value = state.get(f"stats.{name}")
+            if value is None:  # saved without a life cycle: rows count as seen now, never shown
+                value = torch.full((n,), self.clock if name == "last_seen" else 0, dtype=t.dtype)
+            if tuple(value.shape) != (n,):
+                raise ValueError(f"sparse table state_dict: 'stats.{name}' has shape {tuple(value.shape)}")
+            fields[f"stats.{name}"] = value.to(t.dtype)
+        return ids, fields
+
+    def _fields(self) -> dict[str, torch.Tensor]:
+        out = {"rows": self._rows, "steps": self._steps}
+        out.update({f"state.{k}": t for k, t in self._state.items()})
+        out.update({f"stats.{k}": t for k, t in self._stats.items()})
+        return out
+
+    def _load_header(self, state: dict[str, Any]) -> None:
+        self.clock = int(state.get("clock", 0))
+        self._next_expiry = int(state.get("next_expiry", 0))
+        if "counts" in state:
+            self.counts.update(json.loads(state["counts"]))
+        self._admission.load_state_dict(state.get("admission") or {})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace all rows with a (full) :meth:`state_dict`'s; dim and optimizer kind must match."""
+        if state.get("delta"):
+            raise ValueError("this sparse table state is a delta: load its base first, then apply_delta")
+        ids, fields = self._checked_rows(state)
+        n = ids.numel()
         cap = 1024
         while cap < n:
             cap *= 2
         self._reset(cap)
         self._index.insert_new(ids)
-        self._rows[:n] = rows
-        self._steps[:n] = steps.to(torch.int64)
-        for name, t in tensors.items():
-            self._state[name][:n] = t
+        for name, t in self._fields().items():
+            t[:n] = fields[name]
+        self._load_header(state)
+        self.mark_saved()
+
+    def apply_delta(self, state: dict[str, Any]) -> None:
+        """Replay a delta :meth:`state_dict` (evictions, then changed rows) onto the save it follows."""
+        if not state.get("delta"):
+            raise ValueError("apply_delta needs a delta state_dict (saved with delta=True)")
+        ids, fields = self._checked_rows(state)
+        deleted = as_ids(state["deleted"])
+        if deleted.numel():
+            slots = self._index.lookup(deleted)
+            gone = torch.zeros(len(self), dtype=torch.bool)
+            gone[slots[slots >= 0]] = True
+            self._remove(gone)
+        first = len(self)
+        slots = self._index.lookup(ids)
+        new = (slots < 0).nonzero().squeeze(1)
+        if new.numel():
+            self._grow_to(first + new.numel(), used=first)
+            slots.index_copy_(0, new, self._index.insert_new(ids.index_select(0, new)))
+        for name, t in self._fields().items():
+            t.index_copy_(0, slots, fields[name])
+        self._load_header(state)
+        self.mark_saved()
