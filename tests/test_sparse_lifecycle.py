@@ -29,7 +29,7 @@ def ones(n: int, dim: int = 4) -> torch.Tensor:
 def test_count_filter_admits_after_min_count_updates_and_drops_earlier_gradients() -> None:
     t = table(LifeCycle(entry=CountFilterEntry(3)))
     ids = torch.tensor([5, 6, 6])
-    for update in range(2):
+    for _ in range(2):
         assert torch.equal(t.pull(ids), torch.zeros(3, 4))  # not admitted: zeros
         t.apply_gradient(ids, ones(3), lr=0.1)
         assert len(t) == 0
@@ -82,7 +82,7 @@ def test_max_rows_is_never_exceeded_and_keeps_the_most_shown_rows() -> None:
     t = table(LifeCycle(max_rows=cap))
     gen = torch.Generator().manual_seed(1)
     popular = torch.arange(100)
-    for step in range(300):
+    for _ in range(300):
         cold = torch.randint(1_000, 1 << 40, (200,), generator=gen)  # 60k distinct cold ids
         ids = torch.cat([popular, cold])
         t.apply_gradient(ids, ones(ids.numel()), lr=0.1)
