@@ -48,6 +48,9 @@ _EXPORTS = {
     "is_worker": "fleet.api",
     "role_info": "fleet.api",
     "server_endpoints": "fleet.api",
+    "shrink": "fleet.api",
+    "CountFilterEntry": "fleet.ps.lifecycle",
+    "ProbabilityEntry": "fleet.ps.lifecycle",
     "server_index": "fleet.api",
     "server_num": "fleet.api",
     "stop_worker": "fleet.api",
@@ -95,6 +98,7 @@ if TYPE_CHECKING:
         server_endpoints,
         server_index,
         server_num,
+        shrink,
         stop_worker,
         worker_index,
         worker_num,
@@ -104,6 +108,7 @@ if TYPE_CHECKING:
     from fleet.errors import FleetError, ModelMismatchError, PeerError  # noqa: F401
     from fleet.files import file_shard  # noqa: F401
     from fleet.progress_bar import progress  # noqa: F401
+    from fleet.ps.lifecycle import CountFilterEntry, ProbabilityEntry  # noqa: F401
     from fleet.roles import PaddleCloudRoleMaker, Role, RoleInfo, UserDefinedRoleMaker  # noqa: F401
     from fleet.slot_data import SlotDataset  # noqa: F401
     from fleet.strategies import Strategy, register_strategy  # noqa: F401

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleet import context, env, job_files, netif, rendezvous
+from fleet import context, env, job_files, netif, rendezvous, tables
 from fleet.collective.liveness import Liveness
 from fleet.data import shard_loader
 from fleet.errors import FleetError
@@ -326,6 +326,22 @@ def is_first_worker() -> bool:
 def barrier_worker() -> None:
     """Wait until every worker reaches this call."""
     current_job().implementation(None).barrier()
+
+
+def shrink(threshold: float | None = None) -> None:
+    """Evict sparse-table rows past their ``ttl_steps`` and, with ``threshold``, rows whose score is below it.
+
+    Paddle's ``fleet.shrink``: call it on every worker (like ``save_persistables``). The score is a
+    row's decayed ``0.1 * (shows - clicks) + clicks`` (``fleet.nn.SparseEmbedding.record_clicks``).
+    """
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int | float)):
+        raise TypeError(f"fleet.shrink(threshold): a number or None, got {threshold!r}")
+    strategy = context.strategy()
+    if strategy is None:
+        for module in tables.all_modules():
+            module.backend().shrink(threshold)
+        return
+    strategy.shrink_tables(threshold)
 
 
 def join() -> Any:

@@ -24,6 +24,7 @@ from fleet.ps.optim import OptimizerSpec, initial_rows
 from fleet.ps.sparse_table import SparseTable
 
 _BY_PLACEHOLDER: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_ORDER: dict[int, int] = {}  # registration order, so that every worker walks its tables alike
 
 Exchange = Callable[[Any, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
@@ -36,10 +37,11 @@ class TableModule(Protocol):
     initializer: Any
     seed: int
     optimizer_override: OptimizerSpec | None
+    lifecycle: Any
 
     def table_config(self, spec: OptimizerSpec) -> dict[str, Any]: ...
 
-    def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
 class TableBackend(Protocol):
@@ -49,9 +51,16 @@ class TableBackend(Protocol):
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
         """The optimizer holding the table stepped: apply the pending row gradients (if this backend does)."""
 
+    def num_rows(self) -> int:
+        """The rows the table holds now (all of its shards)."""
+
+    def shrink(self, threshold: float | None) -> int:
+        """Evict expired rows (and rows scoring below ``threshold``); return how many went."""
+
 
 def register(placeholder: torch.nn.Parameter, module: TableModule) -> None:
     _BY_PLACEHOLDER[id(placeholder)] = module
+    _ORDER[id(placeholder)] = len(_ORDER)
 
 
 def module_of(placeholder: torch.Tensor) -> TableModule | None:
@@ -61,6 +70,11 @@ def module_of(placeholder: torch.Tensor) -> TableModule | None:
 
 def any_registered() -> bool:
     return bool(_BY_PLACEHOLDER)
+
+
+def all_modules() -> list[Any]:
+    """Every table module alive in this process, in creation order."""
+    return [m for key, m in sorted(_BY_PLACEHOLDER.items(), key=lambda kv: _ORDER[kv[0]])]
 
 
 def modules_in(
@@ -87,25 +101,45 @@ class LocalRows:
         if self.table is not None:
             return self.table.pull(ids)
         module = self._module()
+        if module.lifecycle.entry is not None:  # nothing admitted yet
+            return torch.zeros(ids.numel(), module.embedding_dim)
         return initial_rows(ids, module.embedding_dim, module.initializer, module.seed)
 
     def step(self, optimizer_class: type, group: dict[str, Any], exchange: Exchange | None = None) -> None:
         module = self._module()
-        ids, grads = module.take_gradients()
+        ids, grads, clicks = module.take_gradients()
         lr = float(group["lr"])
         if exchange is not None:
+            if module.lifecycle.active:  # clicks ride along as one more column, summed, not averaged
+                column = clicks if clicks is not None else torch.zeros(ids.numel())
+                grads = torch.cat([grads, column.unsqueeze(1)], 1)
             ids, grads = exchange(module, ids, grads, lr)
-        self.apply(optimizer_class, group, ids, grads, lr)
+            clicks = None
+        self.apply(optimizer_class, group, ids, grads, lr, clicks)
 
     def apply(
-        self, optimizer_class: type, group: dict[str, Any], ids: torch.Tensor, grads: torch.Tensor, lr: float
+        self,
+        optimizer_class: type,
+        group: dict[str, Any],
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        clicks: torch.Tensor | None = None,
     ) -> None:
+        """One step of the table; ``grads`` may carry the clicks as a last column (exchanged rows)."""
         module = self._module()
         if self.table is None:
             spec = module.optimizer_override or OptimizerSpec.from_torch(optimizer_class, group)
-            self.table = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
-        if ids.numel():
-            self.table.apply_gradient(ids, grads, lr)
+            self.table = SparseTable(module.embedding_dim, spec, module.initializer, module.seed, module.lifecycle)
+        if grads.shape[1] == module.embedding_dim + 1:
+            grads, clicks = grads[:, :-1], grads[:, -1]
+        self.table.apply_gradient(ids, grads, lr, clicks)
+
+    def num_rows(self) -> int:
+        return len(self.table) if self.table is not None else 0
+
+    def shrink(self, threshold: float | None) -> int:
+        return self.table.shrink(threshold) if self.table is not None else 0
 
 
 class ExchangedRows:
@@ -120,3 +154,9 @@ class ExchangedRows:
 
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
         self.local.step(optimizer_class, group, self.exchange)
+
+    def num_rows(self) -> int:
+        return self.local.num_rows()
+
+    def shrink(self, threshold: float | None) -> int:
+        return self.local.shrink(threshold)

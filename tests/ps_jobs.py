@@ -14,11 +14,11 @@ SLOTS, DIM, DENSE, VOCAB, BATCH = 3, 4, 5, 40, 8
 
 
 class Net(torch.nn.Module):
-    def __init__(self, sparse_optimizer: dict | None = None) -> None:
+    def __init__(self, sparse_optimizer: dict | None = None, **lifecycle) -> None:
         super().__init__()
         import fleet
 
-        self.emb = fleet.nn.SparseEmbedding(DIM, seed=3, optimizer=sparse_optimizer)
+        self.emb = fleet.nn.SparseEmbedding(DIM, seed=3, optimizer=sparse_optimizer, **lifecycle)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(SLOTS * DIM + DENSE, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 
     def forward(self, ids: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -35,8 +35,24 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def make_model(name: str) -> Net:
-    """``...+adagrad_rows``: the sparse table overrides the dense optimizer with its own (Adagrad)."""
-    return Net({"kind": "adagrad", "lr": 0.1} if name.endswith("+adagrad_rows") else None)
+    """``+adagrad_rows``: the sparse table overrides the dense optimizer with its own (Adagrad).
+
+    ``+life``: a life cycle (ids admitted on their second sighting, rows unseen for 3 steps
+    evicted, clicks fed); ``+cap``: at most 30 rows (of the 40 ids the data uses).
+    """
+    import fleet
+
+    lifecycle = {}
+    if "+life" in name:
+        lifecycle = {"entry": fleet.CountFilterEntry(2), "ttl_steps": 3}
+    if "+cap" in name:
+        lifecycle["max_rows"] = 30
+    return Net({"kind": "adagrad", "lr": 0.1} if name.endswith("+adagrad_rows") else None, **lifecycle)
+
+
+def feed_clicks(name: str, model: Net, label: torch.Tensor) -> None:
+    if "+life" in name:
+        model.emb.record_clicks(label)
 
 
 def make_scheduler(name: str, opt: torch.optim.Optimizer):
@@ -79,10 +95,13 @@ def reference(opt_name: str, steps: int, workers: int) -> dict[str, torch.Tensor
         ids, dense, label = (torch.cat([p[i] for p in parts]) for i in range(3))
         opt.zero_grad()
         loss_fn(model(ids, dense), label).backward()
+        feed_clicks(opt_name, model, label)
         opt.step()
         if scheduler is not None:
             scheduler.step()
-    return snapshot(model)
+    out = snapshot(model)
+    out["num_rows"] = torch.tensor(model.emb.num_rows())
+    return out
 
 
 def train(rank: int, opt_name: str, steps: int, want_stats: bool = False) -> dict:
@@ -104,12 +123,13 @@ def train(rank: int, opt_name: str, steps: int, want_stats: bool = False) -> dic
         opt.zero_grad()
         loss = loss_fn(model(ids, dense), label)
         loss.backward()
+        feed_clicks(opt_name, model, label)
         opt.step()
         if scheduler is not None:
             scheduler.step()
         losses.append(loss.item())
     fleet.barrier_worker()
-    out = {"snapshot": snapshot(model), "losses": losses}
+    out = {"snapshot": {**snapshot(model), "num_rows": torch.tensor(model.emb.num_rows())}, "losses": losses}
     if want_stats:
         out["stats"] = opt.client.stats().result()
     fleet.stop_worker()
@@ -168,7 +188,7 @@ def train_resumable(rank: int, opt_name: str, steps: int, save_at: int | None, l
         loss_fn(model(ids, dense), label).backward()
         opt.step()
     fleet.barrier_worker()
-    out = {"snapshot": snapshot(model)}
+    out = {"snapshot": {**snapshot(model), "num_rows": torch.tensor(model.emb.num_rows())}}
     fleet.stop_worker()
     return out
 
@@ -179,14 +199,15 @@ def train_collective(rank: int, opt_name: str, steps: int) -> dict:
 
     fleet.init()
     torch.manual_seed(100)
-    model = Net()
+    model = make_model(opt_name)
     opt = fleet.distributed_optimizer(make_optimizer(opt_name, model.parameters()))
     loss_fn = torch.nn.BCEWithLogitsLoss()
     for step in range(steps):
         ids, dense, label = batch(step, fleet.worker_index())
         opt.zero_grad()
         loss_fn(model(ids, dense), label).backward()
+        feed_clicks(opt_name, model, label)
         opt.step()
-    out = {"snapshot": snapshot(model)}
+    out = {"snapshot": {**snapshot(model), "num_rows": torch.tensor(model.emb.num_rows())}}
     fleet.stop_worker()
     return out

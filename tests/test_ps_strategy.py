@@ -19,7 +19,14 @@ def _assert_matches(results: list, ref: dict) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("opt_name", "servers", "workers"),
-    [("sgd", 1, 2), ("adam", 2, 3), ("sgd+steplr", 2, 2), ("plain+adagrad_rows", 1, 2)],
+    [
+        ("sgd", 1, 2),
+        ("adam", 2, 3),
+        ("sgd+steplr", 2, 2),
+        ("plain+adagrad_rows", 1, 2),
+        ("sgd+life+cap", 1, 2),  # admission, TTL, max_rows and clicks: the same table as one process
+        ("adam+life", 2, 2),
+    ],
 )
 def test_sync_equals_single_process_on_union(opt_name: str, servers: int, workers: int) -> None:
     results = run_job(train, servers, workers, {"update": "sync"}, opt_name, 6)
@@ -72,3 +79,15 @@ def test_sparse_embedding_in_collective_mode_equals_single_process_on_union() ->
 
     results = run_workers(train_collective, 2, "sgd", 5)
     _assert_matches(results, reference("sgd", 5, 2))
+
+
+@pytest.mark.timeout(120)
+def test_sparse_life_cycle_in_collective_mode_equals_single_process_on_union() -> None:
+    from ps_jobs import train_collective
+
+    from dist_harness import run_workers
+
+    results = run_workers(train_collective, 2, "adam+life+cap", 8)
+    want = reference("adam+life+cap", 8, 2)
+    assert 0 < int(want["num_rows"]) <= 30
+    _assert_matches(results, want)

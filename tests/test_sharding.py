@@ -124,14 +124,14 @@ def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
 
 
 def sparse_embedding_worker(rank: int, steps: int) -> dict:
-    """A model with a fleet.nn.SparseEmbedding: its dense part is sharded, its rows kept whole everywhere."""
-    from ps_jobs import Net, batch, make_optimizer, snapshot
+    """A model with a fleet.nn.SparseEmbedding (with a life cycle): its dense part is sharded, its rows kept whole."""
+    from ps_jobs import batch, feed_clicks, make_model, make_optimizer, snapshot
 
     import fleet
 
     fleet.init()
     torch.manual_seed(100 + rank)
-    model = Net()
+    model = make_model("sgd+life+cap")
     opt = fleet.distributed_optimizer(
         make_optimizer("sgd", model.parameters()), fleet.DistributedStrategy(mode="sharding")
     )
@@ -139,12 +139,13 @@ def sparse_embedding_worker(rank: int, steps: int) -> dict:
         ids, dense, label = batch(step, rank)
         opt.zero_grad()
         torch.nn.functional.binary_cross_entropy_with_logits(model(ids, dense), label).backward()
+        feed_clicks("sgd+life+cap", model, label)
         opt.step()
     for module in model.mlp:  # gather the sharded weights back to compare them
         for name, p in list(module.named_parameters()):
             if hasattr(p, "full_tensor"):
                 setattr(module, name, torch.nn.Parameter(p.full_tensor()))
-    out = snapshot(model)
+    out = {**snapshot(model), "num_rows": torch.tensor(model.emb.num_rows())}
     fleet.stop_worker()
     return out
 
@@ -154,7 +155,7 @@ def test_sparse_embedding_rows_train_with_the_sharded_model():
     from ps_jobs import reference
 
     results = run_workers(sparse_embedding_worker, 2, 5, timeout=90)
-    want = reference("sgd", 5, 2)
+    want = reference("sgd+life+cap", 5, 2)
     for result in results:
         for name, expected in want.items():
             assert torch.allclose(result[name], expected, atol=1e-5), (name, (result[name] - expected).abs().max())

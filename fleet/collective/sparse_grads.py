@@ -78,9 +78,12 @@ def gather_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return torch.sparse_coo_tensor(merged_indices, merged_values, tensor.shape).coalesce()
 
 
-def gather_rows(ids: torch.Tensor, grads: torch.Tensor, group: Any, active: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_rows(
+    ids: torch.Tensor, grads: torch.Tensor, group: Any, active: int, averaged: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A ``fleet.nn.SparseEmbedding`` step's (ids, row gradients) of every worker, merged (ids may repeat);
-    gradients divided by the ``active`` workers, so that every worker applies the same averaged update."""
+    gradients divided by the ``active`` workers, so that every worker applies the same averaged update.
+    Only the first ``averaged`` columns are divided (the rest, such as clicks, are summed)."""
     world = dist.get_world_size(group)
     dim = grads.shape[1]
     count = torch.tensor([ids.numel()], dtype=torch.int64)
@@ -97,5 +100,6 @@ def gather_rows(ids: torch.Tensor, grads: torch.Tensor, group: Any, active: int)
     dist.all_gather(all_ids, padded_ids, group=group)
     dist.all_gather(all_grads, padded, group=group)
     merged_ids = torch.cat([t[:n] for t, n in zip(all_ids, sizes, strict=True)])
-    merged = torch.cat([t[:n] for t, n in zip(all_grads, sizes, strict=True)]).div_(active)
+    merged = torch.cat([t[:n] for t, n in zip(all_grads, sizes, strict=True)])
+    merged[:, :averaged].div_(active)
     return merged_ids, merged

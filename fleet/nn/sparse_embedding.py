@@ -12,6 +12,13 @@ in parameter-server mode (the wrapped optimizer pushes the row gradients).
 The module owns a zero-size placeholder ``nn.Parameter`` so that it appears in
 ``model.parameters()``: the optimizer holding the placeholder is the one that
 updates the rows, with its class and hyper-parameters unless ``optimizer`` overrides them.
+
+A long-running CTR job bounds its table with a life cycle (:mod:`fleet.ps.lifecycle`):
+``entry`` (``fleet.CountFilterEntry(n)`` / ``fleet.ProbabilityEntry(p)``) admits new ids,
+``ttl_steps`` and ``max_rows`` evict rows, ``fleet.shrink()`` evicts on demand. The
+servers (or the local table) enforce it; :meth:`SparseEmbedding.num_rows` says how many
+rows the table holds now, and :meth:`SparseEmbedding.record_clicks` feeds the click counts
+that, with the show counts, rank rows for eviction.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fleet import context, tables
+from fleet.ps.lifecycle import Entry, LifeCycle
 from fleet.ps.optim import InitializerSpec, OptimizerSpec
 
 
@@ -59,6 +67,10 @@ class SparseEmbedding(nn.Module):
         initializer: InitializerSpec | dict | str | None = None,
         optimizer: Any = None,
         seed: int | None = None,
+        entry: Entry | None = None,
+        max_rows: int | None = None,
+        ttl_steps: int | None = None,
+        decay: float = 0.999,
     ):
         super().__init__()
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
@@ -67,14 +79,20 @@ class SparseEmbedding(nn.Module):
         self.initializer = _initializer(initializer)
         self.optimizer_override = _optimizer(optimizer)
         self.seed = 0 if seed is None else int(seed)
+        self.lifecycle = LifeCycle.from_config(
+            {"entry": entry.to_config() if entry is not None else None, "max_rows": max_rows,
+             "ttl_steps": ttl_steps, "decay": decay}
+        )  # fmt: skip
         self.placeholder = nn.Parameter(torch.empty(0))
         tables.register(self.placeholder, self)
         self.local = tables.LocalRows(self)
         """The table in this process: the backend unless the strategy provides another."""
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (unique ids, their rows as a leaf collecting the gradient, inverse index, clicks) per forward
+        self._pending: list[list[Any]] = []
 
     def extra_repr(self) -> str:
-        return f"{self.embedding_dim}, initializer={self.initializer.kind}, seed={self.seed}"
+        life = "".join(f", {k}={v}" for k, v in self.lifecycle.to_config().items())
+        return f"{self.embedding_dim}, initializer={self.initializer.kind}, seed={self.seed}{life}"
 
     def table_config(self, spec: OptimizerSpec) -> dict[str, Any]:
         return {
@@ -82,7 +100,12 @@ class SparseEmbedding(nn.Module):
             "optimizer": (self.optimizer_override or spec).to_config(),
             "initializer": self.initializer.to_config(),
             "seed": self.seed,
+            **self.lifecycle.to_config(),
         }
+
+    def num_rows(self) -> int:
+        """The rows the table holds now (over all servers in a parameter-server job)."""
+        return self.backend().num_rows()
 
     def backend(self) -> tables.TableBackend:
         """Where the rows live now: the active strategy's choice, else this process's table."""
@@ -98,17 +121,37 @@ class SparseEmbedding(nn.Module):
         rows = self.backend().pull(unique)
         if torch.is_grad_enabled() and self.training:
             rows = rows.detach().requires_grad_(True)
-            self._pending.append((unique, rows))
+            self._pending.append([unique, rows, inverse.view(ids.shape), None])
         return rows.index_select(0, inverse).reshape(*ids.shape, self.embedding_dim)
 
-    def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, row gradients) of every forward since the last call; ids may repeat."""
+    def record_clicks(self, labels: torch.Tensor) -> None:
+        """Feed the clicks of the last forward's samples (``labels``: one per sample, the ids' first dim).
+
+        Each id of a sample gets that sample's label as clicks; they travel with the row gradients
+        and raise the rows' scores (Paddle's show/click statistics).
+        """
+        if not self._pending:
+            raise RuntimeError("record_clicks follows a training forward of this SparseEmbedding")
+        unique, _, inverse, _ = self._pending[-1]
+        labels = torch.as_tensor(labels).detach().to(torch.float32).reshape(-1)
+        if inverse.dim() == 0 or labels.numel() != inverse.shape[0]:
+            raise ValueError(
+                f"record_clicks got {labels.numel()} labels for ids of shape {list(inverse.shape)}: one per sample"
+            )
+        per_id = labels.view(-1, *([1] * (inverse.dim() - 1))).expand(inverse.shape).reshape(-1)
+        self._pending[-1][3] = torch.zeros(unique.numel()).index_add_(0, inverse.reshape(-1), per_id)
+
+    def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(ids, row gradients, clicks or None) of every forward since the last call; ids may repeat."""
         pending, self._pending = self._pending, []
         if not pending:
-            return torch.empty(0, dtype=torch.int64), torch.empty(0, self.embedding_dim)
-        ids = torch.cat([u for u, _ in pending])
-        grads = torch.cat([r.grad if r.grad is not None else torch.zeros_like(r) for _, r in pending])
-        return ids, grads.detach()
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, self.embedding_dim), None
+        ids = torch.cat([u for u, *_ in pending])
+        grads = torch.cat([r.grad if r.grad is not None else torch.zeros_like(r) for _, r, *_ in pending])
+        clicks = None
+        if any(c is not None for *_, c in pending):
+            clicks = torch.cat([c if c is not None else torch.zeros(u.numel()) for u, _, _, c in pending])
+        return ids, grads.detach(), clicks
 
 
 def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

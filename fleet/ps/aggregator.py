@@ -27,7 +27,20 @@ UPDATE_MODES = ("sync", "async", "geo")
 
 #: keys of a shard config that belong to the table itself (the rest is update-mode bookkeeping)
 _DENSE_TABLE_KEYS = ("size", "optimizer")
-_SPARSE_TABLE_KEYS = ("dim", "optimizer", "initializer", "seed")
+_SPARSE_TABLE_KEYS = (
+    "dim",
+    "optimizer",
+    "initializer",
+    "seed",
+    "servers",
+    "entry",
+    "max_rows",
+    "ttl_steps",
+    "decay",
+    "nonclk_coeff",
+    "click_coeff",
+    "sketch_width",
+)
 
 
 class ShardError(ValueError):
@@ -335,6 +348,7 @@ class SparseShard(Shard):
         self.dim = int(config["dim"])
         self._ids: list[torch.Tensor] = []
         self._grads: list[torch.Tensor] = []
+        self._clicks: list[torch.Tensor] = []
 
     def check_ids(self, ids: torch.Tensor) -> None:
         if ids.dtype != torch.int64:
@@ -358,39 +372,60 @@ class SparseShard(Shard):
             return torch.empty(0, self.dim)
         return self.table.pull(ids)
 
-    def push_grad(self, worker: int, step: int, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> bool:
+    def check_clicks(self, ids: torch.Tensor, clicks: torch.Tensor | None) -> None:
+        if clicks is not None and (clicks.dtype != torch.float32 or list(clicks.shape) != [ids.numel()]):
+            raise ShardError(
+                f"sparse table {self.table_id}: clicks have shape {list(clicks.shape)} ({clicks.dtype}), "
+                f"expected [{ids.numel()}] float32, one per id"
+            )
+
+    def push_grad(
+        self,
+        worker: int,
+        step: int,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        clicks: torch.Tensor | None = None,
+    ) -> bool:
+        """``step``: the sync step this gradient is for; in async mode the worker's own step (the table's clock)."""
         self.check_rows("gradients", ids, grads)
+        self.check_clicks(ids, clicks)
         if not self._check_grad_push(worker, step):
             return False
         if self.mode == "async":
-            if ids.numel():
-                self.table.apply_gradient(ids, grads, lr)
+            self.table.apply_gradient(ids, grads, lr, clicks, step=step)
             self.version += 1
             return True
         if ids.numel():
             self._ids.append(ids)
             self._grads.append(grads)
+            self._clicks.append(clicks if clicks is not None else torch.zeros(ids.numel()))
         self._pushed.add(worker)
         self._lr = lr
         return True
 
-    def push_delta(self, ids: torch.Tensor, deltas: torch.Tensor) -> None:
+    def push_delta(self, ids: torch.Tensor, deltas: torch.Tensor, step: int = 0) -> None:
+        """Geo mode; ``step`` is the worker's own step (the table's clock)."""
         self._check_delta_push()
         self.check_rows("deltas", ids, deltas)
-        if ids.numel():
-            self.table.add_delta(ids, deltas)
+        self.table.add_delta(ids, deltas, step=step)
         self.version += 1
 
     def _apply_accumulated(self, count: int, lr: float) -> None:
-        ids_list, grads_list = self._ids, self._grads
-        self._ids, self._grads = [], []
+        ids_list, grads_list, clicks_list = self._ids, self._grads, self._clicks
+        self._ids, self._grads, self._clicks = [], [], []
+        step = self.version + 1  # the clock counts sync steps, as one process counts optimizer steps
         if not ids_list:
+            self.table.tick(step)
             return
         ids = torch.cat(ids_list) if len(ids_list) > 1 else ids_list[0]
         grads = torch.cat(grads_list) if len(grads_list) > 1 else grads_list[0]
+        clicks = torch.cat(clicks_list) if len(clicks_list) > 1 else clicks_list[0]
         uniq, inverse = torch.unique(ids, return_inverse=True)
         merged = torch.zeros(uniq.numel(), self.dim, dtype=grads.dtype).index_add_(0, inverse, grads)
-        self.table.apply_gradient(uniq, merged.div_(count), lr)
+        merged_clicks = torch.zeros(uniq.numel()).index_add_(0, inverse, clicks)
+        self.table.apply_gradient(uniq, merged.div_(count), lr, merged_clicks, step=step)
 
     def state(self) -> dict[str, Any]:
         return {"version": self.version, "table": self.table.state_dict()}
@@ -398,8 +433,8 @@ class SparseShard(Shard):
     def load(self, state: dict[str, Any]) -> None:
         self.table.load_state_dict(state["table"])
         self.version = int(state["version"])
-        self._ids, self._grads = [], []
+        self._ids, self._grads, self._clicks = [], [], []
         self._pushed.clear()
 
     def info(self) -> dict[str, Any]:
-        return {**super().info(), "dim": self.dim, "rows": len(self.table)}
+        return {**super().info(), "dim": self.dim, **self.table.info()}

@@ -281,6 +281,8 @@ class PSClient:
 
         ``config``: ``dim``, ``optimizer``, ``initializer``, ``seed``, ``update``, ``backup_workers``.
         """
+        if config.get("max_rows") is not None:
+            config = {**config, "servers": self.num_servers}  # each server keeps max_rows // servers
         blob = json.dumps(config, sort_keys=True).encode()
         self._sparse[table_id] = (int(config["dim"]), config.get("update", "async"))
         return self._submit(self._all(Op.CREATE_SPARSE, table_id, blob), timeout_s=timeout_s)
@@ -323,7 +325,14 @@ class PSClient:
         return self._submit(parts, assemble)
 
     def _sparse_push(
-        self, op: Op, table_id: int, ids: torch.Tensor, rows: torch.Tensor, step: int, lr: float
+        self,
+        op: Op,
+        table_id: int,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        step: int,
+        lr: float,
+        clicks: torch.Tensor | None = None,
     ) -> Future:
         dim, mode = self._sparse_info(table_id)
         ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
@@ -332,19 +341,53 @@ class PSClient:
             raise ValueError(
                 f"sparse table {table_id}: rows of shape {list(rows.shape)} for {ids.numel()} ids, dim {dim}"
             )
+        if clicks is not None:
+            clicks = clicks.detach().reshape(-1).to(torch.float32).contiguous()
+            if clicks.numel() != ids.numel():
+                raise ValueError(f"sparse table {table_id}: {clicks.numel()} clicks for {ids.numel()} ids")
         parts = []
         for s, pos in self._split(ids, every_server=mode == "sync"):
-            shard_ids, shard_rows = (ids, rows) if pos is None else (ids[pos], rows[pos])
-            parts.append((s, self._msg(op, table_id, step=step, lr=lr, tensors=[shard_ids, shard_rows])))
+            tensors = [ids, rows] if clicks is None else [ids, rows, clicks]
+            if pos is not None:
+                tensors = [t[pos] for t in tensors]
+            parts.append((s, self._msg(op, table_id, step=step, lr=lr, tensors=tensors)))
         return self._submit(parts)
 
-    def push_sparse_grad(self, table_id: int, ids: torch.Tensor, grads: torch.Tensor, step: int, lr: float) -> Future:
-        """Future[None]: gradients of rows ``ids`` (duplicates are summed by the server)."""
-        return self._sparse_push(Op.PUSH_SPARSE_GRAD, table_id, ids, grads, step, lr)
+    def push_sparse_grad(
+        self,
+        table_id: int,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        step: int,
+        lr: float,
+        clicks: torch.Tensor | None = None,
+    ) -> Future:
+        """Future[None]: gradients of rows ``ids`` (duplicates are summed by the server), with optional clicks.
 
-    def push_sparse_delta(self, table_id: int, ids: torch.Tensor, deltas: torch.Tensor) -> Future:
-        """Future[None]: geo mode, add ``deltas`` to rows ``ids``."""
-        return self._sparse_push(Op.PUSH_SPARSE_DELTA, table_id, ids, deltas, 0, 0.0)
+        ``step``: the sync step (sync mode), else this worker's step count (the tables' clock).
+        """
+        return self._sparse_push(Op.PUSH_SPARSE_GRAD, table_id, ids, grads, step, lr, clicks)
+
+    def push_sparse_delta(self, table_id: int, ids: torch.Tensor, deltas: torch.Tensor, step: int = 0) -> Future:
+        """Future[None]: geo mode, add ``deltas`` to rows ``ids``; ``step`` is this worker's step count."""
+        return self._sparse_push(Op.PUSH_SPARSE_DELTA, table_id, ids, deltas, step, 0.0)
+
+    def shrink(self, table_id: int, threshold: float | None = None, timeout_s: float | None = None) -> Future:
+        """Future[int]: every server evicts the table's expired rows (and rows scoring below ``threshold``)."""
+        blob = json.dumps({"threshold": threshold}).encode()
+
+        def total(replies: list[Message]) -> int:
+            return sum(int(info["removed"]) for info in self._json_list(replies))
+
+        return self._submit(self._all(Op.SHRINK, table_id, blob=blob), total, timeout_s)
+
+    def sparse_rows(self, table_id: int) -> Future:
+        """Future[int]: the rows sparse table ``table_id`` holds now, over all servers."""
+
+        def total(replies: list[Message]) -> int:
+            return sum(int(info["tables"].get(str(table_id), {}).get("rows", 0)) for info in self._json_list(replies))
+
+        return self._submit(self._all(Op.STATS), total)
 
     # ---------------------------------------------------------- job-wide
     def barrier(self, timeout_s: float | None = None) -> Future:

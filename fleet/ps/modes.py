@@ -27,6 +27,7 @@ MAX_IN_FLIGHT = 4  # async: pushes waiting for an answer before step() blocks on
 class UpdateMode:
     def __init__(self, opt: PSOptimizer):
         self.opt = opt
+        self.steps = 0  # this worker's steps: the sparse tables' clock in async and geo mode (TTL)
 
     def step(self) -> float:
         """One optimizer step; returns the seconds of it spent computing locally (not communicating)."""
@@ -46,14 +47,16 @@ class UpdateMode:
             step = entry.version if versioned else 0
             futures.append(opt.client.push_dense_grad(entry.table_id, grad, step, entry.lr, present))
         for module, index, rows in opt.sparse:
-            ids, grads = module.take_gradients()
+            ids, grads, clicks = module.take_gradients()
             lr = float(opt.inner.param_groups[index]["lr"])
-            futures.append(opt.client.push_sparse_grad(rows.table_id, ids, grads, rows.version, lr))
+            step = rows.version if versioned else self.steps
+            futures.append(opt.client.push_sparse_grad(rows.table_id, ids, grads, step, lr, clicks))
         return futures
 
 
 class SyncMode(UpdateMode):
     def step(self) -> float:
+        self.steps += 1
         tables = self.opt.tables
         for future in self._push_grads(versioned=True):
             future.result()
@@ -70,6 +73,7 @@ class AsyncMode(UpdateMode):
         self._pull: list[Future] | None = None
 
     def step(self) -> float:
+        self.steps += 1
         tables = self.opt.tables
         self._pushes.extend(self._push_grads(versioned=False))
         while self._pushes and (len(self._pushes) > MAX_IN_FLIGHT or self._pushes[0].done()):
@@ -108,8 +112,9 @@ class GeoMode(UpdateMode):
         opt = self.opt
         started = time.perf_counter()
         opt.inner.step()
+        self.steps += 1
         for module, index, rows in opt.sparse:
-            ids, grads = module.take_gradients()
+            ids, grads, _ = module.take_gradients()  # clicks stay here: geo pushes deltas, not gradients
             rows.apply(ids, grads, float(opt.inner.param_groups[index]["lr"]))
         local_s = time.perf_counter() - started
         self._local_steps += 1
@@ -125,7 +130,7 @@ class GeoMode(UpdateMode):
         for future in futures:
             future.result()
         for _, _, rows in opt.sparse:
-            rows.sync()
+            rows.sync(self.steps)
         tables.adopt(tables.pull(), version=False, base=True)
 
     def drop_in_flight(self) -> None:

@@ -45,6 +45,12 @@ class RemoteRows:
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
         """The wrapped optimizer pushes the gradients itself."""
 
+    def num_rows(self) -> int:
+        return self.guard(lambda: self.client.sparse_rows(self.table_id).result())
+
+    def shrink(self, threshold: float | None) -> int:
+        return self.guard(lambda: self.client.shrink(self.table_id, threshold).result())
+
 
 class GeoRows:
     def __init__(self, client: PSClient, table_id: int, module: TableModule, spec: OptimizerSpec):
@@ -79,16 +85,24 @@ class GeoRows:
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
         """The wrapped optimizer applies the gradients itself (:meth:`apply`)."""
 
+    def num_rows(self) -> int:
+        """The servers' rows (this worker's cache holds the rows it used since it started)."""
+        return self.guard(lambda: self.client.sparse_rows(self.table_id).result())
+
+    def shrink(self, threshold: float | None) -> int:
+        return self.guard(lambda: self.client.shrink(self.table_id, threshold).result())
+
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         if ids.numel():
             self.local.apply_gradient(ids, grads, lr)
             self.touched.append(ids)
 
-    def sync(self) -> None:
+    def sync(self, step: int = 0) -> None:
+        """Push the changes since the last sync (``step``: this worker's step count, the servers' clock)."""
         if not self.touched:
             return
         ids = torch.unique(torch.cat(self.touched))
         self.touched = []
         delta = self.local.pull(ids) - self.base.pull(ids)
-        self.client.push_sparse_delta(self.table_id, ids, delta).result()
+        self.client.push_sparse_delta(self.table_id, ids, delta, step).result()
         self._rebase(ids, self.client.pull_sparse(self.table_id, ids).result())

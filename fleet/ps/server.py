@@ -129,6 +129,7 @@ class ParameterServer(TableOps, ReduceOps):
             Op.STATS: lambda ident, msg: self._ok(msg, blob=json.dumps(self.stats()).encode()),
             Op.STOP: self._stop,
             Op.ALL_REDUCE: self._all_reduce_op,
+            Op.SHRINK: self._shrink,
         }
 
     # ------------------------------------------------------------------ loop
@@ -207,7 +208,7 @@ class ParameterServer(TableOps, ReduceOps):
             return
         if msg.peer not in self._stopped and self._liveness.seen(msg.peer, time.monotonic()):
             log.warning("parameter server %d: worker %d is back", self.server_index, msg.peer)
-        if msg.op not in (Op.HELLO, Op.BARRIER, Op.SAVE, Op.LOAD, Op.STATS, Op.STOP, Op.ALL_REDUCE):
+        if msg.op not in (Op.HELLO, Op.BARRIER, Op.SAVE, Op.LOAD, Op.STATS, Op.STOP, Op.ALL_REDUCE, Op.SHRINK):
             self._table_ops[msg.table][name] += 1
         try:
             reply = self._handlers[Op(msg.op)](ident, msg)

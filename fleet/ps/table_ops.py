@@ -126,14 +126,16 @@ class TableOps:
                 raise
         elif msg.op == Op.PUSH_SPARSE_GRAD:
             shard = self._shard(msg, "sparse")
-            if not shard.push_grad(msg.peer, msg.step, *self._expect(msg, "ids", "grads"), msg.lr):
+            # Clicks travel only when the worker recorded some.
+            ids, grads, *clicks = msg.tensors if len(msg.tensors) == 3 else self._expect(msg, "ids", "grads")
+            if not shard.push_grad(msg.peer, msg.step, ids, grads, msg.lr, clicks[0] if clicks else None):
                 status = Status.STALE
         elif msg.op == Op.PUSH_DENSE_DELTA:
             shard = self._shard(msg, "dense")
             shard.push_delta(self._expect(msg, "delta")[0])
         else:
             shard = self._shard(msg, "sparse")
-            shard.push_delta(*self._expect(msg, "ids", "deltas"))
+            shard.push_delta(*self._expect(msg, "ids", "deltas"), step=msg.step)
         if status == Status.STALE:
             self._counts["stale_dropped"] += 1
         self._maybe_step(shard)
@@ -147,6 +149,17 @@ class TableOps:
                 self._send(parked.ident, self._pull_reply(shard, parked.msg))
             except (agg.ShardError, ValueError) as exc:
                 self._reply_error(parked.ident, parked.msg, str(exc))
+
+    def _shrink(self, ident: bytes, msg: Message) -> Message:
+        """Evict, in sparse table ``msg.table``, rows past their TTL and (with a threshold) rows scoring below it."""
+        try:
+            threshold = json.loads(msg.text() or "{}").get("threshold")
+        except (json.JSONDecodeError, AttributeError):
+            raise agg.ShardError('SHRINK carries a JSON object such as {"threshold": 0.5}') from None
+        if threshold is not None and not isinstance(threshold, int | float):
+            raise agg.ShardError(f"SHRINK threshold must be a number or null, got {threshold!r}")
+        shard = self._shard(msg, "sparse")
+        return self._ok(msg, blob=json.dumps({"removed": shard.table.shrink(threshold)}).encode())
 
     def _save(self, ident: bytes, msg: Message) -> Message:
         files = shard_io.save_shards(msg.text(), self.server_index, self._shards)

@@ -58,6 +58,7 @@ class Op(enum.IntEnum):
     STATS = 13
     STOP = 14
     ALL_REDUCE = 15
+    SHRINK = 16
 
 
 #: ALL_REDUCE (``fleet.metrics``): one 1-D float64 tensor, ``arg`` = the reduction's index here;

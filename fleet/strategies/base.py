@@ -127,6 +127,18 @@ class Strategy(ABC):
     def barrier(self) -> None:
         """Wait for every worker."""
 
+    def shrink_tables(self, threshold: float | None) -> None:
+        """``fleet.shrink``: every sparse table evicts expired rows (and rows scoring below ``threshold``).
+
+        The default shrinks each table module's backend in this process (a local table, or this
+        worker's replica, which every worker shrinks alike); strategies whose tables live elsewhere
+        shrink them there once.
+        """
+        from fleet import tables
+
+        for module in tables.all_modules():
+            module.backend().shrink(threshold)
+
     def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """``values`` (a 1-D float64 CPU tensor) reduced element-wise over every worker: ``op`` in REDUCE_OPS.
 

@@ -193,8 +193,9 @@ class CollectiveStrategy(Strategy):
         lock = self.sync().lockstep
         assert lock is not None
         index = self._position(module.placeholder)
-        agreement = lock.announce(lockstep.SPARSE_ROWS, index, module.embedding_dim, lockstep.float_bits(lr))
-        return sparse_grads.gather_rows(ids, grads, self.group, len(agreement.active))
+        # grads may carry the clicks as one more column: its width is what the others must match
+        agreement = lock.announce(lockstep.SPARSE_ROWS, index, grads.shape[1], lockstep.float_bits(lr))
+        return sparse_grads.gather_rows(ids, grads, self.group, len(agreement.active), module.embedding_dim)
 
     def _position(self, param: torch.Tensor) -> int:
         return next(i for i, p in enumerate(self.sync().registered()) if p is param)
@@ -226,7 +227,7 @@ class CollectiveStrategy(Strategy):
             param = sync.registered()[leader.a]
             module = tables.module_of(param)
             empty = torch.empty(0, dtype=torch.int64), torch.empty(0, leader.b)
-            ids, grads = sparse_grads.gather_rows(*empty, self.group, len(agreement.active))
+            ids, grads = sparse_grads.gather_rows(*empty, self.group, len(agreement.active), module.embedding_dim)
             optimizer, group = next(
                 (opt, g) for opt in sync.sources if isinstance(opt, torch.optim.Optimizer)
                 for g in opt.param_groups if any(p is param for p in g["params"])

@@ -154,6 +154,15 @@ class ParameterServerStrategy(Strategy):
                 return rows
         return None
 
+    def shrink_tables(self, threshold: float | None) -> None:
+        """Worker 0 shrinks every sparse table on the servers, between two barriers (so no step straddles it)."""
+        self.barrier()
+        if self.runtime.role.worker_index == 0:
+            for opt in self.optimizers:
+                for _, _, rows in opt.sparse:
+                    rows.shrink(threshold)
+        self.barrier()
+
     def barrier(self) -> None:
         for opt in self.optimizers:
             opt.flush()

@@ -162,7 +162,7 @@ class ShardingStrategy(Strategy):
             return None
         world = dist.get_world_size(group)
         return tables.ExchangedRows(
-            module.local, lambda m, ids, grads, lr: sparse_grads.gather_rows(ids, grads, group, world)
+            module.local, lambda m, ids, grads, lr: sparse_grads.gather_rows(ids, grads, group, world, m.embedding_dim)
         )
 
     def barrier(self) -> None:
