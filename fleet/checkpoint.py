@@ -36,9 +36,17 @@ class Resumed(NamedTuple):
     extra: dict[str, Any]
 
 
-def save_persistables(dirname: str) -> None:
-    """Every server writes its shards under ``dirname``; worker 0 adds its optimizer state. Call on every worker."""
-    api.current_job().implementation(None).save_persistables(dirname)
+def save_persistables(dirname: str, mode: str = "base") -> None:
+    """Every server writes its shards under ``dirname``; worker 0 adds its optimizer state. Call on every worker.
+
+    ``mode="delta"`` writes only the sparse rows created or changed since the previous save (a
+    base or a delta) and the ids evicted since; dense tables are written whole. A production job
+    saves a base daily and deltas hourly, each into a new directory; ``load_persistables`` of a
+    delta loads its base and every delta up to it.
+    """
+    if mode not in ("base", "delta"):
+        raise ValueError(f"save_persistables(mode={mode!r}): 'base' (every row) or 'delta' (rows changed since)")
+    api.current_job().implementation(None).save_persistables(dirname, mode)
 
 
 def load_persistables(dirname: str) -> None:

@@ -211,3 +211,38 @@ def train_collective(rank: int, opt_name: str, steps: int) -> dict:
     out = {"snapshot": {**snapshot(model), "num_rows": torch.tensor(model.emb.num_rows())}}
     fleet.stop_worker()
     return out
+
+
+def train_with_saves(rank: int, opt_name: str, steps: int, saves: dict, load_from: str | None = None) -> dict:
+    """Train, calling ``save_persistables(dirname, mode)`` after the steps named in ``saves``
+    (``{step: [(dirname, mode), ...]}``); or only load ``load_from`` and report what the servers hold."""
+    import fleet
+
+    try:
+        fleet.init()
+    except SystemExit as stop:
+        return {"served": stop.code}
+    torch.manual_seed(100 + fleet.worker_index())
+    model = make_model(opt_name)
+    opt = fleet.distributed_optimizer(make_optimizer(opt_name, model.parameters()))
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    if load_from:
+        fleet.load_persistables(load_from)
+        steps = 0
+    for step in range(steps):
+        ids, dense, label = batch(step, fleet.worker_index())
+        opt.zero_grad()
+        loss_fn(model(ids, dense), label).backward()
+        feed_clicks(opt_name, model, label)
+        opt.step()
+        for dirname, mode in saves.get(step + 1, []):
+            try:
+                fleet.save_persistables(dirname, mode)
+            except fleet.FleetError as exc:
+                fleet.stop_worker()
+                return {"error": str(exc)}
+    fleet.barrier_worker()
+    opt.refresh()  # the servers' values, also in geo mode
+    out = {"snapshot": {**snapshot(model), "num_rows": torch.tensor(model.emb.num_rows())}}
+    fleet.stop_worker()
+    return out

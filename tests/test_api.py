@@ -95,7 +95,7 @@ SIGNATURES = {
     "role_info": "()",
     "run_server": "()",
     "save_checkpoint": "(dirname, model, optimizer, step, **extra)",
-    "save_persistables": "(dirname)",
+    "save_persistables": "(dirname, mode='base')",
     "server_endpoints": "()",
     "server_index": "()",
     "server_num": "()",

@@ -323,10 +323,15 @@ class DenseShard(Shard):
             # worker had a gradient for is not stepped at all.
             self.table.apply_gradient(acc.div_(count), lr, self._piece_flags(present))
 
-    def state(self) -> dict[str, Any]:
+    def state(self, delta: bool = False) -> dict[str, Any]:
         return {"version": self.version, "table": self.table.state_dict()}
 
-    def load(self, state: dict[str, Any]) -> None:
+    def saved(self) -> None:
+        """Dense shards are saved whole every time."""
+
+    def load(self, states: list[dict[str, Any]]) -> None:
+        """The last of a chain of saves (each holds the whole dense shard)."""
+        state = states[-1]
         self.table.load_state_dict(state["table"])
         self.version = int(state["version"])
         self._acc, self._present, self._trainable, self._snapshot_version = None, None, None, -1
@@ -427,12 +432,18 @@ class SparseShard(Shard):
         merged_clicks = torch.zeros(uniq.numel()).index_add_(0, inverse, clicks)
         self.table.apply_gradient(uniq, merged.div_(count), lr, merged_clicks, step=step)
 
-    def state(self) -> dict[str, Any]:
-        return {"version": self.version, "table": self.table.state_dict()}
+    def state(self, delta: bool = False) -> dict[str, Any]:
+        return {"version": self.version, "table": self.table.state_dict(delta=delta)}
 
-    def load(self, state: dict[str, Any]) -> None:
-        self.table.load_state_dict(state["table"])
-        self.version = int(state["version"])
+    def saved(self) -> None:
+        self.table.mark_saved()
+
+    def load(self, states: list[dict[str, Any]]) -> None:
+        """A base, then the deltas saved after it, in order."""
+        self.table.load_state_dict(states[0]["table"])
+        for state in states[1:]:
+            self.table.apply_delta(state["table"])
+        self.version = int(states[-1]["version"])
         self._ids, self._grads, self._clicks = [], [], []
         self._pushed.clear()
 

@@ -410,10 +410,13 @@ class PSClient:
         msg = self._msg(Op.ALL_REDUCE, arg=REDUCE_OPS.index(op), tensors=[flat])
         return self._submit([(0, msg)], lambda replies: replies[0].tensors[0].clone(), timeout_s)
 
-    def save(self, dirname: str, timeout_s: float | None = None) -> Future:
-        """Future[list[dict]]: every server writes its shards under ``dirname`` (a path the servers can reach)."""
+    def save(self, dirname: str, timeout_s: float | None = None, delta: bool = False) -> Future:
+        """Future[list[dict]]: every server writes its shards under ``dirname`` (a path the servers can reach).
+
+        ``delta``: sparse tables write only the rows changed since the servers' previous save.
+        """
         path = os.path.abspath(dirname).encode()
-        return self._submit(self._all(Op.SAVE, blob=path), self._json_list, timeout_s)
+        return self._submit(self._all(Op.SAVE, blob=path, arg=int(delta)), self._json_list, timeout_s)
 
     def load(self, dirname: str, timeout_s: float | None = None) -> Future:
         """Future[list[dict]]: every server restores its shards from ``dirname`` (same number of servers)."""

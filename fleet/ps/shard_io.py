@@ -2,7 +2,10 @@
 
 Layout: ``<dirname>/ps-server-<index>/table-<id>.pt``, one file per table,
 holding the shard's kind, its config (canonical JSON text) and its state
-(version + the table's ``state_dict``). Each file is written to a temporary
+(version + the table's ``state_dict``). A delta save (``delta=True``) writes, for
+each sparse table saved before, only the rows changed since that save and the ids
+evicted since, with the path of that save as ``parent``; loading follows the parents
+back to a base and replays the deltas forward. Each file is written to a temporary
 name and moved into place with :func:`os.replace`, so a crash mid-save never
 leaves a half-written checkpoint under the real name. Files are read back
 with ``torch.load(weights_only=True)``: these are our own local files, and
@@ -34,8 +37,11 @@ def shard_dir(dirname: str, server_index: int) -> str:
     return os.path.join(dirname, f"ps-server-{server_index}")
 
 
-def save_shards(dirname: str, server_index: int, shards: Mapping[int, Any]) -> list[str]:
-    """Write every shard; return the file paths. Pending sync accumulations are not saved."""
+def save_shards(dirname: str, server_index: int, shards: Mapping[int, Any], parent: str | None = None) -> list[str]:
+    """Write every shard (a delta of each sparse one saved before when ``parent``, the previous save, is given).
+
+    Returns the file paths. Pending sync accumulations are not saved.
+    """
     if not dirname:
         raise ValueError("SAVE needs a directory path")
     target = shard_dir(dirname, server_index)
@@ -43,8 +49,14 @@ def save_shards(dirname: str, server_index: int, shards: Mapping[int, Any]) -> l
     written = []
     for table, shard in sorted(shards.items()):
         path = os.path.join(target, f"table-{table}.pt")
-        save_atomic({"kind": shard.kind, "config": shard.key, "state": shard.state()}, path)
+        delta = parent is not None and shard.kind == "sparse" and shard.table.saved
+        record = {"kind": shard.kind, "config": shard.key, "state": shard.state(delta=delta)}
+        if delta:
+            record["parent"] = os.path.abspath(parent)
+        save_atomic(record, path)
         written.append(path)
+    for shard in shards.values():
+        shard.saved()
     return written
 
 
@@ -70,8 +82,18 @@ def last_checkpoint(record_dir: str, server_index: int) -> str | None:
     return dirname if dirname and os.path.isdir(shard_dir(dirname, server_index)) else None
 
 
-def load_shards(dirname: str, server_index: int) -> Iterator[tuple[int, str, dict[str, Any], dict[str, Any]]]:
-    """Yield (table id, kind, config, state) for every shard file this server saved."""
+def _read(path: str) -> dict[str, Any]:
+    data = torch.load(path, weights_only=True)
+    if not isinstance(data, dict) or data.get("kind") not in ("dense", "sparse"):
+        raise ValueError(f"LOAD: {path} is not a parameter-server shard file")
+    return data
+
+
+def load_shards(dirname: str, server_index: int) -> Iterator[tuple[int, str, dict[str, Any], list[dict[str, Any]]]]:
+    """Yield (table id, kind, config, states) for every shard file this server saved.
+
+    ``states`` is the base first, then each delta up to the one in ``dirname``.
+    """
     source = shard_dir(dirname, server_index)
     if not os.path.isdir(source):
         raise ValueError(f"LOAD: {source} does not exist (was the checkpoint saved with this many servers?)")
@@ -79,7 +101,18 @@ def load_shards(dirname: str, server_index: int) -> Iterator[tuple[int, str, dic
         match = _NAME.match(name)
         if not match:
             continue
-        data = torch.load(os.path.join(source, name), weights_only=True)
-        if not isinstance(data, dict) or data.get("kind") not in ("dense", "sparse"):
-            raise ValueError(f"LOAD: {name} in {source} is not a parameter-server shard file")
-        yield int(match.group(1)), data["kind"], json.loads(data["config"]), data["state"]
+        chain = [_read(os.path.join(source, name))]
+        seen = {os.path.abspath(dirname)}
+        while chain[-1].get("parent"):
+            parent = chain[-1]["parent"]
+            path = os.path.join(shard_dir(parent, server_index), name)
+            if parent in seen or not os.path.isfile(path):
+                raise ValueError(
+                    f"LOAD: {os.path.join(source, name)} is a delta on the save in {parent}, "
+                    f"but {path} {'was already read (a cycle)' if parent in seen else 'does not exist'}: "
+                    "a delta loads only with the saves before it back to a base"
+                )
+            seen.add(parent)
+            chain.append(_read(path))
+        chain.reverse()
+        yield int(match.group(1)), chain[-1]["kind"], json.loads(chain[-1]["config"]), [c["state"] for c in chain]

@@ -78,6 +78,7 @@ class SparseTable:
         self._next_expiry = 0
         self._deleted: list[torch.Tensor] | None = []  # None: too many to remember, the next save must be a base
         self._deleted_count = 0
+        self.saved = False  # whether a save (or load) set the start of the next delta
         self._reset(capacity=1024)
 
     def _reset(self, capacity: int) -> None:
@@ -460,6 +461,7 @@ class SparseTable:
         """The last :meth:`state_dict` is on disk: the next delta starts from here."""
         self._dirty.zero_()
         self._deleted, self._deleted_count = [], 0
+        self.saved = True
 
     def _checked_rows(self, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(ids, {field: per-row tensor}) of a state_dict, every shape checked."""

@@ -10,6 +10,7 @@ or None when the request was parked to be answered later.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from fleet.ps import aggregator as agg
@@ -162,7 +163,17 @@ class TableOps:
         return self._ok(msg, blob=json.dumps({"removed": shard.table.shrink(threshold)}).encode())
 
     def _save(self, ident: bytes, msg: Message) -> Message:
-        files = shard_io.save_shards(msg.text(), self.server_index, self._shards)
+        """``arg`` 1: a delta on the last save (or load) of this server; 0: a base."""
+        last = getattr(self, "last_save", None)
+        if msg.arg == 1 and last is None:
+            raise agg.ShardError(
+                f"a delta save needs an earlier save (or load) of parameter server {self.server_index} to build "
+                "on: save a base first (save_persistables(dirname, mode='base'))"
+            )
+        if msg.arg == 1 and os.path.abspath(msg.text()) == last:
+            raise agg.ShardError(f"a delta save cannot overwrite the save it builds on ({last}): use a new directory")
+        files = shard_io.save_shards(msg.text(), self.server_index, self._shards, last if msg.arg == 1 else None)
+        self.last_save = os.path.abspath(msg.text())
         record_dir = getattr(self, "checkpoint_record_dir", None)
         if record_dir:  # a restarted server loads its shards from here (fleetrun --max-restarts)
             shard_io.record_checkpoint(record_dir, self.server_index, msg.text())
@@ -184,6 +195,7 @@ class TableOps:
                 self._check_same(shard, kind, config)
             shard.load(state)
             loaded.append(table)
+        self.last_save = os.path.abspath(dirname)
         for table in loaded:
             self._answer_creates(table)
             self._answer_pulls(table)

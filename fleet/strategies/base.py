@@ -191,7 +191,7 @@ class Strategy(ABC):
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
-    def save_persistables(self, dirname: str) -> None:
+    def save_persistables(self, dirname: str, mode: str = "base") -> None:
         raise FleetError(
             f"save_persistables/load_persistables checkpoint a parameter-server job (mode='ps'); this job has "
             f"mode={self.config.mode!r}: use fleet.save_checkpoint(dirname, model, optimizer, step) and "

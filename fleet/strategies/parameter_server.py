@@ -187,15 +187,19 @@ class ParameterServerStrategy(Strategy):
             )
         return optimizers
 
-    def save_persistables(self, dirname: str) -> None:
-        """Every server writes its shards under ``dirname``; worker 0 adds its optimizer state. Call on every worker."""
+    def save_persistables(self, dirname: str, mode: str = "base") -> None:
+        """Every server writes its shards under ``dirname``; worker 0 adds its optimizer state. Call on every worker.
+
+        ``mode="delta"``: sparse tables write only the rows created or changed since the previous
+        save (and the ids evicted since); loading ``dirname`` replays the saves back to the base.
+        """
         from fleet.atomic import save_atomic
 
         optimizers = self._checkpointed()
         self.barrier()  # every worker's pushes for the steps so far are applied
         if self.runtime.role.is_first_worker:
             os.makedirs(dirname, exist_ok=True)
-            self.client().save(dirname).result()
+            self.client().save(dirname, delta=mode == "delta").result()
             save_atomic(
                 {"optimizers": [opt.inner.state_dict() for opt in optimizers]}, os.path.join(dirname, WORKER_FILE)
             )
