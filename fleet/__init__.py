@@ -50,6 +50,8 @@ _EXPORTS = {
     "server_endpoints": "fleet.api",
     "shrink": "fleet.api",
     "CountFilterEntry": "fleet.ps.lifecycle",
+    "export_for_inference": "fleet.export",
+    "load_for_inference": "fleet.export",
     "ProbabilityEntry": "fleet.ps.lifecycle",
     "server_index": "fleet.api",
     "server_num": "fleet.api",
@@ -106,6 +108,7 @@ if TYPE_CHECKING:
     from fleet.checkpoint import load_checkpoint, load_persistables, save_checkpoint, save_persistables  # noqa: F401
     from fleet.env import EnvError  # noqa: F401
     from fleet.errors import FleetError, ModelMismatchError, PeerError  # noqa: F401
+    from fleet.export import export_for_inference, load_for_inference  # noqa: F401
     from fleet.files import file_shard  # noqa: F401
     from fleet.progress_bar import progress  # noqa: F401
     from fleet.ps.lifecycle import CountFilterEntry, ProbabilityEntry  # noqa: F401

@@ -57,6 +57,9 @@ class TableBackend(Protocol):
     def shrink(self, threshold: float | None) -> int:
         """Evict expired rows (and rows scoring below ``threshold``); return how many went."""
 
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, rows) of every row the table holds (all shards), for serving."""
+
 
 def register(placeholder: torch.nn.Parameter, module: TableModule) -> None:
     _BY_PLACEHOLDER[id(placeholder)] = module
@@ -141,6 +144,11 @@ class LocalRows:
     def shrink(self, threshold: float | None) -> int:
         return self.table.shrink(threshold) if self.table is not None else 0
 
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is None:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, self._module().embedding_dim)
+        return self.table.export()
+
 
 class ExchangedRows:
     """Collective mode: the module's local table, each step's row gradients merged over the workers first."""
@@ -160,3 +168,6 @@ class ExchangedRows:
 
     def shrink(self, threshold: float | None) -> int:
         return self.local.shrink(threshold)
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.local.export()

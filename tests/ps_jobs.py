@@ -246,3 +246,30 @@ def train_with_saves(rank: int, opt_name: str, steps: int, saves: dict, load_fro
     out = {"snapshot": {**snapshot(model), "num_rows": torch.tensor(model.emb.num_rows())}}
     fleet.stop_worker()
     return out
+
+
+def train_and_export(rank: int, opt_name: str, steps: int, dirname: str) -> dict:
+    """Train, export for inference (every worker), and predict a held-out batch with the trained model."""
+    import fleet
+
+    try:
+        fleet.init()
+    except SystemExit as stop:
+        return {"served": stop.code}
+    torch.manual_seed(100 + fleet.worker_index())
+    model = make_model(opt_name)
+    opt = fleet.distributed_optimizer(make_optimizer(opt_name, model.parameters()))
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    for step in range(steps):
+        ids, dense, label = batch(step, fleet.worker_index())
+        opt.zero_grad()
+        loss_fn(model(ids, dense), label).backward()
+        feed_clicks(opt_name, model, label)
+        opt.step()
+    fleet.export_for_inference(dirname, model)
+    model.eval()
+    with torch.no_grad():
+        ids, dense, _ = batch(999, 0)
+        predictions = model(ids, dense)
+    fleet.stop_worker()
+    return {"predictions": predictions}

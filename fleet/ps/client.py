@@ -381,6 +381,14 @@ class PSClient:
 
         return self._submit(self._all(Op.SHRINK, table_id, blob=blob), total, timeout_s)
 
+    def export_sparse(self, table_id: int) -> Future:
+        """Future[(ids, rows)]: every row of sparse table ``table_id``, from all servers."""
+
+        def gather(replies: list[Message]) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.cat([r.tensors[0] for r in replies]), torch.cat([r.tensors[1] for r in replies])
+
+        return self._submit(self._all(Op.EXPORT_SPARSE, table_id), gather)
+
     def sparse_rows(self, table_id: int) -> Future:
         """Future[int]: the rows sparse table ``table_id`` holds now, over all servers."""
 

@@ -51,6 +51,9 @@ class RemoteRows:
     def shrink(self, threshold: float | None) -> int:
         return self.guard(lambda: self.client.shrink(self.table_id, threshold).result())
 
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.guard(lambda: self.client.export_sparse(self.table_id).result())
+
 
 class GeoRows:
     def __init__(self, client: PSClient, table_id: int, module: TableModule, spec: OptimizerSpec):
@@ -91,6 +94,9 @@ class GeoRows:
 
     def shrink(self, threshold: float | None) -> int:
         return self.guard(lambda: self.client.shrink(self.table_id, threshold).result())
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.guard(lambda: self.client.export_sparse(self.table_id).result())
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         if ids.numel():

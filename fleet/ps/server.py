@@ -130,6 +130,7 @@ class ParameterServer(TableOps, ReduceOps):
             Op.STOP: self._stop,
             Op.ALL_REDUCE: self._all_reduce_op,
             Op.SHRINK: self._shrink,
+            Op.EXPORT_SPARSE: self._export_sparse,
         }
 
     # ------------------------------------------------------------------ loop

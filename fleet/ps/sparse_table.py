@@ -457,6 +457,11 @@ class SparseTable:
             out[f"stats.{name}"] = t[:n][pick].clone()
         return out
 
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, rows) of every row the table holds, for serving (no optimizer state, no statistics)."""
+        n = len(self)
+        return self._index.ids_by_slot(), self._rows[:n].clone()
+
     def mark_saved(self) -> None:
         """The last :meth:`state_dict` is on disk: the next delta starts from here."""
         self._dirty.zero_()

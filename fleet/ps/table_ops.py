@@ -162,6 +162,12 @@ class TableOps:
         shard = self._shard(msg, "sparse")
         return self._ok(msg, blob=json.dumps({"removed": shard.table.shrink(threshold)}).encode())
 
+    def _export_sparse(self, ident: bytes, msg: Message) -> Message:
+        """Every (id, row) of sparse table ``msg.table`` on this server, for ``fleet.export_for_inference``."""
+        shard = self._shard(msg, "sparse")
+        self._expect(msg)
+        return self._ok(msg, tensors=list(shard.table.export()), version=shard.version)
+
     def _save(self, ident: bytes, msg: Message) -> Message:
         """``arg`` 1: a delta on the last save (or load) of this server; 0: a base."""
         last = getattr(self, "last_save", None)

@@ -59,6 +59,7 @@ class Op(enum.IntEnum):
     STOP = 14
     ALL_REDUCE = 15
     SHRINK = 16
+    EXPORT_SPARSE = 17
 
 
 #: ALL_REDUCE (``fleet.metrics``): one 1-D float64 tensor, ``arg`` = the reduction's index here;

@@ -127,6 +127,10 @@ class Strategy(ABC):
     def barrier(self) -> None:
         """Wait for every worker."""
 
+    def inference_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``fleet.export_for_inference``: the model's dense state as whole tensors (every worker calls it)."""
+        return model.state_dict()
+
     def shrink_tables(self, threshold: float | None) -> None:
         """``fleet.shrink``: every sparse table evicts expired rows (and rows scoring below ``threshold``).
 

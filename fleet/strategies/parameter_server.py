@@ -154,6 +154,19 @@ class ParameterServerStrategy(Strategy):
                 return rows
         return None
 
+    def inference_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The servers' values: geo workers push what they have not synced, then every worker pulls."""
+        for opt in self.optimizers:
+            if self.config.update == "geo":
+                opt.geo_sync()
+        self.barrier()
+        for opt in self.optimizers:
+            opt.refresh()
+            if self.config.update == "geo":
+                for _, _, rows in opt.sparse:
+                    rows.forget()  # cached rows are fetched again: this worker goes on from the servers' values
+        return model.state_dict()
+
     def shrink_tables(self, threshold: float | None) -> None:
         """Worker 0 shrinks every sparse table on the servers, between two barriers (so no step straddles it)."""
         self.barrier()

@@ -165,6 +165,12 @@ class ShardingStrategy(Strategy):
             module.local, lambda m, ids, grads, lr: sparse_grads.gather_rows(ids, grads, group, world, m.embedding_dim)
         )
 
+    def inference_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Whole tensors gathered from the shards (every worker takes part)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
     def barrier(self) -> None:
         group = self.runtime.process_group(self.config.timeout_s)
         if group is not None:

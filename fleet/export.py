@@ -1,0 +1,111 @@
+"""A trained model for serving: dense weights and the admitted rows of every sparse table, in one file.
+
+``fleet.export_for_inference(dirname, model)`` (every worker calls it; worker 0 writes)
+gathers what a serving process needs: the model's dense state (the servers' values in a
+parameter-server job, whole tensors under ``mode="sharding"``) and, for every
+``fleet.nn.SparseEmbedding``, the ids and rows its table holds now, without optimizer
+state or statistics. ``fleet.load_for_inference(dirname, model)`` fills a freshly built
+model with them in any process, no job and no server needed; the file is plain tensors
+and JSON (``torch.load(path, weights_only=True)`` reads it), so a serving stack of its own
+can read it too: a lookup of an id that has no row returns the table's initial value for
+it, or zeros when the table admits ids by an ``entry`` (what training returned).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from fleet import context, tables
+from fleet.atomic import save_atomic
+from fleet.ps.sparse_table import SparseTable
+
+FILE = "inference.pt"
+FORMAT = "fleet-inference-1"
+
+
+def _table_modules(model: torch.nn.Module) -> dict[str, Any]:
+    found = {}
+    for name, module in model.named_modules():
+        placeholder = getattr(module, "placeholder", None)
+        if isinstance(placeholder, torch.Tensor) and tables.module_of(placeholder) is module:
+            found[name] = module
+    return found
+
+
+def _placeholder_keys(model: torch.nn.Module) -> set[str]:
+    return {f"{name}.placeholder" if name else "placeholder" for name in _table_modules(model)}
+
+
+def export_for_inference(dirname: str, model: torch.nn.Module) -> str:
+    """Write ``<dirname>/inference.pt`` for serving; call on every worker (worker 0 writes). Returns the path."""
+    strategy = context.strategy()
+    dense = strategy.inference_state(model) if strategy is not None else model.state_dict()
+    skip = _placeholder_keys(model)
+    payload: dict[str, Any] = {
+        "format": FORMAT,
+        "dense": {k: v.detach().cpu().clone() for k, v in dense.items() if k not in skip},
+        "tables": {},
+    }
+    for name, module in _table_modules(model).items():
+        ids, rows = module.backend().export()
+        config = {"dim": module.embedding_dim, "initializer": module.initializer.to_config(), "seed": module.seed}
+        payload["tables"][name] = {
+            "ids": ids,
+            "rows": rows,
+            "config": json.dumps(config, sort_keys=True),
+            "missing": "zeros" if module.lifecycle.entry is not None else "initial",
+        }
+    job = context.current()
+    path = os.path.join(dirname, FILE)
+    if job is None or job.role.worker_index == 0:
+        os.makedirs(dirname, exist_ok=True)
+        save_atomic(payload, path)
+    if strategy is not None:
+        strategy.barrier()  # the file is complete before any worker goes on
+    return path
+
+
+def load_for_inference(dirname: str, model: torch.nn.Module) -> torch.nn.Module:
+    """Fill ``model`` (built as for training) from :func:`export_for_inference`'s file; returns it in eval mode."""
+    path = os.path.join(dirname, FILE) if os.path.isdir(dirname) else dirname
+    payload = torch.load(path, weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a file written by fleet.export_for_inference")
+    modules = _table_modules(model)
+    if set(modules) != set(payload["tables"]):
+        raise ValueError(
+            f"{path} has sparse tables {sorted(payload['tables'])}, the model has {sorted(modules)}: "
+            "build the model as it was trained"
+        )
+    skip = _placeholder_keys(model)
+    wanted = {k for k in model.state_dict() if k not in skip}
+    if wanted != set(payload["dense"]):
+        missing, extra = sorted(wanted - set(payload["dense"])), sorted(set(payload["dense"]) - wanted)
+        raise ValueError(f"{path} does not fit the model: missing {missing}, unexpected {extra}")
+    model.load_state_dict(payload["dense"], strict=False)
+    for name, module in modules.items():
+        saved = payload["tables"][name]
+        config = json.loads(saved["config"])
+        if config["dim"] != module.embedding_dim:
+            raise ValueError(f"{path}: table {name!r} has dim {config['dim']}, the model's has {module.embedding_dim}")
+        module.local.table = _serving_table(module, saved)
+    return model.eval()
+
+
+def _serving_table(module: Any, saved: dict[str, Any]) -> SparseTable:
+    """A local table holding the exported rows; missing ids read as in training (zeros or initial values)."""
+    from fleet.ps.lifecycle import CountFilterEntry, LifeCycle
+    from fleet.ps.optim import OptimizerSpec
+
+    # An entry that admits nothing (lookups of missing ids read zeros); otherwise a plain table.
+    lifecycle = LifeCycle(entry=CountFilterEntry(255), sketch_width=64) if saved["missing"] == "zeros" else None
+    table = SparseTable(
+        module.embedding_dim, OptimizerSpec(kind="sgd", lr=0.0), module.initializer, module.seed, lifecycle
+    )
+    ids, rows = saved["ids"], saved["rows"]
+    table.load_state_dict({"ids": ids, "rows": rows, "steps": torch.zeros(ids.numel(), dtype=torch.int64)})
+    return table
