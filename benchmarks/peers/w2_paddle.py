@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -164,6 +165,8 @@ def drive(args: argparse.Namespace) -> int:
         return rc or 1
     for r in results:
         print(json.dumps(r), flush=True)
+    if not args.log_dir:
+        shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
 
@@ -354,8 +357,6 @@ def _train_dataset(args, exe, program, loss, feeds, worker: int) -> tuple[list[f
         losses += [float(v) for v in re.findall(r"loss\[\d+\]:\[\s*([-+0-9.eEnaif]+)", text)]
     for i, value in enumerate(losses):
         print(f"worker {worker} loss {value:.4f} (printout {i})", flush=True)
-    import shutil
-
     shutil.rmtree(folder, ignore_errors=True)
     return losses, elapsed
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -123,6 +124,7 @@ def drive(args: argparse.Namespace) -> int:
         return rc or 1
     for r in results:
         print(json.dumps(r), flush=True)
+    shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 
