@@ -102,7 +102,7 @@ def _serving_table(module: Any, saved: dict[str, Any]) -> SparseTable:
     from fleet.ps.optim import OptimizerSpec
 
     # An entry that admits nothing (lookups of missing ids read zeros); otherwise a plain table.
-    lifecycle = LifeCycle(entry=CountFilterEntry(255), sketch_width=64) if saved["missing"] == "zeros" else None
+    lifecycle = LifeCycle(entry=CountFilterEntry(255, sketch_width=64)) if saved["missing"] == "zeros" else None
     table = SparseTable(
         module.embedding_dim, OptimizerSpec(kind="sgd", lr=0.0), module.initializer, module.seed, lifecycle
     )

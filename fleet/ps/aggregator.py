@@ -39,7 +39,6 @@ _SPARSE_TABLE_KEYS = (
     "decay",
     "nonclk_coeff",
     "click_coeff",
-    "sketch_width",
 )
 
 

@@ -7,7 +7,10 @@ has them):
 
 - **Admission** (``entry``): :class:`CountFilterEntry` gives an id a row once it was seen
   in ``min_count`` updates; its counts live in a :class:`CountSketch` (a count-min sketch
-  of fixed size, so ids not yet admitted cost no memory of their own).
+  of fixed size, so ids not yet admitted cost no memory of their own). Counts fade: they
+  halve every ``sketch_width / 2`` sightings of ids not yet admitted, so an id is admitted
+  when it reaches ``min_count`` within about that window (a sketch that never forgot would
+  fill up and admit everything).
   :class:`ProbabilityEntry` admits an id at each update with probability ``p``, decided
   by a hash of (id, step, seed) so every replica of a table decides alike. Until admitted
   an id's lookup returns zeros and its gradient is dropped (counted).
@@ -32,7 +35,7 @@ import torch
 
 EVICT_SLACK = 0.05  # a max_rows eviction frees this share of the table, so it runs once per that many new rows
 SKETCH_DEPTH = 4
-DEFAULT_SKETCH_WIDTH = 1 << 20
+DEFAULT_SKETCH_WIDTH = 1 << 22  # 4 x 4 Mi uint8 counters: 16 MiB per table (per server shard)
 _MULTIPLIERS = (
     0x9E3779B97F4A7C15 - (1 << 64),
     0xBF58476D1CE4E5B9 - (1 << 64),
@@ -56,20 +59,34 @@ def _mix(x: torch.Tensor, multiplier: int) -> torch.Tensor:
 
 
 class CountFilterEntry:
-    """Admit an id once it was seen in ``min_count`` updates (Paddle's ``CountFilterEntry``)."""
+    """Admit an id once it was seen in ``min_count`` updates (Paddle's ``CountFilterEntry``).
+
+    ``sketch_width`` (a power of two) sizes the counters: 4 bytes of memory per unit, and the
+    window of sightings within which an id must reach ``min_count`` is about half of it.
+    """
 
     kind = "count"
 
-    def __init__(self, min_count: int):
+    def __init__(self, min_count: int, sketch_width: int = DEFAULT_SKETCH_WIDTH):
         if isinstance(min_count, bool) or not isinstance(min_count, int) or not 1 <= min_count <= 255:
             raise ValueError(f"CountFilterEntry(min_count): an int in [1, 255], got {min_count!r}")
+        _check_width(sketch_width)
         self.min_count = min_count
+        self.sketch_width = sketch_width
 
     def to_config(self) -> dict[str, Any]:
-        return {"kind": self.kind, "min_count": self.min_count}
+        out: dict[str, Any] = {"kind": self.kind, "min_count": self.min_count}
+        if self.sketch_width != DEFAULT_SKETCH_WIDTH:
+            out["sketch_width"] = self.sketch_width
+        return out
 
     def __repr__(self) -> str:
         return f"CountFilterEntry({self.min_count})"
+
+
+def _check_width(width: Any) -> None:
+    if isinstance(width, bool) or not isinstance(width, int) or width < 64 or width & (width - 1):
+        raise ValueError(f"sketch_width must be a power of two >= 64, got {width!r}")
 
 
 class ProbabilityEntry:
@@ -100,8 +117,8 @@ def entry_from_config(config: Any) -> Entry | None:
             f"entry must be fleet.CountFilterEntry(n), fleet.ProbabilityEntry(p) or None, got {type(config).__name__}"
         )
     kind = config.get("kind")
-    if kind == "count" and set(config) == {"kind", "min_count"}:
-        return CountFilterEntry(config["min_count"])
+    if kind == "count" and set(config) in ({"kind", "min_count"}, {"kind", "min_count", "sketch_width"}):
+        return CountFilterEntry(config["min_count"], config.get("sketch_width", DEFAULT_SKETCH_WIDTH))
     if kind == "probability" and set(config) == {"kind", "probability"}:
         return ProbabilityEntry(config["probability"])
     raise ValueError(
@@ -128,18 +145,19 @@ class LifeCycle:
     decay: float = 0.999
     nonclk_coeff: float = 0.1
     click_coeff: float = 1.0
-    sketch_width: int = DEFAULT_SKETCH_WIDTH
 
-    CONFIG_KEYS = ("entry", "max_rows", "ttl_steps", "decay", "nonclk_coeff", "click_coeff", "sketch_width")
+    CONFIG_KEYS = ("entry", "max_rows", "ttl_steps", "decay", "nonclk_coeff", "click_coeff")
 
     def __post_init__(self) -> None:
         _positive_int("max_rows", self.max_rows)
         _positive_int("ttl_steps", self.ttl_steps)
         if not 0 < self.decay <= 1:
             raise ValueError(f"decay (per step) must be in (0, 1], got {self.decay!r}")
-        width = self.sketch_width
-        if isinstance(width, bool) or not isinstance(width, int) or width < 64 or width & (width - 1):
-            raise ValueError(f"sketch_width must be a power of two >= 64, got {width!r}")
+
+    @property
+    def sketch_width(self) -> int:
+        entry = self.entry
+        return entry.sketch_width if isinstance(entry, CountFilterEntry) else DEFAULT_SKETCH_WIDTH
 
     @property
     def active(self) -> bool:
@@ -154,7 +172,7 @@ class LifeCycle:
             if max_rows < shards:
                 raise ValueError(f"max_rows={max_rows} is less than the number of servers ({shards})")
             max_rows //= shards
-        keys = {k: config[k] for k in ("decay", "nonclk_coeff", "click_coeff", "sketch_width") if k in config}
+        keys = {k: config[k] for k in ("decay", "nonclk_coeff", "click_coeff") if k in config}
         return cls(
             entry=entry_from_config(config.get("entry")),
             max_rows=max_rows,
@@ -171,7 +189,7 @@ class LifeCycle:
         if self.ttl_steps is not None:
             out["ttl_steps"] = self.ttl_steps
         defaults = LifeCycle()
-        for key in ("decay", "nonclk_coeff", "click_coeff", "sketch_width"):
+        for key in ("decay", "nonclk_coeff", "click_coeff"):
             if getattr(self, key) != getattr(defaults, key):
                 out[key] = getattr(self, key)
         return out
@@ -191,10 +209,15 @@ class CountSketch:
 
     ``SKETCH_DEPTH`` rows of ``width`` counters; an id's count is the minimum of its counters,
     which never undercounts. Conservative update (raise only the counters at the minimum)
-    keeps the overcount small; counters saturate at 255 and all halve once ``8 * width``
+    keeps the overcount small; counters saturate at 255 and all halve once ``width / 2``
     counts went in, so ids seen long ago fade and a full sketch does not admit everything.
     Admitted ids stop being counted here.
     """
+
+    @staticmethod
+    def window(width: int) -> int:
+        """Sightings between two halvings: half the width keeps the counters' load under one."""
+        return width // 2
 
     def __init__(self, width: int = DEFAULT_SKETCH_WIDTH, seed: int = 0):
         self.width = width
@@ -220,7 +243,7 @@ class CountSketch:
         new = (current.min(0).values.to(torch.int16) + 1).clamp_(max=255).to(torch.uint8)
         flat.scatter_reduce_(0, pos.view(-1), new.repeat(SKETCH_DEPTH), "amax")
         self.added += ids.numel()
-        if self.added >= 8 * self.width:
+        if self.added >= self.window(self.width):
             self.counters >>= 1
             self.added //= 2
         return new.to(torch.int64)
