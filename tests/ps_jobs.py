@@ -122,6 +122,8 @@ def train(rank: int, opt_name: str, steps: int, want_stats: bool = False) -> dic
         ids, dense, label = batch(step, fleet.worker_index())
         opt.zero_grad()
         loss = loss_fn(model(ids, dense), label)
+        if "+prefetch" in opt_name:  # the next batch's rows, in the background (async)
+            model.emb.prefetch(batch(step + 1, fleet.worker_index())[0])
         loss.backward()
         feed_clicks(opt_name, model, label)
         opt.step()

@@ -40,7 +40,7 @@ def _learned(result: dict) -> bool:
 
 @pytest.mark.timeout(120)
 def test_async_reaches_a_lower_loss_on_every_worker() -> None:
-    results = run_job(train, 1, 2, {"update": "async"}, "plain", 60)
+    results = run_job(train, 1, 2, {"update": "async"}, "plain+prefetch", 60)
     for worker, result in enumerate(results):
         assert _learned(result), (worker, [round(x, 3) for x in result["losses"]])
 

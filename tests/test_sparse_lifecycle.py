@@ -228,3 +228,13 @@ def test_bad_entries_are_named() -> None:
         ProbabilityEntry(1.5)
     with pytest.raises(ValueError, match="max_rows=1 is less than the number of servers"):
         SparseTable.from_config({"dim": 4, "optimizer": SGD.to_config(), "max_rows": 1, "servers": 2})
+
+
+def test_prefetch_outside_async_parameter_servers_changes_nothing() -> None:
+    import fleet
+
+    emb = fleet.nn.SparseEmbedding(4, seed=1)
+    ids = torch.tensor([[3, 9], [9, 12]])
+    emb.prefetch(ids)  # a local table: nothing to fetch early
+    assert emb._prefetched is None
+    assert torch.equal(emb(ids), fleet.nn.SparseEmbedding(4, seed=1)(ids))

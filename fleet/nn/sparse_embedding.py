@@ -89,6 +89,7 @@ class SparseEmbedding(nn.Module):
         """The table in this process: the backend unless the strategy provides another."""
         # (unique ids, their rows as a leaf collecting the gradient, inverse index, clicks) per forward
         self._pending: list[list[Any]] = []
+        self._prefetched: tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any] | None = None
 
     def extra_repr(self) -> str:
         life = "".join(f", {k}={v}" for k, v in self.lifecycle.to_config().items())
@@ -114,11 +115,40 @@ class SparseEmbedding(nn.Module):
         return chosen if chosen is not None else self.local
 
     # ------------------------------------------------------------------ lookup
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Start fetching the rows of a coming batch's ``ids`` now, so its forward need not wait for them.
+
+        Where the rows are remote and may be a step old (parameter server, ``update="async"``)
+        the pull runs in the background while this step computes; elsewhere it does nothing
+        (a sync step's rows must include the step before it). Call it with the next batch's
+        ids before this step's ``optimizer.step()``; the forward that gets the same ids uses it.
+        """
+        ids = self._check_ids(ids)
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        future = getattr(self.backend(), "prefetch", lambda _: None)(unique)
+        self._prefetched = (ids, unique, inverse, future) if future is not None else None
+
+    @staticmethod
+    def _check_ids(ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             raise TypeError(f"SparseEmbedding takes integer ids, got {ids.dtype}")
-        unique, inverse = torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True)
-        rows = self.backend().pull(unique)
+        return ids.to(torch.int64)
+
+    def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(unique ids, their rows, inverse index): from a prefetch of these ids, or pulled now."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None:
+            seen, unique, inverse, future = prefetched
+            if seen is ids or (seen.shape == ids.shape and torch.equal(seen, ids)):
+                rows = self.backend().collect(future)
+                if rows is not None:
+                    return unique, rows, inverse
+        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        return unique, self.backend().pull(unique), inverse
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = self._check_ids(ids)
+        unique, rows, inverse = self._lookup(ids)
         if torch.is_grad_enabled() and self.training:
             rows = rows.detach().requires_grad_(True)
             self._pending.append([unique, rows, inverse.view(ids.shape), None])

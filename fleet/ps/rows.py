@@ -9,6 +9,7 @@ cached here, trained by the local optimizer and synced every ``k_steps``. Both t
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -44,6 +45,17 @@ class RemoteRows:
 
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
         """The wrapped optimizer pushes the gradients itself."""
+
+    def prefetch(self, ids: torch.Tensor) -> Future | None:
+        """Async mode: pull ``ids`` in the background (rows may be a step old there anyway)."""
+        return None if self.sync else self.client.pull_sparse(self.table_id, ids)
+
+    def collect(self, future: Future) -> torch.Tensor | None:
+        """A prefetch's rows, or None when it failed (the forward then pulls again, under the guard)."""
+        try:
+            return future.result()
+        except Exception:  # noqa: BLE001 - e.g. a server restarted meanwhile: pulled again through the guard
+            return None
 
     def num_rows(self) -> int:
         return self.guard(lambda: self.client.sparse_rows(self.table_id).result())
