@@ -40,6 +40,7 @@ SCRIPT = os.path.join(ROOT, "examples", "single_to_multi", "train_ctr.py")
 PEERS = os.path.join(ROOT, "benchmarks", "peers")
 STRATEGIES = {
     "async": 'mode = "ps"\nupdate = "async"\n',
+    "async-noprefetch": 'mode = "ps"\nupdate = "async"\n',  # the same, without SparseEmbedding.prefetch
     "sync": 'mode = "ps"\nupdate = "sync"\n',
     "geo": 'mode = "ps"\nupdate = "geo"\nk_steps = 100\n',
 }
@@ -74,6 +75,7 @@ def _fleetrun(mode: str, servers: int, steps: int, workers: int = 2, timeout: fl
             str(steps),
             "--report",
             report,
+            *(["--no-prefetch"] if mode.endswith("-noprefetch") else []),
         ]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -6,7 +6,7 @@ before. Rows/s counts requested ids (duplicates included) per second of wall
 time, from the median batch. The "floor" line gathers as many random rows from
 a plain tensor of the same size, with no id lookup: the memory-latency cost
 any pull pays, timed alternately with the pulls so machine noise hits both.
-Run: ``python benchmarks/w3_sparse_table.py``.
+Run: ``python benchmarks/w3_sparse_table.py`` (``--warm 10000000`` for a table of 10 M rows).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
-    perm = torch.randperm(ID_SPACE, generator=gen)
+    perm = torch.randperm(max(ID_SPACE, args.warm * 5 // 4), generator=gen)
     warm_ids, fresh = perm[: args.warm], perm[args.warm :]
     n_new = BATCH // 10
 
