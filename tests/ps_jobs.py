@@ -195,6 +195,18 @@ def train_resumable(rank: int, opt_name: str, steps: int, save_at: int | None, l
     return out
 
 
+def one_step(opt_name: str, model: Net, opt, step: int, rank: int) -> None:
+    ids, dense, label = batch(step, rank)
+    opt.zero_grad()
+    torch.nn.functional.binary_cross_entropy_with_logits(model(ids, dense), label).backward()
+    feed_clicks(opt_name, model, label)
+    opt.step()
+
+
+def _rows_snapshot(model: Net) -> dict:
+    return {"snapshot": {**snapshot(model), "num_rows": torch.tensor(model.emb.num_rows())}}
+
+
 def train_collective(rank: int, opt_name: str, steps: int) -> dict:
     """The same script in collective mode: the local sparse tables must stay identical across workers."""
     import fleet
@@ -203,16 +215,24 @@ def train_collective(rank: int, opt_name: str, steps: int) -> dict:
     torch.manual_seed(100)
     model = make_model(opt_name)
     opt = fleet.distributed_optimizer(make_optimizer(opt_name, model.parameters()))
-    loss_fn = torch.nn.BCEWithLogitsLoss()
     for step in range(steps):
-        ids, dense, label = batch(step, fleet.worker_index())
-        opt.zero_grad()
-        loss_fn(model(ids, dense), label).backward()
-        feed_clicks(opt_name, model, label)
-        opt.step()
-    out = {"snapshot": {**snapshot(model), "num_rows": torch.tensor(model.emb.num_rows())}}
+        one_step(opt_name, model, opt, step, fleet.worker_index())
+    out = _rows_snapshot(model)
     fleet.stop_worker()
     return out
+
+
+def _ps_worker(opt_name: str):
+    """fleet.init, then (model, wrapped optimizer) on a worker; None on a server (it served, then exited)."""
+    import fleet
+
+    try:
+        fleet.init()
+    except SystemExit:
+        return None
+    torch.manual_seed(100 + fleet.worker_index())
+    model = make_model(opt_name)
+    return model, fleet.distributed_optimizer(make_optimizer(opt_name, model.parameters()))
 
 
 def train_with_saves(rank: int, opt_name: str, steps: int, saves: dict, load_from: str | None = None) -> dict:
@@ -220,23 +240,15 @@ def train_with_saves(rank: int, opt_name: str, steps: int, saves: dict, load_fro
     (``{step: [(dirname, mode), ...]}``); or only load ``load_from`` and report what the servers hold."""
     import fleet
 
-    try:
-        fleet.init()
-    except SystemExit as stop:
-        return {"served": stop.code}
-    torch.manual_seed(100 + fleet.worker_index())
-    model = make_model(opt_name)
-    opt = fleet.distributed_optimizer(make_optimizer(opt_name, model.parameters()))
-    loss_fn = torch.nn.BCEWithLogitsLoss()
+    started = _ps_worker(opt_name)
+    if started is None:
+        return {"served": 0}
+    model, opt = started
     if load_from:
         fleet.load_persistables(load_from)
         steps = 0
     for step in range(steps):
-        ids, dense, label = batch(step, fleet.worker_index())
-        opt.zero_grad()
-        loss_fn(model(ids, dense), label).backward()
-        feed_clicks(opt_name, model, label)
-        opt.step()
+        one_step(opt_name, model, opt, step, fleet.worker_index())
         for dirname, mode in saves.get(step + 1, []):
             try:
                 fleet.save_persistables(dirname, mode)
@@ -245,7 +257,7 @@ def train_with_saves(rank: int, opt_name: str, steps: int, saves: dict, load_fro
                 return {"error": str(exc)}
     fleet.barrier_worker()
     opt.refresh()  # the servers' values, also in geo mode
-    out = {"snapshot": {**snapshot(model), "num_rows": torch.tensor(model.emb.num_rows())}}
+    out = _rows_snapshot(model)
     fleet.stop_worker()
     return out
 
@@ -254,20 +266,12 @@ def train_and_export(rank: int, opt_name: str, steps: int, dirname: str) -> dict
     """Train, export for inference (every worker), and predict a held-out batch with the trained model."""
     import fleet
 
-    try:
-        fleet.init()
-    except SystemExit as stop:
-        return {"served": stop.code}
-    torch.manual_seed(100 + fleet.worker_index())
-    model = make_model(opt_name)
-    opt = fleet.distributed_optimizer(make_optimizer(opt_name, model.parameters()))
-    loss_fn = torch.nn.BCEWithLogitsLoss()
+    started = _ps_worker(opt_name)
+    if started is None:
+        return {"served": 0}
+    model, opt = started
     for step in range(steps):
-        ids, dense, label = batch(step, fleet.worker_index())
-        opt.zero_grad()
-        loss_fn(model(ids, dense), label).backward()
-        feed_clicks(opt_name, model, label)
-        opt.step()
+        one_step(opt_name, model, opt, step, fleet.worker_index())
     fleet.export_for_inference(dirname, model)
     model.eval()
     with torch.no_grad():

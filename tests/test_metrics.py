@@ -9,14 +9,12 @@ a collective job whose workers disagree about what comes next.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
 import zmq
+from test_ps_server import servers
 
 import fleet
 from fleet import metrics
@@ -254,21 +252,6 @@ def test_the_reductions_are_named_alike_everywhere() -> None:
 # --- ALL_REDUCE on parameter server 0 (threads) ---------------------------------------------
 
 SECRET = b"test-secret-0123"
-
-
-@contextlib.contextmanager
-def servers(n: int, workers: int, timeout_s: float = 3.0) -> Iterator[list[ParameterServer]]:
-    started = [ParameterServer("127.0.0.1:0", SECRET, i, workers, timeout_s, torch_threads=None) for i in range(n)]
-    threads = [threading.Thread(target=s.serve, daemon=True) for s in started]
-    for t in threads:
-        t.start()
-    try:
-        yield started
-    finally:
-        for s in started:
-            s.shutdown()
-        for t in threads:
-            t.join(5)
 
 
 def client(srvs: list[ParameterServer], worker: int, timeout_s: float = 3.0) -> PSClient:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from fleet.files import share_bounds
 from fleet.ps.client_io import IOThread, Job
 from fleet.ps.errors import PSAuthError, PSError, PSServerUnavailable
 from fleet.ps.liveness import HEARTBEAT_S
@@ -44,13 +45,7 @@ def shard_ranges(size: int, num_servers: int) -> list[tuple[int, int]]:
     """Contiguous [lo, hi) pieces of a length-``size`` vector, sizes differing by at most one."""
     if num_servers < 1:
         raise ValueError(f"num_servers={num_servers}; need at least one server")
-    base, extra = divmod(size, num_servers)
-    out, lo = [], 0
-    for s in range(num_servers):
-        hi = lo + base + (1 if s < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+    return share_bounds(size, num_servers)
 
 
 def sparse_owner(ids: torch.Tensor, num_servers: int) -> torch.Tensor:
