@@ -338,10 +338,9 @@ def shrink(threshold: float | None = None) -> None:
         raise TypeError(f"fleet.shrink(threshold): a number or None, got {threshold!r}")
     strategy = context.strategy()
     if strategy is None:
-        for module in tables.all_modules():
-            module.backend().shrink(threshold)
-        return
-    strategy.shrink_tables(threshold)
+        tables.shrink_all(threshold)
+    else:
+        strategy.shrink_tables(threshold)
 
 
 def join() -> Any:

@@ -80,6 +80,12 @@ def all_modules() -> list[Any]:
     return [m for key, m in sorted(_BY_PLACEHOLDER.items(), key=lambda kv: _ORDER[kv[0]])]
 
 
+def shrink_all(threshold: float | None) -> None:
+    """``fleet.shrink`` where each process holds its tables (or its replica of them): every backend shrinks."""
+    for module in all_modules():
+        module.backend().shrink(threshold)
+
+
 def modules_in(
     optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]] | None = None
 ) -> list[tuple[TableModule, dict[str, Any]]]:

@@ -352,7 +352,7 @@ class SparseShard(Shard):
         self.dim = int(config["dim"])
         self._ids: list[torch.Tensor] = []
         self._grads: list[torch.Tensor] = []
-        self._clicks: list[torch.Tensor] = []
+        self._clicks: list[torch.Tensor | None] = []  # None: that push carried no clicks
 
     def check_ids(self, ids: torch.Tensor) -> None:
         if ids.dtype != torch.int64:
@@ -404,7 +404,7 @@ class SparseShard(Shard):
         if ids.numel():
             self._ids.append(ids)
             self._grads.append(grads)
-            self._clicks.append(clicks if clicks is not None else torch.zeros(ids.numel()))
+            self._clicks.append(clicks)
         self._pushed.add(worker)
         self._lr = lr
         return True
@@ -425,10 +425,13 @@ class SparseShard(Shard):
             return
         ids = torch.cat(ids_list) if len(ids_list) > 1 else ids_list[0]
         grads = torch.cat(grads_list) if len(grads_list) > 1 else grads_list[0]
-        clicks = torch.cat(clicks_list) if len(clicks_list) > 1 else clicks_list[0]
         uniq, inverse = torch.unique(ids, return_inverse=True)
         merged = torch.zeros(uniq.numel(), self.dim, dtype=grads.dtype).index_add_(0, inverse, grads)
-        merged_clicks = torch.zeros(uniq.numel()).index_add_(0, inverse, clicks)
+        merged_clicks = None  # most steps of most tables carry no clicks: nothing to merge then
+        if any(c is not None for c in clicks_list):
+            parts = zip(clicks_list, ids_list, strict=True)
+            clicks = torch.cat([c if c is not None else torch.zeros(i.numel()) for c, i in parts])
+            merged_clicks = torch.zeros(uniq.numel()).index_add_(0, inverse, clicks)
         self.table.apply_gradient(uniq, merged.div_(count), lr, merged_clicks, step=step)
 
     def state(self, delta: bool = False) -> dict[str, Any]:

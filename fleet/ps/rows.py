@@ -27,7 +27,24 @@ def _unguarded(fn: Callable[[], Any]) -> Any:
     return fn()
 
 
-class RemoteRows:
+class _ServerTable:
+    """What both backends ask of the servers' table as a whole (``client``, ``table_id`` and ``guard`` set)."""
+
+    client: PSClient
+    table_id: int
+    guard: Guard
+
+    def num_rows(self) -> int:
+        return self.guard(lambda: self.client.sparse_rows(self.table_id).result())
+
+    def shrink(self, threshold: float | None) -> int:
+        return self.guard(lambda: self.client.shrink(self.table_id, threshold).result())
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.guard(lambda: self.client.export_sparse(self.table_id).result())
+
+
+class RemoteRows(_ServerTable):
     def __init__(self, client: PSClient, table_id: int, sync: bool = True):
         self.client = client
         self.table_id = table_id
@@ -57,17 +74,10 @@ class RemoteRows:
         except Exception:  # noqa: BLE001 - e.g. a server restarted meanwhile: pulled again through the guard
             return None
 
-    def num_rows(self) -> int:
-        return self.guard(lambda: self.client.sparse_rows(self.table_id).result())
 
-    def shrink(self, threshold: float | None) -> int:
-        return self.guard(lambda: self.client.shrink(self.table_id, threshold).result())
+class GeoRows(_ServerTable):
+    """Rows cached here; :meth:`num_rows`, :meth:`shrink` and :meth:`export` concern the servers' table."""
 
-    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.guard(lambda: self.client.export_sparse(self.table_id).result())
-
-
-class GeoRows:
     def __init__(self, client: PSClient, table_id: int, module: TableModule, spec: OptimizerSpec):
         self.client = client
         self.table_id = table_id
@@ -99,16 +109,6 @@ class GeoRows:
 
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
         """The wrapped optimizer applies the gradients itself (:meth:`apply`)."""
-
-    def num_rows(self) -> int:
-        """The servers' rows (this worker's cache holds the rows it used since it started)."""
-        return self.guard(lambda: self.client.sparse_rows(self.table_id).result())
-
-    def shrink(self, threshold: float | None) -> int:
-        return self.guard(lambda: self.client.shrink(self.table_id, threshold).result())
-
-    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.guard(lambda: self.client.export_sparse(self.table_id).result())
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         if ids.numel():

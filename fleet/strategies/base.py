@@ -140,8 +140,7 @@ class Strategy(ABC):
         """
         from fleet import tables
 
-        for module in tables.all_modules():
-            module.backend().shrink(threshold)
+        tables.shrink_all(threshold)
 
     def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """``values`` (a 1-D float64 CPU tensor) reduced element-wise over every worker: ``op`` in REDUCE_OPS.
