@@ -53,6 +53,18 @@ class RunFailed(RuntimeError):
     pass
 
 
+def _run_job(cmd: list[str], report: str, timeout: float, cwd: str | None = None) -> tuple[list[dict], str]:
+    """Run one job to its end: (each worker's JSON result line, by worker; the job's stdout)."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    except subprocess.TimeoutExpired as e:
+        raise RunFailed(f"{' '.join(cmd)} timed out after {timeout:.0f} s") from e
+    if done.returncode != 0 or not os.path.exists(report):
+        raise RunFailed(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    with open(report) as f:
+        return sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["worker"]), done.stdout
+
+
 def _fleetrun(mode: str, servers: int, steps: int, workers: int = 2, timeout: float = 1800) -> list[dict]:
     """One fleetrun job of train_ctr.py: each worker's JSON result, with ``first_loss`` (its step-0 loss)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,17 +89,8 @@ def _fleetrun(mode: str, servers: int, steps: int, workers: int = 2, timeout: fl
             report,
             *(["--no-prefetch"] if mode.endswith("-noprefetch") else []),
         ]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            raise RunFailed(f"{' '.join(cmd)} timed out after {timeout:.0f} s") from e
-        if done.returncode != 0 or not os.path.exists(report):
-            raise RunFailed(
-                f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-            )
-        with open(report) as f:
-            results = sorted((json.loads(line) for line in f), key=lambda r: r["worker"])
-    first = {int(w): float(v) for w, v in _STEP0.findall(done.stdout)}
+        results, stdout = _run_job(cmd, report, timeout)
+    first = {int(w): float(v) for w, v in _STEP0.findall(stdout)}
     for r in results:
         r.setdefault("first_loss", first.get(r["worker"], float("nan")))
     return results
@@ -133,16 +136,7 @@ def _peer_job(peer: str, script: str, extra: list[str], steps: int, timeout: flo
         report = os.path.join(tmp, "report.jsonl")
         cmd = [peer_python(peer), os.path.join(PEERS, script), *extra, "--steps", str(steps), "--report", report]
         cmd += ["--timeout", str(timeout)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60, cwd=tmp)
-        except subprocess.TimeoutExpired as e:
-            raise RunFailed(f"{' '.join(cmd)} timed out") from e
-        if done.returncode != 0 or not os.path.exists(report):
-            raise RunFailed(
-                f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-            )
-        with open(report) as f:
-            return sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["worker"])
+        return _run_job(cmd, report, timeout + 60, cwd=tmp)[0]
 
 
 @dataclass

@@ -18,7 +18,6 @@ import argparse
 import glob
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import pyspy_summary  # noqa: E402
+from peer_procs import kill_group  # noqa: E402
 
 
 def _descendants(pid: int) -> list[int]:
@@ -59,19 +59,6 @@ def _find(root: int, **want: str) -> int | None:
         if all(env.get(k) == v for k, v in want.items()):
             return pid
     return None
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        time.sleep(0.3)
 
 
 def main() -> None:
@@ -151,7 +138,7 @@ def main() -> None:
             spy.wait(timeout=args.seconds + 60)
         load = (load + os.getloadavg()[0]) / 2
     finally:
-        _stop(proc)
+        kill_group(proc)
         log.close()
         shutil.rmtree(work, ignore_errors=True)
         for leftover in glob.glob("/tmp/w2-paddle-data-*"):

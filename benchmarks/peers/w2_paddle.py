@@ -26,12 +26,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from peer_procs import kill_group, member_argv, read_report
 
 SLOTS, DIM, DENSE, ID_SPACE = 26, 16, 13, 1_000_000
 # torch.randn(13, generator=torch.Generator().manual_seed(0)).tolist()
@@ -107,24 +108,8 @@ def drive(args: argparse.Namespace) -> int:
         str(ports[-1]),
         "--log_dir",
         log_dir,
-        os.path.abspath(__file__),
-        "--role",
-        "member",
-        "--mode",
-        args.mode,
-        "--feed",
-        args.feed,
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--batch",
-        str(args.batch),
-        "--report",
-        report,
+        *member_argv(__file__, args, report, "--mode", args.mode, "--feed", args.feed),
     ]
-    if args.profile:
-        cmd += ["--profile", os.path.abspath(args.profile), "--profile-steps", str(args.profile_steps)]
     started = time.perf_counter()
     launcher_log = open(os.path.join(log_dir, "launcher.out"), "w+")
     # cwd: the launcher's http.log and the trainers' <id>_train_desc.prototxt land there
@@ -137,7 +122,7 @@ def drive(args: argparse.Namespace) -> int:
         # the job is over once both trainers have reported, with a short grace for their stop_worker().
         while rc is None:
             rc = proc.poll()
-            results = _read(report)
+            results = read_report(report)
             if len(results) >= WORKERS and done_at is None:
                 done_at = time.perf_counter()
             if done_at is not None and time.perf_counter() - done_at > args.grace:
@@ -146,11 +131,11 @@ def drive(args: argparse.Namespace) -> int:
                 rc = 124
             time.sleep(0.2)
     finally:
-        _kill_group(proc)
+        kill_group(proc, settle_s=0.5)
         launcher_log.seek(0)
         out = launcher_log.read()
         launcher_log.close()
-    results = _read(report)
+    results = read_report(report)
     if rc != 0 or len(results) != WORKERS:
         logs = []
         for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
@@ -168,28 +153,6 @@ def drive(args: argparse.Namespace) -> int:
     if not args.log_dir:
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0
-
-
-def _read(report: str) -> list[dict]:
-    if not os.path.exists(report):
-        return []
-    with open(report) as f:
-        return sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["worker"])
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the launcher and everything it started (they share its session: start_new_session)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            continue
-        if sig == signal.SIGTERM:  # the launcher is gone: give its children a moment, then make sure
-            time.sleep(0.5)
 
 
 # --------------------------------------------------------------------------- server / trainer

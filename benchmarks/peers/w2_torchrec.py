@@ -35,12 +35,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from peer_procs import kill_group, member_argv, read_report
 
 SLOTS, DIM, DENSE, ID_SPACE = 26, 16, 13, 1_000_000
 WORKERS = 2
@@ -83,22 +84,8 @@ def drive(args: argparse.Namespace) -> int:
         "127.0.0.1",
         "--master-port",
         str(free_port()),
-        os.path.abspath(__file__),
-        "--role",
-        "member",
-        "--config",
-        args.config,
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--batch",
-        str(args.batch),
-        "--report",
-        report,
+        *member_argv(__file__, args, report, "--config", args.config),
     ]
-    if args.profile:
-        cmd += ["--profile", os.path.abspath(args.profile), "--profile-steps", str(args.profile_steps)]
     started = time.perf_counter()
     log = open(os.path.join(folder, "torchrun.out"), "w+")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -107,14 +94,11 @@ def drive(args: argparse.Namespace) -> int:
     except subprocess.TimeoutExpired:
         rc = 124
     finally:
-        _kill_group(proc)
+        kill_group(proc, settle_s=0.2)
         log.seek(0)
         out = log.read()
         log.close()
-    results = []
-    if os.path.exists(report):
-        with open(report) as f:
-            results = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["worker"])
+    results = read_report(report)
     if rc != 0 or len(results) != WORKERS:
         print(
             f"torchrec {args.config}: failed (rc {rc}, {len(results)} of {WORKERS} ranks reported,"
@@ -126,20 +110,6 @@ def drive(args: argparse.Namespace) -> int:
         print(json.dumps(r), flush=True)
     shutil.rmtree(folder, ignore_errors=True)
     return 0
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End torchrun and its ranks (they share its session: start_new_session)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        time.sleep(0.2)
 
 
 # --------------------------------------------------------------------------- one rank
