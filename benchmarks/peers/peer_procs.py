@@ -47,3 +47,19 @@ def member_argv(script: str, args: argparse.Namespace, report: str, *options: st
     if args.profile:
         argv += ["--profile", os.path.abspath(args.profile), "--profile-steps", str(args.profile_steps)]
     return argv
+
+
+def report_result(args: argparse.Namespace, worker: int, losses: list[float], elapsed: float, **labels: str) -> None:
+    """Print (and append to ``--report``) a worker's JSON line, as examples/single_to_multi/train_ctr.py does."""
+    timed = max(args.steps - args.warmup, 0)
+    result = {
+        "worker": worker,
+        "loss": losses[-1] if losses else float("nan"),
+        "first_loss": losses[0] if losses else float("nan"),
+        "samples_per_s": timed * args.batch / elapsed,
+        **labels,
+    }
+    print(json.dumps(result), flush=True)
+    if args.report:
+        with open(args.report, "a") as f:
+            f.write(json.dumps(result) + "\n")

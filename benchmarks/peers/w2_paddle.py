@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from peer_procs import kill_group, member_argv, read_report
+from peer_procs import kill_group, member_argv, read_report, report_result
 
 SLOTS, DIM, DENSE, ID_SPACE = 26, 16, 13, 1_000_000
 # torch.randn(13, generator=torch.Generator().manual_seed(0)).tolist()
@@ -366,20 +366,7 @@ def member(args: argparse.Namespace) -> None:
         losses, elapsed = _train_dataset(args, exe, program, loss, feeds, worker)
     else:
         losses, elapsed = _train_run(args, exe, program, loss, fleet, worker)
-    timed = max(args.steps - args.warmup, 0)
-    result = {
-        "worker": worker,
-        "loss": losses[-1] if losses else float("nan"),
-        "first_loss": losses[0] if losses else float("nan"),
-        "samples_per_s": timed * args.batch / elapsed,
-        "system": "paddle",
-        "mode": args.mode,
-        "feed": args.feed,
-    }
-    print(json.dumps(result), flush=True)
-    if args.report:
-        with open(args.report, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    report_result(args, worker, losses, elapsed, system="paddle", mode=args.mode, feed=args.feed)
     fleet.stop_worker()
     print(f"worker {worker} stopped", flush=True)
 

@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from peer_procs import kill_group, member_argv, read_report
+from peer_procs import kill_group, member_argv, read_report, report_result
 
 SLOTS, DIM, DENSE, ID_SPACE = 26, 16, 13, 1_000_000
 WORKERS = 2
@@ -282,20 +282,7 @@ def member(args: argparse.Namespace) -> None:
         losses.append(loss.item())
         if step % 10 == 0 or step == args.steps - 1:
             print(f"worker {rank} step {step} loss {losses[-1]:.4f}", flush=True)
-    elapsed = time.perf_counter() - start
-    timed = max(args.steps - args.warmup, 0)
-    result = {
-        "worker": rank,
-        "loss": losses[-1],
-        "first_loss": losses[0],
-        "samples_per_s": timed * args.batch / elapsed,
-        "system": "torchrec",
-        "config": args.config,
-    }
-    print(json.dumps(result), flush=True)
-    if args.report:
-        with open(args.report, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    report_result(args, rank, losses, time.perf_counter() - start, system="torchrec", config=args.config)
     dist.barrier()
     dist.destroy_process_group()
 
