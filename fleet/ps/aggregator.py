@@ -27,19 +27,6 @@ UPDATE_MODES = ("sync", "async", "geo")
 
 #: keys of a shard config that belong to the table itself (the rest is update-mode bookkeeping)
 _DENSE_TABLE_KEYS = ("size", "optimizer")
-_SPARSE_TABLE_KEYS = (
-    "dim",
-    "optimizer",
-    "initializer",
-    "seed",
-    "servers",
-    "entry",
-    "max_rows",
-    "ttl_steps",
-    "decay",
-    "nonclk_coeff",
-    "click_coeff",
-)
 
 
 class ShardError(ValueError):
@@ -96,7 +83,7 @@ def pieces_of(config: dict[str, Any]) -> list[tuple[int, int, int]]:
 def _make_sparse(config: dict[str, Any]) -> Any:
     from fleet.ps.sparse_table import SparseTable
 
-    return SparseTable.from_config({k: config[k] for k in _SPARSE_TABLE_KEYS if k in config})
+    return SparseTable.from_config({k: config[k] for k in SparseTable.CONFIG_KEYS if k in config})
 
 
 class Shard:

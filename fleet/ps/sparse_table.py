@@ -41,7 +41,6 @@ from fleet.ps.optim import (
     optimizer_config_json,
 )
 
-_CONFIG_KEYS = ("dim", "optimizer", "initializer", "seed", "servers", *LifeCycle.CONFIG_KEYS)
 # Evicted ids are remembered for the next delta save; past this many (and 4x the table) a delta is refused.
 _MAX_REMEMBERED_DELETIONS = 1 << 22
 _REQUIRED_KEYS = ("dim", "optimizer")
@@ -49,6 +48,9 @@ _REQUIRED_KEYS = ("dim", "optimizer")
 
 class SparseTable:
     """Rows of width ``dim`` keyed by int64 id, updated by a row-wise server optimizer."""
+
+    #: what a table config may hold (a shard's config has more: the update mode, backup workers)
+    CONFIG_KEYS = ("dim", "optimizer", "initializer", "seed", "servers", *LifeCycle.CONFIG_KEYS)
 
     def __init__(
         self,
@@ -103,7 +105,7 @@ class SparseTable:
 
         ``max_rows`` is the job's cap; with ``servers`` S each shard keeps at most ``max_rows // S``.
         """
-        check_table_config("sparse", config, _CONFIG_KEYS, _REQUIRED_KEYS)
+        check_table_config("sparse", config, cls.CONFIG_KEYS, _REQUIRED_KEYS)
         dim, seed = config["dim"], config.get("seed", 0)
         if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
             raise ValueError(f"sparse table config: 'dim' must be an int > 0, got {dim!r}")
