@@ -106,7 +106,6 @@ class GeoMode(UpdateMode):
     def __init__(self, opt: PSOptimizer, k_steps: int):
         super().__init__(opt)
         self.k_steps = k_steps
-        self._local_steps = 0
 
     def step(self) -> float:
         opt = self.opt
@@ -117,8 +116,7 @@ class GeoMode(UpdateMode):
             ids, grads, _ = module.take_gradients()  # clicks stay here: geo pushes deltas, not gradients
             rows.apply(ids, grads, float(opt.inner.param_groups[index]["lr"]))
         local_s = time.perf_counter() - started
-        self._local_steps += 1
-        if self._local_steps % self.k_steps == 0:
+        if self.steps % self.k_steps == 0:
             self.sync()
         return local_s
 
