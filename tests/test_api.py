@@ -314,9 +314,10 @@ def test_distributed_loader_shards_and_reshuffles():
     shards = [fleet.data.shard_loader(loader, 2, rank) for rank in range(2)]
     seen = [torch.cat([b[0] for b in shard]).tolist() for shard in shards]
     assert sorted(seen[0] + seen[1]) == list(range(20)) and not set(seen[0]) & set(seen[1])
-    first = [b[0].tolist() for b in shards[0]]
-    shards[0].set_epoch(1)
-    assert [b[0].tolist() for b in shards[0]] != first
+    second = [b[0].tolist() for b in shards[0]]  # a new pass is a new epoch, as with DataLoader(shuffle=True)
+    assert second != [b[0].tolist() for b in shards[0]]
+    shards[0].set_epoch(1)  # set_epoch wins and gives the epoch's own order
+    assert [b[0].tolist() for b in shards[0]] == second
     assert len(shards[0]) == 4
     with pytest.raises(TypeError, match="DataLoader"):
         fleet.distributed_loader([1, 2, 3])
