@@ -295,6 +295,14 @@ def worker_index() -> int:
     return current_job().role.worker_index
 
 
+def local_rank() -> int:
+    """This process's index on its machine (torchrun's LOCAL_RANK): workers 0..W-1, then servers.
+
+    The number to pick this process's GPU with: ``torch.cuda.set_device(fleet.local_rank())``.
+    """
+    return current_job().role.local_rank
+
+
 def worker_num() -> int:
     return current_job().role.worker_num
 

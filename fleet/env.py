@@ -43,6 +43,10 @@ WORLD_SIZE = "WORLD_SIZE"
 LOCAL_RANK = "LOCAL_RANK"
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"
+# What fleetrun sets for every worker with torchrun's meaning, so code written for torchrun runs unchanged.
+TORCHRUN_VARIABLES = (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT)
 
 # --- MPI (Open MPI, MPICH / Intel MPI via PMI) --------------------------------
 OMPI_COMM_WORLD_RANK = "OMPI_COMM_WORLD_RANK"

@@ -53,6 +53,7 @@ PUBLIC = {
     "ProbabilityEntry",
     "stop_worker",
     "worker_index",
+    "local_rank",
     "worker_num",
 }
 
@@ -106,6 +107,7 @@ SIGNATURES = {
     "load_for_inference": "(dirname, model)",
     "stop_worker": "()",
     "worker_index": "()",
+    "local_rank": "()",
     "worker_num": "()",
 }
 

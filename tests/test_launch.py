@@ -87,6 +87,10 @@ def test_workers_get_their_variables_prefixes_and_log_files(tmp_path, workers):
         assert values["PYTHONUNBUFFERED"] == "1"
         assert re.fullmatch(r"[0-9a-f]{64}", values["FLEET_SECRET"])
         assert re.fullmatch(r"127\.0\.0\.1:\d+", values["FLEET_MASTER"])
+        # torchrun's variables, with torchrun's meaning, for code written for torchrun
+        assert (values["RANK"], values["LOCAL_RANK"], values["GROUP_RANK"]) == (str(rank), str(rank), "0")
+        assert values["WORLD_SIZE"] == values["LOCAL_WORLD_SIZE"] == str(workers)
+        assert f"{values['MASTER_ADDR']}:{values['MASTER_PORT']}" == values["FLEET_MASTER"]
         secrets.add(values["FLEET_SECRET"])
         masters.add(values["FLEET_MASTER"])
         texts = [text for who, text in child_lines(r.stdout) if who == f"worker {rank}"]
@@ -366,6 +370,21 @@ def test_multi_node_ranks_and_environment():
     assert values[env.FLEET_WORKER_INDEX] == "2" and values[env.FLEET_WORKER_NUM] == "6"
     assert values[env.FLEET_SERVER_NUM] == "3" and values[env.FLEET_SERVER_ENDPOINTS] == "a:1,b:2,c:3"
     assert values[env.FLEET_RESTART_COUNT] == "2" and values[env.FLEET_MASTER] == "10.0.0.1:7000"
+    # torchrun's variables count workers only: global rank 2 of 6, first on its node (node 1)
+    torchrun = {name: values[name] for name in env.TORCHRUN_VARIABLES}
+    assert torchrun == {
+        "RANK": "2",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "6",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "7000",
+    }
+    outer = {"RANK": "9", "WORLD_SIZE": "12", "LOCAL_RANK": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    server = child_env(specs[0], config, layout, restart_count=0, log_dir="/l", base={"KEEP": "1", **outer})
+    assert server["KEEP"] == "1" and not set(env.TORCHRUN_VARIABLES) & set(server)  # a server is no torchrun rank
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in server
 
 
 @pytest.mark.multiprocess

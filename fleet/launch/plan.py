@@ -79,12 +79,34 @@ def child_env(
         env.FLEET_LOCAL_RANK: str(spec.local_rank),
         env.PYTHONUNBUFFERED: "1",
     }
+    if spec.role == WORKER:
+        values.update(torchrun_variables(spec, config, layout))
+    inherited = os.environ if base is None else base
+    dropped = {env.TORCHELASTIC_USE_AGENT_STORE}  # fleet's store is worker 0's, never an outer torchrun agent's
     if config.strategy is not None:
         values[env.FLEET_STRATEGY_FILE] = str(config.strategy.path)
-        # --strategy wins over a strategy inherited as JSON (which the training side would read first).
-        base = {k: v for k, v in (os.environ if base is None else base).items() if k != env.FLEET_STRATEGY}
-    inherited = os.environ if base is None else base
+        dropped.add(env.FLEET_STRATEGY)  # --strategy wins over a strategy inherited as JSON (read first otherwise)
+    if spec.role == SERVER:
+        dropped.update(env.TORCHRUN_VARIABLES)  # a server is no rank of torchrun's world, not even an outer one's
     if env.OMP_NUM_THREADS not in inherited:
         # Like torchrun: without this each process starts one thread per core and they thrash.
         values[env.OMP_NUM_THREADS] = str(max(1, (os.cpu_count() or 1) // (config.workers + config.servers)))
+    base = {k: v for k, v in inherited.items() if k not in dropped}
     return env.child_environment(base, **values)
+
+
+def torchrun_variables(spec: ProcessSpec, config: LaunchConfig, layout: JobLayout) -> dict[str, str]:
+    """torchrun's variables for a worker, with torchrun's meaning over the job's workers (servers excluded).
+
+    MASTER_ADDR:MASTER_PORT is the job's rendezvous store (hosted by worker 0), as under torchrun.
+    """
+    host, port = env.split_endpoint(layout.master)
+    return {
+        env.RANK: str(spec.rank),
+        env.LOCAL_RANK: str(spec.local_rank),
+        env.WORLD_SIZE: str(config.world_workers),
+        env.LOCAL_WORLD_SIZE: str(config.workers),
+        env.GROUP_RANK: str(config.node_rank),
+        env.MASTER_ADDR: host,
+        env.MASTER_PORT: str(port),
+    }

@@ -17,6 +17,13 @@ NAMES = [
     "FLEET_LOCAL_RANK",
     "FLEET_STRATEGY_FILE",
     "PYTHONUNBUFFERED",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
 ]
 for name in NAMES:
     print(f"ENV {name}={os.environ.get(name, '<unset>')}")
