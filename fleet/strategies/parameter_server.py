@@ -11,7 +11,9 @@ every server's shards plus worker 0's optimizer-side state.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -108,7 +110,24 @@ class ParameterServerStrategy(Strategy):
                 self.server_endpoints(), resolve_secret(self.runtime), role.worker_index, self.config.timeout_s
             )
             self._client = client
+            atexit.register(self._stop_at_exit)
         return self._client
+
+    def _stop_at_exit(self) -> None:
+        """The script ended without fleet.stop_worker(): stop as it would have (flush, then STOP the servers)."""
+        if self._client is None or hasattr(sys, "last_value"):
+            return  # stopped already, or ending on an uncaught exception: the job must fail, naming this worker
+        try:
+            self.shutdown()
+        except Exception as error:  # noqa: BLE001 - whatever it is, the user must hear that updates may be lost
+            print(
+                f"fleet: worker {self.runtime.role.worker_index}: could not finish cleanly at exit "
+                f"(its last updates may not have reached the servers): {error}",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.stdout.flush()
+            os._exit(1)
 
     def server_endpoints(self) -> list[str]:
         from fleet.ps.launch_server import worker_endpoints
@@ -123,6 +142,7 @@ class ParameterServerStrategy(Strategy):
                 opt.flush()
         finally:
             if self._client is not None:
+                atexit.unregister(self._stop_at_exit)
                 self._client.close()
                 self._client = None
 

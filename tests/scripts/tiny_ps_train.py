@@ -1,4 +1,9 @@
-"""A tiny parameter-server job (dense + sparse) that prints a checksum of its final dense parameters."""
+"""A tiny parameter-server job (dense + sparse) that prints a checksum of its final dense parameters.
+
+With ``--no-stop`` the script simply ends, without fleet.stop_worker(), as most scripts do.
+"""
+
+import sys
 
 import torch
 
@@ -17,6 +22,7 @@ for step in range(6):
     head(embedding(ids).flatten(1)).pow(2).mean().backward()
     opt.step()
 fleet.barrier_worker()
-checksum = sum(float(p.double().sum()) for p in head.parameters())
+checksum = sum(float(p.detach().double().sum()) for p in head.parameters())
 print(f"worker {fleet.worker_index()} of {fleet.worker_num()} checksum {checksum:.10f}")
-fleet.stop_worker()
+if "--no-stop" not in sys.argv:
+    fleet.stop_worker()
