@@ -323,6 +323,36 @@ class DenseShard(Shard):
         self._acc, self._present, self._trainable, self._snapshot_version = None, None, None, -1
         self._pushed.clear()
 
+    def optimizer_state(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int]:
+        """Values, each parameter's step count (-1: not on this shard), optimizer state and table step."""
+        state = self.table.state_dict()
+        param_steps = torch.full((self.parameters,), -1, dtype=torch.int64)
+        for piece, param in enumerate(self._piece_params):
+            param_steps[param] = int(state["piece_steps"][piece])
+        named = {key.removeprefix("state."): t for key, t in state.items() if key.startswith("state.")}
+        return state["values"], param_steps, named, int(state["step"])
+
+    def set_optimizer_state(self, param_steps: torch.Tensor, named: dict[str, torch.Tensor], step: int) -> None:
+        """Replace the optimizer state (values and version untouched); checked whole before anything changes."""
+        current = self.table.state_dict()
+        wanted = sorted(key.removeprefix("state.") for key in current if key.startswith("state."))
+        if sorted(named) != wanted:
+            raise ShardError(
+                f"dense table {self.table_id}: optimizer state {sorted(named)} does not match this table's {wanted}"
+            )
+        if param_steps.dtype != torch.int64 or list(param_steps.shape) != [self.parameters]:
+            raise ShardError(
+                f"dense table {self.table_id}: parameter steps have shape {list(param_steps.shape)} and dtype "
+                f"{param_steps.dtype}, expected [{self.parameters}] int64"
+            )
+        for name, t in named.items():
+            self.check_values(f"optimizer state {name!r}", t)
+        state = {**current, "step": int(step), **{f"state.{name}": t for name, t in named.items()}}
+        state["piece_steps"] = torch.tensor(
+            [max(0, int(param_steps[p])) for p in self._piece_params], dtype=torch.int64
+        )
+        self.table.load_state_dict(state)
+
     def info(self) -> dict[str, Any]:
         return {**super().info(), "size": self.size}
 

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +37,14 @@ from fleet.files import share_bounds
 from fleet.ps.client_io import IOThread, Job
 from fleet.ps.errors import PSAuthError, PSError, PSServerUnavailable
 from fleet.ps.liveness import HEARTBEAT_S
-from fleet.ps.wire import REDUCE_OPS, Message, Op
+from fleet.ps.wire import (
+    DENSE_STATE_GET,
+    DENSE_STATE_SET_OPTIMIZER,
+    DENSE_STATE_SET_VALUES,
+    REDUCE_OPS,
+    Message,
+    Op,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,16 @@ def shard_ranges(size: int, num_servers: int) -> list[tuple[int, int]]:
 def sparse_owner(ids: torch.Tensor, num_servers: int) -> torch.Tensor:
     """The server index of each id: a non-negative ``id mod num_servers`` (negative ids too)."""
     return torch.remainder(ids, num_servers)
+
+
+@dataclass(frozen=True)
+class DenseState:
+    """A dense table read whole: flat values and optimizer state, and each parameter's step count."""
+
+    values: torch.Tensor
+    named: dict[str, torch.Tensor]
+    param_steps: torch.Tensor
+    step: int
 
 
 def _versioned(t: torch.Tensor, replies: Sequence[Message]) -> torch.Tensor:
@@ -240,6 +258,55 @@ class PSClient:
             return _versioned(out, replies)
 
         return self._submit(parts, assemble)
+
+    def dense_state(self, table_id: int) -> Future:
+        """Future[DenseState]: the table's values, optimizer state and each parameter's step, from every server."""
+        size, ranges = self._dense_layout(table_id)
+
+        def assemble(replies: list[Message]) -> DenseState:
+            metas = self._json_list(replies)
+            names = metas[0]["names"]
+            values = torch.empty(size, dtype=torch.float32)
+            named = {name: torch.empty(size, dtype=torch.float32) for name in names}
+            steps = replies[0].tensors[1].clone()
+            for (lo, hi), reply in zip(ranges, replies, strict=True):
+                values[lo:hi].copy_(reply.tensors[0])
+                for name, t in zip(names, reply.tensors[2:], strict=True):
+                    named[name][lo:hi].copy_(t)
+                torch.maximum(steps, reply.tensors[1], out=steps)
+            return DenseState(values, named, steps, max(int(m["step"]) for m in metas))
+
+        return self._submit(self._all(Op.DENSE_STATE, table_id, arg=DENSE_STATE_GET), assemble)
+
+    def set_dense_optimizer_state(
+        self, table_id: int, named: dict[str, torch.Tensor], param_steps: torch.Tensor, step: int
+    ) -> Future:
+        """Replace the table's optimizer state (flat, like the values) and its parameters' step counts."""
+        size, ranges = self._dense_layout(table_id)
+        blob = json.dumps({"names": list(named), "step": int(step)}).encode()
+        flat = {name: t.detach().reshape(-1).to(torch.float32).contiguous() for name, t in named.items()}
+        for name, t in flat.items():
+            if t.numel() != size:
+                raise ValueError(f"dense table {table_id} holds {size} values, optimizer state {name!r} {t.numel()}")
+        steps = param_steps.to(torch.int64).contiguous()
+        parts = [
+            (s, self._msg(Op.DENSE_STATE, table_id, arg=DENSE_STATE_SET_OPTIMIZER, blob=blob,
+                          tensors=[steps, *(t[lo:hi] for t in flat.values())]))
+            for s, (lo, hi) in enumerate(ranges)
+        ]  # fmt: skip
+        return self._submit(parts)
+
+    def set_dense_values(self, table_id: int, values: torch.Tensor) -> Future:
+        """Overwrite the table's values (parameters the user wrote outside the optimizer)."""
+        size, ranges = self._dense_layout(table_id)
+        flat = values.detach().reshape(-1).to(torch.float32).contiguous()
+        if flat.numel() != size:
+            raise ValueError(f"dense table {table_id} holds {size} values, the new values {flat.numel()}")
+        parts = [
+            (s, self._msg(Op.DENSE_STATE, table_id, arg=DENSE_STATE_SET_VALUES, tensors=[flat[lo:hi]]))
+            for s, (lo, hi) in enumerate(ranges)
+        ]
+        return self._submit(parts)
 
     def _dense_push(
         self, op: Op, table_id: int, values: torch.Tensor, step: int, lr: float, extra: list[torch.Tensor] = ()

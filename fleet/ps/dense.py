@@ -33,6 +33,7 @@ class GroupTable:
         self.size = sum(p.numel() for p in self.params)
         self.version = 0
         self.base = torch.zeros(0)  # geo: the values at the last sync
+        self._written_at = self._param_versions()
 
     @property
     def group(self) -> dict[str, Any]:
@@ -73,6 +74,21 @@ class GroupTable:
             n = p.numel()
             p.copy_(flat[offset : offset + n].view_as(p))
             offset += n
+        self.mark_clean()
+
+    def _param_versions(self) -> list[int]:
+        return [p._version for p in self.params]
+
+    def mark_clean(self) -> None:
+        """The parameters hold what fleet put there (server values, or geo's own local step)."""
+        self._written_at = self._param_versions()
+
+    def written(self) -> bool:
+        """Whether the user wrote the parameters since fleet last did (model.load_state_dict, clamping, ...).
+
+        Every in-place write bumps a tensor's version counter, so this costs one integer per parameter.
+        """
+        return self._param_versions() != self._written_at
 
 
 class DenseTables:

@@ -39,6 +39,9 @@ class UpdateMode:
     def drop_in_flight(self) -> None:
         """After a server was lost: forget what was in flight (it is pulled again)."""
 
+    def discard_pull(self) -> None:
+        """The user wrote the parameters: values pulled before that must not overwrite them."""
+
     def _push_grads(self, versioned: bool) -> list[Future]:
         opt = self.opt
         futures = []
@@ -92,6 +95,11 @@ class AsyncMode(UpdateMode):
             pull, self._pull = self._pull, None
             self.opt.tables.adopt(pull, version=False)
 
+    def discard_pull(self) -> None:
+        pull, self._pull = self._pull, None
+        for future in pull or []:
+            future.result()
+
     def drop_in_flight(self) -> None:
         for future in [*self._pushes, *(self._pull or [])]:
             try:
@@ -111,6 +119,8 @@ class GeoMode(UpdateMode):
         opt = self.opt
         started = time.perf_counter()
         opt.inner.step()
+        for entry in opt.tables.entries:
+            entry.mark_clean()  # geo's own local step: its change reaches the servers as the next delta
         self.steps += 1
         for module, index, rows in opt.sparse:
             ids, grads, _ = module.take_gradients()  # clicks stay here: geo pushes deltas, not gradients

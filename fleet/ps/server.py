@@ -131,6 +131,7 @@ class ParameterServer(TableOps, ReduceOps):
             Op.ALL_REDUCE: self._all_reduce_op,
             Op.SHRINK: self._shrink,
             Op.EXPORT_SPARSE: self._export_sparse,
+            Op.DENSE_STATE: self._dense_state,
         }
 
     # ------------------------------------------------------------------ loop

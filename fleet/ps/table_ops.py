@@ -15,7 +15,15 @@ from typing import Any
 
 from fleet.ps import aggregator as agg
 from fleet.ps import shard_io
-from fleet.ps.wire import Message, Op, Status, op_name
+from fleet.ps.wire import (
+    DENSE_STATE_GET,
+    DENSE_STATE_SET_OPTIMIZER,
+    DENSE_STATE_SET_VALUES,
+    Message,
+    Op,
+    Status,
+    op_name,
+)
 
 
 class TableOps:
@@ -150,6 +158,36 @@ class TableOps:
                 self._send(parked.ident, self._pull_reply(shard, parked.msg))
             except (agg.ShardError, ValueError) as exc:
                 self._reply_error(parked.ident, parked.msg, str(exc))
+
+    def _dense_state(self, ident: bytes, msg: Message) -> Message:
+        """A dense shard's values and optimizer state, read or replaced (see wire.DENSE_STATE_GET)."""
+        shard = self._shard(msg, "dense")
+        assert isinstance(shard, agg.DenseShard)
+        if msg.arg == DENSE_STATE_GET:
+            self._expect(msg)
+            values, param_steps, named, step = shard.optimizer_state()
+            blob = json.dumps({"names": list(named), "step": step}).encode()
+            return self._ok(msg, tensors=[values, param_steps, *named.values()], blob=blob, version=shard.version)
+        if msg.arg == DENSE_STATE_SET_VALUES:
+            values = self._expect(msg, "values")[0]
+            shard.check_values("values", values)
+            shard.set(values)
+            return self._ok(msg, version=shard.version)
+        if msg.arg != DENSE_STATE_SET_OPTIMIZER:
+            raise agg.ShardError(f"DENSE_STATE arg {msg.arg} is none of get (0), set optimizer (1), set values (2)")
+        try:
+            meta = json.loads(msg.text())
+            names, step = list(meta["names"]), int(meta["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise agg.ShardError(
+                'DENSE_STATE set carries a JSON object such as {"names": ["exp_avg"], "step": 3}'
+            ) from None
+        if len(msg.tensors) != 1 + len(names):
+            raise agg.ShardError(
+                f"DENSE_STATE set carries {len(msg.tensors)} tensors for {len(names)} state names + steps"
+            )
+        shard.set_optimizer_state(msg.tensors[0], dict(zip(names, msg.tensors[1:], strict=True)), step)
+        return self._ok(msg, version=shard.version)
 
     def _shrink(self, ident: bytes, msg: Message) -> Message:
         """Evict, in sparse table ``msg.table``, rows past their TTL and (with a threshold) rows scoring below it."""

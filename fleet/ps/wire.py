@@ -60,6 +60,15 @@ class Op(enum.IntEnum):
     ALL_REDUCE = 15
     SHRINK = 16
     EXPORT_SPARSE = 17
+    DENSE_STATE = 18
+
+
+#: DENSE_STATE (a user's own optimizer/model state_dict round trips): ``arg`` says what.
+#: GET: reply [values, param_steps, *optimizer state] with blob {"names": [...], "step": n};
+#: param_steps holds each of the table's parameters' step count (-1: not on this server).
+#: SET_OPTIMIZER: request [param_steps, *optimizer state] with blob {"names": [...], "step": n}.
+#: SET_VALUES: request [values] (parameters the user wrote: model.load_state_dict, clamping).
+DENSE_STATE_GET, DENSE_STATE_SET_OPTIMIZER, DENSE_STATE_SET_VALUES = 0, 1, 2
 
 
 #: ALL_REDUCE (``fleet.metrics``): one 1-D float64 tensor, ``arg`` = the reduction's index here;

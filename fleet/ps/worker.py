@@ -11,6 +11,7 @@ restarts. Param groups added later (``add_param_group`` on this optimizer, or fo
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -24,7 +25,7 @@ from fleet.ps import modes
 from fleet.ps.client import PSClient
 from fleet.ps.dense import DenseTables
 from fleet.ps.errors import PSRemoteError
-from fleet.ps.optim import OptimizerSpec
+from fleet.ps.optim import OptimizerSpec, ServerOptimizer
 from fleet.ps.recovery import Recovery
 from fleet.ps.rows import GeoRows, RemoteRows
 
@@ -137,6 +138,7 @@ class PSOptimizer(WrappedOptimizer):
         self._adopt_new_groups()
         started = time.perf_counter()
         try:
+            self.recovery.guard(self._send_parameter_writes, lossy=True)
             local_s = self.recovery.guard(self.update.step, lossy=True) or 0.0
         except PSRemoteError as exc:
             raise self._explain(exc) from None
@@ -152,7 +154,85 @@ class PSOptimizer(WrappedOptimizer):
 
     def flush(self) -> None:
         """Wait for background pushes and pulls (async) so the servers hold this worker's updates."""
+        self.recovery.guard(self._send_parameter_writes, lossy=True)
         self.recovery.guard(self.update.flush, lossy=True)
+
+    def _send_parameter_writes(self) -> None:
+        """Parameters the user wrote since fleet last set them replace the servers' values, as they would
+        replace a single process's: model.load_state_dict, clamping or re-initialising weights by hand."""
+        written = [entry for entry in self.tables.entries if entry.written()]
+        if not written:
+            return
+        self.update.discard_pull()
+        futures = [self.client.set_dense_values(entry.table_id, entry.values()) for entry in written]
+        for future in futures:
+            future.result()
+        for entry in written:
+            entry.mark_clean()
+            if isinstance(self.update, modes.GeoMode):
+                entry.base = entry.values()  # the write is the servers' value now, not a delta to add
+
+    # ------------------------------------------------------------------ state dicts
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format, holding the servers' optimizer state for the dense parameters (geo: the local one).
+
+        Sparse tables' rows and their optimizer state are not in it: save them with fleet.save_persistables.
+        """
+        if isinstance(self.update, modes.GeoMode) or not self.tables.entries:
+            return self._inner.state_dict()
+        self.flush()
+        futures = [self.client.dense_state(entry.table_id) for entry in self.tables.entries]
+        server_state: dict[Any, dict[str, Any]] = {}
+        for entry, future in zip(self.tables.entries, futures, strict=True):
+            read = self.recovery.guard(future.result)
+            spec = OptimizerSpec.from_torch(type(self._inner), entry.group)
+            offset = 0
+            for index, p in enumerate(entry.params):
+                n = p.numel()
+                pieces = {name: t[offset : offset + n].view_as(p).clone() for name, t in read.named.items()}
+                per_param = torch_param_state(spec, pieces, int(read.param_steps[index]))
+                if per_param:
+                    server_state[p] = per_param
+                offset += n
+        held = {p for entry in self.tables.entries for p in entry.params}
+        local = self._inner.state
+        merged = defaultdict(dict, {p: v for p, v in local.items() if p not in held})
+        merged.update(server_state)
+        self._inner.state = merged  # torch's own packing (param indices, param_groups) over the servers' state
+        try:
+            return self._inner.state_dict()
+        finally:
+            self._inner.state = local
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the user's optimizer (param groups, lr, ...) and send the dense optimizer state to the servers."""
+        self._inner.load_state_dict(state_dict)
+        if isinstance(self.update, modes.GeoMode) or not self.tables.entries:
+            return  # geo steps with the local optimizer: its state is where it belongs
+        self.flush()
+        futures = []
+        for entry in self.tables.entries:
+            spec = OptimizerSpec.from_torch(type(self._inner), entry.group)
+            names = ServerOptimizer(spec).state_names
+            flat = {name: torch.zeros(entry.size) for name in names}
+            if "sum" in flat:
+                flat["sum"].fill_(spec.initial_accumulator_value)
+            steps = torch.zeros(len(entry.params), dtype=torch.int64)
+            offset = 0
+            for index, p in enumerate(entry.params):
+                n = p.numel()
+                loaded = self._inner.state.get(p, {})
+                for name in names:
+                    if loaded.get(name) is not None:
+                        flat[name][offset : offset + n] = loaded[name].detach().reshape(-1).to(torch.float32)
+                steps[index] = param_step(loaded)
+                offset += n
+            futures.append(self.client.set_dense_optimizer_state(entry.table_id, flat, steps, int(steps.max())))
+        for future in futures:
+            self.recovery.guard(future.result)
+        for entry in self.tables.entries:
+            for p in entry.params:  # the servers hold it now; a stale local copy would only mislead
+                self._inner.state.pop(p, None)
 
     def refresh(self) -> None:
         """Pull the servers' current dense values into the parameters (after a load or a restart)."""
@@ -204,3 +284,21 @@ class PSOptimizer(WrappedOptimizer):
             f"Workers hold different models: worker {self._worker} has {len(mine)} parameters in a param group "
             f"where the first worker had {len(theirs)}. Every worker must build the same model and optimizer."
         )
+
+
+def torch_param_state(spec: OptimizerSpec, pieces: dict[str, torch.Tensor], step: int) -> dict[str, Any]:
+    """One parameter's state as the torch.optim class of ``spec`` keeps it ({} where torch keeps none)."""
+    if spec.kind == "adagrad":  # torch makes Adagrad's state at construction, step 0 included
+        return {"step": torch.tensor(float(max(step, 0))), **pieces}
+    if step <= 0:
+        return {}  # never stepped: torch has no state for it yet
+    if spec.kind == "sgd":
+        return pieces  # the momentum buffer, or nothing without momentum
+    return {"step": torch.tensor(float(step)), **pieces}
+
+
+def param_step(state: dict[str, Any]) -> int:
+    """The step count the servers need for one parameter's loaded torch state."""
+    if "step" in state:
+        return int(float(state["step"]))
+    return 1 if state.get("momentum_buffer") is not None else 0  # SGD counts no steps; a buffer means it stepped
