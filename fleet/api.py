@@ -276,7 +276,21 @@ def distributed_model(model: torch.nn.Module, strategy: DistributedStrategy | No
     """Broadcast worker 0's parameters and buffers and keep buffers in step (DDP semantics). Optional."""
     job = current_job()
     job.models.append(model)
-    return job.wrapping(strategy).wrap_model(model)
+    impl = job.wrapping(strategy)
+    return _with_ddp_habits(impl.wrap_model(model))
+
+
+def _with_ddp_habits(model: torch.nn.Module) -> torch.nn.Module:
+    """``model.module`` and ``model.no_sync()``, as on a DDP-wrapped model, unless the model has its own.
+
+    The model is returned as itself (its state_dict has no ``module.`` prefix), so ``.module`` is the
+    model too; set past nn.Module's __setattr__ so that it is no submodule (no cycle, no new keys).
+    """
+    if "module" not in model._modules and not hasattr(model, "module"):
+        object.__setattr__(model, "module", model)
+    if not hasattr(model, "no_sync"):
+        object.__setattr__(model, "no_sync", context.no_sync)
+    return model
 
 
 def distributed_loader(loader: Any) -> Any:

@@ -7,6 +7,7 @@ checkpoints) reaches the job through :func:`current` and :func:`strategy`, never
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,3 +30,12 @@ def set_current(context: FleetContext | None) -> None:
 def strategy() -> Strategy | None:
     """The strategy this process trains under, once one was chosen (None before, or without fleet.init)."""
     return _current.active_strategy if _current is not None else None
+
+
+def no_sync() -> AbstractContextManager:
+    """DDP's ``no_sync()`` under the strategy this process trains with (nothing to pause without one).
+
+    Looked up when called, so a model carrying it stays picklable and copyable.
+    """
+    chosen = strategy()
+    return chosen.no_sync() if chosen is not None else nullcontext()

@@ -17,6 +17,7 @@ happens with ``self.metrics.add_comm(seconds)`` and dropped stale gradients with
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -111,6 +112,11 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none=set_to_none)
+
+    def no_sync(self) -> AbstractContextManager:
+        """DDP's ``no_sync()``, also on the optimizer: backward passes inside accumulate local gradients
+        only; the first backward after it reduces all of them (gradient accumulation)."""
+        return context.no_sync()
 
     def state_dict(self) -> dict[str, Any]:
         return self._inner.state_dict()

@@ -125,6 +125,7 @@ class GradSync:
         self.diagnose = diagnose
         self.accumulation = accumulation
         self.enabled = True  # False between the micro-batches of an accumulation window
+        self.paused = 0  # inside no_sync() (nested): backward accumulates locally, as between micro-batches
         self.hooked = True  # False in local-SGD mode: the registry only, no gradient rounds
         self.rounds = 0
         self.comm_wait_s = 0.0
@@ -232,7 +233,7 @@ class GradSync:
                 "Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
             )
         self._changed.add(pid)
-        if not self.enabled or (self.lockstep is not None and self.lockstep.joined):
+        if not self.enabled or self.paused or (self.lockstep is not None and self.lockstep.joined):
             return
         if not self._in_round:
             self._begin(in_backward=True)

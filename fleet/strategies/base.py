@@ -174,6 +174,11 @@ class Strategy(ABC):
         """``with fleet.join():`` for loops that end unevenly; nothing to do unless the strategy says so."""
         return nullcontext()
 
+    def no_sync(self) -> AbstractContextManager:
+        """DDP's ``no_sync()``: backward passes inside only accumulate local gradients; the first one
+        after it reduces everything accumulated. Nothing to do where backward does not communicate."""
+        return nullcontext()
+
     def server_endpoints(self) -> list[str]:
         return list(self.runtime.role.server_endpoints)
 

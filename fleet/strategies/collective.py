@@ -14,6 +14,8 @@ import atexit
 import sys
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +125,15 @@ class CollectiveStrategy(Strategy):
         self._models.append(weakref.ref(model))
         sync.register(model)
         return model
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        sync = self.sync()
+        sync.paused += 1
+        try:
+            yield
+        finally:
+            sync.paused -= 1
 
     def _broadcast_buffers(self, index: int, model: torch.nn.Module) -> None:
         lock = self.sync().lockstep

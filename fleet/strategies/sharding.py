@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -140,6 +142,17 @@ class ShardingStrategy(Strategy):
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         self._shard(model)
         return model
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        models = list(self._sharded)  # FSDP2's own switch: unsharded gradients accumulate until it is back on
+        for model in models:
+            model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for model in models:
+                model.set_requires_gradient_sync(True)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         params = [p for group in optimizer.param_groups for p in group["params"]]
