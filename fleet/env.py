@@ -128,6 +128,14 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+XDG_STATE_HOME = "XDG_STATE_HOME"
+
+
+def user_state_dir() -> str:
+    """Where per-user program state and logs go (XDG's state directory: ``~/.local/state`` by default)."""
+    return os.environ.get(XDG_STATE_HOME) or os.path.join(os.path.expanduser("~"), ".local", "state")
+
+
 def current() -> EnvReader:
     """The process environment, read once."""
     return EnvReader()

@@ -287,10 +287,23 @@ def test_a_failure_on_one_node_stops_the_other(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_bad_input_in_a_subprocess_exits_2_without_traceback(tmp_path):
-    r = fleetrun("--bogus", ENV_SCRIPT, cwd=tmp_path, timeout=30)
+    state = tmp_path / "state"
+    r = fleetrun("--bogus", ENV_SCRIPT, cwd=tmp_path, timeout=30, extra_env={"XDG_STATE_HOME": str(state)})
     assert r.returncode == 2
     assert "--bogus" in r.stderr and "Traceback" not in r.stderr + r.stdout
-    assert not (tmp_path / "fleet_logs").exists()
+    assert not state.exists() and not (tmp_path / "fleet_logs").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_default_log_directory_is_the_users_state_directory_not_the_working_tree(tmp_path):
+    work, state = tmp_path / "work", tmp_path / "state"
+    work.mkdir()
+    r = fleetrun("--workers", 1, ENV_SCRIPT, cwd=work, timeout=50, extra_env={"XDG_STATE_HOME": str(state)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert list(work.iterdir()) == []  # nothing written into the user's working tree
+    (run,) = (state / "fleet" / "logs").iterdir()
+    assert (run / "worker.0.log").is_file() and f"logs in {run}" in r.stdout
 
 
 def _bad(tmp_path, capsys, *argv) -> str:

@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument(
         "--log-dir",
         metavar="DIR",
-        help="where each process's output goes, one file per process (default: ./fleet_logs/<timestamp>)",
+        help="where each process's output goes, one file per process (default: $XDG_STATE_HOME or ~/.local/state, then fleet/logs/<timestamp>)",
     )
     faults = parser.add_argument_group("failures")
     faults.add_argument(

@@ -42,7 +42,7 @@ class LaunchConfig:
     workers: int = 1  # per node
     servers: int = 0  # per node
     strategy: StrategyFile | None = None
-    log_dir: Path | None = None  # None: ./fleet_logs/<timestamp>
+    log_dir: Path | None = None  # None: <user state dir>/fleet/logs/<timestamp>
     max_restarts: int = 0
     nnodes: int = 1
     node_rank: int = 0
@@ -147,10 +147,14 @@ def check_strategy_against_servers(strategy: StrategyFile | None, servers: int) 
 
 
 def default_log_dir(base: Path | None = None) -> Path:
-    """A fresh ``./fleet_logs/<YYYYmmdd-HHMMSS>`` directory (suffixed when taken)."""
+    """A fresh ``<state dir>/fleet/logs/<YYYYmmdd-HHMMSS>`` directory (suffixed when taken).
+
+    The user's state directory (``$XDG_STATE_HOME``, else ``~/.local/state``), not the working
+    directory: a launch must not litter the user's source tree. fleetrun prints where it is.
+    """
     import time
 
-    root = (base or Path.cwd()) / "fleet_logs"
+    root = (base or Path(env.user_state_dir())) / "fleet" / "logs"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for n in range(1000):
         candidate = root / (stamp if n == 0 else f"{stamp}-{n}")
@@ -171,7 +175,7 @@ def make_log_dir(text: str | None) -> Path:
     except OSError as exc:
         raise LaunchError(
             f"--log-dir {text!r} cannot be used as a log directory ({exc.strerror}). "
-            "Pick a writable directory, or leave --log-dir out for ./fleet_logs/<timestamp>."
+            "Pick a writable directory, or leave --log-dir out for ~/.local/state/fleet/logs/<timestamp>."
         ) from None
     if not os.access(path, os.W_OK):
         raise LaunchError(f"--log-dir {text!r} is not writable. Pick a writable directory.")
