@@ -296,14 +296,17 @@ class PSClient:
         ]  # fmt: skip
         return self._submit(parts)
 
-    def set_dense_values(self, table_id: int, values: torch.Tensor) -> Future:
-        """Overwrite the table's values (parameters the user wrote outside the optimizer)."""
+    def set_dense_values(self, table_id: int, values: torch.Tensor, version: int = 0) -> Future:
+        """Overwrite the table's values (parameters the user wrote outside the optimizer).
+
+        ``version``: the version the written values were based on; a sync shard past it drops them.
+        """
         size, ranges = self._dense_layout(table_id)
         flat = values.detach().reshape(-1).to(torch.float32).contiguous()
         if flat.numel() != size:
             raise ValueError(f"dense table {table_id} holds {size} values, the new values {flat.numel()}")
         parts = [
-            (s, self._msg(Op.DENSE_STATE, table_id, arg=DENSE_STATE_SET_VALUES, tensors=[flat[lo:hi]]))
+            (s, self._msg(Op.DENSE_STATE, table_id, arg=DENSE_STATE_SET_VALUES, step=version, tensors=[flat[lo:hi]]))
             for s, (lo, hi) in enumerate(ranges)
         ]
         return self._submit(parts)

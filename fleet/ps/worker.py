@@ -164,7 +164,7 @@ class PSOptimizer(WrappedOptimizer):
         if not written:
             return
         self.update.discard_pull()
-        futures = [self.client.set_dense_values(entry.table_id, entry.values()) for entry in written]
+        futures = [self.client.set_dense_values(entry.table_id, entry.values(), entry.version) for entry in written]
         for future in futures:
             future.result()
         for entry in written:
