@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fleet import env, strategy_file
 from fleet.inject import InjectionSpec
+from fleet.ps.limits import DEFAULT_MAX_REQUEST_IDS, DEFAULT_MAX_REQUEST_MB
 
 
 class StrategyError(ValueError):
@@ -59,6 +60,15 @@ class DistributedStrategy(BaseModel):
 
     backup_workers: int = Field(0, ge=0)
     """PS sync mode: apply a step's update after the first N - backup_workers gradients."""
+
+    max_request_ids: int = Field(DEFAULT_MAX_REQUEST_IDS, ge=1, le=1 << 26)
+    """PS: ids one sparse pull or push request carries. Workers split bigger batches into several
+    requests, so that no request holds a server's loop for long while other workers wait; a
+    server refuses a request over its limits with an error naming them (fleet.ps.limits)."""
+
+    max_request_mb: float = Field(DEFAULT_MAX_REQUEST_MB, ge=0.0625, le=1024)
+    """PS: MiB one sparse request, or its reply, carries (ids, rows and clicks); with wide rows
+    this, not ``max_request_ids``, sets how many ids go in one request."""
 
     servers: int = Field(0, ge=0)
     """Under rank-only launchers (torchrun, mpirun, srun): the first ``servers`` ranks serve."""

@@ -110,7 +110,7 @@ def _patched_header(offset: int, fmt: str, value) -> bytes:
         (_frames(f0=_patched_header(HEADER.size, "<B", 250)), "unknown dtype code 250"),
         (_frames(f0=_patched_header(HEADER.size + 1, "<B", 5)), "5 dims"),
         (_frames(f0=_patched_header(HEADER.size + 8, "<q", -4)), "invalid shape"),
-        (_frames(f0=_patched_header(HEADER.size + 8, "<q", 1 << 60)), "data bytes"),
+        (_frames(f0=_patched_header(HEADER.size + 8, "<q", 1 << 60)), "frames, expected"),
     ],
 )
 def test_malformed_messages_are_named(frames: list[bytes], needle: str) -> None:

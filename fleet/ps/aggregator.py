@@ -12,6 +12,16 @@ once workers have stopped), their average is applied once with the pushes'
 learning rate and the version advances. A push for an older step is stale:
 dropped and counted per worker. A push for a future step is a protocol error
 -- a worker must first pull with ``min_version=step``.
+
+A sparse push may come in pieces (the client cuts batches over the request limits,
+:mod:`fleet.ps.limits`): every piece but the last says ``more``. In sync mode the pieces wait
+apart from the step's accumulator and join it with the last one, so a step that closes
+meanwhile (backup workers) holds none of a late push; in async and geo mode each piece is
+applied on arrival. Either way the version, the stale count and the table's clock move once
+per push, not per piece.
+
+Every change to a shard is all-or-nothing: when applying a step fails (out of memory), the
+accumulated gradients stay, the version does not move, and the table is as it was.
 """
 
 from __future__ import annotations
@@ -112,6 +122,7 @@ class Shard:
         self.stale_dropped: dict[int, int] = {}
         self._pushed: set[int] = set()  # workers whose gradient for step == version is in the accumulator
         self._lr = 0.0
+        self.step_error: str | None = None  # why the last attempt to apply a complete sync step failed
 
     def required(self, active_workers: int) -> int:
         """How many gradients close a sync step: N - b, fewer once workers have stopped for good."""
@@ -121,14 +132,18 @@ class Shard:
         """Workers whose push for the current step is missing (for timeout messages)."""
         return sorted(active - self._pushed)
 
-    def _check_grad_push(self, worker: int, step: int) -> bool:
-        """Validate a gradient push; return False when it is stale (dropped and counted)."""
+    def _check_grad_push(self, worker: int, step: int, last: bool = True) -> bool:
+        """Validate a gradient push (or a piece of one); return False when it is stale (dropped).
+
+        A stale push is counted once, with its ``last`` piece.
+        """
         if self.mode == "geo":
             raise ShardError(f"table {self.table_id} is in geo mode: push deltas, not gradients")
         if self.mode == "async":
             return True
         if step < self.version:
-            self.stale_dropped[worker] = self.stale_dropped.get(worker, 0) + 1
+            if last:
+                self.stale_dropped[worker] = self.stale_dropped.get(worker, 0) + 1
             return False
         if step > self.version:
             raise ShardError(
@@ -156,12 +171,14 @@ class Shard:
             return False
         if len(self._pushed) < self.required(len(active)) and not (active - at_barrier) <= self._pushed:
             return False
-        self._apply_accumulated(len(self._pushed), self._lr)
+        self._apply_accumulated(len(self._pushed), self._lr)  # all-or-nothing: on failure nothing moved
         self._pushed.clear()
         self.version += 1
+        self.step_error = None
         return True
 
     def _apply_accumulated(self, count: int, lr: float) -> None:
+        """Apply the step's accumulated gradients and empty the accumulator -- or raise and change nothing."""
         raise NotImplementedError
 
     def info(self) -> dict[str, Any]:
@@ -255,17 +272,27 @@ class DenseShard(Shard):
             self.table.apply_gradient(grad, lr, self._piece_flags(has_grad))
             self.version += 1
             return True
-        self._check_trainable(worker, present)
-        # sync: the received buffer is ours (a ZeroMQ frame), so it can be the accumulator itself
-        if self._acc is None:
-            self._acc = grad if grad.is_contiguous() else grad.contiguous()
-        else:
-            self._acc.add_(grad)
-        if has_grad is not None or self._present is not None:
-            flags = has_grad.to(torch.int32) if has_grad is not None else torch.ones(self.parameters, dtype=torch.int32)
-            if self._present is None:  # the earlier pushes of this step had every parameter
-                self._present = torch.full((self.parameters,), len(self._pushed), dtype=torch.int32)
-            self._present.add_(flags)
+        trainable = self._trainable
+        try:
+            self._check_trainable(worker, present)
+            counts = self._present
+            if has_grad is not None or counts is not None:
+                one = torch.ones(self.parameters, dtype=torch.int32)
+                flags = has_grad.to(torch.int32) if has_grad is not None else one
+                if counts is None:  # the earlier pushes of this step had every parameter
+                    counts = torch.full((self.parameters,), len(self._pushed), dtype=torch.int32)
+                counts = counts + flags
+            # sync: the received buffer is ours (a ZeroMQ frame), so it can be the accumulator itself;
+            # adding to it is the push's only change in place, so a failure before it changes nothing
+            if self._acc is None:
+                self._acc = grad if grad.is_contiguous() else grad.contiguous()
+            else:
+                self._acc.add_(grad)
+        except Exception:
+            if self.broken is None:  # a disagreement breaks the table for good; anything else undoes
+                self._trainable = trainable
+            raise
+        self._present = counts
         self._pushed.add(worker)
         self._lr = lr
         return True
@@ -301,13 +328,12 @@ class DenseShard(Shard):
         self.version += 1
 
     def _apply_accumulated(self, count: int, lr: float) -> None:
-        acc, self._acc = self._acc, None
-        present, self._present = self._present, None
-        self._trainable = None
-        if acc is not None:
+        if self._acc is not None:
             # Absent gradients count as zero in the average (DDP's semantics); a parameter that no
-            # worker had a gradient for is not stepped at all.
-            self.table.apply_gradient(acc.div_(count), lr, self._piece_flags(present))
+            # worker had a gradient for is not stepped at all. Not divided in place: a failed
+            # update must leave the accumulator as it was.
+            self.table.apply_gradient(self._acc / count, lr, self._piece_flags(self._present))
+        self._acc, self._present, self._trainable = None, None, None
 
     def state(self, delta: bool = False) -> dict[str, Any]:
         return {"version": self.version, "table": self.table.state_dict()}
@@ -370,6 +396,8 @@ class SparseShard(Shard):
         self._ids: list[torch.Tensor] = []
         self._grads: list[torch.Tensor] = []
         self._clicks: list[torch.Tensor | None] = []  # None: that push carried no clicks
+        # sync: a push arriving in pieces, per worker: (step, ids, grads, clicks) until its last piece
+        self._partial: dict[int, tuple[int, list, list, list]] = {}
 
     def check_ids(self, ids: torch.Tensor) -> None:
         if ids.dtype != torch.int64:
@@ -408,34 +436,53 @@ class SparseShard(Shard):
         grads: torch.Tensor,
         lr: float,
         clicks: torch.Tensor | None = None,
+        more: bool = False,
     ) -> bool:
-        """``step``: the sync step this gradient is for; in async mode the worker's own step (the table's clock)."""
+        """``step``: the sync step this gradient is for; in async mode the worker's own step (the table's clock).
+
+        ``more``: this is a piece of a push and more pieces follow (see the module's docstring).
+        """
         self.check_rows("gradients", ids, grads)
         self.check_clicks(ids, clicks)
-        if not self._check_grad_push(worker, step):
+        if not self._check_grad_push(worker, step, last=not more):
+            self._partial.pop(worker, None)
             return False
         if self.mode == "async":
             self.table.apply_gradient(ids, grads, lr, clicks, step=step)
-            self.version += 1
+            self.version += 0 if more else 1
             return True
+        step_, ids_list, grads_list, clicks_list = self._partial.pop(worker, None) or (step, [], [], [])
+        if step_ != step:  # pieces of an earlier push whose last piece never came
+            ids_list, grads_list, clicks_list = [], [], []
         if ids.numel():
-            self._ids.append(ids)
-            self._grads.append(grads)
-            self._clicks.append(clicks)
+            ids_list.append(ids)
+            grads_list.append(grads)
+            clicks_list.append(clicks)
+        if more:
+            self._partial[worker] = (step, ids_list, grads_list, clicks_list)
+            return True
+        self._ids.extend(ids_list)
+        self._grads.extend(grads_list)
+        self._clicks.extend(clicks_list)
         self._pushed.add(worker)
         self._lr = lr
         return True
 
-    def push_delta(self, ids: torch.Tensor, deltas: torch.Tensor, step: int = 0) -> None:
-        """Geo mode; ``step`` is the worker's own step (the table's clock)."""
+    def push_delta(self, ids: torch.Tensor, deltas: torch.Tensor, step: int = 0, more: bool = False) -> None:
+        """Geo mode; ``step`` is the worker's own step (the table's clock); ``more`` as for :meth:`push_grad`."""
         self._check_delta_push()
         self.check_rows("deltas", ids, deltas)
         self.table.add_delta(ids, deltas, step=step)
-        self.version += 1
+        self.version += 0 if more else 1
+
+    def maybe_step(self, active: set[int], at_barrier: set[int]) -> bool:
+        stepped = super().maybe_step(active, at_barrier)
+        if stepped:
+            self._partial.clear()  # pieces of the closed step: their last piece will be stale
+        return stepped
 
     def _apply_accumulated(self, count: int, lr: float) -> None:
         ids_list, grads_list, clicks_list = self._ids, self._grads, self._clicks
-        self._ids, self._grads, self._clicks = [], [], []
         step = self.version + 1  # the clock counts sync steps, as one process counts optimizer steps
         if not ids_list:
             self.table.tick(step)
@@ -449,7 +496,8 @@ class SparseShard(Shard):
             parts = zip(clicks_list, ids_list, strict=True)
             clicks = torch.cat([c if c is not None else torch.zeros(i.numel()) for c, i in parts])
             merged_clicks = torch.zeros(uniq.numel()).index_add_(0, inverse, clicks)
-        self.table.apply_gradient(uniq, merged.div_(count), lr, merged_clicks, step=step)
+        self.table.apply_gradient(uniq, merged.div_(count), lr, merged_clicks, step=step)  # all-or-nothing
+        self._ids, self._grads, self._clicks = [], [], []
 
     def state(self, delta: bool = False) -> dict[str, Any]:
         return {"version": self.version, "table": self.table.state_dict(delta=delta)}
@@ -458,12 +506,14 @@ class SparseShard(Shard):
         self.table.mark_saved()
 
     def load(self, states: list[dict[str, Any]]) -> None:
-        """A base, then the deltas saved after it, in order."""
-        self.table.load_state_dict(states[0]["table"])
-        for state in states[1:]:
-            self.table.apply_delta(state["table"])
+        """A base, then the deltas saved after it, in order (all of them, or on failure none)."""
+        with self.table.transaction():
+            self.table.load_state_dict(states[0]["table"])
+            for state in states[1:]:
+                self.table.apply_delta(state["table"])
         self.version = int(states[-1]["version"])
         self._ids, self._grads, self._clicks = [], [], []
+        self._partial.clear()
         self._pushed.clear()
 
     def info(self) -> dict[str, Any]:

@@ -4,7 +4,9 @@ A dense logical table is one flat float32 vector cut into contiguous pieces,
 one per server (:func:`shard_ranges`); a sparse table's row ``id`` lives on
 server ``id % num_servers``. The client splits every call into one message
 per server, sends them in parallel from its IO thread, and reassembles the
-replies in the caller's order, so callers never see the sharding.
+replies in the caller's order, so callers never see the sharding. A sparse
+batch bigger than the request limits (:mod:`fleet.ps.limits`) goes as several
+requests per server (:mod:`fleet.ps.split`), which callers do not see either.
 
 Every method returns a :class:`concurrent.futures.Future` at once. Tensors
 handed to a push are sent straight from their memory (no copy): do not
@@ -36,11 +38,14 @@ import torch
 from fleet.files import share_bounds
 from fleet.ps.client_io import IOThread, Job
 from fleet.ps.errors import PSAuthError, PSError, PSServerUnavailable
+from fleet.ps.limits import RequestLimits
 from fleet.ps.liveness import HEARTBEAT_S
+from fleet.ps.split import pull_pieces, push_pieces
 from fleet.ps.wire import (
     DENSE_STATE_GET,
     DENSE_STATE_SET_OPTIMIZER,
     DENSE_STATE_SET_VALUES,
+    MORE_FOLLOWS,
     REDUCE_OPS,
     Message,
     Op,
@@ -71,6 +76,15 @@ class DenseState:
     step: int
 
 
+def _by_server(split: Sequence[tuple[int, Any]], replies: Sequence[Message]) -> list[Message]:
+    """One reply per server (its oldest version) of a request split into pieces."""
+    oldest: dict[int, Message] = {}
+    for (server, _), reply in zip(split, replies, strict=True):
+        if server not in oldest or reply.arg < oldest[server].arg:
+            oldest[server] = reply
+    return [oldest[server] for server in sorted(oldest)]
+
+
 def _versioned(t: torch.Tensor, replies: Sequence[Message]) -> torch.Tensor:
     """Attach the shards' versions: ``ps_version`` (the minimum) and ``ps_versions`` (per server)."""
     versions = tuple(r.arg for r in replies)
@@ -89,6 +103,7 @@ class PSClient:
         worker_index: int,
         timeout_s: float,
         max_in_flight: int = 16,
+        limits: RequestLimits | None = None,
     ):
         if not endpoints:
             raise ValueError("PSClient needs at least one server endpoint")
@@ -100,6 +115,7 @@ class PSClient:
         self.num_servers = len(self.endpoints)
         self.worker_index = worker_index
         self.timeout_s = float(timeout_s)
+        self.limits = limits if limits is not None else RequestLimits()
         self._dense: dict[int, tuple[int, list[tuple[int, int]]]] = {}  # table -> (size, ranges)
         self._sparse: dict[int, tuple[int, str]] = {}  # table -> (dim, update mode)
         self._closed = False
@@ -372,7 +388,15 @@ class PSClient:
         """
         dim, _ = self._sparse_info(table_id)
         ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
-        split = self._split(ids, every_server=min_version > 0)
+        most = self.limits.ids_per_request(dim)
+        split: list[tuple[int, torch.Tensor | None]] = []  # (server, positions in ids) per request
+        for server, pos in self._split(ids, every_server=min_version > 0):
+            mine = ids if pos is None else ids[pos]
+            pieces = pull_pieces(mine, most)
+            if pieces is None:
+                split.append((server, pos))
+            else:
+                split.extend((server, piece if pos is None else pos[piece]) for piece in pieces)
         parts = [
             (s, self._msg(Op.PULL_SPARSE, table_id, arg=min_version, tensors=[ids if pos is None else ids[pos]]))
             for s, pos in split
@@ -385,7 +409,7 @@ class PSClient:
             for (_, pos), reply in zip(split, replies, strict=True):
                 if pos.numel():
                     out.index_copy_(0, pos, reply.tensors[0])
-            return _versioned(out, replies)
+            return _versioned(out, _by_server(split, replies))
 
         return self._submit(parts, assemble)
 
@@ -411,11 +435,15 @@ class PSClient:
             if clicks.numel() != ids.numel():
                 raise ValueError(f"sparse table {table_id}: {clicks.numel()} clicks for {ids.numel()} ids")
         parts = []
+        most = self.limits.ids_per_request(dim)
         for s, pos in self._split(ids, every_server=mode == "sync"):
             tensors = [ids, rows] if clicks is None else [ids, rows, clicks]
             if pos is not None:
                 tensors = [t[pos] for t in tensors]
-            parts.append((s, self._msg(op, table_id, step=step, lr=lr, tensors=tensors)))
+            pieces = push_pieces(tensors, most)
+            for k, piece in enumerate(pieces):
+                more = MORE_FOLLOWS if k < len(pieces) - 1 else 0
+                parts.append((s, self._msg(op, table_id, step=step, lr=lr, arg=more, tensors=piece)))
         return self._submit(parts)
 
     def push_sparse_grad(

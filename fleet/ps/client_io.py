@@ -40,12 +40,17 @@ from fleet.ps.errors import (
     WireError,
     parse_error_reply,
 )
-from fleet.ps.wire import Message, Op, Status, decode, encode, op_name, read_request_id
+from fleet.ps.wire import FRAME_BYTES, MORE_FOLLOWS, Message, Op, Status, decode, encode, op_name, read_request_id
 
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 100
 _MAX_BATCH = 256
+
+
+def _more_follows(msg: Message) -> bool:
+    """Whether ``msg`` is a piece of a sparse push with more pieces after it."""
+    return msg.op in (Op.PUSH_SPARSE_GRAD, Op.PUSH_SPARSE_DELTA) and msg.arg == MORE_FOLLOWS
 
 
 @dataclass(eq=False)
@@ -135,6 +140,7 @@ class IOThread:
                 sock.linger = 0
                 sock.sndhwm = sock.rcvhwm = 10000
                 sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
+                sock.maxmsgsize = FRAME_BYTES  # no frame of a reply is larger (fleet.ps.wire)
                 auth.configure_client(sock, self.secret, f"worker-{self.worker_index}")
                 if ":" in endpoint.rpartition(":")[0]:
                     sock.ipv6 = True
@@ -263,8 +269,8 @@ class IOThread:
             if reply.status == Status.ERROR:
                 self._fail(job, self._remote(server, reply.op, reply.text()))
                 continue
-            if reply.status == Status.STALE:
-                self.stale_pushes += 1
+            if reply.status == Status.STALE and not _more_follows(job.parts[part][1]):
+                self.stale_pushes += 1  # once per push, with its last piece
             job.pending.discard(reply.request_id)
             job.replies[part] = reply
             if not job.pending and not job.done:

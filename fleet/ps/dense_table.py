@@ -4,6 +4,12 @@ Why flat: the worker flattens all dense parameters into one vector and shards
 it across servers by size, so a server's piece has no tensor structure, and
 the update rules are element-wise anyway. Keeping one contiguous vector lets
 the server send it and apply a pushed gradient without any reshaping or copy.
+
+Every operation is all-or-nothing. An update that changes the values with one in-place op
+(plain SGD) runs in place; any other (optimizer state, or pieces updated one by one) runs
+on copies that replace the live tensors only once complete, so a failure -- an allocation
+when memory runs out -- leaves the table as it was. The copies cost one more pass over the
+shard's values and state per update.
 """
 
 from __future__ import annotations
@@ -89,8 +95,8 @@ class DenseTable:
 
         The server serialises it straight onto the wire, so copying here would
         only cost bandwidth. The tensor is updated in place by later
-        ``apply_gradient``/``add_delta``/``set`` calls: send or clone it before
-        the next update, and never write to it.
+        ``add_delta``/``set`` calls (``apply_gradient`` may replace it instead): send or
+        clone it before the next update, and never write to it.
         """
         return self._values
 
@@ -104,15 +110,33 @@ class DenseTable:
         ``present``: per piece, whether it has a gradient (None: all of them).
         """
         g = _check_vector("grad", grad, self.size)
-        self._step += 1
-        steps = self._piece_steps
-        if (present is None or all(present)) and all(s == steps[0] for s in steps):
-            self._opt.update(self._values, g, self._state, steps[0] + 1 if steps else self._step, float(lr))
-            self._piece_steps = [s + 1 for s in steps]
-            return
-        if present is not None and len(present) != len(self.pieces):
+        steps = list(self._piece_steps)
+        whole = (present is None or all(present)) and all(s == steps[0] for s in steps)
+        if not whole and present is not None and len(present) != len(self.pieces):
             raise ValueError(f"dense table: {len(present)} presence flags for {len(self.pieces)} pieces")
-        # Runs of consecutive present pieces on the same step: one update each.
+        if whole and not self._state:  # one in-place op: all-or-nothing as it is
+            self._opt.update(self._values, g, self._state, steps[0] + 1 if steps else self._step + 1, float(lr))
+        else:
+            values = self._values.clone()
+            state = {name: t.clone() for name, t in self._state.items()}
+            if whole:
+                self._opt.update(values, g, state, steps[0] + 1 if steps else self._step + 1, float(lr))
+            else:
+                self._update_pieces(values, g, state, steps, present, float(lr))
+            self._values, self._state = values, state
+        self._piece_steps = [s + 1 for s in steps] if whole else steps
+        self._step += 1
+
+    def _update_pieces(
+        self,
+        values: torch.Tensor,
+        g: torch.Tensor,
+        state: dict,
+        steps: list[int],
+        present: list[bool] | None,
+        lr: float,
+    ) -> None:
+        """Runs of consecutive present pieces on the same step: one update each (``steps`` advance in place)."""
         index = 0
         while index < len(self.pieces):
             if present is not None and not present[index]:
@@ -122,8 +146,8 @@ class DenseTable:
             while end < len(self.pieces) and (present is None or present[end]) and steps[end] == steps[index]:
                 end += 1
             lo, hi = self.pieces[index][0], self.pieces[end - 1][1]
-            state = {name: t[lo:hi] for name, t in self._state.items()}
-            self._opt.update(self._values[lo:hi], g[lo:hi], state, steps[index] + 1, float(lr))
+            piece_state = {name: t[lo:hi] for name, t in state.items()}
+            self._opt.update(values[lo:hi], g[lo:hi], piece_state, steps[index] + 1, lr)
             for k in range(index, end):
                 steps[k] += 1
             index = end
@@ -161,15 +185,18 @@ class DenseTable:
         for name in self._opt.state_names:
             if f"state.{name}" not in state:
                 raise ValueError(f"dense table state_dict: missing optimizer state 'state.{name}'")
-        self._values.copy_(_check_vector("values", state["values"], self.size))
-        for name, t in self._state.items():
-            t.copy_(_check_vector(f"state.{name}", state[f"state.{name}"], self.size))
-        self._step = int(state["step"])
+        # Checked and copied aside first; swapped in only when all of it is there.
+        values = _check_vector("values", state["values"], self.size).clone()
+        new_state = {
+            name: _check_vector(f"state.{name}", state[f"state.{name}"], self.size).clone() for name in self._state
+        }
+        step = int(state["step"])
         steps = state.get("piece_steps")
         if steps is not None and len(steps) == len(self.pieces):
-            self._piece_steps = [int(s) for s in steps]
+            piece_steps = [int(s) for s in steps]
         else:  # a checkpoint from before per-parameter steps: every piece took every step
-            self._piece_steps = [self._step] * len(self.pieces)
+            piece_steps = [step] * len(self.pieces)
+        self._values, self._state, self._step, self._piece_steps = values, new_state, step, piece_steps
 
 
 def _check_pieces(pieces: list[tuple[int, int]] | None, size: int) -> list[tuple[int, int]]:

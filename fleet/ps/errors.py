@@ -72,5 +72,15 @@ def parse_error_reply(text: str) -> tuple[str, dict]:
     return text, {}
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure: Python's MemoryError, or torch's (a RuntimeError on CPU)."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text.lower() or "not enough memory" in text
+    )
+
+
 class PSClientClosed(PSError):
     """The client was closed (or its IO thread died) before the request finished."""

@@ -30,6 +30,11 @@ Slots are handed out densely in creation order (0, 1, 2, ...) so the caller can
 keep rows in a plain growable tensor indexed by slot; :meth:`IdIndex.renumber` removes
 ids and renumbers the rest after the caller compacted its rows. Not thread-safe: a server
 must serialise calls per table.
+
+Changes are all-or-nothing: growth builds the new arrays aside and swaps them in only when
+every id is placed, and inserts into the live arrays record what they overwrite in an
+:class:`~fleet.ps.undo.UndoLog` (the caller's, so that a table can undo an insert when a
+later step of the same operation fails; an own one otherwise).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import sys
 from collections.abc import Callable
 
 import torch
+
+from fleet.ps.undo import UndoLog
 
 _TAIL_WINDOWS = (4, 16, 64)  # entries per query in lookup rounds after the first (last repeats)
 _INSERT_WINDOW = 8
@@ -198,54 +205,79 @@ class IdIndex:
             q_pos = q_pos.index_select(0, nxt) + width
 
     # ------------------------------------------------------------------ insert
-    def insert_new(self, ids: torch.Tensor) -> torch.Tensor:
+    _ARRAYS = ("_capacity", "_bits", "_table", "_keys", "_slots", "_packed", "_claim", "_tombstones")
+
+    def insert_new(self, ids: torch.Tensor, undo: UndoLog | None = None) -> torch.Tensor:
         """Insert ids that are unique and absent; return their new slots.
 
         The caller guarantees uniqueness and absence (``lookup`` + ``torch.unique``);
         this is what lets insertion skip a membership test. Slots are
-        ``len .. len + n - 1`` in the order given.
+        ``len .. len + n - 1`` in the order given. ``undo``: where to record how to take
+        the insert back (all-or-nothing on its own without one).
         """
         ids = as_ids(ids)
         n = ids.numel()
         slots = torch.arange(self._size, self._size + n, dtype=torch.int64)
         if n == 0:
             return slots
-        if self._size + self._tombstones + n > _MAX_LOAD * self._capacity:
-            self._grow(self._size + n)
-        self._place(ids, slots)
-        self._size += n
+        log = undo if undo is not None else UndoLog()
+        try:
+            log.attrs(self, "_size")
+            if self._size + self._tombstones + n > _MAX_LOAD * self._capacity:
+                self._grow(self._size + n, ids, slots, log)
+            else:
+                self._place(ids, slots, log)
+            self._size += n
+        except BaseException:
+            if undo is None:
+                log.rollback()
+            raise
         return slots
 
-    def _grow(self, needed: int) -> None:
-        """Double capacity until ``needed`` fits under the load limit, then rehash the live entries."""
+    def _grow(self, needed: int, keys: torch.Tensor, vals: torch.Tensor, undo: UndoLog) -> None:
+        """Rehash the live entries plus ``keys`` into arrays doubled until ``needed`` fits the load limit.
+
+        Built aside and swapped in only once complete, so a failure leaves this index untouched.
+        """
         cap = self._capacity
         # Room for tombstones too: a rehash that leaves the live load near the limit would repeat soon.
         while needed > 0.75 * _MAX_LOAD * cap:
             cap *= 2
         live = self._slots >= 0
-        keys, vals = self._keys[live], self._slots[live]
-        self._alloc(cap)
-        self._place(keys, vals)
-        self._tombstones = 0
+        fresh = IdIndex.__new__(IdIndex)
+        fresh._alloc(cap)
+        fresh._place(torch.cat([self._keys[live], keys]), torch.cat([self._slots[live], vals]), None)
+        fresh._tombstones = 0
+        undo.attrs(self, *self._ARRAYS)
+        for name in self._ARRAYS:
+            setattr(self, name, getattr(fresh, name))
 
-    def renumber(self, new_slot: torch.Tensor) -> torch.Tensor:
+    def renumber(self, new_slot: torch.Tensor, undo: UndoLog | None = None) -> torch.Tensor:
         """Give every id at slot ``s`` the slot ``new_slot[s]``, removing those mapped to -1; return the removed ids.
 
         ``new_slot`` has one entry per slot (``len(self)``); the kept ids must map onto
         ``0 .. kept - 1``. One pass over the entries, no rehash (removed entries become tombstones).
+        Everything is computed before the one write, so it is all-or-nothing on its own;
+        ``undo`` records how to take it back.
         """
         if tuple(new_slot.shape) != (self._size,):
             raise ValueError(f"renumber needs one new slot per id ({self._size}), got shape {tuple(new_slot.shape)}")
         pos = (self._slots >= 0).nonzero().squeeze(1)
-        moved = new_slot.index_select(0, self._slots.index_select(0, pos))
+        old = self._slots.index_select(0, pos)
+        moved = new_slot.index_select(0, old)
         removed = moved < 0
         gone = pos[removed]
-        self._slots.index_copy_(0, pos, torch.where(removed, _TOMBSTONE, moved))
+        removed_ids = self._keys.index_select(0, gone)
+        values = torch.where(removed, _TOMBSTONE, moved)
+        if undo is not None:
+            undo.rows(lambda: self._slots, pos, old)
+            undo.attrs(self, "_size", "_tombstones")
+        self._slots.index_copy_(0, pos, values)
         self._size -= gone.numel()
         self._tombstones += gone.numel()
-        return self._keys.index_select(0, gone)
+        return removed_ids
 
-    def _place(self, keys: torch.Tensor, vals: torch.Tensor) -> None:
+    def _place(self, keys: torch.Tensor, vals: torch.Tensor, undo: UndoLog | None) -> None:
         """Write unique, absent keys into free entries, in vectorised claim rounds.
 
         Each round, every pending key picks the first free entry of its current
@@ -253,7 +285,8 @@ class IdIndex:
         key whose index survives the scatter won the entry and writes itself;
         the others retry. Keys whose window is full move to the next window.
         Every entry between a key's home and its final entry is occupied, which
-        is the invariant ``lookup`` relies on.
+        is the invariant ``lookup`` relies on. ``undo`` (None for arrays not yet in use) records
+        the entries each round overwrites.
         """
         mask = self._capacity - 1
         width = _INSERT_WINDOW
@@ -272,8 +305,11 @@ class IdIndex:
             self._claim.index_put_((c_target,), c_key.to(torch.int32))
             won = self._claim.index_select(0, c_target) == c_key
             w_target, w_key = c_target[won], c_key[won]
-            self._keys.index_put_((w_target,), keys.index_select(0, w_key))
-            self._slots.index_put_((w_target,), vals.index_select(0, w_key))
+            new_keys, new_vals = keys.index_select(0, w_key), vals.index_select(0, w_key)
+            if undo is not None:
+                undo.rows(lambda: self._table, w_target)
+            self._keys.index_put_((w_target,), new_keys)
+            self._slots.index_put_((w_target,), new_vals)
             # Losers retry the same window (now one entry fuller); full windows move on.
             placed = torch.zeros(pending.numel(), dtype=torch.bool)
             placed[cand[won]] = True
@@ -283,7 +319,7 @@ class IdIndex:
             pos = pos.index_select(0, keep)
 
     # ------------------------------------------------------------------ helpers
-    def get_or_insert(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_or_insert(self, ids: torch.Tensor, undo: UndoLog | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots for ``ids``, inserting absent ones; also return the new ids.
 
         New ids are de-duplicated and sorted before insertion, so their slots
@@ -296,7 +332,7 @@ class IdIndex:
             return slots, ids.new_empty(0)
         where = missing.nonzero().squeeze(1)
         new_ids, inverse = torch.unique(ids.index_select(0, where), sorted=True, return_inverse=True)
-        new_slots = self.insert_new(new_ids)
+        new_slots = self.insert_new(new_ids, undo)
         slots.index_copy_(0, where, new_slots.index_select(0, inverse))
         return slots, new_ids
 

@@ -233,20 +233,27 @@ class CountSketch:
         offsets = torch.arange(SKETCH_DEPTH).unsqueeze(1) * self.width
         return torch.stack(rows) + offsets
 
-    def add(self, ids: torch.Tensor) -> torch.Tensor:
-        """Count each (unique) id once more; return every id's count after this."""
+    def add(self, ids: torch.Tensor, undo: Any = None) -> torch.Tensor:
+        """Count each (unique) id once more; return every id's count after this.
+
+        ``undo``: a :class:`fleet.ps.undo.UndoLog` to record how to take the counts back.
+        """
         if ids.numel() == 0:
             return torch.zeros(0, dtype=torch.int64)
         pos = self._positions(ids)
         flat = self.counters.view(-1)
         current = flat.index_select(0, pos.view(-1)).view(SKETCH_DEPTH, -1)
         new = (current.min(0).values.to(torch.int16) + 1).clamp_(max=255).to(torch.uint8)
+        result = new.to(torch.int64)
+        if undo is not None:
+            undo.rows(lambda: self.counters.view(-1), pos.view(-1), current.view(-1))
+            undo.attrs(self, "counters", "added")  # undone first: the rows go back into the old counters
         flat.scatter_reduce_(0, pos.view(-1), new.repeat(SKETCH_DEPTH), "amax")
         self.added += ids.numel()
         if self.added >= self.window(self.width):
-            self.counters >>= 1
+            self.counters = self.counters >> 1  # new counters, so that an undo can keep the old ones
             self.added //= 2
-        return new.to(torch.int64)
+        return result
 
     def state_dict(self) -> dict[str, Any]:
         return {"counters": self.counters.clone(), "added": self.added}
@@ -270,12 +277,12 @@ class Admission:
         self.seed = seed
         self.sketch = CountSketch(sketch_width, seed) if isinstance(entry, CountFilterEntry) else None
 
-    def admit(self, new_ids: torch.Tensor, clock: int) -> torch.Tensor:
-        """A bool mask over unique, absent ``new_ids``: which get a row now."""
+    def admit(self, new_ids: torch.Tensor, clock: int, undo: Any = None) -> torch.Tensor:
+        """A bool mask over unique, absent ``new_ids``: which get a row now (``undo``: see CountSketch.add)."""
         if self.entry is None:
             return torch.ones(new_ids.numel(), dtype=torch.bool)
         if self.sketch is not None:
-            return self.sketch.add(new_ids) >= self.entry.min_count
+            return self.sketch.add(new_ids, undo) >= self.entry.min_count
         draw = _mix(new_ids ^ (clock * _MULTIPLIERS[3]) ^ (self.seed * _MULTIPLIERS[4]), _MULTIPLIERS[0])
         uniform = _shr(draw, 11).to(torch.float64) / float(1 << 53)
         return uniform < self.entry.probability

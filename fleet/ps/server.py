@@ -9,6 +9,14 @@ the loop ever blocks.
 
 Authentication (see :mod:`fleet.ps.auth`) is ZeroMQ's ZAP with the PLAIN
 mechanism; its handler is one more socket polled by this loop.
+
+Bounds, so that neither a stranger nor one worker can take the server from the others:
+before authentication a peer can make the server allocate one frame,
+:data:`~fleet.ps.wire.FRAME_BYTES` (``zmq.MAXMSGSIZE``); after it, every message kind has a
+byte budget checked from the header before any tensor is built, and a sparse request at
+most the ids of :class:`~fleet.ps.limits.RequestLimits`, so one request holds the loop for a
+fraction of a second. A request that fails inside a table -- out of memory included --
+leaves the table as it was and gets an error naming the server, the table and the cause.
 """
 
 from __future__ import annotations
@@ -28,12 +36,23 @@ import zmq
 
 from fleet.ps import aggregator as agg
 from fleet.ps import auth
-from fleet.ps.errors import WireError
+from fleet.ps.errors import WireError, is_out_of_memory
+from fleet.ps.limits import BLOB_SLACK, Limit, RequestLimits
 from fleet.ps.liveness import WorkerLiveness
 from fleet.ps.reduce import ReduceOps, against_barrier
 from fleet.ps.table_ops import TableOps
 from fleet.ps.waitlist import Parked, Waitlist
-from fleet.ps.wire import Message, Op, Status, decode, encode, op_name, read_request_id
+from fleet.ps.wire import (
+    FRAME_BYTES,
+    Message,
+    Op,
+    RequestTooLarge,
+    Status,
+    decode,
+    encode,
+    op_name,
+    read_request_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +85,7 @@ class ParameterServer(TableOps, ReduceOps):
         num_workers: int,
         timeout_s: float,
         *,
-        max_message_bytes: int = -1,
+        limits: RequestLimits | None = None,
         rejoin: bool = False,
         torch_threads: int | None = 1,
         checkpoint_record_dir: str | None = None,
@@ -79,6 +98,8 @@ class ParameterServer(TableOps, ReduceOps):
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.torch_threads = torch_threads
+        self.limits = limits if limits is not None else RequestLimits()
+        self._request_budget = self.limits.budget()
         self.checkpoint_record_dir = checkpoint_record_dir  # where each SAVE is recorded for a restart
         auth.check_secret(secret)
         self._ctx = zmq.Context(io_threads=1)
@@ -87,7 +108,7 @@ class ParameterServer(TableOps, ReduceOps):
             sock = self._ctx.socket(zmq.ROUTER)
             sock.linger = 2000  # let the last STOP replies leave before the context closes
             auth.configure_server(sock)
-            sock.maxmsgsize = max_message_bytes
+            sock.maxmsgsize = FRAME_BYTES  # what a peer that has not authenticated can make us allocate
             sock.sndhwm = sock.rcvhwm = 10000
             sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
             if ":" in endpoint.rpartition(":")[0]:
@@ -187,6 +208,22 @@ class ParameterServer(TableOps, ReduceOps):
         log.info("parameter server %d at %s stopped", self.server_index, self.endpoint)
 
     # ------------------------------------------------------------- dispatch
+    def _budget(self, op: int, table: int) -> Limit | None:
+        """What a message of kind ``op`` may carry: a dense table's values are its shard, anything else the limit."""
+        if op == Op.CREATE_DENSE:
+            return None  # the creator sets the size; the values must match it (checked on creation)
+        if op in (Op.PUSH_DENSE_GRAD, Op.PUSH_DENSE_DELTA, Op.DENSE_STATE):
+            shard = self._shards.get(table)
+            if not isinstance(shard, agg.DenseShard):
+                return self._request_budget  # unknown or sparse: refused by the handler, with the reason
+            copies = 3 if op == Op.DENSE_STATE else 1  # values, or optimizer state (Adam: two vectors)
+            return Limit(
+                4 * copies * shard.size + 8 * shard.parameters + BLOB_SLACK,
+                f"a {op_name(op)} of dense table {table} carries at most {copies} x its shard here "
+                f"({shard.size:,} float32 values)",
+            )
+        return self._request_budget
+
     def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 2:
             self._counts["dropped"] += 1  # not even an identity plus one frame: nobody to answer
@@ -194,11 +231,17 @@ class ParameterServer(TableOps, ReduceOps):
         ident = frames[0].bytes
         self._counts["bytes_in"] += sum(len(f) for f in frames[1:])
         try:
-            msg = decode(frames[1:])
+            msg = decode(frames[1:], self._budget)
         except WireError as exc:
-            self._counts["malformed"] += 1
+            over = isinstance(exc, RequestTooLarge)
+            self._counts["over_limit" if over else "malformed"] += 1
             rid, op = (exc.request_id, exc.op) if exc.request_id else read_request_id(frames[1])
-            self._reply_error(ident, Message(op=op, request_id=rid), f"malformed message: {exc}")
+            text = f"request over the limit on parameter server {self.server_index}: {exc}" if over else None
+            self._reply_error(ident, Message(op=op, request_id=rid), text or f"malformed message: {exc}")
+            return
+        except Exception as exc:  # joining a large tensor's frames can run out of memory: answer, keep serving
+            rid, op = read_request_id(frames[1])
+            self._reply_error(ident, Message(op=op, request_id=rid), self._failure(exc, op_name(op), None))
             return
         name = op_name(msg.op)
         self._ops[name] += 1
@@ -218,11 +261,25 @@ class ParameterServer(TableOps, ReduceOps):
             reply = self._error(msg, str(exc), exc.details)
         except (ValueError, KeyError, TypeError) as exc:
             reply = self._error(msg, str(exc) or type(exc).__name__)
-        except Exception as exc:  # a bug in a table must not take the server down
-            log.error("parameter server %d failed on %s:\n%s", self.server_index, name, traceback.format_exc())
-            reply = self._error(msg, f"internal error {type(exc).__name__}: {exc}")
+        except Exception as exc:  # out of memory, or a bug in a table: either must not take the server down
+            reply = self._error(msg, self._failure(exc, name, msg.table))
         if reply is not None:
             self._send(ident, reply)
+
+    def _failure(self, exc: BaseException, what: str, table: int | None) -> str:
+        """The error text for an unexpected failure; logged (with the traceback unless out of memory)."""
+        where = f"{what} of table {table}" if table is not None else what
+        if is_out_of_memory(exc):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log.error("parameter server %d ran out of memory in %s: %s", self.server_index, where, first)
+            self._counts["out_of_memory"] += 1
+            return (
+                f"parameter server {self.server_index} ran out of memory in {where} ({first}); the table is as "
+                "it was before and the server keeps serving. Free memory on its host, spread the tables over "
+                "more servers, or bound the sparse tables' rows (max_rows, ttl_steps)"
+            )
+        log.error("parameter server %d failed on %s:\n%s", self.server_index, where, traceback.format_exc())
+        return f"internal error in {where} on parameter server {self.server_index}: {type(exc).__name__}: {exc}"
 
     def _send(self, ident: bytes, reply: Message) -> None:
         try:
@@ -300,8 +357,20 @@ class ParameterServer(TableOps, ReduceOps):
                 self._release_reduce()
 
     def _maybe_step(self, shard: agg.Shard) -> bool:
-        """Close the shard's sync step if it is complete (see Shard.maybe_step)."""
-        return shard.maybe_step(self._active, set(self._waiting.barrier))
+        """Close the shard's sync step if it is complete (see Shard.maybe_step); never raises.
+
+        When applying the step fails (out of memory), the shard keeps the step's gradients and
+        its version, records why in ``step_error``, and the workers waiting for the step hear
+        it now rather than at their timeout; the next push, stop or barrier tries again.
+        """
+        try:
+            return shard.maybe_step(self._active, set(self._waiting.barrier))
+        except Exception as exc:
+            what = f"applying sync step {shard.version}"
+            shard.step_error = self._failure(exc, what, shard.table_id)
+            for parked in self._waiting.ready_pulls(shard.table_id, 1 << 62):
+                self._reply_error(parked.ident, parked.msg, shard.step_error)
+            return False
 
     def _close_ready_steps(self) -> None:
         """After workers stopped or reached a barrier: sync steps waiting only for them may complete."""
@@ -381,7 +450,10 @@ class ParameterServer(TableOps, ReduceOps):
             "stale_dropped": dict(stale),
             "stopped_workers": sorted(self._stopped),
             "gone_workers": sorted(self._liveness.ever_gone),
-            **{k: self._counts.get(k, 0) for k in ("bytes_in", "bytes_out", "errors", "malformed")},
+            **{
+                k: self._counts.get(k, 0)
+                for k in ("bytes_in", "bytes_out", "errors", "malformed", "over_limit", "out_of_memory")
+            },
             "auth_rejected": self._zap.rejected,
             "dropped": self._counts.get("dropped", 0) + self._counts.get("replies_dropped", 0),
         }

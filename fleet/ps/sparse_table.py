@@ -21,11 +21,18 @@ created by updates only, once admitted; a pull of an id without a row returns it
 initial value (zeros while an entry has not admitted it) and stores nothing. Every
 table remembers which rows changed since the last save and which ids it evicted, so a
 save can be a delta (:meth:`state_dict` with ``delta=True``, :meth:`apply_delta`).
+
+Every operation is all-or-nothing (:meth:`transaction`, :mod:`fleet.ps.undo`): if any step
+fails -- an allocation when memory runs out, above all -- the table is rolled back to what
+it was and stays usable. New rows are written into the free slots past the live length
+before the id index learns their ids, so the index never names a slot without a row.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,6 +47,7 @@ from fleet.ps.optim import (
     initial_rows,
     optimizer_config_json,
 )
+from fleet.ps.undo import Getter, UndoLog
 
 # Evicted ids are remembered for the next delta save; past this many (and 4x the table) a delta is refused.
 _MAX_REMEMBERED_DELETIONS = 1 << 22
@@ -81,6 +89,7 @@ class SparseTable:
         self._deleted: list[torch.Tensor] | None = []  # None: too many to remember, the next save must be a base
         self._deleted_count = 0
         self.saved = False  # whether a save (or load) set the start of the next delta
+        self._undo: UndoLog | None = None  # the open transaction's log
         self._reset(capacity=1024)
 
     def _reset(self, capacity: int) -> None:
@@ -134,9 +143,59 @@ class SparseTable:
     def info(self) -> dict[str, Any]:
         return {"rows": len(self), "clock": self.clock, **self.counts}
 
+    # ------------------------------------------------------------------ transactions
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[UndoLog]:
+        """Every change made inside, or on an exception none: the table is rolled back, then it re-raises.
+
+        Operations open their own; an enclosing one (a load followed by its deltas) makes them
+        one. Grown storage stays grown (its contents are rolled back): capacity is not state.
+        """
+        if self._undo is not None:
+            yield self._undo
+            return
+        undo = UndoLog()
+        undo.attrs(self, "clock", "_next_expiry", "counts", "_deleted", "_deleted_count", "saved")
+        self.counts = dict(self.counts)  # changed in place below: the rollback restores the original
+        if self._deleted is not None:
+            self._deleted = list(self._deleted)
+        self._undo = undo
+        try:
+            yield undo
+        except BaseException:
+            undo.rollback()
+            raise
+        finally:
+            self._undo = None
+
+    def _log(self) -> UndoLog:
+        if self._undo is None:
+            raise RuntimeError("a sparse table change outside a transaction cannot be undone")
+        return self._undo
+
+    #: per-row tensors, by name: what compaction, saves and loads walk over
+    def _row_names(self) -> list[str]:
+        names = ["rows", "steps", "dirty"]
+        names += [f"state.{k}" for k in self._state]
+        names += [f"stats.{k}" for k in self._stats]
+        return names
+
+    def _getter(self, name: str) -> Getter:
+        """The tensor called ``name`` as the table holds it when the getter runs (storage may grow meanwhile)."""
+        kind, _, key = name.partition(".")
+        if kind == "state":
+            return lambda: self._state[key]
+        if kind == "stats":
+            return lambda: self._stats[key]
+        attr = f"_{kind}"
+        return lambda: getattr(self, attr)
+
     # ------------------------------------------------------------------ storage
     def _grow_to(self, needed: int, used: int) -> None:
-        """Make room for ``needed`` rows (keeping the first ``used``), doubling so growth is amortised."""
+        """Make room for ``needed`` rows (keeping the first ``used``), doubling so growth is amortised.
+
+        Every new tensor is made before any is swapped in, so a failed allocation changes nothing.
+        """
         if needed <= self._capacity:
             return
         cap = self._capacity
@@ -149,26 +208,34 @@ class SparseTable:
             new[:n] = old[:n]
             return new
 
-        self._rows = grown(self._rows)
-        self._steps = grown(self._steps)
-        self._state = {name: grown(t) for name, t in self._state.items()}
-        self._stats = {name: grown(t) for name, t in self._stats.items()}
+        rows, steps = grown(self._rows), grown(self._steps)
+        state = {name: grown(t) for name, t in self._state.items()}
+        stats = {name: grown(t) for name, t in self._stats.items()}
         dirty = torch.zeros(cap, dtype=torch.bool)
         dirty[:n] = self._dirty[:n]
-        self._dirty = dirty
-        self._scratch = large_empty((cap,), torch.int64)
-        self._capacity = cap
+        scratch = large_empty((cap,), torch.int64)
+        self._rows, self._steps, self._state, self._stats = rows, steps, state, stats
+        self._dirty, self._scratch, self._capacity = dirty, scratch, cap
 
     def _slots(self, ids: torch.Tensor) -> torch.Tensor:
-        """Slots for ``ids`` (any order, duplicates allowed), creating missing rows."""
-        first = len(self._index)
-        slots, new_ids = self._index.get_or_insert(ids)
-        if new_ids.numel():
-            self._init_rows(first, new_ids)
+        """Slots for ``ids`` (any order, duplicates allowed), creating missing rows (in a transaction).
+
+        New ids are de-duplicated and sorted, so their slots follow id order within one call;
+        their rows are written before the index learns them.
+        """
+        slots = self._index.lookup(ids)
+        missing = slots < 0
+        if not bool(missing.any()):
+            return slots
+        where = missing.nonzero().squeeze(1)
+        new_ids, inverse = torch.unique(ids.index_select(0, where), sorted=True, return_inverse=True)
+        self._init_rows(len(self), new_ids)
+        new_slots = self._index.insert_new(new_ids, self._log())
+        slots.index_copy_(0, where, new_slots.index_select(0, inverse))
         return slots
 
     def _init_rows(self, first: int, new_ids: torch.Tensor) -> None:
-        """Fill the new slots ``first ..`` (already in the index) for ``new_ids``."""
+        """Fill the free slots ``first ..`` (past the live length: nothing to undo) for ``new_ids``."""
         end = first + new_ids.numel()
         self._grow_to(end, used=first)
         self._rows[first:end] = initial_rows(new_ids, self.dim, self.initializer, self.seed)
@@ -183,11 +250,12 @@ class SparseTable:
     # ------------------------------------------------------------------ life cycle
     def tick(self, step: int | None = None) -> None:
         """Advance the clock: to ``step`` when given (never back), else by one; expire rows past their TTL."""
-        self.clock = self.clock + 1 if step is None else max(self.clock, int(step))
-        ttl = self.lifecycle.ttl_steps
-        if ttl is not None and self.clock >= self._next_expiry:
-            self._next_expiry = self.clock + max(1, ttl // 8)
-            self._remove(self._expired())
+        with self.transaction():
+            self.clock = self.clock + 1 if step is None else max(self.clock, int(step))
+            ttl = self.lifecycle.ttl_steps
+            if ttl is not None and self.clock >= self._next_expiry:
+                self._next_expiry = self.clock + max(1, ttl // 8)
+                self._remove(self._expired())
 
     def _expired(self) -> torch.Tensor:
         n = len(self)
@@ -207,24 +275,34 @@ class SparseTable:
 
     def shrink(self, threshold: float | None = None) -> int:
         """Remove rows past their TTL and, with ``threshold``, rows scoring below it; return how many went."""
-        gone = self._expired()
-        if threshold is not None and self._stats:
-            gone |= self.scores() < float(threshold)
-        return self._remove(gone)
+        with self.transaction():
+            gone = self._expired()
+            if threshold is not None and self._stats:
+                gone |= self.scores() < float(threshold)
+            return self._remove(gone)
 
     def _remove(self, gone: torch.Tensor) -> int:
-        """Drop the rows whose slot is set in ``gone``, compacting the rest in place (slot order kept)."""
+        """Drop the rows whose slot is set in ``gone``, compacting the rest in place (slot order kept).
+
+        The undo keeps only the removed rows: it spreads the kept ones back to their old slots.
+        """
         count = int(gone.sum())
         if not count:
             return 0
+        undo = self._log()
         n = len(self)
         keep = (~gone).nonzero().squeeze(1)
+        drop = gone.nonzero().squeeze(1)
         m = keep.numel()
-        for t in (self._rows, self._steps, self._dirty, *self._state.values(), *self._stats.values()):
-            t[:m] = t[:n].index_select(0, keep)
         new_slot = torch.full((n,), -1, dtype=torch.int64)
         new_slot[keep] = torch.arange(m)
-        self._remember_deleted(self._index.renumber(new_slot))
+        for name in self._row_names():
+            get = self._getter(name)
+            t = get()
+            compacted, removed = t[:n].index_select(0, keep), t[:n].index_select(0, drop)
+            undo.add(lambda get=get, removed=removed: _spread(get(), keep, drop, removed))
+            t[:m] = compacted
+        self._remember_deleted(self._index.renumber(new_slot, undo))
         self.counts["evicted"] += count
         return count
 
@@ -264,11 +342,11 @@ class SparseTable:
         if not bool(missing.any()):
             return slots
         new_ids = torch.unique(ids[missing])
-        admitted = new_ids[self._admission.admit(new_ids, self.clock)]
+        admitted = new_ids[self._admission.admit(new_ids, self.clock, self._log())]
         if admitted.numel():
             admitted = self._make_room(admitted, protect=slots[~missing])
             self._init_rows(len(self), admitted)
-            self._index.insert_new(admitted)
+            self._index.insert_new(admitted, self._log())
             slots = self._index.lookup(ids)  # eviction compacts, so every slot may have moved
         return slots
 
@@ -287,17 +365,24 @@ class SparseTable:
 
     def _touch(self, slots: torch.Tensor, clicks: torch.Tensor | None) -> None:
         """Record an update of ``slots`` (duplicates allowed): dirty, last seen now, one more show, the clicks."""
+        undo = self._log()
+        undo.rows(self._getter("dirty"), slots)
         self._dirty.index_fill_(0, slots, True)
         if not self._stats:
             return
         lc, last_seen = self.lifecycle, self._stats["last_seen"]
-        age = self.clock - last_seen.index_select(0, slots)
-        show, click = self._stats["show"], self._stats["click"]
+        seen = last_seen.index_select(0, slots)
+        age = self.clock - seen
+        old_show, old_click = self._stats["show"].index_select(0, slots), self._stats["click"].index_select(0, slots)
         # Repeated slots compute identical values from the old ones, so their writes agree.
-        show.index_copy_(0, slots, lc.decayed(show.index_select(0, slots), age) + 1.0)
-        click.index_copy_(0, slots, lc.decayed(click.index_select(0, slots), age))
+        new_show, new_click = lc.decayed(old_show, age) + 1.0, lc.decayed(old_click, age)
+        undo.rows(self._getter("stats.show"), slots, old_show)
+        self._stats["show"].index_copy_(0, slots, new_show)
+        undo.rows(self._getter("stats.click"), slots, old_click)
+        self._stats["click"].index_copy_(0, slots, new_click)
         if clicks is not None:
-            click.index_add_(0, slots, clicks.to(torch.float32))
+            self._stats["click"].index_add_(0, slots, clicks.to(torch.float32))
+        undo.rows(self._getter("stats.last_seen"), slots, seen)
         last_seen.index_fill_(0, slots, self.clock)
 
     def _check_rows(self, name: str, values: torch.Tensor, n: int) -> torch.Tensor:
@@ -352,8 +437,9 @@ class SparseTable:
         """
         ids = as_ids(ids)
         if not self.lifecycle.active:
-            slots = self._slots(ids)  # first: creating rows may replace self._rows
-            return self._rows.index_select(0, slots)
+            with self.transaction():  # the gather below can fail too: then the new rows go again
+                slots = self._slots(ids)  # first: creating rows may replace self._rows
+                return self._rows.index_select(0, slots)
         slots = self._index.lookup(ids)
         out = self._rows.index_select(0, slots.clamp(min=0))
         missing = (slots < 0).nonzero().squeeze(1)
@@ -381,35 +467,44 @@ class SparseTable:
         ids = as_ids(ids)
         grads = self._check_rows("grads", grads, ids.numel())
         clicks = self._check_clicks(clicks, ids.numel())
-        self.tick(step)
-        if ids.numel() == 0:
-            return
-        slots, grads, clicks = self._update_slots(ids, grads, clicks)
-        if slots.numel() == 0:
-            return
-        self._touch(slots, clicks)
-        g = self._sum_duplicates(slots, grads)
-        step: int | torch.Tensor = 1
-        if self._track_steps:
-            step = self._steps.index_select(0, slots) + 1
-            self._steps.index_copy_(0, slots, step)
-        rows = self._rows.index_select(0, slots)
-        state = {name: t.index_select(0, slots) for name, t in self._state.items()}
-        self._opt.update(rows, g, state, step, float(lr))
-        # Repeated slots write identical values (see _sum_duplicates), so the write order is immaterial.
-        self._rows.index_copy_(0, slots, rows)
-        for name, t in self._state.items():
-            t.index_copy_(0, slots, state[name])
+        with self.transaction() as undo:
+            self.tick(step)
+            if ids.numel() == 0:
+                return
+            slots, grads, clicks = self._update_slots(ids, grads, clicks)
+            if slots.numel() == 0:
+                return
+            self._touch(slots, clicks)
+            g = self._sum_duplicates(slots, grads)
+            count: int | torch.Tensor = 1
+            if self._track_steps:
+                old_steps = self._steps.index_select(0, slots)
+                count = old_steps + 1
+                undo.rows(self._getter("steps"), slots, old_steps)
+                self._steps.index_copy_(0, slots, count)
+            # The update runs on copies; the gathered originals are what the undo writes back.
+            old_rows = self._rows.index_select(0, slots)
+            old_state = {name: t.index_select(0, slots) for name, t in self._state.items()}
+            rows, state = old_rows.clone(), {name: t.clone() for name, t in old_state.items()}
+            self._opt.update(rows, g, state, count, float(lr))
+            # Repeated slots write identical values (see _sum_duplicates), so the write order is immaterial.
+            undo.rows(self._getter("rows"), slots, old_rows)
+            self._rows.index_copy_(0, slots, rows)
+            for name in self._state:
+                undo.rows(self._getter(f"state.{name}"), slots, old_state[name])
+                self._state[name].index_copy_(0, slots, state[name])
 
     def add_delta(self, ids: torch.Tensor, deltas: torch.Tensor, step: int | None = None) -> None:
         """Geo mode: add per-row parameter changes (duplicates add up); optimizer state untouched."""
         ids = as_ids(ids)
         deltas = self._check_rows("deltas", deltas, ids.numel())
-        self.tick(step)
-        if ids.numel():
-            slots, deltas, _ = self._update_slots(ids, deltas, None)
-            self._touch(slots, None)
-            self._rows.index_add_(0, slots, deltas)
+        with self.transaction() as undo:
+            self.tick(step)
+            if ids.numel():
+                slots, deltas, _ = self._update_slots(ids, deltas, None)
+                self._touch(slots, None)
+                undo.rows(self._getter("rows"), slots)
+                self._rows.index_add_(0, slots, deltas)
 
     def _check_clicks(self, clicks: torch.Tensor | None, n: int) -> torch.Tensor | None:
         if clicks is None:
@@ -466,9 +561,11 @@ class SparseTable:
 
     def mark_saved(self) -> None:
         """The last :meth:`state_dict` is on disk: the next delta starts from here."""
-        self._dirty.zero_()
-        self._deleted, self._deleted_count = [], 0
-        self.saved = True
+        with self.transaction() as undo:
+            undo.span(self._getter("dirty"), 0, len(self))
+            self._dirty.zero_()
+            self._deleted, self._deleted_count = [], 0
+            self.saved = True
 
     def _checked_rows(self, state: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(ids, {field: per-row tensor}) of a state_dict, every shape checked."""
@@ -516,6 +613,8 @@ class SparseTable:
         self._next_expiry = int(state.get("next_expiry", 0))
         if "counts" in state:
             self.counts.update(json.loads(state["counts"]))
+        if self._admission.sketch is not None:
+            self._log().attrs(self._admission.sketch, "counters", "added")
         self._admission.load_state_dict(state.get("admission") or {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -527,12 +626,15 @@ class SparseTable:
         cap = 1024
         while cap < n:
             cap *= 2
-        self._reset(cap)
-        self._index.insert_new(ids)
-        for name, t in self._fields().items():
-            t[:n] = fields[name]
-        self._load_header(state)
-        self.mark_saved()
+        with self.transaction() as undo:
+            # everything is replaced by new tensors: the undo keeps the old ones
+            undo.attrs(self, "_index", "_capacity", "_rows", "_steps", "_state", "_scratch", "_dirty", "_stats")
+            self._reset(cap)
+            self._index.insert_new(ids)
+            for name, t in self._fields().items():
+                t[:n] = fields[name]
+            self._load_header(state)
+            self.mark_saved()
 
     def apply_delta(self, state: dict[str, Any]) -> None:
         """Replay a delta :meth:`state_dict` (evictions, then changed rows) onto the save it follows."""
@@ -540,18 +642,27 @@ class SparseTable:
             raise ValueError("apply_delta needs a delta state_dict (saved with delta=True)")
         ids, fields = self._checked_rows(state)
         deleted = as_ids(state["deleted"])
-        if deleted.numel():
-            slots = self._index.lookup(deleted)
-            gone = torch.zeros(len(self), dtype=torch.bool)
-            gone[slots[slots >= 0]] = True
-            self._remove(gone)
-        first = len(self)
-        slots = self._index.lookup(ids)
-        new = (slots < 0).nonzero().squeeze(1)
-        if new.numel():
-            self._grow_to(first + new.numel(), used=first)
-            slots.index_copy_(0, new, self._index.insert_new(ids.index_select(0, new)))
-        for name, t in self._fields().items():
-            t.index_copy_(0, slots, fields[name])
-        self._load_header(state)
-        self.mark_saved()
+        with self.transaction() as undo:
+            if deleted.numel():
+                slots = self._index.lookup(deleted)
+                gone = torch.zeros(len(self), dtype=torch.bool)
+                gone[slots[slots >= 0]] = True
+                self._remove(gone)
+            first = len(self)
+            slots = self._index.lookup(ids)
+            new = (slots < 0).nonzero().squeeze(1)
+            if new.numel():
+                self._grow_to(first + new.numel(), used=first)
+                slots.index_copy_(0, new, self._index.insert_new(ids.index_select(0, new), undo))
+            for name, t in self._fields().items():
+                undo.rows(self._getter(name), slots)
+                t.index_copy_(0, slots, fields[name])
+            self._load_header(state)
+            self.mark_saved()
+
+
+def _spread(t: torch.Tensor, keep: torch.Tensor, drop: torch.Tensor, removed: torch.Tensor) -> None:
+    """Undo a compaction of ``t``: the kept rows (now first) back to slots ``keep``, ``removed`` to ``drop``."""
+    kept = t[: keep.numel()].clone()
+    t.index_copy_(0, keep, kept)
+    t.index_copy_(0, drop, removed)

@@ -3,8 +3,12 @@
 Split out of the server loop module to keep both small; :class:`TableOps` is
 a mixin whose host (the server) provides ``_shards``, ``_waiting``,
 ``_active``, ``_maybe_step``, ``num_workers``, ``server_index`` and the reply helpers
-``_ok`` / ``_send`` / ``_reply_error`` / ``_park``. Handlers return the reply,
-or None when the request was parked to be answered later.
+``_ok`` / ``_send`` / ``_reply_error`` / ``_park`` / ``_failure``, and ``limits``.
+Handlers return the reply, or None when the request was parked to be answered later.
+
+A sparse request carries at most the ids of the server's :class:`~fleet.ps.limits.RequestLimits`
+(the client splits bigger batches); a piece of a split push says so with ``arg`` =
+:data:`~fleet.ps.wire.MORE_FOLLOWS`.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from typing import Any
 
 from fleet.ps import aggregator as agg
 from fleet.ps import shard_io
+from fleet.ps.limits import RequestLimits
 from fleet.ps.wire import (
     DENSE_STATE_GET,
     DENSE_STATE_SET_OPTIMIZER,
     DENSE_STATE_SET_VALUES,
+    MORE_FOLLOWS,
     Message,
     Op,
     Status,
@@ -30,6 +36,7 @@ class TableOps:
     """Handlers for the table ops; mixed into the server class."""
 
     _shards: dict[int, agg.DenseShard | agg.SparseShard]
+    limits: RequestLimits
 
     def _shard(self, msg: Message, kind: str) -> agg.DenseShard | agg.SparseShard:
         shard = self._shards.get(msg.table)
@@ -99,6 +106,8 @@ class TableOps:
                 self._reply_error(parked.ident, parked.msg, str(exc), exc.details)
             except ValueError as exc:
                 self._reply_error(parked.ident, parked.msg, str(exc))
+            except Exception as exc:  # noqa: BLE001 - answered, and the next parked request still is
+                self._reply_error(parked.ident, parked.msg, self._failure(exc, op_name(parked.msg.op), table))
 
     def _pull(self, ident: bytes, msg: Message) -> Message | None:
         if msg.op == Op.PULL_DENSE:
@@ -106,9 +115,13 @@ class TableOps:
             self._expect(msg)
         else:
             shard = self._shard(msg, "sparse")
-            shard.check_ids(self._expect(msg, "ids")[0])
+            ids = self._expect(msg, "ids")[0]
+            shard.check_ids(ids)
+            self.limits.check_ids("PULL_SPARSE", msg.table, ids.numel(), shard.dim)
         if getattr(shard, "broken", None) is not None:
             raise agg.ShardError(*shard.broken)
+        if msg.arg > shard.version and shard.step_error is not None:
+            raise agg.ShardError(shard.step_error)
         if msg.arg > shard.version:
             self._waiting.pulls[msg.table].append(self._park(ident, msg))
             return None
@@ -121,6 +134,7 @@ class TableOps:
 
     def _push(self, ident: bytes, msg: Message) -> Message:
         status = Status.OK
+        more = msg.arg == MORE_FOLLOWS
         if msg.op == Op.PUSH_DENSE_GRAD:
             shard = self._shard(msg, "dense")
             # The presence flags travel only when some parameter has no gradient.
@@ -137,17 +151,22 @@ class TableOps:
             shard = self._shard(msg, "sparse")
             # Clicks travel only when the worker recorded some.
             ids, grads, *clicks = msg.tensors if len(msg.tensors) == 3 else self._expect(msg, "ids", "grads")
-            if not shard.push_grad(msg.peer, msg.step, ids, grads, msg.lr, clicks[0] if clicks else None):
+            self.limits.check_ids("PUSH_SPARSE_GRAD", msg.table, ids.numel(), shard.dim)
+            if not shard.push_grad(msg.peer, msg.step, ids, grads, msg.lr, clicks[0] if clicks else None, more):
                 status = Status.STALE
         elif msg.op == Op.PUSH_DENSE_DELTA:
             shard = self._shard(msg, "dense")
             shard.push_delta(self._expect(msg, "delta")[0])
         else:
             shard = self._shard(msg, "sparse")
-            shard.push_delta(*self._expect(msg, "ids", "deltas"), step=msg.step)
-        if status == Status.STALE:
+            ids, deltas = self._expect(msg, "ids", "deltas")
+            self.limits.check_ids("PUSH_SPARSE_DELTA", msg.table, ids.numel(), shard.dim)
+            shard.push_delta(ids, deltas, step=msg.step, more=more)
+        if status == Status.STALE and not more:
             self._counts["stale_dropped"] += 1
         self._maybe_step(shard)
+        if shard.step_error is not None:  # this push completed a step that could not be applied
+            raise agg.ShardError(shard.step_error)
         self._answer_pulls(msg.table)
         return self._ok(msg, version=shard.version, status=status)
 
@@ -158,6 +177,8 @@ class TableOps:
                 self._send(parked.ident, self._pull_reply(shard, parked.msg))
             except (agg.ShardError, ValueError) as exc:
                 self._reply_error(parked.ident, parked.msg, str(exc))
+            except Exception as exc:  # noqa: BLE001 - answered, and the next parked pull still is
+                self._reply_error(parked.ident, parked.msg, self._failure(exc, op_name(parked.msg.op), table))
 
     def _dense_state(self, ident: bytes, msg: Message) -> Message:
         """A dense shard's values and optimizer state, read or replaced (see wire.DENSE_STATE_GET)."""

@@ -10,29 +10,44 @@ possibly empty: UTF-8 JSON for configs and stats, a path for SAVE/LOAD, the
 message of an error reply. Each ``data`` frame holds exactly
 ``numel * itemsize`` bytes of one C-contiguous tensor.
 
+No frame is larger than :data:`FRAME_BYTES`: a tensor of more bytes travels as
+``ceil(nbytes / FRAME_BYTES)`` consecutive data frames, all full but the last
+(both sides compute the count from the descriptor, so it is not sent), and the
+blob must fit one frame. Why: ZeroMQ allocates a frame as soon as its header
+declares the size, before the peer has authenticated, so every socket caps a
+frame at :data:`FRAME_BYTES` (``zmq.MAXMSGSIZE``) and a stranger's handshake
+can make a process allocate at most that much per connection. How much one
+request may carry in all is a separate, per-kind limit (:mod:`fleet.ps.limits`).
+
 Why this shape: nothing on the receiving side ever interprets bytes as code
 (no pickle), every length is checked against the header before a tensor is
 built, and tensor bytes are separate frames so they go out straight from the
 tensor's memory (``copy=False``) and come in as a tensor over ZeroMQ's own
-buffer (:func:`torch.frombuffer`) -- no serialisation copy on either side.
+buffer (:func:`torch.frombuffer`) -- no serialisation copy on either side,
+except one copy on receipt for a tensor spread over several frames.
 """
 
 from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from fleet.ps.errors import WireError
+from fleet.ps.limits import Limit
 
 MAGIC = b"FLPS"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: tensors larger than FRAME_BYTES span several frames
 MAX_NDIM = 4
 MAX_TENSORS = 8
+#: the largest frame either side sends or accepts (``zmq.MAXMSGSIZE`` of every socket). 4 MiB keeps
+#: W3's 4 MiB dense push and pull one zero-copy frame each, and bounds what an unauthenticated
+#: connection can make a process allocate: 8 such connections, 32 MiB.
+FRAME_BYTES = 4 << 20
 
 #: magic, version, op, status, ntensors, table, peer, request id, step, arg, lr, timeout_ms
 HEADER = struct.Struct("<4sBBBBIIQqqdI")
@@ -70,6 +85,10 @@ class Op(enum.IntEnum):
 #: SET_VALUES: request [values] (parameters the user wrote: model.load_state_dict, clamping).
 DENSE_STATE_GET, DENSE_STATE_SET_OPTIMIZER, DENSE_STATE_SET_VALUES = 0, 1, 2
 
+
+#: ``arg`` of a sparse push that is a piece of a bigger one, when more pieces of it follow
+#: (the client splits pushes over the request limits, :mod:`fleet.ps.limits`)
+MORE_FOLLOWS = 1
 
 #: ALL_REDUCE (``fleet.metrics``): one 1-D float64 tensor, ``arg`` = the reduction's index here;
 #: server 0 answers every worker with the element-wise reduction once every active worker sent its own.
@@ -185,8 +204,19 @@ def encode(msg: Message) -> list[Any]:
             raise WireError(f"tensor {i} has {t.dim()} dims; the wire format carries at most {MAX_NDIM}")
         dims = list(t.shape) + [0] * (MAX_NDIM - t.dim())
         DESCRIPTOR.pack_into(head, HEADER.size + i * DESCRIPTOR.size, code, t.dim(), *dims)
-        data.append(tensor_buffer(t))
+        buf = tensor_buffer(t)
+        if len(buf) <= FRAME_BYTES:
+            data.append(buf)
+        else:  # numpy slices: still views of the tensor's memory
+            data.extend(buf[lo : lo + FRAME_BYTES] for lo in range(0, len(buf), FRAME_BYTES))
+    if len(msg.blob) > FRAME_BYTES:
+        raise WireError(f"a {len(msg.blob):,}-byte blob does not fit one frame ({FRAME_BYTES:,} bytes)")
     return [bytes(head), msg.blob, *data]
+
+
+def frame_count(nbytes: int) -> int:
+    """Data frames of a tensor of ``nbytes`` bytes (an empty tensor still has its one empty frame)."""
+    return max(1, -(-nbytes // FRAME_BYTES))
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -204,11 +234,16 @@ def read_request_id(frame: Any) -> tuple[int, int]:
     return fields[7], fields[2]
 
 
-def decode(frames: Sequence[Any]) -> Message:
+def decode(frames: Sequence[Any], budget: Budget | None = None) -> Message:
     """Parse and check a frame sequence; raise :class:`WireError` saying what is wrong.
 
+    ``budget(op, table)``: the most payload bytes (tensors and blob) a message of that kind may
+    carry, or None for no bound; checked from the header, before any tensor is built, and an
+    excess raises :class:`RequestTooLarge` with the budget's explanation.
+
     Tensors are views over the received frames' memory (no copy) unless the
-    frame is misaligned for its dtype, in which case it is copied once.
+    frame is misaligned for its dtype, or the tensor spans several frames, in
+    which case it is copied once.
     """
     if not frames:
         raise WireError("empty message")
@@ -234,17 +269,40 @@ def decode(frames: Sequence[Any]) -> Message:
     want = HEADER.size + DESCRIPTOR.size * ntensors
     if len(head) != want:
         raise WireError(f"header is {len(head)} bytes, expected {want} for {ntensors} tensors", rid, op)
-    if len(frames) != 2 + ntensors:
-        raise WireError(f"{len(frames)} frames, expected {2 + ntensors} (header, blob, {ntensors} tensors)", rid, op)
-    tensors = []
-    for i in range(ntensors):
-        code, ndim, *dims = DESCRIPTOR.unpack_from(head, HEADER.size + i * DESCRIPTOR.size)
-        tensors.append(_tensor(i, code, ndim, dims, _buffer(frames[2 + i]), rid, op))
+    specs = [
+        _spec(i, DESCRIPTOR.unpack_from(head, HEADER.size + i * DESCRIPTOR.size), rid, op) for i in range(ntensors)
+    ]
+    counts = [frame_count(nbytes) for _, _, nbytes in specs]
+    if len(frames) != 2 + sum(counts):
+        raise WireError(
+            f"{len(frames)} frames, expected {2 + sum(counts)} (header, blob, {ntensors} tensors in {sum(counts)})",
+            rid,
+            op,
+        )
     blob = _buffer(frames[1])
+    if budget is not None:
+        limit = budget(op, table)
+        carried = len(blob) + sum(nbytes for _, _, nbytes in specs)
+        if limit is not None and carried > limit.bytes:
+            raise RequestTooLarge(f"{op_name(op)} carries {carried:,} bytes; {limit.explain}", rid, op)
+    tensors, at = [], 2
+    for i, (dtype, shape, nbytes) in enumerate(specs):
+        tensors.append(_tensor(i, dtype, shape, nbytes, [_buffer(f) for f in frames[at : at + counts[i]]], rid, op))
+        at += counts[i]
     return Message(op, table, peer, rid, step, arg, lr, timeout_ms, status, tensors, blob)
 
 
-def _tensor(i: int, code: int, ndim: int, dims: list[int], data: memoryview, rid: int, op: int) -> torch.Tensor:
+class RequestTooLarge(WireError):
+    """A message larger than its kind's budget (a request limit, not a malformed message)."""
+
+
+#: ``budget(op, table)``: what a message of that kind may carry, or None for no bound
+Budget = Callable[[int, int], "Limit | None"]
+
+
+def _spec(i: int, fields: tuple[int, ...], rid: int, op: int) -> tuple[torch.dtype, list[int], int]:
+    """(dtype, shape, byte count) of tensor ``i`` from its descriptor, checked."""
+    code, ndim, *dims = fields
     dtype = CODE_DTYPES.get(code)
     if dtype is None:
         raise WireError(f"tensor {i}: unknown dtype code {code}", rid, op)
@@ -256,18 +314,29 @@ def _tensor(i: int, code: int, ndim: int, dims: list[int], data: memoryview, rid
     numel = 1
     for d in shape:
         numel *= d
-    nbytes = numel * _ITEMSIZE[code]
-    if len(data) != nbytes:
-        raise WireError(
-            f"tensor {i}: {len(data)} data bytes, but shape {shape} of {dtype} needs {nbytes}",
-            rid,
-            op,
-        )
-    if numel == 0:
+    return dtype, shape, numel * _ITEMSIZE[code]
+
+
+def _tensor(
+    i: int, dtype: torch.dtype, shape: list[int], nbytes: int, parts: list[memoryview], rid: int, op: int
+) -> torch.Tensor:
+    got = sum(len(p) for p in parts)
+    if got != nbytes or any(len(p) != FRAME_BYTES for p in parts[:-1]):
+        sizes = "" if len(parts) == 1 else f" in frames of {[len(p) for p in parts]}"
+        raise WireError(f"tensor {i}: {got} data bytes{sizes}, but shape {shape} of {dtype} needs {nbytes}", rid, op)
+    if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    if len(parts) > 1:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        view, at = memoryview(out.numpy()), 0
+        for p in parts:
+            view[at : at + len(p)] = p
+            at += len(p)
+        return out.view(dtype).view(shape)
+    data = parts[0]
     if data.readonly:  # plain bytes (copy=True receives, tests); zmq frames are writable
         data = memoryview(bytearray(data))
     t = torch.frombuffer(data, dtype=dtype).view(shape)
-    if t.data_ptr() % _ITEMSIZE[code]:
+    if t.data_ptr() % t.element_size():
         t = t.clone()  # small frames can sit at odd offsets inside ZeroMQ's batch buffer
     return t

@@ -95,7 +95,7 @@ class ParameterServerStrategy(Strategy):
         from fleet.ps import launch_server
 
         if self._server is None:
-            self._server = launch_server.init_server(self.runtime, self.config.timeout_s)
+            self._server = launch_server.init_server(self.runtime, self.config.timeout_s, self._limits())
         if run:
             launch_server.run_server(self._server, self.runtime.role.server_index)
 
@@ -107,11 +107,21 @@ class ParameterServerStrategy(Strategy):
         if self._client is None:
             role = self.runtime.role
             client = PSClient(
-                self.server_endpoints(), resolve_secret(self.runtime), role.worker_index, self.config.timeout_s
+                self.server_endpoints(),
+                resolve_secret(self.runtime),
+                role.worker_index,
+                self.config.timeout_s,
+                limits=self._limits(),
             )
             self._client = client
             atexit.register(self._stop_at_exit)
         return self._client
+
+    def _limits(self) -> Any:
+        """What one request to a server may carry (the strategy's max_request_ids / max_request_mb)."""
+        from fleet.ps.limits import RequestLimits
+
+        return RequestLimits.from_strategy(self.config)
 
     def _stop_at_exit(self) -> None:
         """The script ended without fleet.stop_worker(): stop as it would have (flush, then STOP the servers)."""
