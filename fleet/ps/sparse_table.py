@@ -300,8 +300,9 @@ class SparseTable:
             get = self._getter(name)
             t = get()
             compacted, removed = t[:n].index_select(0, keep), t[:n].index_select(0, drop)
-            undo.add(lambda get=get, removed=removed: _spread(get(), keep, drop, removed))
             t[:m] = compacted
+            # recorded after the write, not before like the others: spreading undoes a compaction only
+            undo.add(lambda get=get, removed=removed: _spread(get(), keep, drop, removed))
         self._remember_deleted(self._index.renumber(new_slot, undo))
         self.counts["evicted"] += count
         return count
