@@ -49,6 +49,7 @@ exit status: 0 when every worker exited 0; a failed process's own status
 _VALUE_OPTIONS = {
     "--workers", "--worker_num", "--servers", "--server_num", "--strategy", "--log-dir", "--max-restarts",
     "--nnodes", "--node-rank", "--master", "--host", "--server-grace", "--stop-timeout", "--join-timeout",
+    "--calibration", "--plan-workers",
 }  # fmt: skip
 
 
@@ -147,6 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=300.0,
         help="how long the nodes wait for each other (node 0 unreachable, a node not started) (default: 300)",
+    )
+    planning = parser.add_argument_group("planning (fleet.plan, docs/scaling.md)")
+    planning.add_argument(
+        "--plan",
+        action="store_true",
+        help="run nothing at scale: time the script briefly as one worker, measure the transports here, and "
+        "print the predicted speed-up of every mode for 1..1,024 workers (--workers and --servers per host)",
+    )
+    planning.add_argument(
+        "--calibration", metavar="FILE", help="--plan: transports measured between hosts (fleet/plan/measure.py)"
+    )
+    planning.add_argument(
+        "--plan-workers", metavar="N,N,...", help="--plan: worker counts to predict (default: 1,2,4,...,1024)"
     )
     return parser
 
@@ -257,6 +271,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         config = parse_config(argv)
+        options = build_parser().parse_args(split_argv(argv)[0])
+        if options.plan:
+            from fleet.plan.planner import plan, worker_counts
+
+            return plan(config, options.calibration, worker_counts(options.plan_workers))
         return run(config)
     except LaunchError as error:
         print(f"fleetrun: error: {error}", file=sys.stderr)
