@@ -86,6 +86,13 @@ class Calibration(BaseModel):
     sparse_rows: float = Field(0.0, ge=0)
     """Unique sparse-embedding rows a worker pulls (and pushes) per step."""
 
+    sparse_new_rows: float = Field(0.0, ge=0)
+    """Of those, rows no earlier step touched, which a server creates (as often as in the calibration run)."""
+
+    sparse_local_s: float = Field(0.0, ge=0)
+    """Of t_comp, the seconds per step inside the sparse embeddings' lookups (a local table, when timed
+    alone): on a parameter server that work moves to the servers."""
+
     sparse_dim: int = Field(0, ge=0)
     """Width of those rows (float32)."""
 
@@ -105,7 +112,23 @@ class Calibration(BaseModel):
     """Server: sparse gradient rows applied per second."""
 
     sparse_pull_rows_s: float | None = None
-    """Server: sparse rows looked up (and created on first touch) per second."""
+    """Server: existing sparse rows looked up per second."""
+
+    sparse_create_rows_s: float | None = None
+    """Server: sparse rows created on first touch per second (growth and initial values included)."""
+
+    ps_request_s: float = Field(0.0, ge=0)
+    """Server and client handling of one request, when many are in flight (the wire's latency overlapped)."""
+
+    ps_step_s: float | None = None
+    """One worker's parameter-server traffic of one step of this script (push, pull, dense and sparse,
+    new rows as often as in the calibration run), replayed without computation: a sync worker's wait."""
+
+    ps_sparse_pull_s: float | None = None
+    """Of that, the sparse pull issued after the pushes: what an async worker waits for per step."""
+
+    ps_server_step_s: float | None = None
+    """The server process's CPU time per replayed step: its work for one worker-step of this script."""
 
     load_average: float | None = None
     """The host's 1-minute load average while calibrating."""
@@ -147,24 +170,29 @@ def _first_line(error: Exception) -> str:
 def fit_link(points: Sequence[tuple[float, float]], messages: int = 1) -> tuple[float, float]:
     """(latency per message, bandwidth) from (bytes, seconds) points of t = messages x latency + bytes / bandwidth.
 
-    Least squares on the *relative* error (weights 1/t^2), so a 64 MB point with a few ms of
-    noise does not swamp the latency that the small messages measure. A 2-process ring
-    all-reduce sends 2(R-1) = 2 messages and 2(R-1)/R x bytes = bytes per worker: ``messages=2``.
+    In two steps, each from the points that measure it: the bandwidth is the least-squares slope
+    of the largest messages (those within 64x of the largest: a token bucket's burst or a cache
+    makes mid-sized messages look faster than the link sustains), the latency the median
+    intercept of the smallest third. A 2-process ring all-reduce sends 2(R-1) = 2 messages and
+    2(R-1)/R x bytes = bytes per worker: ``messages=2``.
     """
-    pts = [(float(n), float(t)) for n, t in points if t > 0]
-    if len(pts) < 2 or len({n for n, _ in pts}) < 2:
+    pts = sorted((float(n), float(t)) for n, t in points if t > 0)
+    if len({n for n, _ in pts}) < 2:
         raise ValueError(f"a latency/bandwidth fit needs at least 2 sizes, got {len(pts)} points")
-    w = [1.0 / (t * t) for _, t in pts]
-    sw = sum(w)
-    mx = sum(wi * n for wi, (n, _) in zip(w, pts, strict=True)) / sw
-    my = sum(wi * t for wi, (_, t) in zip(w, pts, strict=True)) / sw
-    sxx = sum(wi * (n - mx) ** 2 for wi, (n, _) in zip(w, pts, strict=True))
-    sxy = sum(wi * (n - mx) * (t - my) for wi, (n, t) in zip(w, pts, strict=True))
-    slope = sxy / sxx if sxx > 0 else 0.0
+    top = pts[-1][0]
+    large = [p for p in pts if p[0] >= top / 64]
+    if len(large) < 2:
+        large = pts[-2:]
+    mx = sum(n for n, _ in large) / len(large)
+    my = sum(t for _, t in large) / len(large)
+    sxx = sum((n - mx) ** 2 for n, _ in large)
+    slope = sum((n - mx) * (t - my) for n, t in large) / sxx if sxx > 0 else 0.0
     if slope <= 0:  # flat within noise: bandwidth beyond what these sizes can show
-        slope = min(t for _, t in pts) / max(n for n, _ in pts) / 100
-    intercept = max(0.0, my - slope * mx)
-    return intercept / messages, 1.0 / slope
+        slope = min(t for _, t in pts) / top / 100
+    small = pts[: max(1, len(pts) // 3)]
+    intercepts = sorted(t - n * slope for n, t in small)
+    latency = max(0.0, intercepts[len(intercepts) // 2])
+    return latency / messages, 1.0 / slope
 
 
 def lognormal_sigma(samples: Sequence[float]) -> float:

@@ -95,8 +95,10 @@ def measure_allreduce(group: Any, sizes: list[int], reps: int, device: torch.dev
     return sorted(medians.items())
 
 
-def measure_ps(rank: int, group: Any, sizes: list[int], reps: int, sparse_dim: int, sparse_rows: int) -> dict:
-    """Worker 0 serves, worker 1 pulls; returns worker 1's medians (dense bytes and sparse rows)."""
+def measure_ps(rank: int, group: Any, sizes: list[int], args: argparse.Namespace) -> dict:
+    """Worker 0 serves, worker 1 pulls; returns worker 1's medians (dense bytes and sparse rows), and
+    the script's own step shape replayed without computation (see :func:`replay_steps`)."""
+    reps, sparse_dim, sparse_rows = args.reps, args.sparse_dim, args.sparse_rows
     from fleet.ps.client import PSClient
     from fleet.ps.server import ParameterServer
 
@@ -111,6 +113,7 @@ def measure_ps(rank: int, group: Any, sizes: list[int], reps: int, sparse_dim: i
         box = [server.endpoint, secret.hex()]
     dist.broadcast_object_list(box, src=0, group=group)
     result: dict[str, Any] = {"endpoint": box[0]}
+    cpu0 = time.process_time()
     if rank == 1:
         client = PSClient([box[0]], bytes.fromhex(box[1]), 0, timeout_s=120.0)
         try:
@@ -119,6 +122,14 @@ def measure_ps(rank: int, group: Any, sizes: list[int], reps: int, sparse_dim: i
                 client.create_dense(i + 1, torch.zeros(n // 4), config).result()
             pulls = {n: (lambda t=i + 1: client.pull_dense(t).result()) for i, n in enumerate(sizes)}
             result["dense_pull"] = sorted(_median_times(pulls, reps).items())
+            # The server's own cost per request: many small requests in flight at once, so the
+            # wire's latency overlaps and what is left is the handling on both ends.
+            burst = 200
+            t0 = time.perf_counter()
+            futures = [client.pull_dense(1) for _ in range(burst)]
+            for future in futures:
+                future.result()
+            result["request_s"] = (time.perf_counter() - t0) / burst
             if sparse_dim and sparse_rows:
                 table = len(sizes) + 1
                 client.create_sparse(table, {"dim": sparse_dim, "optimizer": {"kind": "sgd", "lr": 0.0}}).result()
@@ -128,11 +139,84 @@ def measure_ps(rank: int, group: Any, sizes: list[int], reps: int, sparse_dim: i
                     client.pull_sparse(table, ids[n]).result()  # the rows exist from now on
                 fns = {n: (lambda x=ids[n]: client.pull_sparse(table, x).result()) for n in counts}
                 result["sparse_pull"] = sorted(_median_times(fns, reps).items())
+            replay = prepare_replay(client, len(sizes) + 2, args)
+            dist.barrier(group=group)
+            result.update(replay())
+            dist.barrier(group=group)
         finally:
             client.close()
+    else:
+        dist.barrier(group=group)
+        cpu0 = time.process_time()  # the server's process does nothing else while the steps replay
+        dist.barrier(group=group)
+        result["server_cpu_s"] = time.process_time() - cpu0
     if thread is not None:
         thread.join(timeout=30)
     return result
+
+
+def prepare_replay(client: Any, table: int, args: argparse.Namespace, steps: int = 12) -> Any:
+    """The script's parameter-server traffic per step, without its computation, on one worker.
+
+    Each step: push the dense gradient (``--dense-bytes``) and the sparse gradient rows, then pull
+    the dense values and the next step's sparse rows (``--sparse-new`` of them never seen
+    before, so the server creates them), waiting for all. The steps' median wall time is what
+    one worker of a sync job waits per step with one server; the sparse pull alone, issued after
+    the pushes as an async worker does, is what an async worker waits.
+    """
+    numel = max(1, args.dense_bytes // 4)
+    config = {
+        "optimizer": {"kind": args.optimizer if args.optimizer in ("sgd", "adam", "adagrad") else "sgd", "lr": 0.0}
+    }
+    client.create_dense(table, torch.zeros(numel), {**config, "update": "async"}).result()
+    rows, dim = args.sparse_rows, args.sparse_dim
+    if rows:
+        client.create_sparse(table + 1, {"dim": dim, **config}).result()
+    grad = torch.randn(numel)
+    g = torch.Generator().manual_seed(0)
+    known = torch.randint(0, 1 << 40, (4 * rows,), generator=g).unique() if rows else None
+    first_fresh = [1 << 41]  # ids above every known one: never seen by the server
+    if rows:
+        client.pull_sparse(table + 1, known).result()  # the ids every step shares exist already
+
+    def ids_for_step() -> torch.Tensor:
+        new = min(args.sparse_new, rows)
+        old = known[torch.randperm(known.numel(), generator=g)[: rows - new]]
+        fresh = torch.arange(first_fresh[0], first_fresh[0] + new)
+        first_fresh[0] += new
+        return torch.cat([old, fresh])
+
+    def replay() -> dict[str, Any]:
+        return _replay(client, table, grad, ids_for_step if rows else None, dim, steps)
+
+    return replay
+
+
+def _replay(client: Any, table: int, grad: torch.Tensor, ids_for_step: Any, dim: int, steps: int) -> dict[str, Any]:
+    rows = ids_for_step is not None
+    step_s, pull_s = [], []
+    ids = ids_for_step() if rows else None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        pending = [client.push_dense_grad(table, grad, 0, 0.0)]
+        if rows:
+            pending.append(client.push_sparse_grad(table + 1, ids, torch.randn(ids.numel(), dim), 0, 0.0))
+        pending.append(client.pull_dense(table))
+        t1 = time.perf_counter()
+        if rows:
+            ids = ids_for_step()
+            client.pull_sparse(table + 1, ids).result()
+        t2 = time.perf_counter()
+        for future in pending:
+            future.result()
+        step_s.append(time.perf_counter() - t0)
+        pull_s.append(t2 - t1)
+    return {
+        "replay_steps": steps,
+        "replay_step_s": statistics.median(step_s),
+        "replay_sparse_pull_s": statistics.median(pull_s) if rows else 0.0,
+        "replay_wall_s": sum(step_s),
+    }
 
 
 def measure_apply(optimizer: str, dense_bytes: int, sparse_dim: int, sparse_rows: int, reps: int) -> dict:
@@ -158,6 +242,13 @@ def measure_apply(optimizer: str, dense_bytes: int, sparse_dim: int, sparse_rows
         t = _median_times({0: lambda: sparse.pull(batch), 1: lambda: sparse.apply_gradient(batch, grads, 0.01)}, reps)
         out["sparse_pull_rows_s"] = rows / t[0]
         out["sparse_apply_rows_s"] = rows / t[1]
+        # Rows created on first touch (a fresh table grown batch by batch: allocation, growth, initial values).
+        fresh = SparseTable(sparse_dim, OptimizerSpec(kind=kind, lr=0.01), seed=0)
+        batches = torch.randperm(1 << 26)[: 10 * rows].split(rows)
+        t0 = time.perf_counter()
+        for chunk in batches:
+            fresh.pull(chunk)
+        out["sparse_create_rows_s"] = 10 * rows / (time.perf_counter() - t0)
     return out
 
 
@@ -170,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--dense-bytes", type=int, default=16 * 2**20, help="dense gradient for the apply rate")
     parser.add_argument("--sparse-dim", type=int, default=16)
-    parser.add_argument("--sparse-rows", type=int, default=13312)
+    parser.add_argument("--sparse-rows", type=int, default=13312, help="unique sparse rows per step")
+    parser.add_argument("--sparse-new", type=int, default=0, help="of those, rows never seen before")
     parser.add_argument("--no-ps", action="store_true", help="all-reduce only")
     args = parser.parse_args(argv)
 
@@ -200,15 +292,17 @@ def main(argv: list[str] | None = None) -> None:
         "allreduce": measure_allreduce(group, sizes, args.reps, device),
     }
     if not args.no_ps:
-        result["ps"] = measure_ps(rank, group, sizes, args.reps, args.sparse_dim, args.sparse_rows)
+        result["ps"] = measure_ps(rank, group, sizes, args)
         dist.barrier(group=group)
         if rank == 0:
             result["apply"] = measure_apply(
                 args.optimizer, args.dense_bytes, args.sparse_dim, args.sparse_rows, args.reps
             )
         ps_part = [result.get("ps")]
+        server_cpu = [result["ps"].get("server_cpu_s")]
         dist.broadcast_object_list(ps_part, src=1, group=group)  # worker 1 measured the transport
-        result["ps"] = ps_part[0]
+        dist.broadcast_object_list(server_cpu, src=0, group=group)
+        result["ps"] = {**ps_part[0], "server_cpu_s": server_cpu[0]}
     result["load_average_end"] = os.getloadavg()[0]
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)

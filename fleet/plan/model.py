@@ -128,10 +128,16 @@ class Model:
 
     # --- the host ------------------------------------------------------------------
 
-    def stretch(self, setup: Setup, servers_busy: float = 0.0, workers_here: int | None = None) -> float:
-        """How much slower a worker computes in ``setup`` than when it was calibrated."""
+    def stretch(
+        self, setup: Setup, servers_busy: float = 0.0, workers_here: int | None = None, duty: float = 1.0
+    ) -> float:
+        """How much slower a worker computes in ``setup`` than when it was calibrated.
+
+        ``duty``: the fraction of a step a worker computes; while it waits for a server it leaves
+        its core to the others.
+        """
         here = min(setup.workers, setup.workers_per_host) if workers_here is None else workers_here
-        demand = here * self.cal.threads + servers_busy + setup.background
+        demand = here * self.cal.threads * duty + servers_busy + setup.background
         return self.alone / share(self.cal.cores, demand)
 
     def link(self, setup: Setup, link: Link, stretch: float) -> Link:
@@ -176,8 +182,13 @@ class Model:
             parts=parts,
         )
 
-    def _compute(self, stretch: float) -> LogNormal:
-        return LogNormal.with_mean(self.cal.t_comp_s * stretch, self.cal.step_sigma)
+    def _compute(self, stretch: float, ps: bool = False) -> LogNormal:
+        """One worker's computation per step; on a parameter server without the local table's work."""
+        cal, t = self.cal, self.cal.t_comp_s
+        if ps and cal.sparse_rows:
+            applied = cal.sparse_rows / cal.sparse_apply_rows_s if cal.sparse_apply_rows_s else 0.0
+            t = max(0.1 * t, t - cal.sparse_local_s - applied)
+        return LogNormal.with_mean(t * stretch, cal.step_sigma)
 
     def _collective(self, setup: Setup) -> tuple[float, float, dict[str, float]]:
         cal, r = self.cal, setup.workers
@@ -196,18 +207,27 @@ class Model:
         }
         return sum(parts.values()), comp.mean, parts
 
-    def _server_work(self, setup: Setup, link: Link, per_worker: float) -> float:
-        """Seconds one server is busy per ``per_worker`` x R worker requests of one step."""
-        cal, r, s = self.cal, setup.workers, setup.servers
-        dense = cal.dense_bytes / s
-        rows = cal.sparse_rows / s
-        transfer = 2 * (dense + cal.sparse_bytes / s) / link.bandwidth_Bps
-        apply = dense / cal.dense_apply_Bps if cal.dense_apply_Bps else 0.0
-        sparse = 0.0
-        if rows:
-            sparse += rows / cal.sparse_apply_rows_s if cal.sparse_apply_rows_s else 0.0
-            sparse += rows / cal.sparse_pull_rows_s if cal.sparse_pull_rows_s else 0.0
-        return r * per_worker * (transfer + apply + sparse)
+    def _sparse_lookup_s(self) -> float:
+        """Server time to answer one worker's sparse pull: new rows are created, the others looked up."""
+        cal = self.cal
+        if not cal.sparse_rows:
+            return 0.0
+        new = min(cal.sparse_new_rows, cal.sparse_rows)
+        created = new / cal.sparse_create_rows_s if cal.sparse_create_rows_s else 0.0
+        looked = (cal.sparse_rows - new) / cal.sparse_pull_rows_s if cal.sparse_pull_rows_s else 0.0
+        return created + looked
+
+    def _server_per_worker_step(self, setup: Setup, link: Link) -> float:
+        """Seconds one server works for one step of one worker (4 requests: push and pull, dense and sparse)."""
+        cal, s = self.cal, setup.servers
+        transfer = 2 * (cal.dense_bytes + cal.sparse_bytes) / link.bandwidth_Bps
+        apply = cal.dense_bytes / cal.dense_apply_Bps if cal.dense_apply_Bps else 0.0
+        sparse = self._sparse_lookup_s()
+        if cal.sparse_rows and cal.sparse_apply_rows_s:
+            sparse += cal.sparse_rows / cal.sparse_apply_rows_s
+        # Dense shards live on every server, so each one sees every request; the bytes and rows split S ways.
+        requests = (4 if cal.sparse_rows else 2) * cal.ps_request_s
+        return requests + (transfer + apply + sparse) / s
 
     def _ps(self, mode: str, setup: Setup) -> tuple[float, float, dict[str, float]]:
         cal, r = self.cal, setup.workers
@@ -217,42 +237,71 @@ class Model:
             )
         b = setup.backups_for(mode)
         servers_here = setup.servers / setup.hosts
-        busy = servers_here  # first guess: servers always busy; refined from the predicted step below
+        # First guess: servers always busy, workers always computing; refined from the predicted step.
+        busy, duty = servers_here, 1.0
         step, comp_mean, parts = 0.0, 0.0, {}
-        for _ in range(4):
-            stretch = self.stretch(setup, servers_busy=busy)
-            comp = self._compute(stretch)
+        for _ in range(20):
+            stretch = self.stretch(setup, servers_busy=busy, duty=duty)
+            comp = self._compute(stretch, ps=True)
             link = self.link(setup, cal.ps, stretch)
-            worker_io = 2 * (cal.dense_bytes + cal.sparse_bytes) / link.bandwidth_Bps
             # Servers on the workers' hosts share their cores: their work stretches too.
-            srv_stretch = stretch if servers_here > 0 else 1.0
-            if mode in ("ps_sync", "ps_backup"):
-                server = self._server_work(setup, link, 1.0) * srv_stretch
+            srv = stretch if servers_here > 0 else 1.0
+            per_step = self._server_per_worker_step(setup, link) * srv
+            # The sparse pull is the one request a worker always waits for: it queues behind the
+            # worker's own sparse push, then the rows are looked up (or created) and sent.
+            sparse_wait = 0.0
+            replayed = cal.ps_server_step_s is not None and cal.ps_step_s is not None
+            if replayed:
+                # Measured on this script's own traffic (a replayed step): the server's CPU per
+                # worker-step, the sync worker's whole wait and the async worker's sparse pull.
+                requests = min(cal.ps_server_step_s, (4 if cal.sparse_rows else 2) * cal.ps_request_s)
+                per_step = (requests + (cal.ps_server_step_s - requests) / setup.servers) * srv
+                lat = link.latency_s
+                sparse_wait = (lat + max(0.0, (cal.ps_sparse_pull_s or 0.0) - lat) / setup.servers) * srv
+            elif cal.sparse_rows:
+                applied = cal.sparse_rows / cal.sparse_apply_rows_s if cal.sparse_apply_rows_s else 0.0
+                lookup = (self._sparse_lookup_s() + applied) / setup.servers + 2 * cal.ps_request_s
+                sparse_wait = link.latency_s + cal.sparse_bytes / link.bandwidth_Bps + lookup * srv
+            if mode in ("ps_sync", "ps_backup") and replayed:
                 parts = {
                     "compute": comp.mean,
                     "wait for the slowest": comp.expected_order(r - b, r) - comp.mean,
-                    "request latency": 3 * link.latency_s,
-                    "transfer and server": max(worker_io, server),
+                    "client and wire": max(0.0, cal.ps_step_s - cal.ps_server_step_s) * srv,
+                    "servers: transfer and updates": r * per_step,
                 }
+                server = r * per_step
+            elif mode in ("ps_sync", "ps_backup"):
+                worker_io = 2 * (cal.dense_bytes + cal.sparse_bytes) / link.bandwidth_Bps
+                parts = {
+                    "compute": comp.mean,
+                    "wait for the slowest": comp.expected_order(r - b, r) - comp.mean,
+                    "request latency": 2 * link.latency_s,
+                    "servers: transfer and updates": max(worker_io, r * per_step),
+                    # the sparse pull's server work is in the servers' share already
+                    "sparse pull": link.latency_s + cal.sparse_bytes / link.bandwidth_Bps if cal.sparse_rows else 0.0,
+                }
+                server = r * per_step
             elif mode == "ps_async":
-                server = self._server_work(setup, link, 1.0) * srv_stretch
-                own = comp.mean + link.latency_s + cal.sparse_bytes / link.bandwidth_Bps
-                parts = {"compute": comp.mean, "sparse pull": own - comp.mean, "server queue": max(0.0, server - own)}
-            else:  # geo: one exchange every k steps
+                own = comp.mean + sparse_wait
+                server = r * per_step
+                parts = {"compute": comp.mean, "sparse pull": sparse_wait, "server queue": max(0.0, server - own)}
+            else:  # geo: local steps (rows in a local cache); one exchange every k steps
                 k = setup.k_steps
-                # Rows touched in k steps: at most k x a step's; assumed all distinct (the worst case).
-                geo = cal.model_copy(update={"sparse_rows": k * cal.sparse_rows})
-                server = Model(geo)._server_work(setup, link, 1.0) * srv_stretch
-                exchange = 3 * link.latency_s + max(
-                    2 * (cal.dense_bytes + geo.sparse_bytes) / link.bandwidth_Bps, server
+                # Rows touched in k steps: at most k x a step's; assumed all distinct (the most traffic).
+                geo = Model(cal.model_copy(update={"sparse_rows": k * cal.sparse_rows, "sparse_new_rows": 0.0}))
+                server = r * geo._server_per_worker_step(setup, link) * srv
+                exchange = 2 * link.latency_s + max(
+                    2 * (cal.dense_bytes + geo.cal.sparse_bytes) / link.bandwidth_Bps, server
                 )
                 parts = {"compute": comp.mean, "exchange every k steps": exchange / k}
+                server /= k
             step = sum(parts.values())
             comp_mean = comp.mean
-            new_busy = servers_here * min(1.0, (server / step) if step > 0 else 1.0)
-            if abs(new_busy - busy) < 1e-3:
+            new_busy = servers_here * min(1.0, server / step if step > 0 else 1.0)
+            new_duty = min(1.0, comp.mean / step) if step > 0 else 1.0
+            if abs(new_busy - busy) < 1e-3 and abs(new_duty - duty) < 1e-3:
                 break
-            busy = new_busy
+            busy, duty = (busy + new_busy) / 2, (duty + new_duty) / 2  # damped: the two feed each other
         return step, comp_mean, parts
 
     # --- tables --------------------------------------------------------------------

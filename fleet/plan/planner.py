@@ -62,6 +62,7 @@ def worker_counts(text: str | None) -> tuple[int, ...] | None:
 
 
 def _run(command: list[str], log: Path, timeout: float, what: str) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         try:
             done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, env=_child_env())
@@ -113,7 +114,14 @@ def run_measure(log_dir: Path, probe: dict[str, Any], reps: int = 7) -> dict[str
     command += [str(measure_path()), "--out", str(out), "--device", probe["device"], "--max-bytes", str(max_bytes)]
     command += ["--reps", str(reps), "--optimizer", probe["optimizer"] or "sgd"]
     command += ["--dense-bytes", str(max(4096, probe["dense_bytes"]))]
-    command += ["--sparse-dim", str(probe["sparse_dim"] or 16), "--sparse-rows", str(rows)]
+    new = round(sum(probe.get("sparse_new_rows") or [0]) / max(1, len(probe.get("sparse_new_rows") or [0])))
+    command += [
+        "--sparse-dim",
+        str(probe["sparse_dim"] or 16),
+        "--sparse-rows",
+        str(rows if probe["sparse_dim"] else 0),
+    ]
+    command += ["--sparse-new", str(min(new, rows))]
     _run(command, log_dir / "transport.log", 300, "the transport measurement (2 workers)")
     return json.loads(out.read_text())
 
@@ -153,7 +161,9 @@ def build(probe: dict[str, Any], net: dict[str, Any], script: str = "") -> Calib
         "batch": probe.get("batch"),
         "dense_bytes": int(probe.get("dense_bytes") or 0),
         "sparse_rows": sum(rows) / len(rows),
+        "sparse_new_rows": sum(new := probe.get("sparse_new_rows") or [0]) / len(new),
         "sparse_dim": int(probe.get("sparse_dim") or 0),
+        "sparse_local_s": sum(local := probe.get("sparse_s") or [0.0]) / len(local),
         "allreduce": Link(latency_s=lat, bandwidth_Bps=bw, loopback=loopback, where=where, points=allreduce_pts),
         "load_average": probe.get("load_average"),
         "assumptions": assumptions,
@@ -164,8 +174,13 @@ def build(probe: dict[str, Any], net: dict[str, Any], script: str = "") -> Calib
         cal["ps"] = Link(latency_s=ps_lat, bandwidth_Bps=ps_bw, loopback=loopback, where=where, points=ps_pts)
         apply = net.get("apply") or {}
         cal["optimizer"] = apply.get("optimizer", "sgd")
-        for key in ("dense_apply_Bps", "sparse_apply_rows_s", "sparse_pull_rows_s"):
+        for key in ("dense_apply_Bps", "sparse_apply_rows_s", "sparse_pull_rows_s", "sparse_create_rows_s"):
             cal[key] = apply.get(key)
+        cal["ps_request_s"] = net["ps"].get("request_s", 0.0)
+        if "replay_step_s" in net["ps"]:
+            cal["ps_step_s"] = net["ps"]["replay_step_s"]
+            cal["ps_sparse_pull_s"] = net["ps"]["replay_sparse_pull_s"]
+            cal["ps_server_step_s"] = (net["ps"].get("server_cpu_s") or 0.0) / net["ps"]["replay_steps"]
         if cal["sparse_rows"]:
             assumptions.append("geo: the sparse rows touched in k steps are all distinct (the most traffic)")
     return Calibration(**cal)

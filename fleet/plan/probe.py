@@ -50,7 +50,12 @@ class Probe:
         self.optimizer = ""
         self.device = "cpu"
         self.sparse_rows: list[int] = []  # unique ids per step (summed over the step's lookups)
-        self._rows_now = 0
+        self.sparse_new: list[int] = []  # of those, ids no earlier step looked up (a server creates their rows)
+        self._rows_now = self._new_now = 0
+        self.sparse_s: list[float] = []  # seconds inside SparseEmbedding forwards per step (the local table's lookups)
+        self._sparse_now = 0.0
+        self._entered: list[float] = []
+        self._seen: dict[int, Any] = {}  # per table: the ids looked up so far (a few hundred thousand at most)
         self.sparse_dim = 0
         self.params: dict[int, Any] = {}  # parameters of modules seen in forward, until the bytes are known
         self.excluded: set[int] = set()  # a SparseEmbedding's own parameters: its rows travel as sparse
@@ -87,8 +92,19 @@ class Probe:
             self.params[id(p)] = p
 
     def on_lookup(self, module: Any, ids: Any) -> None:
+        import torch
+
         self.sparse_dim = int(module.embedding_dim)
-        self._rows_now += int(ids.unique().numel())
+        unique = ids.detach().reshape(-1).unique()
+        self._rows_now += int(unique.numel())
+        seen = self._seen.get(id(module))
+        if seen is None:
+            new = unique
+            self._seen[id(module)] = unique
+        else:
+            new = unique[~torch.isin(unique, seen)]
+            self._seen[id(module)] = torch.cat([seen, new])
+        self._new_now += int(new.numel())
 
     def _inspect_modules(self) -> None:
         """Dense gradient bytes: parameters of the modules that ran forward and now hold a dense gradient."""
@@ -106,6 +122,8 @@ class Probe:
     def _step(self, wall: float, compute: float) -> None:
         self.seen += 1
         rows, self._rows_now = self._rows_now, 0
+        new, self._new_now = self._new_now, 0
+        inside, self._sparse_now = self._sparse_now, 0.0
         if self.seen <= self.warmup:
             return
         now = time.perf_counter()
@@ -114,6 +132,8 @@ class Probe:
         self.wall.append(wall)
         self.compute.append(compute)
         self.sparse_rows.append(rows)
+        self.sparse_new.append(new)
+        self.sparse_s.append(inside)
         if len(self.compute) >= self.steps or now - self.first_timed >= self.seconds:
             self.write()
             sys.stdout.flush()
@@ -142,6 +162,8 @@ class Probe:
             "optimizer": self.optimizer,
             "device": self.device,
             "sparse_rows": self.sparse_rows,
+            "sparse_new_rows": self.sparse_new,
+            "sparse_s": self.sparse_s,
             "sparse_dim": self.sparse_dim,
             "batch": batch,
             "threads": torch.get_num_threads(),
@@ -180,12 +202,20 @@ def install(probe: Probe) -> None:
     recorder.end_step = end_step  # type: ignore[method-assign]
     register_optimizer_step_post_hook(lambda opt, args, kwargs: probe.on_torch_step(opt))
 
+    def before(module: Any, args: tuple) -> None:
+        if isinstance(module, SparseEmbedding):
+            probe._entered.append(time.perf_counter())
+
     def forward(module: Any, args: tuple, output: Any) -> None:
         sparse = isinstance(module, SparseEmbedding)
         probe.on_forward(module, sparse)
-        if sparse and args:
-            probe.on_lookup(module, args[0])
+        if sparse:
+            if probe._entered:
+                probe._sparse_now += time.perf_counter() - probe._entered.pop()
+            if args:
+                probe.on_lookup(module, args[0])
 
+    torch.nn.modules.module.register_module_forward_pre_hook(before)
     torch.nn.modules.module.register_module_forward_hook(forward)
 
 
