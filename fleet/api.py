@@ -13,11 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleet import context, env, job_files, netif, rendezvous, tables
+from fleet import context, env, job_files, job_secret, netif, rendezvous, tables
 from fleet.collective.liveness import Liveness
 from fleet.data import shard_loader
-from fleet.errors import FleetError
+from fleet.errors import FleetError, StoreTamperedError
 from fleet.roles import RoleInfo, RoleMaker, detect
+from fleet.signed_store import SignedStore
 from fleet.strategies import registry
 from fleet.strategies.base import Strategy
 from fleet.strategy import DistributedStrategy, StrategyError
@@ -39,7 +40,10 @@ class FleetContext:
         self._groups: dict[float, Any] = {}
         self._impl: Strategy | None = None
         self._wrapped = False  # an optimizer or a model was wrapped: the strategy is fixed
-        self._namespace = f"fleet/{env.current().str(env.FLEET_RESTART_COUNT, '0')}"
+        environ = env.current()
+        self._namespace = f"fleet/{environ.str(env.FLEET_RESTART_COUNT, '0')}"
+        if role.source == "torchrun" and environ.has(env.TORCHELASTIC_RESTART_COUNT):
+            self._namespace += f"/attempt-{environ.str(env.TORCHELASTIC_RESTART_COUNT)}"
 
     @property
     def active_strategy(self) -> Strategy | None:
@@ -63,15 +67,24 @@ class FleetContext:
             return
         timeout_s = self.strategy.timeout_s
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore("pg", self.rendezvous_store()),
-            rank=self.role.worker_index,
-            world_size=self.role.worker_num,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        store = self.rendezvous_store()
+        try:
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore("pg", store),
+                rank=self.role.worker_index,
+                world_size=self.role.worker_num,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        except RuntimeError as error:
+            if StoreTamperedError.MARK in str(error):  # gloo read a forged value through the signed store
+                raise StoreTamperedError("a value the process group exchanged does not carry a valid MAC") from None
+            raise
         self._groups[timeout_s] = dist.group.WORLD
-        self.liveness = Liveness(self.role.master, self._namespace, self.role.rank, self.role.world_size, timeout_s)
+        key = store.key if isinstance(store, SignedStore) else None
+        self.liveness = Liveness(
+            self.role.master, self._namespace, self.role.rank, self.role.world_size, timeout_s, key=key
+        )
 
     def rendezvous_store(self) -> dist.Store:
         if self._store is None:
@@ -81,8 +94,16 @@ class FleetContext:
                 env.set_default(env.GLOO_SOCKET_IFNAME, interface)
             timeout_s = self.strategy.timeout_s
             store = rendezvous.connect(self.role, timeout_s, namespace=self._namespace)
-            rendezvous.authenticate(store, self.role, self.secret, timeout_s)
-            self._store = store
+            same_secret, forget = self.role.source == "fleetrun", None
+            if self.secret is None and self.role.server_num and self.role.source in job_secret.RANK_ONLY:
+                # the servers need a password the launcher did not give: share one on this host, never via the store
+                self.secret, forget = job_secret.share_on_host(store, self.role, timeout_s)
+                same_secret = True
+            try:
+                self._store = rendezvous.join(store, self.role, self.secret, timeout_s, same_secret=same_secret)
+            finally:
+                if forget is not None:
+                    forget()  # every process proved it holds the secret (or the join failed): the file goes
         return self._store
 
     def model_for(self, params: list[torch.nn.Parameter]) -> torch.nn.Module | None:
@@ -174,11 +195,7 @@ def init(
     if role.server_num and strategy is None and config.mode == "collective" and "mode" not in config.model_fields_set:
         config = DistributedStrategy(mode="ps", update=DEFAULT_PS_UPDATE, timeout_s=config.timeout_s)
     _check_against_role(config, role)
-    secret_hex = env.current().str(env.FLEET_SECRET)
-    try:
-        secret = bytes.fromhex(secret_hex) if secret_hex else None
-    except ValueError:
-        raise env.EnvError(f"{env.FLEET_SECRET} must be hex, got {len(secret_hex or '')} other characters.") from None
+    secret = job_secret.from_environment()
     existing = context.current()
     if existing is not None:
         _check_same_init(existing, role, config, strategy is not None or is_collective is not None)

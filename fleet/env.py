@@ -22,6 +22,7 @@ FLEET_MASTER = "FLEET_MASTER"  # "host:port" of the rendezvous store, hosted by 
 FLEET_STRATEGY = "FLEET_STRATEGY"  # a DistributedStrategy as JSON
 FLEET_STRATEGY_FILE = "FLEET_STRATEGY_FILE"  # path to a TOML or JSON strategy file
 FLEET_SECRET = "FLEET_SECRET"  # shared secret authenticating peers (hex)
+FLEET_SECRET_FILE = "FLEET_SECRET_FILE"  # a file only its owner reads, holding that secret (hex)
 FLEET_LOG_DIR = "FLEET_LOG_DIR"  # where fleetrun keeps logs; metrics reports land here
 FLEET_RESTART_COUNT = "FLEET_RESTART_COUNT"  # how often fleetrun restarted this process
 FLEET_MAX_RESTARTS = "FLEET_MAX_RESTARTS"  # fleetrun --max-restarts: > 0 lets PS servers wait for workers to rejoin
@@ -52,10 +53,12 @@ TORCHRUN_VARIABLES = (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK
 OMPI_COMM_WORLD_RANK = "OMPI_COMM_WORLD_RANK"
 OMPI_COMM_WORLD_SIZE = "OMPI_COMM_WORLD_SIZE"
 OMPI_COMM_WORLD_LOCAL_RANK = "OMPI_COMM_WORLD_LOCAL_RANK"
+OMPI_COMM_WORLD_LOCAL_SIZE = "OMPI_COMM_WORLD_LOCAL_SIZE"
 OMPI_JOB_ID = "OMPI_MCA_ess_base_jobid"
 PMI_RANK = "PMI_RANK"
 PMI_SIZE = "PMI_SIZE"
 MPI_LOCALRANKID = "MPI_LOCALRANKID"
+MPI_LOCALNRANKS = "MPI_LOCALNRANKS"
 
 # --- Slurm --------------------------------------------------------------------
 SLURM_PROCID = "SLURM_PROCID"
@@ -63,6 +66,8 @@ SLURM_NTASKS = "SLURM_NTASKS"
 SLURM_LOCALID = "SLURM_LOCALID"
 SLURM_JOB_ID = "SLURM_JOB_ID"
 SLURM_STEP_ID = "SLURM_STEP_ID"
+SLURM_STEP_NUM_NODES = "SLURM_STEP_NUM_NODES"
+SLURM_NNODES = "SLURM_NNODES"
 
 # --- variables fleet sets for the libraries below it --------------------------
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
@@ -129,6 +134,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 XDG_STATE_HOME = "XDG_STATE_HOME"
+XDG_RUNTIME_DIR = "XDG_RUNTIME_DIR"  # the user's private runtime directory (a tmpfs), where one is set
 
 
 def user_state_dir() -> str:
@@ -160,3 +166,5 @@ EXIT_USER_ERROR = 2  # a mistake in the launch or the strategy, already explaine
 
 # torchrun's agent hosts the rendezvous store itself and says so with this variable.
 TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+# torchrun's restart attempt: its agent's store outlives the workers, so each attempt meets under its own keys.
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class FleetError(RuntimeError):
     """Base class of fleet's runtime errors."""
@@ -24,3 +26,36 @@ class PeerError(FleetError):
 
 class ModelMismatchError(PeerError):
     """Workers hold models whose parameters differ in number or shape."""
+
+
+class StoreTamperedError(PeerError):
+    """A process without the job's secret wrote into the rendezvous store (what it wrote was refused)."""
+
+    MARK = "the rendezvous store was tampered with"
+
+    def __init__(self, what: str):
+        self.what = what
+        super().__init__(
+            f"the rendezvous store was tampered with by a process without the job's secret ({what}); no process of "
+            "this job is at fault. Something on this host or network wrote into the store: keep its port "
+            "unreachable to others (see 'Threat model' in the README)."
+        )
+
+    def __reduce__(self):
+        return type(self), (self.what,)
+
+
+class DiskFullError(FleetError, OSError):
+    """A file could not be written because its filesystem is full (or the user's disk quota is spent)."""
+
+    def __init__(self, path: str, what: str = "writing"):
+        self.path, self.what = path, what
+        OSError.__init__(
+            self, errno.ENOSPC, f"No space left on device: {what} {path} failed (free space on its filesystem)"
+        )
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def __reduce__(self):
+        return type(self), (self.path, self.what)

@@ -1,10 +1,18 @@
 """Which peer died: heartbeats through the rendezvous store.
 
 A collective that fails only says a connection broke or a wait timed out. Every
-worker bumps a counter in the store once a second from a daemon thread; when a
-collective fails, the survivor samples the counters twice and names the workers
-whose counter stood still (dead, or stopped: a SIGSTOPped process's thread stops
-too). If the store itself is gone, its host (worker 0) is the one that died.
+worker writes a counter into its key of the store once a second from a daemon thread;
+when a collective fails, the survivor samples the counters for a few seconds and names
+the workers whose counter stood still (dead, or stopped: a SIGSTOPped process's thread
+stops too). If the store itself is gone, its host (worker 0) is the one that died.
+
+The store is open to anyone who reaches its port, so a heartbeat is never trusted
+blindly: in a job with a secret each value carries a MAC (the store is a
+:class:`~fleet.signed_store.SignedStore`), and a writer notices when its key holds
+something it did not write (``compare_set``) and says so, under its MAC, in its next
+beats. A value that is malformed, forged, deleted, goes backwards or carries that mark
+means the store was tampered with: the diagnosis then says so and names nobody, and the
+heartbeat thread itself never reads a value, so nothing written there can stop it.
 """
 
 from __future__ import annotations
@@ -16,30 +24,52 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from fleet import env
+from fleet.errors import StoreTamperedError
+from fleet.signed_store import SignedStore
 
 HEARTBEAT_S = 1.0
+WATCH_S = 2.5 * HEARTBEAT_S  # how long a diagnosis samples the counters
+SAMPLE_S = 0.25
 
 
 class Liveness:
-    def __init__(self, master: str, namespace: str, rank: int, world_size: int, timeout_s: float):
+    def __init__(
+        self, master: str, namespace: str, rank: int, world_size: int, timeout_s: float, key: bytes | None = None
+    ):
         host, port = env.split_endpoint(master)
-        self._store = dist.PrefixStore(
-            f"{namespace}/hb",
-            dist.TCPStore(
-                host, port, world_size, False, timeout=timedelta(seconds=min(timeout_s, 10)), wait_for_workers=False
-            ),
+        client = dist.TCPStore(
+            host, port, world_size, False, timeout=timedelta(seconds=min(timeout_s, 10)), wait_for_workers=False
         )
+        store: dist.Store = dist.PrefixStore(namespace, client)
+        self._store = SignedStore(store, key) if key else store
         self.rank = rank
         self.world_size = world_size
+        self._count = 0
+        self._written = b""  # the last value this process wrote to its key
+        self._overwritten = False  # someone else wrote this process's key: every later beat says so
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="fleet-heartbeat", daemon=True)
         self._thread.start()
 
+    @staticmethod
+    def _key(rank: int) -> str:
+        return f"hb/{rank}"
+
     def _beat(self) -> None:
         with self._lock:
-            self._store.add(str(self.rank), 1)
+            self._count += 1
+            value = f"{self._count}:{int(self._overwritten)}".encode()
+            try:
+                now: bytes | None = bytes(self._store.compare_set(self._key(self.rank), self._written, value))
+            except StoreTamperedError:  # the key holds a forged value
+                now = None
+            if now != value:  # the key held something else: an outsider wrote it
+                self._overwritten = True
+                value = f"{self._count}:1".encode()
+                self._store.set(self._key(self.rank), value)
+            self._written = value
 
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -48,24 +78,60 @@ class Liveness:
             except Exception:  # noqa: BLE001 - the store host is gone; collectives will report it
                 return
 
-    def _counters(self) -> list[int]:
+    def _sample(self, rank: int) -> tuple[int, bool] | None:
+        """(counter, marked) of ``rank``'s heartbeat; None when it is missing, forged or malformed."""
+        key = self._key(rank)
         with self._lock:
-            return [self._store.add(str(r), 0) for r in range(self.world_size)]
+            if not self._store.check([key]):
+                return None
+            try:
+                raw = bytes(self._store.get(key)).decode("ascii")
+            except (StoreTamperedError, UnicodeDecodeError):
+                return None
+        count, _, mark = raw.partition(":")
+        if not count.isdigit() or mark not in ("0", "1"):
+            return None
+        return int(count), mark == "1"
+
+    def watch(self) -> tuple[list[int], bool] | None:
+        """(ranks whose heartbeat stood still, whether the store was tampered with); None: the store is gone."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        seen: dict[int, list[tuple[int, bool] | None]] = {r: [] for r in others}
+        end = time.monotonic() + WATCH_S
+        try:
+            while True:
+                for rank in others:
+                    seen[rank].append(self._sample(rank))
+                if time.monotonic() >= end:
+                    break
+                time.sleep(SAMPLE_S)
+        except Exception:  # noqa: BLE001 - any store failure means its host is gone
+            return None
+        tampered = self._overwritten
+        silent = []
+        for rank, samples in seen.items():
+            if any(s is None or s[1] for s in samples):
+                tampered = True
+                continue
+            counts = [s[0] for s in samples if s is not None]
+            if any(b < a for a, b in zip(counts, counts[1:], strict=False)):
+                tampered = True  # a counter went back: an old value was written again
+            elif counts[-1] == counts[0]:
+                silent.append(rank)
+        return silent, tampered
 
     def silent_peers(self) -> list[int] | None:
         """Ranks whose heartbeat stopped; None when the store (hosted by worker 0) is unreachable."""
-        try:
-            before = self._counters()
-            time.sleep(2.5 * HEARTBEAT_S)
-            after = self._counters()
-        except Exception:  # noqa: BLE001 - any store failure means its host is gone
-            return None
-        return [r for r in range(self.world_size) if r != self.rank and before[r] == after[r]]
+        watched = self.watch()
+        return None if watched is None else watched[0]
 
     def describe(self) -> str:
-        silent = self.silent_peers()
-        if silent is None:
+        watched = self.watch()
+        if watched is None:
             return "worker 0 (which hosts the rendezvous store) is unreachable: it died or its host went away"
+        silent, tampered = watched
+        if tampered:
+            return str(StoreTamperedError("heartbeats in it were overwritten, so they cannot tell which worker failed"))
         if not silent:
             return "every worker's heartbeat is still alive: a worker may be stuck in a long computation or issuing different collectives"
         names = ", ".join(f"worker {r}" for r in silent)

@@ -3,37 +3,32 @@
 Under fleetrun and Paddle-style environments the endpoints and the secret come from
 the environment. Under rank-only launchers (torchrun, mpirun, srun) the first S
 ranks are servers: each binds an ephemeral port and publishes its endpoint in the
-rendezvous store under ``ps/endpoint/<i>``; rank 0 may generate the secret and
-share it there as ``ps/secret``.
+rendezvous store under ``ps/endpoint/<i>`` (a value under the job's MAC, so nobody
+can point the workers elsewhere); the secret comes from the environment, or rank 0
+makes one and shares it on this host (:mod:`fleet.job_secret`), never through the store.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import sys
 from typing import Any
 
 import zmq
 
-from fleet import env, rendezvous
+from fleet import env, job_secret, rendezvous
 from fleet.errors import FleetError
 
 log = logging.getLogger(__name__)
 
-_RANK_ONLY = ("torchrun", "mpi", "slurm")
-
 
 def resolve_secret(runtime: Any) -> bytes:
-    """The job's secret; under rank-only launchers rank 0 makes one and shares it through the store."""
+    """The job's secret; under rank-only launchers without one, rank 0's, shared on this host (never via the store)."""
     if runtime.secret:
         return runtime.secret
     role = runtime.role
-    if role.source in _RANK_ONLY and role.master:
-        store = runtime.rendezvous_store()
-        if role.rank == 0:
-            store.set("ps/secret", secrets.token_hex(16))
-        runtime.secret = bytes.fromhex(store.get("ps/secret").decode())
+    if role.source in job_secret.RANK_ONLY and role.master:
+        runtime.rendezvous_store()  # settles the secret before it authenticates the join (fleet.job_secret)
         return runtime.secret
     raise env.EnvError(
         f"A parameter-server job needs a shared secret in {env.FLEET_SECRET} (hex) so that servers can "
