@@ -472,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--workers", type=int, required=True)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--max-request-ids", type=int, default=RequestLimits.max_ids)
+    parser.add_argument("--max-request-mb", type=float, default=RequestLimits.max_bytes / (1 << 20))
     args = parser.parse_args(argv)
     secret_hex = env.current().require(env.FLEET_SECRET, "the parameter server authenticates workers with it")
     try:
@@ -480,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         raise env.EnvError(f"{env.FLEET_SECRET} is not hex") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        server = ParameterServer(args.endpoint, secret, args.index, args.workers, args.timeout)
+        limits = RequestLimits(args.max_request_ids, int(args.max_request_mb * (1 << 20)))
+        server = ParameterServer(args.endpoint, secret, args.index, args.workers, args.timeout, limits=limits)
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EADDRINUSE:
             log.error("cannot bind %s: address in use", args.endpoint)
