@@ -196,6 +196,8 @@ class _Join:
                 break
             if now > self.deadline:
                 missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+                if not missing:
+                    break
                 raise PeerError(
                     f"process of rank {missing[0]} did not join the rendezvous within {self.timeout_s:g} s; it may "
                     "have failed to start (see its log)."

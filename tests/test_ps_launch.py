@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -77,27 +79,98 @@ def test_paddle_style_environment_started_by_hand() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
-def test_torchrun_first_rank_serves_and_endpoints_come_through_the_store() -> None:
-    env = clean_env(FLEET_STRATEGY=json.dumps({"mode": "ps", "update": "sync", "servers": 1, "timeout_s": 30}))
-    cmd = [
-        "torchrun",
-        "--nproc_per_node",
-        "3",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        SCRIPT,
-        "4",
-    ]
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=110)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    found = results(done.stdout)
-    assert [r["worker"] for r in found] == [0, 1], done.stdout[-3000:]
+def test_torchrun_first_rank_serves_and_endpoints_come_through_the_store(tmp_path) -> None:
+    """Also: nothing in torchrun's store (which anyone reaching its port reads) logs in to the server."""
+    port = free_port()
+    hold, private = tmp_path / "release", tmp_path / "run"
+    private.mkdir(mode=0o700)
+    env = clean_env(
+        FLEET_STRATEGY=json.dumps({"mode": "ps", "update": "sync", "servers": 1, "timeout_s": 30}),
+        HOLD_UNTIL_FILE=str(hold),
+        XDG_RUNTIME_DIR=str(private),  # where rank 0 hands the secret over
+    )
+    cmd = ["torchrun", "--nproc_per_node", "3", "--master_addr", "127.0.0.1", "--master_port", str(port), SCRIPT, "4"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        values, endpoint = outsider_reads_the_store(port, timeout=60)
+        candidates = passwords_in(values)
+        logged_in = [c for c in candidates if not refused(endpoint, c)]  # while the server serves
+        hold.touch()
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        hold.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    found = results(stdout)
+    assert [r["worker"] for r in found] == [0, 1], stdout[-3000:]
     for r in found:
         assert (r["workers"], r["servers"], r["update"]) == (2, 1, "sync"), r
         assert len(r["endpoints"]) == 1 and r["endpoints"][0].startswith("127.0.0.1:"), r
-    assert found[0]["endpoints"] == found[1]["endpoints"]
+    assert found[0]["endpoints"] == found[1]["endpoints"] == [endpoint]
+    assert len(values) > 5 and candidates
+    assert not logged_in, f"values read from torchrun's store logged in to the server: {logged_in}"
+    assert not list((private / "fleet" / "secrets").iterdir()), "the handed-over secret file was not deleted"
+
+
+def outsider_reads_the_store(port: int, timeout: float) -> tuple[dict[str, bytes], str]:
+    """Every key and value of the store at ``port``, once the server published its endpoint; and that endpoint."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fleet.signed_store import TAG_BYTES
+
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=timeout))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        keys = [k for k in store.list_keys() if k.endswith("/ps/endpoint/0")]
+        if keys:
+            values = {k: bytes(store.get(k)) for k in store.list_keys()}
+            return values, values[keys[0]][:-TAG_BYTES].decode()
+        time.sleep(0.05)
+    raise AssertionError("the server never published its endpoint")
+
+
+def passwords_in(values: dict[str, bytes]) -> set[bytes]:
+    """Whatever in the values could be a password: each whole, without a MAC, each part, hex-decoded."""
+    from fleet.signed_store import TAG_BYTES
+
+    found: set[bytes] = set()
+    for value in values.values():
+        pieces = {value, value[:-TAG_BYTES]}
+        for text in (value.decode("latin-1"), value[:-TAG_BYTES].decode("latin-1")):
+            pieces.update(part.encode("latin-1") for part in re.split(r"[:/,\s]", text) if part)
+        for piece in list(pieces):
+            try:
+                pieces.add(bytes.fromhex(piece.decode("latin-1")))
+            except ValueError:
+                pass
+        found.update(p for p in pieces if 1 <= len(p) <= 255)
+    return found
+
+
+def refused(endpoint: str, password: bytes) -> bool:
+    """Whether the server explicitly refuses ``password`` at the handshake (a timeout is no refusal)."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.plain_username, sock.plain_password = b"outsider", password
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(f"tcp://{endpoint}")
+    try:
+        while monitor.poll(10_000):
+            event = recv_monitor_message(monitor)["event"]
+            if event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                return event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        return False
+    finally:
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
 
 
 @pytest.mark.timeout(120)

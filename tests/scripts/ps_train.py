@@ -6,7 +6,9 @@ On a server ``fleet.init()`` serves and exits 0; a worker trains a few steps and
 """
 
 import json
+import os
 import sys
+import time
 
 import torch
 
@@ -45,6 +47,10 @@ info = {
     "update": job.strategy.update,
     "losses": losses,
 }
+hold = os.environ.get("HOLD_UNTIL_FILE")  # a test looks at the running job until it creates this file
+deadline = time.monotonic() + 60
+while hold and not os.path.exists(hold) and time.monotonic() < deadline:
+    time.sleep(0.05)
 fleet.stop_worker()
 # One write (under PIPE_BUF): under torchrun the workers share one stdout, and print() writes twice.
 sys.stdout.write("RESULT " + json.dumps(info) + "\n")
