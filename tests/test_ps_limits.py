@@ -318,14 +318,14 @@ def test_a_failed_allocation_in_a_server_is_an_error_naming_it_and_the_table_sta
     with servers(1, 1) as srvs, PSClient([srvs[0].endpoint], SECRET, 0, 5.0) as c:
         c.create_sparse(4, {"dim": 4, "optimizer": ADAGRAD}).result()
         old = c.pull_sparse(4, torch.arange(1000)).result()
-        real = sparse_table.large_empty
+        real = sparse_table.grow
 
-        def refuse(shape, dtype):
-            if shape[0] > 1024:
+        def refuse(t, rows, used):
+            if rows > 1024:
                 raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
-            return real(shape, dtype)
+            return real(t, rows, used)
 
-        monkeypatch.setattr(sparse_table, "large_empty", refuse)
+        monkeypatch.setattr(sparse_table, "grow", refuse)
         with pytest.raises(PSRemoteError, match=r"parameter server 0 ran out of memory in PULL_SPARSE of table 4"):
             c.pull_sparse(4, torch.arange(500, 3000)).result()
         assert torch.equal(c.pull_sparse(4, torch.arange(1000)).result(), old)

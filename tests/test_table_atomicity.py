@@ -64,7 +64,8 @@ def sparse_state(t: SparseTable) -> dict[str, Any]:
         "dirty": t._dirty[:n].clone(),
         "deleted": None if t._deleted is None else [d.clone() for d in t._deleted],
         "misc": (t._deleted_count, t.saved, t._next_expiry),
-        "index": (index._table.clone(), len(index), index._tombstones, index.capacity),
+        "index": (index._table.clone(), len(index), index._tombstones, index.capacity, index._moved),
+        "old index": None if index._old is None else index._old._table.clone(),  # while it grows
         "found": index.lookup(index.ids_by_slot()),  # every id finds its slot
     }
 
@@ -207,17 +208,26 @@ def test_a_failed_growth_no_longer_breaks_the_table(monkeypatch: pytest.MonkeyPa
     """The reported failure: out of memory while growing inside a pull, then every pull failed."""
     t = SparseTable(4, ADAM)
     old = t.pull(_ids(0, 1000))
-    real = id_index.large_empty
+    real_empty, real_grow = id_index.large_empty, sparse_table.grow
 
     def refuse_big(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if shape[0] > 1024:
-            raise MemoryError("injected: no memory for the grown table")
-        return real(shape, dtype)
+            raise MemoryError("injected: no memory for the grown index")
+        return real_empty(shape, dtype)
 
-    monkeypatch.setattr(sparse_table, "large_empty", refuse_big)
-    monkeypatch.setattr(id_index, "large_empty", refuse_big)
-    with pytest.raises(MemoryError):
+    def refuse_rows(t: torch.Tensor, rows: int, used: int) -> torch.Tensor:
+        if rows > 1024 and t.dtype == torch.int64:  # the steps: after the rows grew
+            raise MemoryError("injected: no memory for the grown table")
+        return real_grow(t, rows, used)
+
+    monkeypatch.setattr(sparse_table, "grow", refuse_rows)
+    with pytest.raises(MemoryError, match="grown table"):
         t.pull(_ids(900, 2000))
     assert len(t) == 1000 and torch.equal(t.pull(_ids(0, 1000)), old)  # existing rows still pull
+    monkeypatch.setattr(sparse_table, "grow", real_grow)
+    monkeypatch.setattr(id_index, "large_empty", refuse_big)
+    with pytest.raises(MemoryError, match="grown index"):
+        t.pull(_ids(900, 5000))
+    assert len(t) == 1000 and torch.equal(t.pull(_ids(0, 1000)), old)
     monkeypatch.undo()
     assert t.pull(_ids(900, 2000)).shape == (1100, 4) and len(t) == 2000

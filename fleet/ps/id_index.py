@@ -20,8 +20,13 @@ first round, then a window of consecutive entries per remaining query, so the
 tail costs a few rounds. (Reading a whole 4-entry cache line per query in the
 first round was tried and is ~2.5x slower: with one thread, the number of
 misses in flight is bounded by instructions per miss, and torch's gather
-spends a few per element.) Capacity is a power of two and doubles (with a full
-vectorised rehash) before the load would exceed 0.25 (see ``_MAX_LOAD``). A removed
+spends a few per element.) Capacity is a power of two and doubles before the load
+would exceed 0.25 (see ``_MAX_LOAD``). Growth is incremental, so that no single
+request pays for it (a one-shot rehash of 4 M ids took 3.5 s, all inside one request
+of 32k ids): from 3/4 of the limit on, every insert initialises the next slice of the
+doubled arrays; once they are ready they take the inserts, the full arrays stay beside
+them, lookups that miss in the new arrays look in the old, and every insert moves the
+next ``_MIGRATE_ENTRIES`` old entries (at least 16 per inserted id) across. A removed
 entry becomes a tombstone (slot ``-2``, still occupied for probing, free for inserts),
 which is what keeps "an empty entry before any match means absent" correct; a rehash
 drops the tombstones.
@@ -53,6 +58,12 @@ _INSERT_WINDOW = 8
 # and need extra rounds; measured at 900k ids, 13k-id lookups take ~650 us at 0.25 vs ~840 us at 0.5, for
 # 16 bytes x 4-8 entries per id of index memory.
 _MAX_LOAD = 0.25
+# Old entries moved per insert while growing (at least 16 per inserted id): ~10 ms of work, and the move
+# ends long before the new arrays fill (they take 0.25 x the old capacity of new ids; the move, 1/16 of it).
+_MIGRATE_ENTRIES = 1 << 18
+# New entries initialised per insert while preparing the doubled arrays (at least 32 per inserted id: they
+# are ready before the current arrays reach the limit, 1/16 of their capacity of ids later).
+_PREPARE_ENTRIES = 1 << 18
 _EMPTY = -1  # slot-column marker; never an id
 _TOMBSTONE = -2  # a removed entry: probing goes on past it, inserts may reuse it
 
@@ -122,14 +133,18 @@ class IdIndex:
         self._alloc(cap)
         self._size = 0
         self._tombstones = 0
+        self._old: IdIndex | None = None  # while growing: the previous arrays, entries from _moved on not moved yet
+        self._moved = 0
+        self._next: IdIndex | None = None  # before that: the doubled arrays, initialised up to _ready
+        self._ready = 0
 
     # ------------------------------------------------------------------ basics
-    def _alloc(self, capacity: int) -> None:
+    def _alloc(self, capacity: int, fill: bool = True) -> None:
         self._capacity = capacity
         self._bits = capacity.bit_length() - 1
         self._table = large_empty((capacity, 2), torch.int64)
-        self._table[:, 0] = 0
-        self._table[:, 1] = _EMPTY
+        if fill:  # else the caller fills it (a free entry's id is never read: one contiguous fill)
+            self._table.fill_(_EMPTY)
         self._keys = self._table[:, 0]  # strided views, for the (rare) insert path
         self._slots = self._table[:, 1]  # -1: entry is free
         # The same memory as one 16-byte element per entry: a 1-D index_select of these moves
@@ -167,9 +182,18 @@ class IdIndex:
         Round 0 reads one entry per query: most resolve there (hit, or a free
         entry proves the id absent). The rest read a window of consecutive
         entries per round, so the long tail of linear probing costs a few rounds
-        rather than one per entry.
+        rather than one per entry. While growing, misses look in the old arrays too.
         """
         ids = as_ids(ids)
+        out = self._lookup_here(ids)
+        if self._old is not None:
+            miss = (out < 0).nonzero().squeeze(1)
+            if miss.numel():
+                out.index_copy_(0, miss, self._old._lookup_here(ids.index_select(0, miss)))
+        return out
+
+    def _lookup_here(self, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`lookup` in these arrays only."""
         n = ids.numel()
         if n == 0 or self._size == 0:
             return torch.full((n,), -1, dtype=torch.int64)
@@ -206,6 +230,7 @@ class IdIndex:
 
     # ------------------------------------------------------------------ insert
     _ARRAYS = ("_capacity", "_bits", "_table", "_keys", "_slots", "_packed", "_claim", "_tombstones")
+    _GROWTH = ("_old", "_moved", "_next", "_ready")
 
     def insert_new(self, ids: torch.Tensor, undo: UndoLog | None = None) -> torch.Tensor:
         """Insert ids that are unique and absent; return their new slots.
@@ -222,11 +247,11 @@ class IdIndex:
             return slots
         log = undo if undo is not None else UndoLog()
         try:
-            log.attrs(self, "_size")
+            log.attrs(self, "_size", *self._ARRAYS, *self._GROWTH)
+            self._grow_a_step(n, log)
             if self._size + self._tombstones + n > _MAX_LOAD * self._capacity:
-                self._grow(self._size + n, ids, slots, log)
-            else:
-                self._place(ids, slots, log)
+                self._grow_now(n, log)
+            self._place(ids, slots, log)
             self._size += n
         except BaseException:
             if undo is None:
@@ -234,23 +259,81 @@ class IdIndex:
             raise
         return slots
 
-    def _grow(self, needed: int, keys: torch.Tensor, vals: torch.Tensor, undo: UndoLog) -> None:
-        """Rehash the live entries plus ``keys`` into arrays doubled until ``needed`` fits the load limit.
+    def _grow_a_step(self, n: int, undo: UndoLog) -> None:
+        """The next bounded step of growth before inserting ``n`` ids.
 
-        Built aside and swapped in only once complete, so a failure leaves this index untouched.
+        Phases: none; preparing (from 3/4 of the load limit on, ``_next`` initialised a slice per
+        step; it takes over when the limit is reached); moving (``_old`` emptied a slice per step).
+        Only the insert's own attributes change (the caller recorded them) and live entries are
+        written with undo records, so a failure at any point changes nothing.
         """
+        if self._old is not None:
+            self._migrate(max(_MIGRATE_ENTRIES, 16 * n), undo)
+            return
+        needed = self._size + self._tombstones + n
+        if self._next is not None and needed > 0.75 * _MAX_LOAD * self._next._capacity:
+            self._next = None  # one big insert: the arrays being prepared are too small already
+        if self._next is None:
+            if needed <= 0.75 * _MAX_LOAD * self._capacity:
+                return
+            self._start_next(needed)
+        self._prepare(max(_PREPARE_ENTRIES, 32 * n))
+        if needed > _MAX_LOAD * self._capacity and self._ready == self._next._capacity:
+            self._switch()
+
+    def _grow_now(self, n: int, undo: UndoLog) -> None:
+        """When one insert outran the steps (a huge batch): finish whatever growth is under way and switch now."""
+        if self._old is not None:
+            self._migrate(self._old._capacity, undo)
+        needed = self._size + self._tombstones + n
+        if self._next is None or needed > 0.75 * _MAX_LOAD * self._next._capacity:
+            self._start_next(needed)
+        self._prepare(self._next._capacity)
+        self._switch()
+
+    def _start_next(self, needed: int) -> None:
         cap = self._capacity
-        # Room for tombstones too: a rehash that leaves the live load near the limit would repeat soon.
-        while needed > 0.75 * _MAX_LOAD * cap:
+        # Room for tombstones and for the inserts while the old entries move: doubled at least.
+        while needed > 0.5 * _MAX_LOAD * cap:
             cap *= 2
-        live = self._slots >= 0
         fresh = IdIndex.__new__(IdIndex)
-        fresh._alloc(cap)
-        fresh._place(torch.cat([self._keys[live], keys]), torch.cat([self._slots[live], vals]), None)
+        fresh._alloc(cap, fill=False)  # untouched memory: initialised a slice per step
         fresh._tombstones = 0
-        undo.attrs(self, *self._ARRAYS)
+        self._next, self._ready = fresh, 0
+
+    def _prepare(self, entries: int) -> None:
+        ahead = self._next
+        assert ahead is not None
+        hi = min(ahead._capacity, self._ready + entries)
+        ahead._table[self._ready : hi].fill_(_EMPTY)  # not live yet: nothing to undo
+        ahead._claim[self._ready : hi].zero_()  # scratch, but touched now so its pages are not faulted in later
+        self._ready = hi
+
+    def _switch(self) -> None:
+        """The prepared arrays take the inserts; the current ones become the old, emptied step by step."""
+        ahead = self._next
+        assert ahead is not None and self._ready == ahead._capacity
+        old = IdIndex.__new__(IdIndex)
         for name in self._ARRAYS:
-            setattr(self, name, getattr(fresh, name))
+            setattr(old, name, getattr(self, name))
+        old._size, old._old, old._next = self._size, None, None
+        for name in self._ARRAYS:
+            setattr(self, name, getattr(ahead, name))
+        self._tombstones, self._old, self._moved, self._next, self._ready = 0, old, 0, None, 0
+
+    def _migrate(self, entries: int, undo: UndoLog) -> None:
+        """Move the live ids of the old arrays' next ``entries`` entries into the new ones (tombstones there)."""
+        old = self._old
+        assert old is not None
+        lo, hi = self._moved, min(self._moved + entries, old._capacity)
+        live = (old._slots[lo:hi] >= 0).nonzero().squeeze(1) + lo
+        if live.numel():
+            self._place(old._keys.index_select(0, live), old._slots.index_select(0, live), undo)
+            undo.rows(lambda: old._table, live)
+            old._slots.index_fill_(0, live, _TOMBSTONE)  # still occupied for the old arrays' probing
+        self._moved = hi
+        if hi == old._capacity:
+            self._old = None
 
     def renumber(self, new_slot: torch.Tensor, undo: UndoLog | None = None) -> torch.Tensor:
         """Give every id at slot ``s`` the slot ``new_slot[s]``, removing those mapped to -1; return the removed ids.
@@ -262,20 +345,27 @@ class IdIndex:
         """
         if tuple(new_slot.shape) != (self._size,):
             raise ValueError(f"renumber needs one new slot per id ({self._size}), got shape {tuple(new_slot.shape)}")
+        plans = [(arrays, *arrays._renumbered(new_slot)) for arrays in (self, self._old) if arrays is not None]
+        if undo is not None:
+            undo.attrs(self, "_size", "_tombstones")
+        removed = []
+        for arrays, pos, old, values, gone, removed_ids in plans:
+            if undo is not None:
+                undo.rows(lambda arrays=arrays: arrays._slots, pos, old)
+            arrays._slots.index_copy_(0, pos, values)
+            self._size -= gone
+            self._tombstones += gone if arrays is self else 0
+            removed.append(removed_ids)
+        return torch.cat(removed) if len(removed) > 1 else removed[0]
+
+    def _renumbered(self, new_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """For :meth:`renumber`, in these arrays: live positions, their slots, the new slots, removed count, ids."""
         pos = (self._slots >= 0).nonzero().squeeze(1)
         old = self._slots.index_select(0, pos)
         moved = new_slot.index_select(0, old)
         removed = moved < 0
         gone = pos[removed]
-        removed_ids = self._keys.index_select(0, gone)
-        values = torch.where(removed, _TOMBSTONE, moved)
-        if undo is not None:
-            undo.rows(lambda: self._slots, pos, old)
-            undo.attrs(self, "_size", "_tombstones")
-        self._slots.index_copy_(0, pos, values)
-        self._size -= gone.numel()
-        self._tombstones += gone.numel()
-        return removed_ids
+        return pos, old, torch.where(removed, _TOMBSTONE, moved), gone.numel(), self._keys.index_select(0, gone)
 
     def _place(self, keys: torch.Tensor, vals: torch.Tensor, undo: UndoLog | None) -> None:
         """Write unique, absent keys into free entries, in vectorised claim rounds.
@@ -338,7 +428,9 @@ class IdIndex:
 
     def ids_by_slot(self) -> torch.Tensor:
         """All ids, ordered by slot (``result[s]`` is the id stored at slot ``s``)."""
-        live = self._slots >= 0
         out = torch.empty(self._size, dtype=torch.int64)
-        out[self._slots[live]] = self._keys[live]
+        for arrays in (self, self._old):
+            if arrays is not None:
+                live = arrays._slots >= 0
+                out[arrays._slots[live]] = arrays._keys[live]
         return out

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from fleet.ps.id_index import IdIndex, as_ids, large_empty
+from fleet.ps.id_index import IdIndex, as_ids
 from fleet.ps.lifecycle import EVICT_SLACK, Admission, LifeCycle
 from fleet.ps.optim import (
     InitializerSpec,
@@ -47,6 +47,7 @@ from fleet.ps.optim import (
     initial_rows,
     optimizer_config_json,
 )
+from fleet.ps.storage import grow, row_tensor
 from fleet.ps.undo import Getter, UndoLog
 
 # Evicted ids are remembered for the next delta save; past this many (and 4x the table) a delta is refused.
@@ -95,17 +96,18 @@ class SparseTable:
     def _reset(self, capacity: int) -> None:
         self._index = IdIndex(capacity * 2)
         self._capacity = capacity
-        self._rows = large_empty((capacity, self.dim), torch.float32)
-        self._steps = large_empty((capacity,), torch.int64)
-        self._state = {n: large_empty((capacity, self.dim), torch.float32) for n in self._opt.state_names}
-        self._scratch = large_empty((capacity,), torch.int64)  # per-slot scratch for de-duplication
-        self._dirty = torch.zeros(capacity, dtype=torch.bool)  # changed since the last save
+        # Per-row tensors over reserved address space: growing them is a longer view, not a copy.
+        self._rows = row_tensor(capacity, (self.dim,), torch.float32)
+        self._steps = row_tensor(capacity, (), torch.int64)
+        self._state = {n: row_tensor(capacity, (self.dim,), torch.float32) for n in self._opt.state_names}
+        self._scratch = row_tensor(capacity, (), torch.int64)  # per-slot scratch for de-duplication
+        self._dirty = row_tensor(capacity, (), torch.bool).zero_()  # changed since the last save
         self._stats = {}
         if self.lifecycle.active:
             self._stats = {
-                "last_seen": large_empty((capacity,), torch.int32),
-                "show": large_empty((capacity,), torch.float32),
-                "click": large_empty((capacity,), torch.float32),
+                "last_seen": row_tensor(capacity, (), torch.int32),
+                "show": row_tensor(capacity, (), torch.float32),
+                "click": row_tensor(capacity, (), torch.float32),
             }
 
     @classmethod
@@ -194,7 +196,8 @@ class SparseTable:
     def _grow_to(self, needed: int, used: int) -> None:
         """Make room for ``needed`` rows (keeping the first ``used``), doubling so growth is amortised.
 
-        Every new tensor is made before any is swapped in, so a failed allocation changes nothing.
+        Usually a longer view of reserved memory (:mod:`fleet.ps.storage`); otherwise every new tensor
+        is made before any is swapped in, so a failed allocation changes nothing.
         """
         if needed <= self._capacity:
             return
@@ -202,28 +205,23 @@ class SparseTable:
         while cap < needed:
             cap *= 2
         n = used
-
-        def grown(old: torch.Tensor) -> torch.Tensor:
-            new = large_empty((cap, *old.shape[1:]), old.dtype)
-            new[:n] = old[:n]
-            return new
-
-        rows, steps = grown(self._rows), grown(self._steps)
-        state = {name: grown(t) for name, t in self._state.items()}
-        stats = {name: grown(t) for name, t in self._stats.items()}
-        dirty = torch.zeros(cap, dtype=torch.bool)
-        dirty[:n] = self._dirty[:n]
-        scratch = large_empty((cap,), torch.int64)
+        rows, steps = grow(self._rows, cap, n), grow(self._steps, cap, n)
+        state = {name: grow(t, cap, n) for name, t in self._state.items()}
+        stats = {name: grow(t, cap, n) for name, t in self._stats.items()}
+        dirty = grow(self._dirty, cap, n)
+        dirty[n:] = False
+        scratch = grow(self._scratch, cap, 0)
         self._rows, self._steps, self._state, self._stats = rows, steps, state, stats
         self._dirty, self._scratch, self._capacity = dirty, scratch, cap
 
-    def _slots(self, ids: torch.Tensor) -> torch.Tensor:
+    def _slots(self, ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Slots for ``ids`` (any order, duplicates allowed), creating missing rows (in a transaction).
 
-        New ids are de-duplicated and sorted, so their slots follow id order within one call;
-        their rows are written before the index learns them.
+        ``slots``: the index's lookup of ``ids``, when the caller did it already. New ids are
+        de-duplicated and sorted, so their slots follow id order within one call; their rows are
+        written before the index learns them.
         """
-        slots = self._index.lookup(ids)
+        slots = self._index.lookup(ids) if slots is None else slots
         missing = slots < 0
         if not bool(missing.any()):
             return slots
@@ -438,8 +436,11 @@ class SparseTable:
         """
         ids = as_ids(ids)
         if not self.lifecycle.active:
+            slots = self._index.lookup(ids)
+            if not bool((slots < 0).any()):
+                return self._rows.index_select(0, slots)  # nothing changes: no transaction needed
             with self.transaction():  # the gather below can fail too: then the new rows go again
-                slots = self._slots(ids)  # first: creating rows may replace self._rows
+                slots = self._slots(ids, slots)  # first: creating rows may replace self._rows
                 return self._rows.index_select(0, slots)
         slots = self._index.lookup(ids)
         out = self._rows.index_select(0, slots.clamp(min=0))
