@@ -23,6 +23,8 @@ The older code has no request limits: for it, A's pull is one request, and ``hol
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import multiprocessing as mp
 import os
 import secrets
@@ -131,8 +133,6 @@ def hold(max_rows: int) -> None:
     except ImportError:
         print("hold: skipped (this code has no request limits)")
         return
-    import zmq
-
     from fleet.ps.server import ParameterServer
     from fleet.ps.wire import Message, Op, encode
 
@@ -141,17 +141,8 @@ def hold(max_rows: int) -> None:
     for dim, optimizer in ((8, ADAGRAD), (64, {"kind": "adam", "lr": 0.01})):
         server = ParameterServer("127.0.0.1:0", SECRET, 0, 1, 60.0, limits=limits, torch_threads=1)
         try:
-            import json
-
             create = Message(Op.CREATE_SPARSE, table=1, blob=json.dumps({"dim": dim, "optimizer": optimizer}).encode())
-            ident = zmq.Frame(b"nobody")  # replies to an unknown peer are dropped by the ROUTER socket
-
-            def handle(msg: Message) -> float:
-                frames = [ident, *(zmq.Frame(bytes(memoryview(f))) for f in encode(msg))]
-                t0 = time.perf_counter()
-                server._handle(frames)
-                return time.perf_counter() - t0
-
+            handle = functools.partial(_handled_in, server, encode)
             handle(create)
             n = limits.ids_per_request(dim)
             fresh, total = [], 0
@@ -175,6 +166,16 @@ def hold(max_rows: int) -> None:
         finally:
             server.shutdown()
             server._close()
+
+
+def _handled_in(server, encode, msg) -> float:
+    """Seconds ``server`` spends on ``msg`` in its loop's handler (decode, table operation, encode, send)."""
+    import zmq
+
+    frames = [zmq.Frame(b"nobody"), *(zmq.Frame(bytes(memoryview(f))) for f in encode(msg))]
+    t0 = time.perf_counter()
+    server._handle(frames)  # the reply goes to an unknown peer: the ROUTER socket drops it
+    return time.perf_counter() - t0
 
 
 def _huge_pull(endpoint: str, ids: int, span: mp.Queue) -> None:
