@@ -1,11 +1,26 @@
-"""Files written so that a reader (or a crash) never sees half of one: a temporary name, then a rename."""
+"""Files written so that a reader (or a crash) never sees half of one: a temporary name, then a rename.
+
+A full disk (or a spent quota) is said as such: :class:`~fleet.errors.DiskFullError`, "No
+space left on device" with the path, and the temporary file is gone. ``torch.save`` alone
+would say ``unexpected pos 1600 vs 1494``: it turns the failed write into a RuntimeError, so
+the file object it writes to records the OSError underneath.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from fleet.errors import DiskFullError
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in _FULL
 
 
 def write_atomic(path: str | Path, write: Callable[[str], None]) -> None:
@@ -15,11 +30,23 @@ def write_atomic(path: str | Path, write: Callable[[str], None]) -> None:
     try:
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if is_disk_full(error) and not isinstance(error, DiskFullError):
+            raise DiskFullError(path) from error
+        raise
+
+
+def make_dirs(path: str | Path) -> None:
+    """``os.makedirs(path, exist_ok=True)``, a full disk said as such."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        if is_disk_full(error):
+            raise DiskFullError(str(path), "creating the directory") from error
         raise
 
 
@@ -27,8 +54,36 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     write_atomic(path, lambda tmp: Path(tmp).write_text(text))
 
 
+class _Recording:
+    """The file ``torch.save`` writes to, keeping the OSError that torch turns into a RuntimeError."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
 def save_atomic(obj: Any, path: str | Path) -> None:
     """``torch.save`` without ever leaving a torn file under ``path``."""
     import torch
 
-    write_atomic(path, lambda tmp: torch.save(obj, tmp))
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as handle:
+            target = _Recording(handle)
+            try:
+                torch.save(obj, target)
+            except RuntimeError:
+                if target.error is not None:
+                    raise target.error from None
+                raise
+
+    write_atomic(path, write)

@@ -12,6 +12,8 @@ number of workers, written by worker 0) and ``worker-<i>.pt`` (each worker's RNG
 loader positions); ``<dirname>/latest`` names the newest complete step directory. Every file
 is written under a temporary name and renamed; ``latest`` moves only after every worker has
 written its part, so a crash at any moment leaves the previous checkpoint intact and readable.
+A full disk raises :class:`~fleet.errors.DiskFullError` ("No space left on device" and the path)
+and leaves no temporary file behind.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fleet import api
-from fleet.atomic import save_atomic, write_text_atomic
-from fleet.errors import FleetError
+from fleet.atomic import is_disk_full, make_dirs, save_atomic, write_text_atomic
+from fleet.errors import DiskFullError, FleetError
 
 LATEST = "latest"
 KEEP = 2  # complete checkpoints kept; older step directories are removed
@@ -39,10 +41,13 @@ class Resumed(NamedTuple):
 def save_persistables(dirname: str, mode: str = "base") -> None:
     """Every server writes its shards under ``dirname``; worker 0 adds its optimizer state. Call on every worker.
 
-    ``mode="delta"`` writes only the sparse rows created or changed since the previous save (a
-    base or a delta) and the ids evicted since; dense tables are written whole. A production job
-    saves a base daily and deltas hourly, each into a new directory; ``load_persistables`` of a
-    delta loads its base and every delta up to it.
+    Each save is a new ``dirname/save-<n>/`` and ``dirname/latest`` moves to it only when every
+    part is written, so a failed save (a full disk: :class:`~fleet.errors.DiskFullError`) leaves
+    the previous one loadable; the newest two saves of a directory are kept (and whatever the
+    newest builds on). ``mode="delta"`` writes only the sparse rows created or changed since the
+    previous save (a base or a delta) and the ids evicted since; dense tables are written whole.
+    A production job saves a base daily and deltas hourly (into one directory or several);
+    ``load_persistables`` of a delta loads its base and every delta up to it.
     """
     if mode not in ("base", "delta"):
         raise ValueError(f"save_persistables(mode={mode!r}): 'base' (every row) or 'delta' (rows changed since)")
@@ -50,7 +55,7 @@ def save_persistables(dirname: str, mode: str = "base") -> None:
 
 
 def load_persistables(dirname: str) -> None:
-    """Restore a checkpoint saved with the same number of servers; every worker then pulls the values."""
+    """Restore the newest complete save under ``dirname`` (same number of servers); every worker then pulls."""
     api.current_job().implementation(None).load_persistables(dirname)
 
 
@@ -81,18 +86,49 @@ def save_checkpoint(
     rank = job.role.worker_index
     name = f"step-{step:09d}"
     stepdir = os.path.join(dirname, name)
-    os.makedirs(stepdir, exist_ok=True)
-    own = {"rng": _rng_state(), "loaders": [loader.state_dict() for loader in job.loaders]}
-    save_atomic(own, os.path.join(stepdir, f"worker-{rank}.pt"))
-    strategy.save_state(stepdir, model, optimizer)
-    if rank == 0:
-        meta = {"step": int(step), "extra": extra, "workers": job.role.worker_num}
-        save_atomic(meta, os.path.join(stepdir, "meta.pt"))
+    fresh = not os.path.isdir(stepdir)
+    make_dirs(stepdir)
+    own = os.path.join(stepdir, f"worker-{rank}.pt")
+    try:
+        save_atomic({"rng": _rng_state(), "loaders": [loader.state_dict() for loader in job.loaders]}, own)
+        try:
+            strategy.save_state(stepdir, model, optimizer)
+        except Exception as error:
+            if not isinstance(error, DiskFullError) and _disk_full(error):  # e.g. torch.distributed.checkpoint's
+                raise DiskFullError(stepdir, "saving the model and optimizer under", _first_line(error)) from error
+            raise
+        if rank == 0:
+            meta = {"step": int(step), "extra": extra, "workers": job.role.worker_num}
+            save_atomic(meta, os.path.join(stepdir, "meta.pt"))
+    except Exception:
+        # What this save wrote goes (on a full disk it holds the space); `latest` still names the last good one.
+        if fresh and job.role.worker_num == 1:
+            shutil.rmtree(stepdir, ignore_errors=True)
+        else:
+            for path in (own, os.path.join(stepdir, "meta.pt") if rank == 0 and fresh else None):
+                if path is not None and os.path.exists(path):
+                    os.unlink(path)
+        raise
     strategy.barrier()  # every worker's part is on disk before `latest` moves
     if rank == 0:
         write_text_atomic(os.path.join(dirname, LATEST), name)
         for old in sorted(d for d in os.listdir(dirname) if d.startswith("step-") and d != name)[: -(KEEP - 1) or None]:
             shutil.rmtree(os.path.join(dirname, old), ignore_errors=True)
+
+
+def _disk_full(error: BaseException) -> bool:
+    """A full disk anywhere under ``error`` (its causes; a checkpoint writer's message)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if is_disk_full(seen) or "No space left on device" in str(seen) or "[Errno 28]" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def load_checkpoint(dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Resumed | None:

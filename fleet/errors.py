@@ -48,14 +48,13 @@ class StoreTamperedError(PeerError):
 class DiskFullError(FleetError, OSError):
     """A file could not be written because its filesystem is full (or the user's disk quota is spent)."""
 
-    def __init__(self, path: str, what: str = "writing"):
-        self.path, self.what = path, what
-        OSError.__init__(
-            self, errno.ENOSPC, f"No space left on device: {what} {path} failed (free space on its filesystem)"
-        )
+    def __init__(self, path: str, what: str = "writing", detail: str = ""):
+        self.path, self.what, self.detail = path, what, detail
+        because = f": {detail}" if detail else " (free space on its filesystem)"
+        OSError.__init__(self, errno.ENOSPC, f"No space left on device: {what} {path} failed{because}")
 
     def __str__(self) -> str:
         return str(self.strerror)
 
     def __reduce__(self):
-        return type(self), (self.path, self.what)
+        return type(self), (self.path, self.what, self.detail)

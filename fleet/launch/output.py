@@ -6,10 +6,16 @@ the raw bytes to the child's log file and keeps its last lines for the failure
 report. Lines then go through one queue to a single writer thread, the only
 thing that prints, so lines from eight processes never interleave mid-line and
 the launcher's own messages stay in order with them.
+
+A line that cannot be written to its log file (a full disk) is still shown and kept for
+the failure report; :class:`LostWrites` counts it, and fleetrun says at the end what its
+log directory is missing.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import queue
 import threading
 from collections import deque
@@ -122,14 +128,53 @@ class OutputMux:
             self.console.print(Text("\n").join(lines), soft_wrap=True)
 
 
+class LostWrites:
+    """What fleetrun could not write into its log directory, for the end of the job. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lines: dict[str, int] = {}  # log file -> lines missing from it
+        self._files: list[str] = []  # files that were not written at all
+        self.errors: dict[str, str] = {}  # path -> why ("No space left on device")
+
+    def line(self, path: Path | str, error: OSError) -> None:
+        with self._lock:
+            self._lines[str(path)] = self._lines.get(str(path), 0) + 1
+            self.errors.setdefault(str(path), error.strerror or str(error))
+
+    def file(self, path: Path | str, error: OSError | str) -> None:
+        with self._lock:
+            self._files.append(str(path))
+            self.errors.setdefault(str(path), error if isinstance(error, str) else error.strerror or str(error))
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._lines or self._files)
+
+    def describe(self) -> list[str]:
+        """One phrase per lost thing: "1234 lines of worker.0.log (No space left on device)"."""
+        with self._lock:
+            lost = [f"{n} lines of {path} ({self.errors[path]})" for path, n in self._lines.items()]
+            return lost + [f"{path} ({self.errors[path]})" for path in self._files]
+
+
 class ProcessOutput:
     """Reads one child's output stream until it closes."""
 
-    def __init__(self, mux: OutputMux, label: str, style: str, log_path: Path, stream: IO[bytes]):
+    def __init__(
+        self,
+        mux: OutputMux,
+        label: str,
+        style: str,
+        log_path: Path,
+        stream: IO[bytes],
+        lost: LostWrites | None = None,
+    ):
         self.mux = mux
         self.label = label
         self.style = style
         self.log_path = log_path
+        self.lost = lost if lost is not None else LostWrites()
         self._stream = stream
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
         self._lock = threading.Lock()
@@ -149,17 +194,39 @@ class ProcessOutput:
             return list(self._tail)
 
     def _run(self) -> None:
-        with open(self.log_path, "ab", buffering=0) as log:
+        try:
+            log: IO[bytes] | None = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed below
+        except OSError as error:  # the child's output must still be read, or it blocks on a full pipe
+            log, opened = None, error
+        else:
+            opened = None
+        try:
             for raw in iter(self._stream.readline, b""):
-                try:
-                    log.write(raw)
-                except OSError:
-                    pass
+                if log is None:
+                    self.lost.line(self.log_path, opened)
+                else:
+                    try:
+                        _write_all(log, raw)
+                    except OSError as error:
+                        self.lost.line(self.log_path, error)
                 text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                 with self._lock:
                     self._tail.append(text)
                 self.mux.line(self.label, self.style, text)
-        try:
-            self._stream.close()
-        except OSError:
-            pass
+        finally:
+            for closable in (log, self._stream):
+                try:
+                    if closable is not None:
+                        closable.close()
+                except OSError:
+                    pass
+
+
+def _write_all(log: IO[bytes], data: bytes) -> None:
+    """An unbuffered write may take only part of a line on a nearly full disk: the rest raises, or is written."""
+    view = memoryview(data)
+    while view:
+        written = log.write(view)
+        if not written:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[written:]

@@ -15,6 +15,10 @@ Rules, in the order the supervision loop applies them:
   with the failed process's status, after a block naming it with its last lines.
 - When every worker has exited 0 the job succeeded; servers get
   ``server_grace`` seconds to exit by themselves, then are stopped.
+- A full log directory costs log lines and ``report.json``, never the job: the
+  children's output is still read and shown, and the end of the summary names
+  every file that lost lines or was not written. fleetrun's exit status stays the
+  job's (a job that trained is not one to rerun because its logs were cut).
 
 Every child is the leader of its own process group (``start_new_session``);
 stopping sends SIGTERM to the group, then SIGKILL after ``stop_timeout``, so
@@ -26,6 +30,7 @@ SIGKILLed fleetrun leaves no orphan behind.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +43,7 @@ from pathlib import Path
 from fleet import env
 from fleet.job_files import clear_joined, joined_workers, remove_shm
 from fleet.launch.config import LaunchConfig
-from fleet.launch.output import OutputMux, ProcessOutput, style_for
+from fleet.launch.output import LostWrites, OutputMux, ProcessOutput, style_for
 from fleet.launch.plan import SERVER, WORKER, JobLayout, ProcessSpec, child_env, local_specs
 from fleet.launch.report import Row, describe, exit_code, failure_block, summary_table
 from fleet.launch.timing import StragglerWatch, clear_metrics, final_report
@@ -56,6 +61,7 @@ def _die_with_parent() -> None:
 
 MAX_PORT_RELAUNCHES = 5
 POLL_S = 0.05
+FULL_BELOW = 64 << 10  # bytes free under which the log directory counts as full
 OUTPUT_JOIN_S = 2.0
 _HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -148,6 +154,7 @@ class Supervisor:
         self.stop_requested = threading.Event()  # set by other threads (e.g. a multi-node peer failed)
         self.stop_reason = ""
         self.stop_code = 1
+        self.lost = LostWrites()  # what could not be written into the log directory (a full disk)
         self.stragglers: StragglerWatch | None = None
 
     # --- public -------------------------------------------------------------------
@@ -321,17 +328,22 @@ class Supervisor:
             slot.spec, config, self.layout, restart_count=restart_count, log_dir=str(self.log_dir), base=self._base_env
         )
         command = [sys.executable, "-u", str(config.script), *config.script_args]
-        with open(slot.log_path, "ab") as log:
-            if slot.popen is not None:
-                log.write(
-                    f"----- fleetrun: {slot.label} starts again ({env.FLEET_RESTART_COUNT}={restart_count}) -----\n".encode()
-                )
+        try:
+            with open(slot.log_path, "ab") as log:
+                if slot.popen is not None:
+                    log.write(
+                        f"----- fleetrun: {slot.label} starts again ({env.FLEET_RESTART_COUNT}={restart_count}) -----\n".encode()
+                    )
+        except OSError as error:  # a full log directory costs log lines, not the job
+            self.lost.line(slot.log_path, error)
         slot.restarts = restart_count
         slot.returncode, slot.ended, slot.stopped = None, None, False
         slot.started = time.monotonic()
         slot.popen = self.spawner.start(command, environ)
         assert slot.popen.stdout is not None
-        slot.output = ProcessOutput(self.mux, slot.label, slot.style, slot.log_path, slot.popen.stdout).start()
+        slot.output = ProcessOutput(
+            self.mux, slot.label, slot.style, slot.log_path, slot.popen.stdout, lost=self.lost
+        ).start()
 
     def _poll(self) -> list[Slot]:
         """Record exits; return the slots that exited by themselves since the last poll."""
@@ -411,20 +423,31 @@ class Supervisor:
             remove_shm(self.layout.secret)
         restarts = {s.spec.rank: s.restarts for s in self.slots if s.spec.role == WORKER}
         stragglers = self.stragglers.ever if self.stragglers is not None else set()
+        report = self.log_dir / "report.json"
         try:
             timing = final_report(self.log_dir, restarts, stragglers)
         except OSError as error:
-            self.mux.message(f"could not write the timing report: {error}", style="yellow")
+            self.lost.file(report, error)
             timing = None
         if timing is not None:
             self.mux.render(timing[1])
-            self.mux.message(f"timing report in {self.log_dir / 'report.json'}")
+            self.mux.message(f"timing report in {report}")
+        elif _full(self.log_dir):  # the workers' timing files could not be written either
+            self.lost.file(report, "the workers' timing files could not be written: No space left on device")
         self.mux.message(f"logs in {self.log_dir}")
+        if self.lost:
+            self.mux.message(
+                f"fleetrun could not write everything into its log directory {self.log_dir}; lost: "
+                + "; ".join(self.lost.describe())
+                + ". The job's result does not depend on them: fleetrun's exit status is the job's "
+                f"({code}). Free space there (or pass --log-dir elsewhere) to keep the logs of the next run.",
+                style="bold yellow",
+            )
 
     def _note_workers_without_init(self) -> None:
         workers = [s for s in self.slots if s.spec.role == WORKER]
-        if self.config.world_workers < 2:
-            return
+        if self.config.world_workers < 2 or self.lost or _full(self.log_dir):
+            return  # (on a full disk the workers' "joined" marks may be missing: no claim from them)
         joined = joined_workers(self.log_dir)
         missing = [s.spec.rank for s in workers if s.returncode == 0 and s.spec.rank not in joined]
         if missing:
@@ -434,6 +457,14 @@ class Supervisor:
                 "Add fleet.init() and fleet.distributed_optimizer(...) to the script.",
                 style="bold yellow",
             )
+
+
+def _full(path: Path) -> bool:
+    """Whether the filesystem of ``path`` has no room left (a worker's small file would not fit)."""
+    try:
+        return shutil.disk_usage(path).free < FULL_BELOW
+    except OSError:
+        return False
 
 
 def _signame(signum: int) -> str:

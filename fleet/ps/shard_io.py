@@ -14,8 +14,13 @@ even so nothing in them is allowed to be code.
 Server restarts (``fleetrun --max-restarts K``): after every successful SAVE a
 server records the checkpoint directory in ``<record dir>/ps-server-<i>.checkpoint``
 (:func:`record_checkpoint`, written atomically; the record dir is the job's log
-directory, :data:`fleet.env.FLEET_LOG_DIR`). A restarted server reads it back
-(:func:`last_checkpoint`) and loads its shards from there before serving.
+directory, :data:`fleet.env.FLEET_LOG_DIR`), the newest last among the few kept. A
+restarted server reads them back (:func:`last_checkpoint`) and loads its shards from the
+newest one that is complete: one ``save_persistables`` committed (:mod:`fleet.ps.persist`:
+a server's own SAVE may succeed while another's fails, and then that save never counts).
+
+A directory with a ``latest`` pointer (``save_persistables``' layout) is read through
+it; a delta names the save it builds on by that save's own directory, never the pointer.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from typing import Any
 
 import torch
 
-from fleet.atomic import save_atomic, write_text_atomic
+from fleet.atomic import make_dirs, save_atomic, write_text_atomic
+from fleet.ps import persist
 
 _NAME = re.compile(r"^table-(\d+)\.pt$")
+RECORDS = 8  # saves a server's restart record remembers (newest last)
 
 
 def shard_dir(dirname: str, server_index: int) -> str:
@@ -45,7 +52,8 @@ def save_shards(dirname: str, server_index: int, shards: Mapping[int, Any], pare
     if not dirname:
         raise ValueError("SAVE needs a directory path")
     target = shard_dir(dirname, server_index)
-    os.makedirs(target, exist_ok=True)
+    make_dirs(target)
+    parent = persist.resolve(parent) if parent is not None else None
     written = []
     for table, shard in sorted(shards.items()):
         path = os.path.join(target, f"table-{table}.pt")
@@ -65,21 +73,28 @@ def record_path(record_dir: str, server_index: int) -> str:
 
 
 def record_checkpoint(record_dir: str, server_index: int, dirname: str) -> str:
-    """Remember ``dirname`` as this server's last complete checkpoint (atomic: temporary name, then rename)."""
-    os.makedirs(record_dir, exist_ok=True)
+    """Remember ``dirname`` as this server's newest save (atomic: temporary name, then rename)."""
+    make_dirs(record_dir)
     path = record_path(record_dir, server_index)
-    write_text_atomic(path, os.path.abspath(dirname))
+    history = [d for d in _recorded(path) if d != os.path.abspath(dirname)][-(RECORDS - 1) :]
+    write_text_atomic(path, "\n".join([*history, os.path.abspath(dirname)]))
     return path
 
 
 def last_checkpoint(record_dir: str, server_index: int) -> str | None:
-    """The directory of this server's last recorded SAVE, or None when there is none (or it vanished)."""
+    """The newest recorded save of this server that is complete, or None when there is none (or it vanished)."""
+    for dirname in reversed(_recorded(record_path(record_dir, server_index))):
+        if persist.committed(dirname) and os.path.isdir(shard_dir(dirname, server_index)):
+            return dirname
+    return None
+
+
+def _recorded(path: str) -> list[str]:
     try:
-        with open(record_path(record_dir, server_index)) as handle:
-            dirname = handle.read().strip()
+        with open(path) as handle:
+            return [line.strip() for line in handle if line.strip()]
     except FileNotFoundError:
-        return None
-    return dirname if dirname and os.path.isdir(shard_dir(dirname, server_index)) else None
+        return []
 
 
 def _read(path: str) -> dict[str, Any]:
@@ -94,6 +109,7 @@ def load_shards(dirname: str, server_index: int) -> Iterator[tuple[int, str, dic
 
     ``states`` is the base first, then each delta up to the one in ``dirname``.
     """
+    dirname = persist.resolve(dirname)
     source = shard_dir(dirname, server_index)
     if not os.path.isdir(source):
         raise ValueError(f"LOAD: {source} does not exist (was the checkpoint saved with this many servers?)")

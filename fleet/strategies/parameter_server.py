@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fleet.errors import FleetError
+from fleet.errors import DiskFullError, FleetError
+from fleet.ps import persist
 from fleet.strategies.base import Runtime, Strategy, check_reduce
 
 if TYPE_CHECKING:
@@ -67,6 +68,8 @@ class ParameterServerStrategy(Strategy):
         self._client: PSClient | None = None
         self._server: ParameterServer | None = None
         self._endpoints: tuple[str, ...] = tuple(runtime.role.server_endpoints)
+        self._persisted: str | None = None  # worker 0: the last complete save it wrote or loaded (a delta's parent)
+        self._save_failed = False  # worker 0: the last save failed, so the servers' delta marks are not trusted
 
     @property
     def optimizers(self) -> list[Any]:
@@ -231,41 +234,84 @@ class ParameterServerStrategy(Strategy):
         return optimizers
 
     def save_persistables(self, dirname: str, mode: str = "base") -> None:
-        """Every server writes its shards under ``dirname``; worker 0 adds its optimizer state. Call on every worker.
+        """Every server writes its shards, worker 0 its optimizer state, into a new save under ``dirname``;
+        ``dirname/latest`` moves to it only once all of that is written (:mod:`fleet.ps.persist`). Call on
+        every worker: each raises if the save failed, and the save before it stays the one to load.
 
         ``mode="delta"``: sparse tables write only the rows created or changed since the previous
         save (and the ids evicted since); loading ``dirname`` replays the saves back to the base.
         """
-        from fleet.atomic import save_atomic
-
         optimizers = self._checkpointed()
         self.barrier()  # every worker's pushes for the steps so far are applied
+        failure: BaseException | None = None
         if self.runtime.role.is_first_worker:
-            os.makedirs(dirname, exist_ok=True)
-            self.client().save(dirname, delta=mode == "delta").result()
-            save_atomic(
-                {"optimizers": [opt.inner.state_dict() for opt in optimizers]}, os.path.join(dirname, WORKER_FILE)
+            try:
+                self._persisted = self._save_new(dirname, mode, optimizers)
+                self._save_failed = False
+            except Exception as error:  # every worker must hear of it before anyone pushes again
+                failure, self._save_failed = error, True
+        # Also the barrier after the save: nobody pushes the next step before the shards are written.
+        saved = self.all_reduce(torch.tensor([0.0 if failure else 1.0], dtype=torch.float64), "min")
+        if failure is not None:
+            raise failure
+        if saved[0] < 1:
+            raise FleetError(
+                f"save_persistables({dirname!r}) failed on worker 0 (its error says why); the save before it in "
+                f"{dirname} is still the one load_persistables loads."
             )
-        self.barrier()  # nobody pushes the next step before the shards are written
+        latest = persist.resolve(dirname)
         for opt in optimizers:
-            opt.last_checkpoint = os.path.abspath(dirname)  # where a sync job rolls back after a server restart
+            opt.last_checkpoint = os.path.abspath(latest)  # where a sync job rolls back after a server restart
+
+    def _save_new(self, dirname: str, mode: str, optimizers: list[Any]) -> str:
+        """Worker 0's part of a save: a new directory, the servers' shards, its own file, then ``latest``."""
+        from fleet.atomic import save_atomic
+        from fleet.ps.errors import PSRemoteError
+
+        delta = mode == "delta"
+        if delta and self._save_failed:
+            print(
+                "fleet: the previous save_persistables failed, so this delta is written as a base (a delta on a "
+                "save that was never completed would miss rows)",
+                file=sys.stderr,
+                flush=True,
+            )
+            delta = False
+        path = persist.begin(dirname)
+        try:
+            try:
+                self.client().save(path, delta=delta).result()
+            except PSRemoteError as error:
+                if "No space left on device" in str(error):
+                    raise DiskFullError(path, "saving the parameter servers' shards under", str(error)) from None
+                raise
+            state = {"optimizers": [opt.inner.state_dict() for opt in optimizers]}
+            save_atomic(state, os.path.join(path, WORKER_FILE))
+            persist.commit(dirname, path, self._persisted if delta else None)
+        except BaseException:
+            persist.abandon(path)
+            raise
+        return path
 
     def load_persistables(self, dirname: str) -> None:
-        """Restore a checkpoint saved with the same number of servers; every worker then pulls the values."""
+        """Restore the newest complete save under ``dirname`` (same number of servers); every worker then pulls."""
         optimizers = self._checkpointed()
-        path = os.path.join(dirname, WORKER_FILE)
+        source = persist.resolve(dirname)
+        path = os.path.join(source, WORKER_FILE)
         if not os.path.isfile(path):
             raise FleetError(
                 f"{path} does not exist: {dirname!r} is not a checkpoint written by fleet.save_persistables."
             )
         self.barrier()
         if self.runtime.role.is_first_worker:
-            self.client().load(dirname).result()
+            self.client().load(source).result()
+            self._persisted = os.path.abspath(source)
         self.barrier()
         state = torch.load(path, weights_only=True)
         for opt, saved in zip(optimizers, state["optimizers"], strict=True):
             opt.inner.load_state_dict(saved)
             opt.refresh()
+            opt.last_checkpoint = os.path.abspath(source)
 
     def save_state(self, dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         raise FleetError(
