@@ -23,8 +23,10 @@ _EXPORTS = {
     "StrategyError": "fleet.strategy",
     "EnvError": "fleet.env",
     "FleetError": "fleet.errors",
+    "DiskFullError": "fleet.errors",
     "ModelMismatchError": "fleet.errors",
     "PeerError": "fleet.errors",
+    "StoreTamperedError": "fleet.errors",
     "PaddleCloudRoleMaker": "fleet.roles",
     "Role": "fleet.roles",
     "RoleInfo": "fleet.roles",
@@ -109,7 +111,7 @@ if TYPE_CHECKING:
     )
     from fleet.checkpoint import load_checkpoint, load_persistables, save_checkpoint, save_persistables  # noqa: F401
     from fleet.env import EnvError  # noqa: F401
-    from fleet.errors import FleetError, ModelMismatchError, PeerError  # noqa: F401
+    from fleet.errors import DiskFullError, FleetError, ModelMismatchError, PeerError, StoreTamperedError  # noqa: F401
     from fleet.export import export_for_inference, load_for_inference  # noqa: F401
     from fleet.files import file_shard  # noqa: F401
     from fleet.progress_bar import progress  # noqa: F401

@@ -13,11 +13,13 @@ from fleet.optimizer import WrappedOptimizer
 
 PUBLIC = {
     "DistributedStrategy",
+    "DiskFullError",
     "EnvError",
     "FleetError",
     "ModelMismatchError",
     "PaddleCloudRoleMaker",
     "PeerError",
+    "StoreTamperedError",
     "Role",
     "RoleInfo",
     "SlotDataset",
