@@ -59,7 +59,10 @@ def _check_checkpoint(directory: Path) -> None:
     latest = directory / "latest"
     if latest.exists():
         step_dir = directory / latest.read_text().strip()
-        assert (step_dir / "state.pt").is_file() and len(list(step_dir.glob("worker-*.pt"))) == 2
+        if step_dir.name.startswith("save-"):  # save_persistables: worker 0's file and both servers' shards
+            assert (step_dir / "worker-0.pt").is_file() and len(list(step_dir.glob("ps-server-*/table-*.pt"))) >= 2
+        else:
+            assert (step_dir / "state.pt").is_file() and len(list(step_dir.glob("worker-*.pt"))) == 2
 
 
 def _one_run(tmp: Path, mode: str, victim_role: str, rng: random.Random) -> tuple[int, float, bool]:
