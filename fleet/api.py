@@ -24,6 +24,7 @@ from fleet.strategies.base import Strategy
 from fleet.strategy import DistributedStrategy, StrategyError
 
 DEFAULT_PS_UPDATE = "async"  # Paddle's parameter-server default (a_sync=True)
+_JOINS = 0  # FleetContexts made in this process: an external store (torchrun's) outlives each of them
 
 
 class FleetContext:
@@ -44,6 +45,10 @@ class FleetContext:
         self._namespace = f"fleet/{environ.str(env.FLEET_RESTART_COUNT, '0')}"
         if role.source == "torchrun" and environ.has(env.TORCHELASTIC_RESTART_COUNT):
             self._namespace += f"/attempt-{environ.str(env.TORCHELASTIC_RESTART_COUNT)}"
+        global _JOINS
+        _JOINS += 1  # a second fleet.init after stop_worker (every rank alike) meets under new keys
+        if _JOINS > 1:
+            self._namespace += f"/init-{_JOINS}"
 
     @property
     def active_strategy(self) -> Strategy | None:
