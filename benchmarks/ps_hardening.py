@@ -14,8 +14,9 @@ and one worker's huge pull beside another worker's steps.
   the table grows from empty to ``--ids`` rows (fresh pulls: median, p99 and the worst, which is
   the request that doubles the table's storage), then pulls of existing rows and pushes.
 * starve: a server process; worker A pulls ``--ids`` fresh ids in one call (its own process),
-  worker B meanwhile runs steps (pull 1,024 existing ids, push their gradients). Reports A's pull
-  time, B's steps during it and B's step rate alone and during A's pull.
+  worker B meanwhile runs steps (``--compute-ms`` of compute, then pull 1,024 existing ids and
+  push their gradients). Reports A's pull time, B's steps during it and B's step rate alone and
+  during A's pull.
 
 The older code has no request limits: for it, A's pull is one request, and ``hold`` is skipped.
 """
@@ -45,10 +46,10 @@ ADAGRAD = {"kind": "adagrad", "lr": 0.1}
 GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"PLAIN".ljust(20, b"\0") + b"\0" + bytes(31)
 
 
-def start_server(workers: int) -> tuple[subprocess.Popen, str]:
+def start_server(workers: int, *options: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "fleet.ps.server", "--endpoint", "127.0.0.1:0", "--index", "0"]
-        + ["--workers", str(workers), "--timeout", "600"],
+        + ["--workers", str(workers), "--timeout", "600", *options],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "FLEET_SECRET": SECRET.hex(), "OMP_NUM_THREADS": "1"},
@@ -160,7 +161,7 @@ def hold(max_rows: int) -> None:
             print(
                 f"hold: dim {dim} {optimizer['kind']}, {n:,} ids per request, table grown to {total:,} rows: "
                 f"fresh pull median {statistics.median(fresh) * 1e3:.1f} ms, p99 {q[98] * 1e3:.1f} ms, worst "
-                f"{max(fresh) * 1e3:.0f} ms (the request that doubles the table); existing-row pull median "
+                f"{max(fresh) * 1e3:.0f} ms; existing-row pull median "
                 f"{statistics.median(existing) * 1e3:.1f} ms; push median {statistics.median(pushes) * 1e3:.1f} ms"
             )
         finally:
@@ -178,25 +179,35 @@ def _handled_in(server, encode, msg) -> float:
     return time.perf_counter() - t0
 
 
-def _huge_pull(endpoint: str, ids: int, span: mp.Queue) -> None:
+def _client(endpoint: str, secret: bytes, worker: int, max_ids: int | None) -> PSClient:
+    if max_ids is None:
+        return PSClient([endpoint], secret, worker, timeout_s=600.0)
+    from fleet.ps.limits import RequestLimits
+
+    return PSClient([endpoint], secret, worker, timeout_s=600.0, limits=RequestLimits(max_ids=max_ids))
+
+
+def _huge_pull(endpoint: str, secret: bytes, dim: int, ids: int, max_ids: int | None, span: mp.Queue) -> None:
     torch.set_num_threads(1)
-    with PSClient([endpoint], SECRET, 0, timeout_s=600.0) as a:
-        a.create_sparse(1, {"dim": DIM, "optimizer": ADAGRAD}).result()
+    with _client(endpoint, secret, 0, max_ids) as a:
+        a.create_sparse(1, {"dim": dim, "optimizer": ADAGRAD}).result()
         span.put(("start", time.monotonic()))
         a.pull_sparse(1, torch.arange(10**9, 10**9 + ids)).result()
         span.put(("end", time.monotonic()))
 
 
-def starve(ids: int) -> None:
-    proc, endpoint = start_server(workers=2)
+def starve(ids: int, max_ids: int | None, compute_s: float) -> None:
+    options = () if max_ids is None else ("--max-request-ids", str(max_ids))
+    proc, endpoint = start_server(2, *options)
     try:
-        with PSClient([endpoint], SECRET, 1, timeout_s=600.0) as b:
+        with _client(endpoint, SECRET, 1, max_ids) as b:
             b.create_sparse(1, {"dim": DIM, "optimizer": ADAGRAD}).result()
             batch = torch.arange(1024)
             b.pull_sparse(1, batch).result()
 
             def step() -> float:
                 t0 = time.monotonic()
+                time.sleep(compute_s)  # the step's forward and backward
                 b.pull_sparse(1, batch).result()
                 b.push_sparse_grad(1, batch, torch.ones(1024, DIM), 0, 0.1).result()
                 return t0
@@ -209,7 +220,7 @@ def starve(ids: int) -> None:
             alone_rate = alone / (time.monotonic() - t0)
             ctx = mp.get_context("spawn")
             span: mp.Queue = ctx.Queue()
-            puller = ctx.Process(target=_huge_pull, args=(endpoint, ids, span))
+            puller = ctx.Process(target=_huge_pull, args=(endpoint, SECRET, DIM, ids, max_ids, span))
             puller.start()
             marks = dict([span.get(timeout=120)])
             starts: list[float] = []
@@ -222,8 +233,10 @@ def starve(ids: int) -> None:
             puller.join()
             during = [s for s in starts if marks["start"] <= s <= marks["end"]]
             pull_s = marks["end"] - marks["start"]
+            limit = "" if max_ids is None else f", {max_ids:,} ids per request"
+            limit += f", B computes {compute_s * 1e3:g} ms per step" if compute_s else ""
             print(
-                f"starve: A pulled {ids:,} fresh ids (dim {DIM}) in {pull_s:.1f} s; B made {len(during)} steps "
+                f"starve{limit}: A pulled {ids:,} fresh ids (dim {DIM}) in {pull_s:.1f} s; B made {len(during)} steps "
                 f"meanwhile ({len(during) / pull_s:.1f} steps/s; alone {alone_rate:.1f} steps/s, "
                 f"ratio {len(during) / pull_s / alone_rate:.2f})"
             )
@@ -241,6 +254,8 @@ def main() -> None:
     parser.add_argument("--parts", default="attack,hold,starve")
     parser.add_argument("--ids", type=int, default=4_000_000)
     parser.add_argument("--dim", type=int, default=8)
+    parser.add_argument("--max-request-ids", type=int, default=None, help="(newer code) server and client limit")
+    parser.add_argument("--compute-ms", type=float, default=0.0, help="starve: B's compute per step (a sleep)")
     args = parser.parse_args()
     DIM = args.dim
     import fleet
@@ -258,7 +273,7 @@ def main() -> None:
     if "hold" in parts:
         hold(args.ids)
     if "starve" in parts:
-        starve(args.ids)
+        starve(args.ids, args.max_request_ids, args.compute_ms / 1000)
 
 
 if __name__ == "__main__":

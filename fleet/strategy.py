@@ -70,6 +70,11 @@ class DistributedStrategy(BaseModel):
     """PS: MiB one sparse request, or its reply, carries (ids, rows and clicks); with wide rows
     this, not ``max_request_ids``, sets how many ids go in one request."""
 
+    ps_encryption: Literal["none", "curve"] = "none"
+    """PS: "curve" encrypts and authenticates every worker-server connection (ZeroMQ CURVE, keys
+    derived from the job's secret, which then never travels); "none" authenticates with the
+    secret in clear text (ZeroMQ PLAIN), enough on a network only the job's hosts share."""
+
     servers: int = Field(0, ge=0)
     """Under rank-only launchers (torchrun, mpirun, srun): the first ``servers`` ranks serve."""
 

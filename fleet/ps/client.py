@@ -14,6 +14,9 @@ modify them until the push's future has resolved. Callbacks added to these
 futures run on the client's IO thread: keep them short, and never wait there
 for another request of the same client.
 
+``encryption="curve"`` encrypts and authenticates every connection with keys
+derived from the secret (:mod:`fleet.ps.auth`); the servers must use it too.
+
 Failures: a server that does not answer within ``timeout_s`` (or whose
 connection drops while a request is in flight) raises
 :class:`~fleet.ps.errors.PSServerUnavailable` naming its index and endpoint;
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 
 from fleet.files import share_bounds
+from fleet.ps import auth
 from fleet.ps.client_io import IOThread, Job
 from fleet.ps.errors import PSAuthError, PSError, PSServerUnavailable
 from fleet.ps.limits import RequestLimits
@@ -104,6 +108,7 @@ class PSClient:
         timeout_s: float,
         max_in_flight: int = 16,
         limits: RequestLimits | None = None,
+        encryption: str = "none",
     ):
         if not endpoints:
             raise ValueError("PSClient needs at least one server endpoint")
@@ -119,7 +124,7 @@ class PSClient:
         self._dense: dict[int, tuple[int, list[tuple[int, int]]]] = {}  # table -> (size, ranges)
         self._sparse: dict[int, tuple[int, str]] = {}  # table -> (dim, update mode)
         self._closed = False
-        self._io = IOThread(self.endpoints, secret, worker_index, max_in_flight)
+        self._io = IOThread(self.endpoints, secret, worker_index, max_in_flight, auth.check_encryption(encryption))
         self._io.start(timeout_s=10.0)
         # Servers tell a dead worker from a busy one by these beats (fleet.ps.liveness).
         self._beating = threading.Event()

@@ -70,9 +70,12 @@ class Job:
 class IOThread:
     """Runs the socket loop for one :class:`~fleet.ps.client.PSClient`."""
 
-    def __init__(self, endpoints: Sequence[str], secret: bytes, worker_index: int, max_in_flight: int):
+    def __init__(
+        self, endpoints: Sequence[str], secret: bytes, worker_index: int, max_in_flight: int, encryption: str = "none"
+    ):
         self.endpoints = list(endpoints)
         self.secret = auth.check_secret(secret)
+        self.encryption = auth.check_encryption(encryption)
         self.worker_index = worker_index
         self.max_in_flight = max_in_flight
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_in_flight)
@@ -88,6 +91,9 @@ class IOThread:
         self._active: set[Job] = set()
         self._outbox: list[deque[tuple[int, Message, Job]]] = [deque() for _ in self.endpoints]
         self._refused: dict[int, str] = {}  # server -> why its handshake failed
+        # server -> why its last handshake failed for a reason other than the secret (cleared by a handshake
+        # that succeeds): requests made meanwhile fail at once with it instead of waiting for their deadline
+        self._failing: dict[int, str] = {}
         self._incarnations = [0] * len(endpoints)  # per server, as its last HELLO reply said; 0: not known yet
         self.thread = threading.Thread(target=self._main, name=f"fleet-ps-io-w{worker_index}", daemon=True)
 
@@ -141,11 +147,12 @@ class IOThread:
                 sock.sndhwm = sock.rcvhwm = 10000
                 sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
                 sock.maxmsgsize = FRAME_BYTES  # no frame of a reply is larger (fleet.ps.wire)
-                auth.configure_client(sock, self.secret, f"worker-{self.worker_index}")
+                auth.configure_client(sock, self.secret, f"worker-{self.worker_index}", self.encryption)
                 if ":" in endpoint.rpartition(":")[0]:
                     sock.ipv6 = True
                 events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
                 events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                events |= zmq.EVENT_HANDSHAKE_SUCCEEDED
                 self._monitors.append(sock.get_monitor_socket(events))
                 sock.connect(f"tcp://{endpoint}")
                 self._sockets.append(sock)
@@ -220,6 +227,9 @@ class IOThread:
             for part, (server, msg) in enumerate(job.parts):
                 if server in self._refused:
                     self._fail(job, self._refused_error(server, msg))
+                    break
+                if server in self._failing:
+                    self._fail(job, self._unavailable(server, msg, self._failing[server]))
                     break
                 msg.request_id = next(self._ids)
                 msg.timeout_ms = int(job.timeout_s * 1000)
@@ -321,11 +331,19 @@ class IOThread:
                 self._receive(server)  # replies that arrived before the connection dropped still count
                 why = "closed the connection (the server exited or crashed, or refused an oversized message)"
                 self._fail_server(server, why)
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failing.pop(server, None)
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self._refused[server] = "refused this worker's credentials: the shared secret (FLEET_SECRET) differs"
                 self._fail_server(server, self._refused[server], PSAuthError, queued_too=True)
             else:
-                self._fail_server(server, f"failed the connection handshake (event {kind!r})", queued_too=True)
+                hint = (
+                    "the shared secret differs, or the servers do not use ps_encryption='curve'"
+                    if self.encryption == "curve"
+                    else "do the servers use ps_encryption='curve' while this worker does not?"
+                )
+                self._failing[server] = f"failed the connection handshake ({hint}; event {kind!r})"
+                self._fail_server(server, self._failing[server], queued_too=True)
 
     def _check_incarnation(self, server: int, incarnation: int) -> None:
         """A new incarnation answering HELLO: the server restarted while this worker did not notice.

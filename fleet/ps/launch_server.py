@@ -42,10 +42,11 @@ def _bind_host(role: Any) -> str:
     return "127.0.0.1" if not host or rendezvous.is_loopback(host) else host
 
 
-def init_server(runtime: Any, timeout_s: float, limits: Any = None) -> Any:
+def init_server(runtime: Any, timeout_s: float, limits: Any = None, encryption: str = "none") -> Any:
     """Build (bind) this process's ParameterServer; publish its endpoint under rank-only launchers.
 
-    ``limits``: the request limits (a :class:`fleet.ps.limits.RequestLimits`; the defaults when None).
+    ``limits``: the request limits (a :class:`fleet.ps.limits.RequestLimits`; the defaults when None);
+    ``encryption``: the transport's, "none" or "curve" (see :mod:`fleet.ps.auth`).
     """
     from fleet.ps.server import ParameterServer
 
@@ -67,6 +68,7 @@ def init_server(runtime: Any, timeout_s: float, limits: Any = None) -> Any:
             rejoin=(environ.int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0,
             checkpoint_record_dir=record_dir,
             limits=limits,
+            encryption=encryption,
         )
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EADDRINUSE and role.source == "fleetrun":

@@ -86,6 +86,7 @@ class ParameterServer(TableOps, ReduceOps):
         timeout_s: float,
         *,
         limits: RequestLimits | None = None,
+        encryption: str = "none",
         rejoin: bool = False,
         torch_threads: int | None = 1,
         checkpoint_record_dir: str | None = None,
@@ -102,12 +103,13 @@ class ParameterServer(TableOps, ReduceOps):
         self._request_budget = self.limits.budget()
         self.checkpoint_record_dir = checkpoint_record_dir  # where each SAVE is recorded for a restart
         auth.check_secret(secret)
+        self.encryption = auth.check_encryption(encryption)
         self._ctx = zmq.Context(io_threads=1)
         try:
-            self._zap = auth.ZapHandler(self._ctx, secret)
+            self._zap = auth.ZapHandler(self._ctx, secret, self.encryption)
             sock = self._ctx.socket(zmq.ROUTER)
             sock.linger = 2000  # let the last STOP replies leave before the context closes
-            auth.configure_server(sock)
+            auth.configure_server(sock, self.encryption, secret)
             sock.maxmsgsize = FRAME_BYTES  # what a peer that has not authenticated can make us allocate
             sock.sndhwm = sock.rcvhwm = 10000
             sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
@@ -474,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--max-request-ids", type=int, default=RequestLimits.max_ids)
     parser.add_argument("--max-request-mb", type=float, default=RequestLimits.max_bytes / (1 << 20))
+    parser.add_argument("--encryption", choices=auth.ENCRYPTIONS, default="none")
     args = parser.parse_args(argv)
     secret_hex = env.current().require(env.FLEET_SECRET, "the parameter server authenticates workers with it")
     try:
@@ -483,7 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         limits = RequestLimits(args.max_request_ids, int(args.max_request_mb * (1 << 20)))
-        server = ParameterServer(args.endpoint, secret, args.index, args.workers, args.timeout, limits=limits)
+        server = ParameterServer(
+            args.endpoint, secret, args.index, args.workers, args.timeout, limits=limits, encryption=args.encryption
+        )
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EADDRINUSE:
             log.error("cannot bind %s: address in use", args.endpoint)

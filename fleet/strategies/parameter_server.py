@@ -98,7 +98,9 @@ class ParameterServerStrategy(Strategy):
         from fleet.ps import launch_server
 
         if self._server is None:
-            self._server = launch_server.init_server(self.runtime, self.config.timeout_s, self._limits())
+            self._server = launch_server.init_server(
+                self.runtime, self.config.timeout_s, self._limits(), self.config.ps_encryption
+            )
         if run:
             launch_server.run_server(self._server, self.runtime.role.server_index)
 
@@ -115,6 +117,7 @@ class ParameterServerStrategy(Strategy):
                 role.worker_index,
                 self.config.timeout_s,
                 limits=self._limits(),
+                encryption=self.config.ps_encryption,
             )
             self._client = client
             atexit.register(self._stop_at_exit)
