@@ -18,6 +18,9 @@ and one worker's huge pull beside another worker's steps.
   push their gradients). Reports A's pull time, B's steps during it and B's step rate alone and
   during A's pull.
 
+* curve: the price of ``ps_encryption="curve"``: 4 MiB dense push-then-pull round trips against a
+  server process with and without it, alternated (median MB/s moved).
+
 The older code has no request limits: for it, A's pull is one request, and ``hold`` is skipped.
 """
 
@@ -245,6 +248,36 @@ def starve(ids: int, max_ids: int | None, compute_s: float) -> None:
         proc.wait()
 
 
+def curve(iters: int = 60) -> None:
+    values = torch.randn(1 << 20)
+    clients, procs = {}, []
+    try:
+        for encryption in ("none", "curve"):
+            proc, endpoint = start_server(1, "--encryption", encryption)
+            procs.append(proc)
+            c = PSClient([endpoint], SECRET, 0, timeout_s=60.0, encryption=encryption)
+            c.create_dense(1, values, {"optimizer": {"kind": "sgd", "lr": 0.1}, "update": "async"}).result()
+            clients[encryption] = c
+        times: dict[str, list[float]] = {name: [] for name in clients}
+        for _ in range(iters):
+            for name, c in clients.items():
+                t0 = time.perf_counter()
+                c.push_dense_grad(1, values, 0, 0.1).result()
+                c.pull_dense(1).result()
+                times[name].append(time.perf_counter() - t0)
+        rate = {name: 2 * values.numel() * 4 / 1e6 / statistics.median(ts) for name, ts in times.items()}
+        print(
+            f"curve: 4 MiB push then pull, median of {iters}: {rate['none']:.0f} MB/s without encryption, "
+            f"{rate['curve']:.0f} MB/s with CURVE ({rate['curve'] / rate['none']:.0%})"
+        )
+    finally:
+        for c in clients.values():
+            c.close()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 DIM = 8
 
 
@@ -272,6 +305,8 @@ def main() -> None:
             pass
     if "hold" in parts:
         hold(args.ids)
+    if "curve" in parts:
+        curve()
     if "starve" in parts:
         starve(args.ids, args.max_request_ids, args.compute_ms / 1000)
 

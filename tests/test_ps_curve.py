@@ -18,6 +18,7 @@ import fleet
 from fleet.ps.client import PSClient
 from fleet.ps.errors import PSServerUnavailable
 from fleet.ps.server import ParameterServer
+from fleet.ps.wire import FRAME_BYTES
 from fleet.strategy import StrategyError
 
 SECRET = b"curve-test-secret-0123"
@@ -67,12 +68,15 @@ def relay(endpoint: str) -> Iterator[tuple[str, bytearray]]:
         listener.close()
 
 
+SIZE = FRAME_BYTES // 4 + 4096  # a full frame (CURVE's envelope must still fit the sockets' cap) and more
+
+
 def _exchange(encryption: str) -> tuple[bytes, torch.Tensor]:
-    values = torch.full((4096,), 1234.5678)
+    values = torch.full((SIZE,), 1234.5678)
     with server(encryption) as srv, relay(srv.endpoint) as (endpoint, seen):
         with PSClient([endpoint], SECRET, 0, 5.0, encryption=encryption) as c:
             c.create_dense(1, values, {"optimizer": {"kind": "sgd", "lr": 1.0}, "update": "async"}).result()
-            c.push_dense_grad(1, torch.ones(4096), 0, 0.5).result()
+            c.push_dense_grad(1, torch.ones(SIZE), 0, 0.5).result()
             pulled = c.pull_dense(1).result()
         return bytes(seen), pulled
 
@@ -83,8 +87,8 @@ def test_curve_hides_the_secret_and_the_tensors_that_plain_shows() -> None:
     plain, pulled = _exchange("none")
     assert SECRET in plain and pattern in plain  # the relay does see what crosses the wire
     curve, pulled_curve = _exchange("curve")
-    assert SECRET not in curve and pattern not in curve and len(curve) > 4 * 4096
-    assert torch.equal(pulled_curve, pulled) and torch.equal(pulled, torch.full((4096,), 1234.5678 - 0.5))
+    assert SECRET not in curve and pattern not in curve and len(curve) > 3 * 4 * SIZE
+    assert torch.equal(pulled_curve, pulled) and torch.equal(pulled, torch.full((SIZE,), 1234.5678 - 0.5))
 
 
 @pytest.mark.timeout(60)

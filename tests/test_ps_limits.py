@@ -30,7 +30,7 @@ from fleet.ps.client import PSClient
 from fleet.ps.errors import PSRemoteError, PSServerUnavailable
 from fleet.ps.limits import RequestLimits
 from fleet.ps.server import ParameterServer
-from fleet.ps.wire import FRAME_BYTES, Message, Op, Status, encode
+from fleet.ps.wire import FRAME_BYTES, MAX_WIRE_FRAME, Message, Op, Status, encode
 
 MiB = 1 << 20
 ADAGRAD = {"kind": "adagrad", "lr": 0.1}
@@ -157,8 +157,8 @@ def test_requests_over_the_limits_get_an_error_naming_them() -> None:
             reply = _ask(raw, encode(msg))
             assert reply.status == Status.ERROR and needle in reply.text(), reply.text()
             assert "max_request_ids = 100" in reply.text() and "max_request_mb" in reply.text()
-        # A frame over FRAME_BYTES from an authenticated peer: ZeroMQ drops the connection, nothing else.
-        raw.send_multipart(encode(Message(Op.HELLO, request_id=4)) + [bytes(FRAME_BYTES + 1)])
+        # A frame over the cap (MAX_WIRE_FRAME) from an authenticated peer: ZeroMQ drops the connection, nothing else.
+        raw.send_multipart(encode(Message(Op.HELLO, request_id=4)) + [bytes(MAX_WIRE_FRAME + 1)])
         assert not raw.poll(500)
         # The client splits: 1000 ids go as 10 requests, and the server only ever saw requests under the limit.
         assert good.pull_sparse(2, torch.arange(1000)).result().shape == (1000, 4)
@@ -353,7 +353,7 @@ def test_a_reply_frame_over_the_cap_is_refused_by_the_client() -> None:
                 zap.serve()
                 assert time.monotonic() < deadline, "the client's request never arrived"
             ident, *frames = router.recv_multipart()
-            router.send_multipart([ident, frames[0], bytes(FRAME_BYTES + 1)])
+            router.send_multipart([ident, frames[0], bytes(MAX_WIRE_FRAME + 1)])
             with pytest.raises(PSServerUnavailable, match="closed the connection"):
                 future.result()
             c.close(stop_servers_for_me=False)

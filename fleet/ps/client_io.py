@@ -40,7 +40,7 @@ from fleet.ps.errors import (
     WireError,
     parse_error_reply,
 )
-from fleet.ps.wire import FRAME_BYTES, MORE_FOLLOWS, Message, Op, Status, decode, encode, op_name, read_request_id
+from fleet.ps.wire import MAX_WIRE_FRAME, MORE_FOLLOWS, Message, Op, Status, decode, encode, op_name, read_request_id
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class IOThread:
                 sock.linger = 0
                 sock.sndhwm = sock.rcvhwm = 10000
                 sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
-                sock.maxmsgsize = FRAME_BYTES  # no frame of a reply is larger (fleet.ps.wire)
+                sock.maxmsgsize = MAX_WIRE_FRAME  # no frame of a reply is larger (fleet.ps.wire)
                 auth.configure_client(sock, self.secret, f"worker-{self.worker_index}", self.encryption)
                 if ":" in endpoint.rpartition(":")[0]:
                     sock.ipv6 = True

@@ -12,7 +12,7 @@ mechanism; its handler is one more socket polled by this loop.
 
 Bounds, so that neither a stranger nor one worker can take the server from the others:
 before authentication a peer can make the server allocate one frame,
-:data:`~fleet.ps.wire.FRAME_BYTES` (``zmq.MAXMSGSIZE``); after it, every message kind has a
+:data:`~fleet.ps.wire.FRAME_BYTES` (``zmq.MAXMSGSIZE``, with room for CURVE's envelope); after it, every message kind has a
 byte budget checked from the header before any tensor is built, and a sparse request at
 most the ids of :class:`~fleet.ps.limits.RequestLimits`, so one request holds the loop for a
 fraction of a second. A request that fails inside a table -- out of memory included --
@@ -43,7 +43,7 @@ from fleet.ps.reduce import ReduceOps, against_barrier
 from fleet.ps.table_ops import TableOps
 from fleet.ps.waitlist import Parked, Waitlist
 from fleet.ps.wire import (
-    FRAME_BYTES,
+    MAX_WIRE_FRAME,
     Message,
     Op,
     RequestTooLarge,
@@ -110,7 +110,7 @@ class ParameterServer(TableOps, ReduceOps):
             sock = self._ctx.socket(zmq.ROUTER)
             sock.linger = 2000  # let the last STOP replies leave before the context closes
             auth.configure_server(sock, self.encryption, secret)
-            sock.maxmsgsize = FRAME_BYTES  # what a peer that has not authenticated can make us allocate
+            sock.maxmsgsize = MAX_WIRE_FRAME  # what a peer that has not authenticated can make us allocate
             sock.sndhwm = sock.rcvhwm = 10000
             sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
             if ":" in endpoint.rpartition(":")[0]:

@@ -48,6 +48,8 @@ MAX_TENSORS = 8
 #: W3's 4 MiB dense push and pull one zero-copy frame each, and bounds what an unauthenticated
 #: connection can make a process allocate: 8 such connections, 32 MiB.
 FRAME_BYTES = 4 << 20
+#: ``zmq.MAXMSGSIZE``: a frame and what CURVE wraps it in (a MESSAGE command: name, nonce, flags, MAC)
+MAX_WIRE_FRAME = FRAME_BYTES + 256
 
 #: magic, version, op, status, ntensors, table, peer, request id, step, arg, lr, timeout_ms
 HEADER = struct.Struct("<4sBBBBIIQqqdI")
