@@ -15,7 +15,7 @@ reversed on odd rounds, so that the load of this shared machine drifts over all 
 point's figure is the median over rounds, with its range; its speed-up is the median of the
 per-round ratios to the 1-worker run of the same round. Beside every sample: the 1-minute load
 average before and after, and the background demand during the job (busy CPU not used by the
-job, from /proc/stat and the job's own rusage; see :class:`CpuMeter`).
+job, from /proc/stat and the job's own rusage; see :class:`fleet.plan.host.CpuMeter`).
 
 Honesty rule (:func:`refusal`): a point whose speed-up exceeds min(R, cores) by more than 5 % is
 not drawn: R compute-bound workers of one thread each cannot beat R, nor the cores they share;
@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import secrets
 import statistics
 import subprocess
@@ -48,6 +47,8 @@ from typing import Any
 
 import _common as c
 import netns
+
+from fleet.plan.host import CpuMeter
 
 WORKLOADS = {
     "W1": {
@@ -93,47 +94,6 @@ def refusal(speedup: float, workers: int, cores: int, tolerance: float = TOLERAN
 # --------------------------------------------------------------------------- measuring
 
 
-class CpuMeter:
-    """Busy CPU during a job that the job itself did not use: other engineers' work on this machine.
-
-    From /proc/stat (all cores' busy time) minus the job's own CPU time (the rusage of our
-    waited-for children: fleetrun and everything it started). As a *demand* for the model's
-    processor sharing: when the machine was saturated, others got a share proportional to their
-    demand, so demand = own demand x others' CPU / own CPU; otherwise it is their CPU.
-    """
-
-    def __init__(self, own_demand: float):
-        self.own_demand = own_demand
-
-    @staticmethod
-    def _busy() -> float:
-        with open("/proc/stat") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + fields[4]
-        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _children() -> float:
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return usage.ru_utime + usage.ru_stime
-
-    def __enter__(self) -> CpuMeter:
-        self.t0, self.busy0, self.own0 = time.monotonic(), self._busy(), self._children()
-        self.load_before = os.getloadavg()[0]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        wall = time.monotonic() - self.t0
-        busy = (self._busy() - self.busy0) / wall
-        own = (self._children() - self.own0) / wall
-        others = max(0.0, busy - own)
-        cores = os.cpu_count() or 1
-        saturated = busy >= 0.9 * cores and own > 0
-        self.background = self.own_demand * others / own if saturated else others
-        self.load_after = os.getloadavg()[0]
-        self.busy, self.own = busy, own
-
-
 def _worker_args(spec: dict, quick: bool) -> list[str]:
     timed = spec["steps"][1 if quick else 0]
     warmup = 2 if quick else 4
@@ -157,7 +117,7 @@ def sample_local(name: str, workers: int, quick: bool) -> dict[str, Any]:
     # cannot be beaten by more than min(R, cores)).
     servers = spec["servers"] if workers > 1 else 0
     strategy = spec["strategy"] if workers > 1 else {"mode": "collective"}
-    with CpuMeter(own_demand=workers + servers) as meter:
+    with CpuMeter() as meter:
         job = c.fleetrun(workers=workers, servers=servers, strategy=strategy, args=_worker_args(spec, quick))
     return {
         "point": f"{name} R={workers}",
@@ -167,7 +127,7 @@ def sample_local(name: str, workers: int, quick: bool) -> dict[str, Any]:
         **_summary(job["workers"], spec["batch"]),
         "load_before": meter.load_before,
         "load_after": meter.load_after,
-        "background": meter.background,
+        "background": meter.background(workers + servers),
         "time": time.time(),
     }
 
@@ -199,7 +159,7 @@ def _two_host_job(hosts, spec: dict, worker_args: list[str], port: int, timeout:
 
 def sample_two_hosts(hosts, label: str, port: int, quick: bool) -> dict[str, Any]:
     spec = WORKLOADS["W1"]
-    with CpuMeter(own_demand=2) as meter:
+    with CpuMeter() as meter:
         results = _two_host_job(hosts, spec, _worker_args(spec, quick), port)
     return {
         "point": f"W1 {label}",
@@ -209,7 +169,7 @@ def sample_two_hosts(hosts, label: str, port: int, quick: bool) -> dict[str, Any
         **_summary(results, spec["batch"]),
         "load_before": meter.load_before,
         "load_after": meter.load_after,
-        "background": meter.background,
+        "background": meter.background(2),
         "time": time.time(),
     }
 
@@ -421,6 +381,9 @@ def _plot(rows: list[dict], saved: dict, cores: int, suffix: str) -> None:
                 text += " (miss)"
             y = r["predicted_speedup"] if r["refused"] else r["speedup"]
             ax.annotate(text, (r["workers"], y), fontsize=7, textcoords="offset points", xytext=(6, -14))
+        misses = [f"R={r['workers']} misses: {r['miss']}" for r in sub if r["miss"] and not r["refused"]]
+        if misses:
+            ax.text(0.02, 0.02, "\n".join(misses), transform=ax.transAxes, fontsize=6, va="bottom", wrap=True)
         ax.set_xticks(xs)
         ax.set_xlabel(f"workers R on this host ({cores} cores)")
         ax.set_ylabel("speed-up over 1 worker (samples/s ratio)")

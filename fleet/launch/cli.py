@@ -272,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config(argv)
         options = build_parser().parse_args(split_argv(argv)[0])
+        if not options.plan and (options.calibration or options.plan_workers):
+            raise LaunchError("--calibration and --plan-workers belong to --plan; add --plan (see fleetrun --help).")
         if options.plan:
             from fleet.plan.planner import plan, worker_counts
 

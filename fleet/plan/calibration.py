@@ -130,6 +130,9 @@ class Calibration(BaseModel):
     ps_server_step_s: float | None = None
     """The server process's CPU time per replayed step: its work for one worker-step of this script."""
 
+    ps_client_step_s: float = Field(0.0, ge=0)
+    """The worker process's CPU time per replayed step: what waiting for the server still costs a core."""
+
     load_average: float | None = None
     """The host's 1-minute load average while calibrating."""
 

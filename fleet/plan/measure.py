@@ -141,7 +141,9 @@ def measure_ps(rank: int, group: Any, sizes: list[int], args: argparse.Namespace
                 result["sparse_pull"] = sorted(_median_times(fns, reps).items())
             replay = prepare_replay(client, len(sizes) + 2, args)
             dist.barrier(group=group)
+            cpu0 = time.process_time()
             result.update(replay())
+            result["client_cpu_s"] = time.process_time() - cpu0  # the worker's side: packing, IO threads
             dist.barrier(group=group)
         finally:
             client.close()

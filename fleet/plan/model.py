@@ -240,7 +240,7 @@ class Model:
         # First guess: servers always busy, workers always computing; refined from the predicted step.
         busy, duty = servers_here, 1.0
         step, comp_mean, parts = 0.0, 0.0, {}
-        for _ in range(20):
+        for _ in range(40):
             stretch = self.stretch(setup, servers_busy=busy, duty=duty)
             comp = self._compute(stretch, ps=True)
             link = self.link(setup, cal.ps, stretch)
@@ -282,9 +282,18 @@ class Model:
                 }
                 server = r * per_step
             elif mode == "ps_async":
-                own = comp.mean + sparse_wait
+                # The pull also waits behind the other workers' requests at the server: an M/D/1
+                # queue whose load is the others' share of the server, rho = (R-1) x work / step.
+                rho = min(0.95, (r - 1) * per_step / step) if step > 0 else 0.0
+                queue = rho / (2 * (1 - rho)) * per_step
+                own = comp.mean + sparse_wait + queue
                 server = r * per_step
-                parts = {"compute": comp.mean, "sparse pull": sparse_wait, "server queue": max(0.0, server - own)}
+                parts = {
+                    "compute": comp.mean,
+                    "sparse pull": sparse_wait,
+                    "queue at the server": queue,
+                    "server saturated": max(0.0, server - own),
+                }
             else:  # geo: local steps (rows in a local cache); one exchange every k steps
                 k = setup.k_steps
                 # Rows touched in k steps: at most k x a step's; assumed all distinct (the most traffic).
@@ -298,7 +307,8 @@ class Model:
             step = sum(parts.values())
             comp_mean = comp.mean
             new_busy = servers_here * min(1.0, server / step if step > 0 else 1.0)
-            new_duty = min(1.0, comp.mean / step) if step > 0 else 1.0
+            # A waiting PS worker still keeps a core busy part of the time (packing, its IO threads).
+            new_duty = min(1.0, (comp.mean + cal.ps_client_step_s * srv) / step) if step > 0 else 1.0
             if abs(new_busy - busy) < 1e-3 and abs(new_duty - duty) < 1e-3:
                 break
             busy, duty = (busy + new_busy) / 2, (duty + new_duty) / 2  # damped: the two feed each other

@@ -30,6 +30,7 @@ from rich.text import Text
 
 from fleet.plan import measure_path, probe_path
 from fleet.plan.calibration import Calibration, Link, fit_link, lognormal_sigma
+from fleet.plan.host import CpuMeter
 from fleet.plan.lognormal import LogNormal
 from fleet.plan.model import DEFAULT_COUNTS, LABELS, MODES, SYNC_MODES, Model, Prediction, Setup, breaks_at
 
@@ -92,10 +93,12 @@ def run_probe(script: Path, args: tuple[str, ...], log_dir: Path, steps: int, se
     command = [sys.executable, "-m", "fleet.launch", "--workers", "1", "--log-dir", str(log_dir / "probe")]
     command += [str(probe_path()), "--out", str(out), "--steps", str(steps), "--seconds", str(seconds)]
     command += [str(script), *args]
-    _run(command, log_dir / "probe.log", START_BUDGET_S + seconds + 60, f"the calibration run of {script.name}")
+    with CpuMeter() as meter:
+        _run(command, log_dir / "probe.log", START_BUDGET_S + seconds + 60, f"the calibration run of {script.name}")
     if not out.exists():
         raise PlanError(f"the calibration run of {script.name} wrote no record ({log_dir / 'probe.log'}).")
     record = json.loads(out.read_text())
+    record["background"] = meter.background(record.get("threads") or 1)
     if record["steps"] < 2:
         raise PlanError(
             f"{script.name} made {record['steps']} timed optimizer steps in its calibration run (after "
@@ -154,7 +157,9 @@ def build(probe: dict[str, Any], net: dict[str, Any], script: str = "") -> Calib
         "device": probe.get("device") or "cpu",
         "cores": int(net.get("cores") or os.cpu_count() or 1),
         "threads": int(probe.get("threads") or 1),
-        "background": max(0.0, float(probe.get("load_average") or 0.0) - 1.0),
+        "background": probe["background"]
+        if "background" in probe
+        else max(0.0, (probe.get("load_average") or 0.0) - 1),
         "t_comp_s": dist.mean,
         "step_sigma": sigma,
         "steps_timed": len(compute),
@@ -181,6 +186,7 @@ def build(probe: dict[str, Any], net: dict[str, Any], script: str = "") -> Calib
             cal["ps_step_s"] = net["ps"]["replay_step_s"]
             cal["ps_sparse_pull_s"] = net["ps"]["replay_sparse_pull_s"]
             cal["ps_server_step_s"] = (net["ps"].get("server_cpu_s") or 0.0) / net["ps"]["replay_steps"]
+            cal["ps_client_step_s"] = (net["ps"].get("client_cpu_s") or 0.0) / net["ps"]["replay_steps"]
         if cal["sparse_rows"]:
             assumptions.append("geo: the sparse rows touched in k steps are all distinct (the most traffic)")
     return Calibration(**cal)
@@ -361,20 +367,34 @@ def plan(
         return 1
     path = cal.save(log_dir / "calibration.json")
     say(f"plan: calibrated in {time.monotonic() - started:.0f} s; {path}")
-    servers_per_host = config.servers or 1
+    predict_and_report(cal, counts, config.workers, config.servers, chosen, console)
+    return 0
+
+
+def predict_and_report(
+    cal: Calibration,
+    counts: tuple[int, ...],
+    workers_per_host: int = 1,
+    servers_per_host: int = 0,
+    chosen: str | None = None,
+    console: Console | None = None,
+) -> str:
+    """Predict every mode at every count and print the plan; returns the recommended mode."""
+    console = console or Console(highlight=False)
+    given = servers_per_host
+    servers_per_host = servers_per_host or 1
     model = Model(cal)
     preds = []
     for r in counts:
-        hosts = -(-r // config.workers)
-        setup = Setup(workers=r, servers=servers_per_host * hosts, workers_per_host=config.workers)
+        hosts = -(-r // workers_per_host)
+        setup = Setup(workers=r, servers=servers_per_host * hosts, workers_per_host=workers_per_host)
         for m in MODES:
             if m == "collective" or cal.ps is not None:
                 preds.append(model.predict(m, setup))
     note = (
-        f"setup: {config.workers} worker(s) per host, {servers_per_host} server(s) per host"
-        + ("" if config.servers else " (not given: 1)")
+        f"setup: {workers_per_host} worker(s) per host, {servers_per_host} server(s) per host"
+        + ("" if given else " (not given: 1)")
         + ", hosts idle otherwise"
         + "; PS sync + backup: b = 4 % of the workers, rounded up"
     )
-    report(cal, preds, note, chosen, console)
-    return 0
+    return report(cal, preds, note, chosen, console)

@@ -9,8 +9,8 @@ server that becomes a queue. Its protocol is fleet's (:mod:`fleet.ps.modes`):
   delay on chosen ranks), pushes its gradient (``push_s`` on the wire), and the server
   handles pushes one at a time in arrival order (``apply_s`` each: receive and sum, or apply).
 - **sync**: a step closes when R - b gradients for it have arrived (b backup workers); the
-  server then applies the update (``update_s``) and the workers waiting for the step get the
-  new values after ``pull_s``. A push for a step that is already closed is stale: it is
+  server then applies the update (``update_s``), answers the waiting workers' pulls one at a
+  time (``pull_service_s`` each) and each gets the new values ``pull_s`` later. A push for a step that is already closed is stale: it is
   dropped and counted, and its worker adopts the current values at once (as fleet's pull
   with ``min_version`` returns immediately) and computes the next step from them.
 - **async**: every push is applied on arrival; after pushing, a worker pulls (the pull queues
@@ -48,7 +48,7 @@ class SimConfig:
     update_s: float = 0.0
     """sync: server time to apply a closed step's summed gradient."""
     pull_service_s: float = 0.0
-    """async: server time to answer one pull."""
+    """Server time to answer one pull (sync: after the step closed, one worker at a time)."""
     straggler_ranks: tuple[int, ...] = ()
     straggler_delay: LogNormal | None = None
     """Extra time per step on ``straggler_ranks`` (fleet's injector sleeps it: no CPU used)."""
@@ -157,7 +157,8 @@ def _sync(cfg: SimConfig) -> SimResult:
                 if v == sim.version:  # closed but not applied yet: the pull waits for the update
                     waiting.append(w)
                 else:
-                    sim.at(sim.now + cfg.pull_s, "resume", w, sim.version)
+                    answered = sim.serve(sim.now, cfg.pull_service_s)
+                    sim.at(answered + cfg.pull_s, "resume", w, sim.version)
                 continue
             counted += 1
             sim.gradients += 1
@@ -169,8 +170,9 @@ def _sync(cfg: SimConfig) -> SimResult:
             sim.version = v + 1
             sim.first = sim.first if sim.version > 1 else sim.now
             closing, counted = False, 0
-            for waiter in waiting:
-                sim.at(sim.now + cfg.pull_s, "resume", waiter, sim.version)
+            for waiter in waiting:  # every worker pulls the new values; the server answers one at a time
+                answered = sim.serve(sim.now, cfg.pull_service_s)
+                sim.at(answered + cfg.pull_s, "resume", waiter, sim.version)
             waiting = []
         elif kind == "resume":
             sim.start(w, v)
@@ -216,7 +218,7 @@ class Convergence:
     - A synchronous update averaging n gradients of batch B: ``1 + B_noise / (n B)`` updates
       (steps fall with the batch until it reaches the gradient noise scale B_noise, with the
       learning rate tuned per batch size). Backup workers: n = R - b.
-    - An async update of batch B computed on values tau updates old: ``(1 + tau) + B_noise / B``.
+    - An async update of batch B computed on values tau updates old: ``(1 + c tau) + B_noise / B``.
       The noise-limited part is unchanged (each sample's information counts once; Lian et
       al. 2015 show linear speed-up of async SGD while tau is below sqrt(T)); the
       curvature-limited part is stretched by 1 + tau, because gradient descent with delay tau
@@ -225,16 +227,18 @@ class Convergence:
     ``noise_scale`` is B_noise / B (the critical batch in units of one worker's batch): small
     for a model early in training or with a tiny learning rate, thousands for ImageNet late in
     training (McCandlish et al.). It cannot be measured from a few seconds of timing, so
-    every figure states the value it used.
+    every figure states the value it used. ``staleness_cost`` c scales the delay term,
+    ``(1 + c tau)``: 1 is the stability argument above; 0 says staleness is free.
     """
 
     noise_scale: float
+    staleness_cost: float = 1.0
 
     def sync_updates(self, gradients_per_update: float) -> float:
         return 1.0 + self.noise_scale / gradients_per_update
 
     def async_updates(self, staleness: float) -> float:
-        return 1.0 + staleness + self.noise_scale
+        return 1.0 + self.staleness_cost * staleness + self.noise_scale
 
     def time_to_loss(self, result: SimResult) -> float:
         """Wall time to the target, in units of S_min x (the time unit of the simulation)."""
