@@ -449,7 +449,8 @@ class SparseShard(Shard):
             return False
         if self.mode == "async":
             self.table.apply_gradient(ids, grads, lr, clicks, step=step)
-            self.version += 0 if more else 1
+            if not more:
+                self.version += 1
             return True
         step_, ids_list, grads_list, clicks_list = self._partial.pop(worker, None) or (step, [], [], [])
         if step_ != step:  # pieces of an earlier push whose last piece never came
@@ -473,7 +474,8 @@ class SparseShard(Shard):
         self._check_delta_push()
         self.check_rows("deltas", ids, deltas)
         self.table.add_delta(ids, deltas, step=step)
-        self.version += 0 if more else 1
+        if not more:
+            self.version += 1
 
     def maybe_step(self, active: set[int], at_barrier: set[int]) -> bool:
         stepped = super().maybe_step(active, at_barrier)
