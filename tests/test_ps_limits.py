@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import zmq
-from test_ps_server import SECRET, _ask, _raw_socket
+from test_ps_server import SECRET, _ask, _raw_socket, servers
 
 from fleet.ps import aggregator as agg
 from fleet.ps.client import PSClient
@@ -34,23 +34,6 @@ from fleet.ps.wire import FRAME_BYTES, MAX_WIRE_FRAME, Message, Op, Status, enco
 
 MiB = 1 << 20
 ADAGRAD = {"kind": "adagrad", "lr": 0.1}
-
-
-@contextlib.contextmanager
-def servers(n: int, workers: int, limits: RequestLimits | None = None) -> Iterator[list[ParameterServer]]:
-    started = [
-        ParameterServer("127.0.0.1:0", SECRET, i, workers, 5.0, limits=limits, torch_threads=None) for i in range(n)
-    ]
-    threads = [threading.Thread(target=s.serve, daemon=True) for s in started]
-    for t in threads:
-        t.start()
-    try:
-        yield started
-    finally:
-        for s in started:
-            s.shutdown()
-        for t in threads:
-            t.join(5)
 
 
 @contextlib.contextmanager
@@ -145,7 +128,7 @@ def test_strangers_declaring_huge_frames_cannot_grow_the_server() -> None:
 def test_requests_over_the_limits_get_an_error_naming_them() -> None:
     limits = RequestLimits(max_ids=100, max_bytes=64 * 1024)
     ctx = zmq.Context()
-    with servers(1, 1, limits) as srvs, PSClient([srvs[0].endpoint], SECRET, 0, 5.0, limits=limits) as good:
+    with servers(1, 1, 5.0, limits) as srvs, PSClient([srvs[0].endpoint], SECRET, 0, 5.0, limits=limits) as good:
         good.create_sparse(2, {"dim": 4, "optimizer": ADAGRAD}).result()
         raw = _raw_socket(ctx, srvs[0].endpoint)
         cases = [
@@ -190,7 +173,7 @@ def _same(a, b) -> bool:
 
 def _run(limits: RequestLimits, body) -> tuple[list, list, list]:
     """``body(clients)`` on two fresh servers with two workers using ``limits``; (tables, stats, stale counts)."""
-    with servers(2, 2, limits) as srvs:
+    with servers(2, 2, 5.0, limits) as srvs:
         clients = [PSClient([s.endpoint for s in srvs], SECRET, w, 5.0, limits=limits) for w in range(2)]
         try:
             body(clients)
@@ -266,7 +249,7 @@ def test_a_sync_step_closed_by_backup_workers_keeps_none_of_a_late_split_push() 
 @pytest.mark.timeout(60)
 def test_dense_tables_larger_than_a_frame_round_trip() -> None:
     values = torch.randn(FRAME_BYTES // 4 * 2 + 123)  # three frames each way
-    with servers(1, 1) as srvs, PSClient([srvs[0].endpoint], SECRET, 0, 5.0) as c:
+    with servers(1, 1, 5.0) as srvs, PSClient([srvs[0].endpoint], SECRET, 0, 5.0) as c:
         c.create_dense(1, values, {"optimizer": {"kind": "sgd", "lr": 0.5}, "update": "async"}).result()
         grad = torch.randn(values.numel())
         c.push_dense_grad(1, grad, 0, 0.5).result()
@@ -315,7 +298,7 @@ def test_one_workers_huge_pull_does_not_starve_another() -> None:
 def test_a_failed_allocation_in_a_server_is_an_error_naming_it_and_the_table_stays(monkeypatch) -> None:
     from fleet.ps import sparse_table
 
-    with servers(1, 1) as srvs, PSClient([srvs[0].endpoint], SECRET, 0, 5.0) as c:
+    with servers(1, 1, 5.0) as srvs, PSClient([srvs[0].endpoint], SECRET, 0, 5.0) as c:
         c.create_sparse(4, {"dim": 4, "optimizer": ADAGRAD}).result()
         old = c.pull_sparse(4, torch.arange(1000)).result()
         real = sparse_table.grow

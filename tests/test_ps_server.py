@@ -22,6 +22,7 @@ import zmq
 from fleet.ps import auth
 from fleet.ps.client import PSClient, shard_ranges, sparse_owner
 from fleet.ps.errors import PSAuthError, PSRemoteError, PSServerUnavailable
+from fleet.ps.limits import RequestLimits
 from fleet.ps.server import ParameterServer
 from fleet.ps.wire import Message, Op, Status, decode, encode
 
@@ -30,9 +31,14 @@ SGD = {"kind": "sgd", "lr": 0.1}
 
 
 @contextlib.contextmanager
-def servers(n: int, workers: int, timeout_s: float = 3.0) -> Iterator[list[ParameterServer]]:
+def servers(
+    n: int, workers: int, timeout_s: float = 3.0, limits: RequestLimits | None = None
+) -> Iterator[list[ParameterServer]]:
     """``n`` servers serving in threads; shut down (and joined) on exit."""
-    started = [ParameterServer("127.0.0.1:0", SECRET, i, workers, timeout_s, torch_threads=None) for i in range(n)]
+    started = [
+        ParameterServer("127.0.0.1:0", SECRET, i, workers, timeout_s, limits=limits, torch_threads=None)
+        for i in range(n)
+    ]
     threads = [threading.Thread(target=s.serve, daemon=True) for s in started]
     for t in threads:
         t.start()
