@@ -246,6 +246,70 @@ def test_sparse_state_dict_round_trip_continues_identically() -> None:
         SparseTable(6, spec).load_state_dict({k: v for k, v in state.items() if k != "state.exp_avg"})
 
 
+def _same_table(a: SparseTable, b: SparseTable) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    order_a, order_b = sa["ids"].argsort(), sb["ids"].argsort()
+    for key, value in sa.items():
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == len(a):
+            assert torch.equal(value[order_a], sb[key][order_b]), key
+
+
+def test_a_push_of_recently_pulled_ids_reuses_their_slots_and_equals_a_plain_push() -> None:
+    # Async workers push exactly the list they pulled a step before: the table reuses the pull's slots.
+    gen = torch.Generator().manual_seed(5)
+    spec = OptimizerSpec(kind="adam", lr=0.01)
+    cached, plain = SparseTable(4, spec, seed=2), SparseTable(4, spec, seed=2)
+    lists = [torch.randint(-3000, 3000, (700,), generator=gen).unique() for _ in range(6)]
+    for step, ids in enumerate(lists):
+        cached.pull(ids)
+        if step:  # the previous step's push, after the next batch's pull (prefetch order)
+            grads = torch.randn(lists[step - 1].numel(), 4, generator=gen)
+            cached.apply_gradient(lists[step - 1], grads, 0.01)
+            plain.apply_gradient(lists[step - 1], grads, 0.01)
+    assert len(cached._recent) >= 1
+    plain.pull(torch.cat(lists))
+    _same_table(cached, plain)
+    # a push of a different list with the same length and ends is not mistaken for a pulled one
+    ids = lists[-1].clone()
+    ids[1:-1] = ids[1:-1].flip(0)
+    grads = torch.randn(ids.numel(), 4, generator=gen)
+    cached.apply_gradient(ids, grads, 0.01)
+    plain.apply_gradient(ids, grads, 0.01)
+    _same_table(cached, plain)
+
+
+def test_remembered_slots_are_forgotten_when_slots_move() -> None:
+    spec = OptimizerSpec(kind="sgd", lr=0.1)
+    ids = torch.arange(0, 4000, 3)
+    other = SparseTable(4, spec, seed=9)
+    other.pull(torch.arange(10_000, 12_000).flip(0))  # the same ids at other slots after a load
+    other.pull(ids.flip(0))
+    saved = other.state_dict()
+    grads = torch.randn(ids.numel(), 4)
+    a, b = SparseTable(4, spec, seed=9), SparseTable(4, spec, seed=9)
+    a.pull(ids)
+    a.load_state_dict(saved)
+    b.load_state_dict(saved)
+    for t in (a, b):
+        t.apply_gradient(ids, grads, 0.1)
+    _same_table(a, b)
+    # a delta that deletes rows compacts the slots of the rest
+    base = SparseTable(4, spec, seed=9)
+    base.pull(ids)
+    base.mark_saved()
+    a, b = SparseTable(4, spec, seed=9), SparseTable(4, spec, seed=9)
+    for t in (a, b):
+        t.load_state_dict(base.state_dict())
+    delta = base.state_dict(delta=True)
+    delta["deleted"] = ids[:50]
+    a.pull(ids[50:])
+    a.apply_delta(delta)
+    b.apply_delta(delta)
+    for t in (a, b):
+        t.apply_gradient(ids[50:], grads[50:], 0.1)
+    _same_table(a, b)
+
+
 def test_sparse_shape_errors() -> None:
     table = SparseTable(4, SGD)
     with pytest.raises(ValueError, match=r"\(3, 5\).*\(3, 4\)"):

@@ -47,6 +47,7 @@ from fleet.ps.optim import (
     initial_rows,
     optimizer_config_json,
 )
+from fleet.ps.recent_slots import RecentSlots
 from fleet.ps.storage import grow, row_tensor
 from fleet.ps.undo import Getter, UndoLog
 
@@ -91,9 +92,11 @@ class SparseTable:
         self._deleted_count = 0
         self.saved = False  # whether a save (or load) set the start of the next delta
         self._undo: UndoLog | None = None  # the open transaction's log
+        self._recent = RecentSlots()  # slots of recent pulls, for the pushes of the same ids
         self._reset(capacity=1024)
 
     def _reset(self, capacity: int) -> None:
+        self._recent.forget()
         self._index = IdIndex(capacity * 2)
         self._capacity = capacity
         # Per-row tensors over reserved address space: growing them is a longer view, not a copy.
@@ -166,6 +169,7 @@ class SparseTable:
             yield undo
         except BaseException:
             undo.rollback()
+            self._recent.forget()  # the rollback may take back rows that a remembered pull created
             raise
         finally:
             self._undo = None
@@ -292,6 +296,7 @@ class SparseTable:
         keep = (~gone).nonzero().squeeze(1)
         drop = gone.nonzero().squeeze(1)
         m = keep.numel()
+        self._recent.forget()  # compaction moves slots
         new_slot = torch.full((n,), -1, dtype=torch.int64)
         new_slot[keep] = torch.arange(m)
         for name in self._row_names():
@@ -352,7 +357,7 @@ class SparseTable:
     def _update_slots(self, ids: torch.Tensor, values: torch.Tensor, clicks: torch.Tensor | None):
         """Slots, values and clicks of the ids an update may change (dropping, and counting, the unadmitted)."""
         if not self.lifecycle.active:
-            return self._slots(ids), values, clicks
+            return self._slots(ids, self._recent.take(ids)), values, clicks
         slots = self._admitted_slots(ids)
         kept = slots >= 0
         if not bool(kept.all()):
@@ -438,10 +443,14 @@ class SparseTable:
         if not self.lifecycle.active:
             slots = self._index.lookup(ids)
             if not bool((slots < 0).any()):
-                return self._rows.index_select(0, slots)  # nothing changes: no transaction needed
+                rows = self._rows.index_select(0, slots)  # nothing changes: no transaction needed
+                self._recent.remember(ids, slots)
+                return rows
             with self.transaction():  # the gather below can fail too: then the new rows go again
                 slots = self._slots(ids, slots)  # first: creating rows may replace self._rows
-                return self._rows.index_select(0, slots)
+                rows = self._rows.index_select(0, slots)
+                self._recent.remember(ids, slots)  # a failure here takes the rows back and forgets
+                return rows
         slots = self._index.lookup(ids)
         out = self._rows.index_select(0, slots.clamp(min=0))
         missing = (slots < 0).nonzero().squeeze(1)
