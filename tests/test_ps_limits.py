@@ -143,10 +143,12 @@ def test_requests_over_the_limits_get_an_error_naming_them() -> None:
         # A frame over the cap (MAX_WIRE_FRAME) from an authenticated peer: ZeroMQ drops the connection, nothing else.
         raw.send_multipart(encode(Message(Op.HELLO, request_id=4)) + [bytes(MAX_WIRE_FRAME + 1)])
         assert not raw.poll(500)
-        # The client splits: 1000 ids go as 10 requests, and the server only ever saw requests under the limit.
+        # The client splits: 1000 ids (a call over the limit) go in pieces of 100 // 16 = 6 ids, and the
+        # server only ever saw requests under the limit.
+        assert limits.piece_ids(4) == 6
         assert good.pull_sparse(2, torch.arange(1000)).result().shape == (1000, 4)
         stats = good.stats().result()[0]
-        assert stats["over_limit"] == 1 and stats["table_ops"]["2"]["PULL_SPARSE"] == 1 + 10
+        assert stats["over_limit"] == 1 and stats["table_ops"]["2"]["PULL_SPARSE"] == 1 + 167
         raw.close()
         # A server with smaller limits than the client's: the error says which setting to align.
         with PSClient([srvs[0].endpoint], SECRET, 0, 5.0) as default_limits:
@@ -223,10 +225,13 @@ def _workload(clients: list[PSClient]) -> None:
 @pytest.mark.timeout(120)
 def test_split_requests_leave_the_tables_exactly_as_whole_ones() -> None:
     whole = _run(RequestLimits(), _workload)
-    split = _run(RequestLimits(max_ids=7), _workload)
-    assert _same(split[0], whole[0])  # every table on every server: rows, optimizer state, statistics, sketch
-    assert split[1] == whole[1]  # versions, row counts, dropped gradients, evictions, stale counts
-    assert split[2] == whole[2] == [2, 0]  # the late push, stale on each of the 2 servers
+    # 7: pieces of one id (a huge batch's pieces are 1/16 of the limit), an id repeated up to 7 times in a
+    # piece of its own, more often summed here first; 40: pieces of 2, the 30-fold id whole in one piece
+    for most in (7, 40):
+        split = _run(RequestLimits(max_ids=most), _workload)
+        assert _same(split[0], whole[0])  # every table on every server: rows, optimizer state, statistics, sketch
+        assert split[1] == whole[1]  # versions, row counts, dropped gradients, evictions, stale counts
+        assert split[2] == whole[2] == [2, 0]  # the late push, stale on each of the 2 servers
     assert whole[1][0]["tables"]["1"]["dropped_gradients"] > 0 and whole[1][0]["tables"]["1"]["version"] == 3
 
 
@@ -259,7 +264,7 @@ def test_dense_tables_larger_than_a_frame_round_trip() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_one_workers_huge_pull_does_not_starve_another() -> None:
-    """B's small requests while A pulls 400k fresh ids, split into 4k-id requests: B keeps its pace."""
+    """B's small requests while A pulls 400k fresh ids, a huge batch going in 256-id pieces: B keeps its pace."""
     with server_process("--workers", "2", "--max-request-ids", "4096") as (_, endpoint):
         limits = RequestLimits(max_ids=4096)
         a = PSClient([endpoint], SECRET, 0, 60.0, limits=limits)

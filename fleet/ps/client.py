@@ -397,7 +397,7 @@ class PSClient:
         split: list[tuple[int, torch.Tensor | None]] = []  # (server, positions in ids) per request
         for server, pos in self._split(ids, every_server=min_version > 0):
             mine = ids if pos is None else ids[pos]
-            pieces = pull_pieces(mine, most)
+            pieces = pull_pieces(mine, most, self.limits.piece_ids(dim))
             if pieces is None:
                 split.append((server, pos))
             else:
@@ -445,7 +445,7 @@ class PSClient:
             tensors = [ids, rows] if clicks is None else [ids, rows, clicks]
             if pos is not None:
                 tensors = [t[pos] for t in tensors]
-            pieces = push_pieces(tensors, most)
+            pieces = push_pieces(tensors, most, self.limits.piece_ids(dim))
             for k, piece in enumerate(pieces):
                 more = MORE_FOLLOWS if k < len(pieces) - 1 else 0
                 parts.append((s, self._msg(op, table_id, step=step, lr=lr, arg=more, tensors=piece)))

@@ -15,30 +15,41 @@ from __future__ import annotations
 import torch
 
 
-def pull_pieces(ids: torch.Tensor, most: int) -> list[torch.Tensor] | None:
-    """Positions in ``ids`` of each request, in sorted id order; None when one request holds them all."""
+def pull_pieces(ids: torch.Tensor, most: int, piece: int | None = None) -> list[torch.Tensor] | None:
+    """Positions in ``ids`` of each request, in sorted id order; None when one request holds them all.
+
+    ``most``: what one request may carry; a call over it goes in pieces of ``piece`` ids (default ``most``).
+    """
     if ids.numel() <= most:
         return None
+    piece = most if piece is None else max(1, min(piece, most))
     order = torch.argsort(ids, stable=True)
-    return [order[lo : lo + most] for lo in range(0, ids.numel(), most)]
+    return [order[lo : lo + piece] for lo in range(0, ids.numel(), piece)]
 
 
-def push_pieces(tensors: list[torch.Tensor], most: int) -> list[list[torch.Tensor]]:
-    """``[ids, rows, (clicks)]`` cut into requests of at most ``most`` ids, no id in two of them."""
+def push_pieces(tensors: list[torch.Tensor], most: int, piece: int | None = None) -> list[list[torch.Tensor]]:
+    """``[ids, rows, (clicks)]`` cut into requests of at most ``most`` ids, no id in two of them.
+
+    A call over ``most`` goes in pieces of about ``piece`` ids (default ``most``); an id repeated more
+    than ``piece`` times gets a piece of its own, up to ``most``.
+    """
     ids = tensors[0]
     n = ids.numel()
     if n <= most:
         return [tensors]
+    piece = most if piece is None else max(1, min(piece, most))
     order = torch.argsort(ids, stable=True)
     ordered = ids.index_select(0, order)
     _, runs = torch.unique_consecutive(ordered, return_counts=True)
     if int(runs.max()) > most:
-        return push_pieces(_summed(tensors), most)
+        return push_pieces(_summed(tensors), most, piece)
     pieces, lo = [], 0
     while lo < n:
-        hi = min(lo + most, n)
+        hi = min(lo + piece, n)
         if hi < n:  # back to the first occurrence of the id at ``hi``: its run goes to the next piece
-            hi = int(torch.searchsorted(ordered, ordered[hi : hi + 1], side="left"))
+            start = int(torch.searchsorted(ordered, ordered[hi : hi + 1], side="left"))
+            # unless that run began this piece (it is longer than ``piece``): then the piece is that run
+            hi = start if start > lo else int(torch.searchsorted(ordered, ordered[hi : hi + 1], side="right"))
         pick = order[lo:hi]
         pieces.append([t.index_select(0, pick) for t in tensors])
         lo = hi
