@@ -58,12 +58,15 @@ _INSERT_WINDOW = 8
 # and need extra rounds; measured at 900k ids, 13k-id lookups take ~650 us at 0.25 vs ~840 us at 0.5, for
 # 16 bytes x 4-8 entries per id of index memory.
 _MAX_LOAD = 0.25
-# Old entries moved per insert while growing (at least 16 per inserted id): ~10 ms of work, and the move
-# ends long before the new arrays fill (they take 0.25 x the old capacity of new ids; the move, 1/16 of it).
-_MIGRATE_ENTRIES = 1 << 18
+# Old entries moved per insert while growing (at least 16 per inserted id), and the move ends long before
+# the new arrays fill (they take 0.25 x the old capacity of new ids; the move, 1/16 of it). The floor is
+# ~1 ms of work: at 1 << 18 (~10 ms) every small request paid it, and a worker's 1,024-id request that
+# came in during growth held the loop 10-20 ms instead of ~1 (a third of another worker's requests
+# waited that long beside a 4 M-id pull).
+_MIGRATE_ENTRIES = 1 << 15
 # New entries initialised per insert while preparing the doubled arrays (at least 32 per inserted id: they
 # are ready before the current arrays reach the limit, 1/16 of their capacity of ids later).
-_PREPARE_ENTRIES = 1 << 18
+_PREPARE_ENTRIES = 1 << 15
 _EMPTY = -1  # slot-column marker; never an id
 _TOMBSTONE = -2  # a removed entry: probing goes on past it, inserts may reuse it
 

@@ -32,11 +32,12 @@ from typing import Any
 #: about 0.2 ms of overhead per piece.
 DEFAULT_MAX_REQUEST_IDS = 16384
 #: A call over the limit is a huge batch: it goes in pieces of this fraction of the limit (1,024 ids by
-#: default, ~2 ms of server work even for fresh rows), so another worker's request, which waits for the
-#: piece being served, waits ~2 ms rather than ~20. Measured on 2 cores beside a 4 M-id pull of fresh
-#: rows, a worker computing 20 ms per step kept 37 % of its pace with 16,384-id pieces, 60 % with 2,048,
-#: 69 % with 1,024 and 76 % with 512 (the pull taking 6.3, 8.5, 10.2 and 13 s); the rest is CPU the
-#: three processes share. Calls under the limit (every normal batch) stay whole.
+#: default, ~2-3 ms of server work even for fresh rows), so another worker's request, which waits for the
+#: piece being served, waits a few ms rather than ~20. Measured on 2 cores beside a 4 M-id pull of fresh
+#: rows, a worker computing 20 ms per step kept 37 % of its pace with 16,384-id pieces, 60 % with 2,048
+#: and 69 % with 1,024 (76 % with 512, the pull taking 6.3, 8.5, 10.2 and 13 s); 80-82 % with 1,024 once
+#: the id index's growth work per request became proportional to the request (fleet.ps.id_index).
+#: Calls under the limit (every normal batch) stay whole.
 HUGE_BATCH_PIECE_FRACTION = 16
 #: bytes one sparse request (or its reply) carries by default, in MiB: one 4 MiB frame per tensor
 DEFAULT_MAX_REQUEST_MB = 4.0
