@@ -26,7 +26,10 @@ Prediction. Before the rounds, each workload is calibrated as ``fleetrun --plan`
 workers on this host), and fleet.plan.model predicts every point from that calibration and the
 background demand measured during the point. The 2-host points (benchmarks/netns.py: a veth
 pair, and a delay line adding 1 ms and 5 ms each way, all at ``--rate`` Mbit/s) are calibrated
-by fleet/plan/measure.py run across the two namespaces, as on a real cluster.
+by fleet/plan/measure.py run across the two namespaces, as on a real cluster. At the start of every
+round each workload is timed as one worker again (a separate probe run, not a sample) and that
+round's points are predicted from it: T_comp taken once, at another load than the samples', was
+what made the 1-worker points miss by +29 % / -30 % before (``--probe-once`` does that again).
 Writes docs/figures/scaling.{csv,json,png}.
 """
 
@@ -177,17 +180,23 @@ def sample_two_hosts(hosts, label: str, port: int, quick: bool) -> dict[str, Any
 # --------------------------------------------------------------------------- calibrating
 
 
-def calibrate_local(name: str, log_dir: Path) -> tuple[dict, dict]:
-    """(probe record, transport record) for a workload, as ``fleetrun --plan`` takes them."""
+def probe_local(name: str, log_dir: Path) -> dict:
+    """The script timed as one worker (T_comp and its spread), as ``fleetrun --plan`` does it."""
     from fleet.plan import planner
 
     spec = WORKLOADS[name]
     out = log_dir / f"{name}-worker-out"
     out.mkdir(parents=True, exist_ok=True)
     args = ("--out", str(out), "--workload", spec["workload"], "--batch", str(spec["batch"]), "--steps", "100000")
-    probe = planner.run_probe(c.WORKER, args, log_dir / name, planner.PROBE_STEPS, planner.PROBE_SECONDS)
-    net = planner.run_measure(log_dir / name, probe)
-    return probe, net
+    return planner.run_probe(c.WORKER, args, log_dir / name, planner.PROBE_STEPS, planner.PROBE_SECONDS)
+
+
+def calibrate_local(name: str, log_dir: Path) -> tuple[dict, dict]:
+    """(probe record, transport record) for a workload, as ``fleetrun --plan`` takes them."""
+    from fleet.plan import planner
+
+    probe = probe_local(name, log_dir)
+    return probe, planner.run_measure(log_dir / name, probe)
 
 
 def calibrate_two_hosts(hosts, port: int, log_dir: Path, max_bytes: int) -> dict:
@@ -215,6 +224,11 @@ def calibrate_two_hosts(hosts, port: int, log_dir: Path, max_bytes: int) -> dict
 # --------------------------------------------------------------------------- predicting
 
 
+def round_probe(cal_data: dict, point: dict[str, Any]) -> dict:
+    """T_comp as timed at the start of the point's round (not with ``--probe-once``), else the first calibration."""
+    return cal_data.get("round_probes", {}).get(str(point.get("round")), cal_data["probe"])
+
+
 def predict(saved: dict, point: dict[str, Any]) -> dict[str, float]:
     """The model's samples/s, computation and communication for one measured sample."""
     from fleet.plan import planner
@@ -224,7 +238,7 @@ def predict(saved: dict, point: dict[str, Any]) -> dict[str, float]:
     spec = WORKLOADS[name]
     cal_data = saved["calibrations"][name]
     net = cal_data["net"] if point["link"] == "local" else saved["links"][point["link"]]["net"]
-    cal = planner.build(cal_data["probe"], net, name).model_copy(update={"batch": spec["batch"]})
+    cal = planner.build(round_probe(cal_data, point), net, name).model_copy(update={"batch": spec["batch"]})
     setup = Setup(workers=r, workers_per_host=r, servers=max(1, spec["servers"]), background=point["background"])
     p = Model(cal).predict(spec["mode"] if r > 1 else "collective", setup)
     return {"samples_per_s": p.samples_per_s, "t_comp_s": p.t_comp_s, "t_sync_s": p.t_sync_s}
@@ -282,7 +296,11 @@ def aggregate(saved: dict, cores: int) -> list[dict[str, Any]]:
         }
         row["refused"] = refusal(speedup, row["workers"], cores) if speedup is not None else None
         row["miss"] = (
-            _why_missed(row, saved["calibrations"][row["workload"]]["probe"])
+            _why_missed(
+                row,
+                round_probe(saved["calibrations"][row["workload"]], first),
+                "round_probes" in saved["calibrations"][row["workload"]],
+            )
             if abs(row["error"]) > ERROR_BOUND
             else None
         )
@@ -290,15 +308,16 @@ def aggregate(saved: dict, cores: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _why_missed(row: dict, probe: dict) -> str:
+def _why_missed(row: dict, probe: dict, per_round: bool) -> str:
     comp = row["predicted_t_comp_ms"] / row["t_comp_ms"] - 1 if row["t_comp_ms"] else 0.0
     sync = row["predicted_t_sync_ms"] - row["t_sync_ms"]
     if abs(comp) >= abs(sync) / max(row["t_comp_ms"], 1e-9):
+        when = "at the start of each round" if per_round else "once"
         return (
             f"computation {row['t_comp_ms']:.0f} ms measured vs {row['predicted_t_comp_ms']:.0f} ms predicted: "
-            f"T_comp was calibrated once, at load {probe.get('load_average', 0):.1f} "
-            f"({probe.get('background', 0):.1f} other busy processes), and scaled to this point's background "
-            "by processor sharing, which holds only roughly on this shared machine"
+            f"T_comp was timed as one worker {when} (here at load {probe.get('load_average', 0):.1f}, "
+            f"{probe.get('background', 0):.1f} other busy processes) over the script's first steps, "
+            "and scaled to this point's background by processor sharing"
         )
     return f"communication {row['t_sync_ms']:.0f} ms measured vs {row['predicted_t_sync_ms']:.0f} ms predicted"
 
@@ -449,6 +468,12 @@ def main() -> None:
     parser.add_argument("--workloads", default="W1,W2")
     parser.add_argument("--no-netns", action="store_true", help="leave out the 2-host points")
     parser.add_argument("--rate", type=float, default=500.0, help="2-host link bandwidth, Mbit/s")
+    parser.add_argument(
+        "--probe-once",
+        action="store_true",
+        help="time each workload as one worker only before the rounds (default: again at the start of every "
+        "round, and predict that round's points from it, so T_comp is calibrated at the load its samples see)",
+    )
     parser.add_argument("--replot", action="store_true", help="recompute predictions and redraw from the JSON")
     args = parser.parse_args()
     suffix = "-quick" if args.quick else ""
@@ -487,6 +512,15 @@ def main() -> None:
                 links.append((hosts, port))
                 print(f"calibrated {hosts.label}", flush=True)
         for round_index in range(rounds):
+            if not args.probe_once:
+                for name in names:
+                    probe = probe_local(name, log_dir)
+                    saved["calibrations"][name].setdefault("round_probes", {})[str(round_index)] = probe
+                    print(
+                        f"round {round_index}: {name} {statistics.median(probe['compute_s']) * 1e3:.1f} ms per step "
+                        f"alone, load {probe.get('load_average', 0):.1f}",
+                        flush=True,
+                    )
             order = [(n, r) for n in names for r in counts]
             plan = order if round_index % 2 == 0 else order[::-1]
             jobs = [("local", n, r) for n, r in plan] + [("hosts", h, p) for h, p in links]
