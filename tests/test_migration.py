@@ -20,9 +20,21 @@ LOSS = re.compile(r"LOSS rank=(\d+) epoch=(\d+) batch=(\d+) ([0-9.]+)")
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 
-def _run(launcher: list[str], script: str, snapshot: Path, cwd: Path) -> dict[tuple[int, int, int], float]:
+# PyTorch's gloo backend once aborted a rank of the plain DDP script (no fleet code in it) with
+# "terminate called without an active exception" after its last loss line (CI, 2026-11-24).
+_TORCH_ABORT = "terminate called without an active exception"
+
+
+def _run(
+    launcher: list[str], script: str, snapshot: Path, cwd: Path, reference: bool = False
+) -> dict[tuple[int, int, int], float]:
     cmd = [*launcher, str(EXAMPLE / script), "--snapshot", str(snapshot)]
-    done = subprocess.run(cmd, cwd=cwd, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=200)
+    for _attempt in range(2 if reference else 1):  # only the PyTorch-only reference is run again
+        done = subprocess.run(
+            cmd, cwd=cwd, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=100
+        )
+        if done.returncode == 0 or _TORCH_ABORT not in done.stderr:
+            break
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     losses = {(int(r), int(e), int(b)): float(v) for r, e, b, v in LOSS.findall(done.stdout)}
     assert len(losses) == 2 * 3 * 12, done.stdout[-2000:]  # 2 ranks, 3 epochs, 384 / 2 / 16 batches each
@@ -32,7 +44,7 @@ def _run(launcher: list[str], script: str, snapshot: Path, cwd: Path) -> dict[tu
 def test_the_converted_trainer_matches_ddp_under_torchrun_and_fleetrun(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
     fleetrun = [sys.executable, "-m", "fleet.launch", "--workers", "2", "--log-dir", str(tmp_path / "logs")]
-    ddp = _run([*torchrun, str(free_port())], "train_ddp.py", tmp_path / "ddp.pt", tmp_path)
+    ddp = _run([*torchrun, str(free_port())], "train_ddp.py", tmp_path / "ddp.pt", tmp_path, reference=True)
     runs = {
         "fleetrun": _run(fleetrun, "train_fleet.py", tmp_path / "fleetrun.pt", tmp_path),
         "torchrun": _run([*torchrun, str(free_port())], "train_fleet.py", tmp_path / "torchrun.pt", tmp_path),
