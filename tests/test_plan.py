@@ -176,6 +176,26 @@ def test_scaling_refuses_speedups_beyond_the_cores():
     assert scaling.refusal(speedup=1.0, workers=1, cores=2) is None
 
 
+def test_the_probe_counts_new_ids_per_step_and_leaves_its_own_time_out(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from fleet.plan.probe import Probe
+
+    probe = Probe(tmp_path / "probe.json", warmup=0, steps=100, seconds=1e9)
+    table = SimpleNamespace(embedding_dim=4)
+    clock = iter(float(t) for t in range(1000))
+    monkeypatch.setattr("fleet.plan.probe.time.perf_counter", lambda: next(clock))  # each hook call: 1 s
+    batches = [torch.tensor([[1, 2], [2, 3]]), torch.tensor([[3, 4], [5, 5]]), torch.tensor([[1, 5]])]
+    for ids in batches:
+        probe.on_lookup(table, ids)
+        probe._step(wall=10.0, compute=8.0)
+    assert probe.sparse_rows == [3, 3, 2]  # unique ids per step
+    assert probe.sparse_new == [3, 2, 0]  # ids no earlier step looked up
+    assert probe.compute == [7.0, 7.0, 7.0] and probe.wall == [9.0, 9.0, 9.0]  # the hook's 1 s taken out
+
+
 def test_build_calibration_from_probe_and_transport_records():
     probe = {
         "compute_s": [0.1, 0.11, 0.09, 0.1, 0.12, 0.1],
