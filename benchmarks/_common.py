@@ -339,9 +339,10 @@ if __name__ == "__main__":
     worker_main()
 
 
-def save_figure(fig: Any, name: str) -> None:
-    """Lay out and write ``docs/figures/<name>.png``."""
-    fig.tight_layout()
+def save_figure(fig: Any, name: str, tight: bool = True) -> None:
+    """Lay out (unless ``tight`` is False: the caller placed things itself) and write ``docs/figures/<name>.png``."""
+    if tight:
+        fig.tight_layout()
     path = FIGURES / f"{name}.png"
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

@@ -449,12 +449,7 @@ def _plot(rows: list[dict], saved: dict, cores: int, suffix: str) -> None:
         f"load average {min(loads):.1f}-{max(loads):.1f}; percentages: prediction error",
         fontsize=9,
     )
-    if notes:  # tight_layout would squeeze the axes around the footnote
-        path = c.FIGURES / f"scaling{suffix}.png"
-        fig.savefig(path, dpi=110)
-        print(f"wrote {path}")
-        return
-    c.save_figure(fig, f"scaling{suffix}")
+    c.save_figure(fig, f"scaling{suffix}", tight=not notes)  # tight_layout would squeeze the axes around the footnote
 
 
 # --------------------------------------------------------------------------- main

@@ -35,11 +35,11 @@ class RecentSlots:
         return ids.numel(), int(ids[0]), int(ids[-1])
 
     def remember(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """``slots[i]`` is where ``ids[i]`` lives now (every one >= 0)."""
+        """``slots[i]`` is where ``ids[i]`` lives now (every one >= 0); ``slots`` is the table's own tensor."""
         if ids.numel() < _MIN_IDS:
             return
         key = self._key(ids)
-        self._entries[key] = (ids.clone(), slots.clone())  # the request's buffer may be reused
+        self._entries[key] = (ids.clone(), slots)  # ids may be a view of the request's frame
         self._entries.move_to_end(key)
         while len(self._entries) > self._capacity:
             self._entries.popitem(last=False)
