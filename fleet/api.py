@@ -155,6 +155,11 @@ class FleetContext:
             self.liveness.close()
         if dist.is_initialized() and not self.role.server_num:
             dist.destroy_process_group()
+        # Let go of the groups and stores now, not at interpreter exit: a gloo group or store that
+        # C++ static destruction tears down (after Python is gone) has aborted the process with
+        # "terminate called without an active exception" when its peer was still closing.
+        self._groups.clear()
+        self._store = None
 
 
 def _describe(strategy: DistributedStrategy) -> str:
