@@ -313,12 +313,19 @@ def _why_missed(row: dict, probe: dict, per_round: bool) -> str:
     sync = row["predicted_t_sync_ms"] - row["t_sync_ms"]
     if abs(comp) >= abs(sync) / max(row["t_comp_ms"], 1e-9):
         when = "at the start of each round" if per_round else "once"
-        return (
+        why = (
             f"computation {row['t_comp_ms']:.0f} ms measured vs {row['predicted_t_comp_ms']:.0f} ms predicted: "
             f"T_comp was timed as one worker {when} (here at load {probe.get('load_average', 0):.1f}, "
             f"{probe.get('background', 0):.1f} other busy processes) over the script's first steps, "
             "and scaled to this point's background by processor sharing"
         )
+        if row["link"] == "local" and row["workers"] > 1 and comp < 0:
+            why += (
+                f", which gives each of the {row['workers']} workers its share of the cores for the computation "
+                "alone: the transport's threads (copying and summing the gradients beside the backward pass) "
+                "take CPU the model does not count"
+            )
+        return why
     return f"communication {row['t_sync_ms']:.0f} ms measured vs {row['predicted_t_sync_ms']:.0f} ms predicted"
 
 
