@@ -135,13 +135,18 @@ def test_the_join_succeeds_and_values_carry_a_mac(store) -> None:
 def test_an_outsider_rewriting_join_keys_never_gets_a_rank_blamed(store, attack) -> None:
     stop = threading.Event()
     thread = tamperer(store, attack, stop)
+    # The tamperer races the joins; on a loaded machine it can lose a few in a row, so join again
+    # (bounded) until it got into one: every join, failed or not, must blame nobody.
+    failed, joins = 0, 0
     try:
-        failed = [assert_never_blamed(join_all(store, secrets.token_bytes(32))) for _ in range(3)]
+        while failed == 0 and joins < 20:
+            failed += assert_never_blamed(join_all(store, secrets.token_bytes(32)))
+            joins += 1
     finally:
         stop.set()
         thread.join(timeout=10)
     assert not thread.is_alive()
-    assert sum(failed) > 0, "the tamperer never got in: the test proves nothing"
+    assert failed > 0, f"the tamperer never got into any of {joins} joins: the test proves nothing"
 
 
 def test_a_mismatch_without_a_common_launcher_names_no_rank(store) -> None:
