@@ -31,7 +31,6 @@ import fcntl
 import heapq
 import os
 import select
-import shutil
 import struct
 import subprocess
 import sys
@@ -42,7 +41,6 @@ CLONE_NEWNET = 0x40000000
 TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
 TUN_MTU = 65000
-NETNS_ETC = Path("/etc/netns")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -91,7 +89,6 @@ class TwoHosts:
             for name in self.names:
                 _ip("netns", "add", name)
                 _ip("-n", name, "link", "set", "lo", "up")
-                self._write_hosts_file(name)
             if self.kind == "veth":
                 _ip("link", "add", self.devices[0], "type", "veth", "peer", "name", self.devices[1])
                 for name, dev, addr in zip(self.names, self.devices, self.addresses, strict=True):
@@ -128,18 +125,6 @@ class TwoHosts:
             self.relay = None
         for name in self.names:
             _ip("netns", "del", name, check=False)
-            shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
-
-    def _write_hosts_file(self, name: str) -> None:
-        # Inside a namespace the machine's DNS server is unreachable, so a reverse lookup of a
-        # namespace address (c10d and gloo name every peer they accept) waits for resolver
-        # timeouts and fails with EAI_AGAIN; gloo has aborted on that. ``ip netns exec``
-        # bind-mounts /etc/netns/<name>/hosts over /etc/hosts, so the lookups are answered here.
-        folder = NETNS_ETC / name
-        folder.mkdir(parents=True, exist_ok=True)
-        lines = ["127.0.0.1 localhost"]
-        lines += [f"{addr} {host}" for addr, host in zip(self.addresses, self.names, strict=True)]
-        (folder / "hosts").write_text("\n".join(lines) + "\n")
 
     def command(self, host: int, argv: list[str]) -> list[str]:
         """``argv`` to run inside host 0 or 1."""
