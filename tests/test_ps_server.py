@@ -7,6 +7,8 @@ with ephemeral ports; simulated workers are PSClients in threads.
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import signal
 import subprocess
@@ -361,6 +363,28 @@ def test_save_and_load_round_trip(tmp_path) -> None:
         assert c.stats().result()[0]["tables"]["1"]["version"] == 1
         with pytest.raises(PSRemoteError, match="does not exist"):
             c.load(str(tmp_path / "nowhere")).result()
+
+
+def test_a_save_on_a_full_disk_is_said_in_one_line_without_a_traceback(tmp_path, monkeypatch, caplog) -> None:
+    from fleet.errors import DiskFullError
+    from fleet.ps import shard_io
+
+    def full(dirname, *args, **kwargs):
+        raise DiskFullError(os.path.join(dirname, "ps-server-0", "table-1.pt"))
+
+    monkeypatch.setattr(shard_io, "save_shards", full)
+    caplog.set_level(logging.ERROR, logger="fleet")
+    with servers(1, 1) as srvs, client(srvs, 0) as c:
+        c.create_dense(1, torch.randn(4), {"optimizer": SGD, "update": "async"}).result()
+        with pytest.raises(PSRemoteError, match="No space left on device") as raised:
+            c.save(str(tmp_path)).result()
+        assert str(tmp_path / "ps-server-0" / "table-1.pt") in str(raised.value)
+        assert torch.equal(c.pull_dense(1).result(), c.pull_dense(1).result())  # still serving
+        counts = c.stats().result()[0]
+    said = [r.getMessage() for r in caplog.records]
+    assert any("No space left on device" in m for m in said), said
+    assert not any("Traceback" in m or r.exc_info for m, r in zip(said, caplog.records, strict=True)), said
+    assert "disk_full" in json.dumps(counts), counts
 
 
 @pytest.mark.timeout(60)

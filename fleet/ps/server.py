@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import zmq
 
+from fleet.errors import DiskFullError
 from fleet.ps import aggregator as agg
 from fleet.ps import auth
 from fleet.ps.errors import WireError, is_out_of_memory
@@ -255,7 +256,8 @@ class ParameterServer(TableOps, ReduceOps):
             return
         if msg.peer not in self._stopped and self._liveness.seen(msg.peer, time.monotonic()):
             log.warning("parameter server %d: worker %d is back", self.server_index, msg.peer)
-        if msg.op not in (Op.HELLO, Op.BARRIER, Op.SAVE, Op.LOAD, Op.STATS, Op.STOP, Op.ALL_REDUCE, Op.SHRINK):
+        on_table = msg.op not in (Op.HELLO, Op.BARRIER, Op.SAVE, Op.LOAD, Op.STATS, Op.STOP, Op.ALL_REDUCE, Op.SHRINK)
+        if on_table:
             self._table_ops[msg.table][name] += 1
         try:
             reply = self._handlers[Op(msg.op)](ident, msg)
@@ -264,13 +266,17 @@ class ParameterServer(TableOps, ReduceOps):
         except (ValueError, KeyError, TypeError) as exc:
             reply = self._error(msg, str(exc) or type(exc).__name__)
         except Exception as exc:  # out of memory, or a bug in a table: either must not take the server down
-            reply = self._error(msg, self._failure(exc, name, msg.table))
+            reply = self._error(msg, self._failure(exc, name, msg.table if on_table else None))
         if reply is not None:
             self._send(ident, reply)
 
     def _failure(self, exc: BaseException, what: str, table: int | None) -> str:
         """The error text for an unexpected failure; logged (with the traceback unless out of memory)."""
         where = f"{what} of table {table}" if table is not None else what
+        if isinstance(exc, DiskFullError):  # the user's disk, not a bug: its message names the path, no traceback
+            log.error("parameter server %d could not finish %s: %s", self.server_index, where, exc)
+            self._counts["disk_full"] += 1
+            return f"parameter server {self.server_index}: {exc}"
         if is_out_of_memory(exc):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             log.error("parameter server %d ran out of memory in %s: %s", self.server_index, where, first)
@@ -454,7 +460,7 @@ class ParameterServer(TableOps, ReduceOps):
             "gone_workers": sorted(self._liveness.ever_gone),
             **{
                 k: self._counts.get(k, 0)
-                for k in ("bytes_in", "bytes_out", "errors", "malformed", "over_limit", "out_of_memory")
+                for k in ("bytes_in", "bytes_out", "errors", "malformed", "over_limit", "out_of_memory", "disk_full")
             },
             "auth_rejected": self._zap.rejected,
             "dropped": self._counts.get("dropped", 0) + self._counts.get("replies_dropped", 0),
