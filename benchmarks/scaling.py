@@ -322,8 +322,8 @@ def _why_missed(row: dict, probe: dict, per_round: bool) -> str:
         if row["link"] == "local" and row["workers"] > 1 and comp < 0:
             why += (
                 f"; it gives each of the {row['workers']} workers its share of the cores, but measured they compute "
-                "slower than that: memory traffic and CPU beside the computation (gloo's and fleet's threads) that "
-                "the model does not count (docs/scaling.md)"
+                "slower than that: memory traffic between them, and more that the background meter does not see "
+                "(docs/scaling.md)"
             )
         return why
     return f"communication {row['t_sync_ms']:.0f} ms measured vs {row['predicted_t_sync_ms']:.0f} ms predicted"
