@@ -335,3 +335,14 @@ def test_sparse_shape_errors() -> None:
 def test_sparse_table_config_errors_name_the_key(config: dict, key: str) -> None:
     with pytest.raises(ValueError, match=key):
         SparseTable.from_config(config)
+
+
+def test_a_state_saved_for_another_optimizer_is_refused_naming_both() -> None:
+    adam = OptimizerSpec(kind="adam", lr=0.1)
+    sparse = SparseTable(4, adam, seed=1)
+    sparse.apply_gradient(torch.tensor([3, 9]), torch.ones(2, 4), 0.1)
+    with pytest.raises(ValueError, match="sparse table state_dict is for optimizer 'adam', this table uses 'sgd'"):
+        SparseTable(4, SGD, seed=1).load_state_dict(sparse.state_dict())
+    dense = DenseTable(5, adam, init=torch.zeros(5))
+    with pytest.raises(ValueError, match="dense table state_dict is for optimizer 'adam', this table uses 'sgd'"):
+        DenseTable(5, SGD, init=torch.zeros(5)).load_state_dict(dense.state_dict())

@@ -14,12 +14,17 @@ shard's values and state per update.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 
-from fleet.ps.optim import OptimizerSpec, ServerOptimizer, check_table_config, optimizer_config_json
+from fleet.ps.optim import (
+    OptimizerSpec,
+    ServerOptimizer,
+    check_saved_optimizer,
+    check_table_config,
+    optimizer_config_json,
+)
 
 _CONFIG_KEYS = ("size", "optimizer", "pieces")
 _REQUIRED = ("size", "optimizer")
@@ -176,12 +181,7 @@ class DenseTable:
                 raise ValueError(f"dense table state_dict: missing key '{key}'")
         if int(state["size"]) != self.size:
             raise ValueError(f"dense table state_dict has size {state['size']}, this table has size {self.size}")
-        if "optimizer" in state:
-            kind = json.loads(state["optimizer"]).get("kind")
-            if kind != self.optimizer.kind:
-                raise ValueError(
-                    f"dense table state_dict is for optimizer '{kind}', this table uses '{self.optimizer.kind}'"
-                )
+        check_saved_optimizer("dense", state, self.optimizer)
         for name in self._opt.state_names:
             if f"state.{name}" not in state:
                 raise ValueError(f"dense table state_dict: missing optimizer state 'state.{name}'")

@@ -384,6 +384,14 @@ def optimizer_config_json(spec: OptimizerSpec) -> str:
     return json.dumps(spec.to_config(), sort_keys=True)
 
 
+def check_saved_optimizer(kind: str, state: dict[str, Any], spec: OptimizerSpec) -> None:
+    """A ``kind`` ("dense", "sparse") table's state_dict was saved for this table's optimizer kind (if it says)."""
+    if "optimizer" in state:
+        saved = json.loads(state["optimizer"]).get("kind")
+        if saved != spec.kind:
+            raise ValueError(f"{kind} table state_dict is for optimizer '{saved}', this table uses '{spec.kind}'")
+
+
 def check_table_config(kind: str, config: Any, allowed: tuple[str, ...], required: tuple[str, ...]) -> None:
     """A table config from the wire: a dict with only ``allowed`` keys and every ``required`` one."""
     if not isinstance(config, dict):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fleet.ps.id_index import as_ids
-from fleet.ps.optim import optimizer_config_json
+from fleet.ps.optim import check_saved_optimizer, optimizer_config_json
 
 # Evicted ids are remembered for the next delta save; past this many (and 4x the table) a delta is refused.
 MAX_REMEMBERED_DELETIONS = 1 << 22
@@ -82,12 +82,7 @@ class SparseTableSaves:
                 raise ValueError(f"sparse table state_dict: missing key '{key}'")
         if "dim" in state and int(state["dim"]) != self.dim:
             raise ValueError(f"sparse table state_dict has dim {state['dim']}, this table has dim {self.dim}")
-        if "optimizer" in state:
-            kind = json.loads(state["optimizer"]).get("kind")
-            if kind != self.optimizer.kind:
-                raise ValueError(
-                    f"sparse table state_dict is for optimizer '{kind}', this table uses '{self.optimizer.kind}'"
-                )
+        check_saved_optimizer("sparse", state, self.optimizer)
         ids = as_ids(state["ids"])
         n = ids.numel()
         if torch.unique(ids).numel() != n:
