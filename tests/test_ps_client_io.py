@@ -89,6 +89,26 @@ def test_an_error_reply_fails_the_job_with_the_servers_details():
     assert error.value.details == {"code": "conflicting_create", "table": 3}
 
 
+def test_a_settling_job_fails_only_after_every_server_answered():
+    """A SAVE whose directory the caller removes on one server's error must outwait the other servers."""
+    io, (a, b) = _io(2)
+    settling = Job(Future(), [(0, _request(Op.SAVE, 0)), (1, _request(Op.SAVE, 0))], lambda r: r, 5.0, settle=True)
+    plain = _job([(0, _request(Op.SAVE, 0)), (1, _request(Op.SAVE, 0))])
+    for job in (settling, plain):
+        io.queue.put(job)
+    io._admit()
+    io._flush()
+    for request in a.sent:
+        a.answer(request, status=Status.ERROR, blob=b"No space left on device: writing /x failed")
+    io._receive(0)
+    assert plain.future.done() and not settling.future.done()  # server 1 may still be writing
+    b.answer(b.sent[0])
+    io._receive(1)
+    with pytest.raises(PSRemoteError, match="parameter server 0 .*No space left on device"):
+        settling.future.result(timeout=1)
+    assert not io._active and not io._inflight
+
+
 def test_a_stale_reply_counts_and_a_late_reply_is_ignored():
     io, (a,) = _io(1)
     push, pull = _job([(0, _request(Op.PUSH_DENSE_GRAD))]), _job([(0, _request())], timeout_s=0.01)

@@ -150,10 +150,11 @@ class PSClient:
         parts: list[tuple[int, Message]],
         combine: Callable[[list[Message]], Any] = lambda replies: None,
         timeout_s: float | None = None,
+        settle: bool = False,
     ) -> Future:
         if self._closed:
             raise PSError("this PSClient is closed")
-        job = Job(Future(), parts, combine, float(timeout_s or self.timeout_s))
+        job = Job(Future(), parts, combine, float(timeout_s or self.timeout_s), settle=settle)
         return self._io.submit(job)
 
     def _all(self, op: Op, table: int = 0, blob: bytes = b"", **fields: Any) -> list[tuple[int, Message]]:
@@ -522,12 +523,13 @@ class PSClient:
         ``delta``: sparse tables write only the rows changed since the servers' previous save.
         """
         path = os.path.abspath(dirname).encode()
-        return self._submit(self._all(Op.SAVE, blob=path, arg=int(delta)), self._json_list, timeout_s)
+        # settle: on one server's error the caller removes the directory, so every server must be done with it
+        return self._submit(self._all(Op.SAVE, blob=path, arg=int(delta)), self._json_list, timeout_s, settle=True)
 
     def load(self, dirname: str, timeout_s: float | None = None) -> Future:
         """Future[list[dict]]: every server restores its shards from ``dirname`` (same number of servers)."""
         path = os.path.abspath(dirname).encode()
-        return self._submit(self._all(Op.LOAD, blob=path), self._json_list, timeout_s)
+        return self._submit(self._all(Op.LOAD, blob=path), self._json_list, timeout_s, settle=True)
 
     def stats(self) -> Future:
         """Future[list[dict]]: each server's counters, in server order."""

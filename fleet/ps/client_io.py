@@ -65,6 +65,10 @@ class Job:
     pending: set[int] = field(default_factory=set)  # request ids not answered yet
     deadline: float = 0.0
     done: bool = False
+    # Wait for every server's answer before failing on one's error: a SAVE whose directory the
+    # caller removes on failure must not have a server still writing into it.
+    settle: bool = False
+    error: BaseException | None = None
 
 
 class IOThread:
@@ -277,14 +281,24 @@ class IOThread:
                 continue  # the answer to a request that already timed out or failed
             _, job, part = entry
             if reply.status == Status.ERROR:
-                self._fail(job, self._remote(server, reply.op, reply.text()))
+                error = self._remote(server, reply.op, reply.text())
+                if not job.settle:
+                    self._fail(job, error)
+                    continue
+                job.error = job.error or error
+                job.pending.discard(reply.request_id)
+                if not job.pending:
+                    self._fail(job, job.error)
                 continue
             if reply.status == Status.STALE and not _more_follows(job.parts[part][1]):
                 self.stale_pushes += 1  # once per push, with its last piece
             job.pending.discard(reply.request_id)
             job.replies[part] = reply
             if not job.pending and not job.done:
-                self._finish(job)
+                if job.error is not None:
+                    self._fail(job, job.error)
+                else:
+                    self._finish(job)
 
     def _finish(self, job: Job) -> None:
         self._retire(job)
