@@ -251,6 +251,22 @@ def test_a_sync_step_closed_by_backup_workers_keeps_none_of_a_late_split_push() 
     assert shard.stale_dropped == {0: 1} and torch.equal(shard.pull(torch.arange(4)), after)
 
 
+def test_a_sync_sparse_step_does_not_depend_on_the_order_in_which_pushes_arrive() -> None:
+    """Workers' pushes are summed in worker order: several terms per id are not associative in float32."""
+    config = {"dim": 3, "optimizer": {"kind": "sgd", "lr": 1.0}, "update": "sync"}
+    g = torch.Generator().manual_seed(3)
+    pushes = [(torch.randint(0, 5, (40,), generator=g), torch.randn(40, 3, generator=g) * 1e4**w) for w in range(3)]
+    results = []
+    for order in ((0, 1, 2), (2, 0, 1), (1, 2, 0)):
+        shard = agg.SparseShard(0, config, 3)
+        shard.pull(torch.arange(5))
+        for w in order:
+            assert shard.push_grad(w, 0, *pushes[w], 1.0)
+        assert shard.maybe_step({0, 1, 2}, set())
+        results.append(shard.pull(torch.arange(5)))
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
 @pytest.mark.timeout(60)
 def test_dense_tables_larger_than_a_frame_round_trip() -> None:
     values = torch.randn(FRAME_BYTES // 4 * 2 + 123)  # three frames each way

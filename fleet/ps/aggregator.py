@@ -393,9 +393,10 @@ class SparseShard(Shard):
             raise ShardError(f"sparse table {table_id}: config needs a positive 'dim'")
         super().__init__(table_id, config, num_workers, (make or _make_sparse)(config))
         self.dim = int(config["dim"])
-        self._ids: list[torch.Tensor] = []
-        self._grads: list[torch.Tensor] = []
-        self._clicks: list[torch.Tensor | None] = []  # None: that push carried no clicks
+        # sync: each worker's complete push of the step, (ids, grads, clicks) lists (clicks None: none
+        # carried). Summed in worker order when the step closes, so the result never depends on the order
+        # in which the pushes arrived (index_add_ of several terms per id is not associative).
+        self._complete: dict[int, tuple[list, list, list]] = {}
         # sync: a push arriving in pieces, per worker: (step, ids, grads, clicks) until its last piece
         self._partial: dict[int, tuple[int, list, list, list]] = {}
 
@@ -462,9 +463,7 @@ class SparseShard(Shard):
         if more:
             self._partial[worker] = (step, ids_list, grads_list, clicks_list)
             return True
-        self._ids.extend(ids_list)
-        self._grads.extend(grads_list)
-        self._clicks.extend(clicks_list)
+        self._complete[worker] = (ids_list, grads_list, clicks_list)
         self._pushed.add(worker)
         self._lr = lr
         return True
@@ -484,10 +483,15 @@ class SparseShard(Shard):
         return stepped
 
     def _apply_accumulated(self, count: int, lr: float) -> None:
-        ids_list, grads_list, clicks_list = self._ids, self._grads, self._clicks
+        ids_list, grads_list, clicks_list = [], [], []
+        for worker in sorted(self._complete):
+            ids_list += self._complete[worker][0]
+            grads_list += self._complete[worker][1]
+            clicks_list += self._complete[worker][2]
         step = self.version + 1  # the clock counts sync steps, as one process counts optimizer steps
         if not ids_list:
             self.table.tick(step)
+            self._complete = {}
             return
         ids = torch.cat(ids_list) if len(ids_list) > 1 else ids_list[0]
         grads = torch.cat(grads_list) if len(grads_list) > 1 else grads_list[0]
@@ -499,7 +503,7 @@ class SparseShard(Shard):
             clicks = torch.cat([c if c is not None else torch.zeros(i.numel()) for c, i in parts])
             merged_clicks = torch.zeros(uniq.numel()).index_add_(0, inverse, clicks)
         self.table.apply_gradient(uniq, merged.div_(count), lr, merged_clicks, step=step)  # all-or-nothing
-        self._ids, self._grads, self._clicks = [], [], []
+        self._complete = {}
 
     def state(self, delta: bool = False) -> dict[str, Any]:
         return {"version": self.version, "table": self.table.state_dict(delta=delta)}
@@ -514,7 +518,7 @@ class SparseShard(Shard):
             for state in states[1:]:
                 self.table.apply_delta(state["table"])
         self.version = int(states[-1]["version"])
-        self._ids, self._grads, self._clicks = [], [], []
+        self._complete = {}
         self._partial.clear()
         self._pushed.clear()
 
