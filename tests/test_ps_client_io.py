@@ -109,6 +109,44 @@ def test_a_settling_job_fails_only_after_every_server_answered():
     assert not io._active and not io._inflight
 
 
+def test_a_call_in_many_pieces_keeps_only_a_few_on_the_wire_per_server():
+    """The rest wait in the client, so the server's turns (fleet.ps.inbox) reach other workers' requests."""
+    from fleet.ps.client_io import PIECES_ON_THE_WIRE
+
+    io, (a, b) = _io(2)
+    parts = [(0, _request(Op.PULL_SPARSE, k)) for k in range(PIECES_ON_THE_WIRE + 6)] + [(1, _request())]
+    job = _job(parts, combine=lambda replies: [r.table for r in replies])
+    io.queue.put(job)
+    io._admit()
+    io._flush()
+    assert [m.table for m in a.sent] == list(range(PIECES_ON_THE_WIRE)) and len(b.sent) == 1
+    b.answer(b.sent[0])
+    io._receive(1)
+    answered = 0
+    while answered < len(parts) - 1:
+        a.answer(a.sent[answered])
+        io._receive(0)
+        answered += 1
+        io._flush()
+        assert len(a.sent) - answered == min(PIECES_ON_THE_WIRE, len(parts) - 1 - answered)  # one goes per answer
+    assert job.future.result(timeout=1) == [m.table for _, m in parts]
+    assert not io._active and not io._inflight
+
+
+def test_a_lost_server_fails_a_call_whose_pieces_wait_in_the_client():
+    from fleet.ps.client_io import PIECES_ON_THE_WIRE
+
+    io, (a,) = _io(1)
+    job = _job([(0, _request(Op.PULL_SPARSE, k)) for k in range(PIECES_ON_THE_WIRE + 3)])
+    io.queue.put(job)
+    io._admit()
+    io._flush()
+    io._fail_server(0, "closed the connection")
+    with pytest.raises(PSServerUnavailable, match="closed the connection"):
+        job.future.result(timeout=1)
+    assert not io._active and not io._inflight
+
+
 def test_a_stale_reply_counts_and_a_late_reply_is_ignored():
     io, (a,) = _io(1)
     push, pull = _job([(0, _request(Op.PUSH_DENSE_GRAD))]), _job([(0, _request())], timeout_s=0.01)

@@ -45,6 +45,10 @@ from fleet.ps.wire import MAX_WIRE_FRAME, MORE_FOLLOWS, Message, Op, Status, dec
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 100
+# Of one call split into pieces (a huge batch), at most this many per server are sent and not yet
+# answered: the server then holds only a few of them queued, and another worker's request, served in
+# turn with them (fleet.ps.inbox), is not stuck behind thousands in ZeroMQ's pipes.
+PIECES_ON_THE_WIRE = 4
 _MAX_BATCH = 256
 
 
@@ -69,6 +73,7 @@ class Job:
     # caller removes on failure must not have a server still writing into it.
     settle: bool = False
     error: BaseException | None = None
+    held: dict[int, deque] = field(default_factory=dict)  # per server: parts beyond PIECES_ON_THE_WIRE
 
 
 class IOThread:
@@ -228,6 +233,7 @@ class IOThread:
             if not job.parts:
                 self._finish(job)
                 continue
+            sent: dict[int, int] = {}
             for part, (server, msg) in enumerate(job.parts):
                 if server in self._refused:
                     self._fail(job, self._refused_error(server, msg))
@@ -239,7 +245,11 @@ class IOThread:
                 msg.timeout_ms = int(job.timeout_s * 1000)
                 job.pending.add(msg.request_id)
                 self._inflight[msg.request_id] = (server, job, part)
-                self._outbox[server].append((server, msg, job))
+                sent[server] = sent.get(server, 0) + 1
+                if sent[server] > PIECES_ON_THE_WIRE:
+                    job.held.setdefault(server, deque()).append((server, msg, job))
+                else:
+                    self._outbox[server].append((server, msg, job))
 
     def _flush(self) -> set[int]:
         """Send what the sockets accept now; return the servers with messages still waiting."""
@@ -280,6 +290,9 @@ class IOThread:
             if entry is None:
                 continue  # the answer to a request that already timed out or failed
             _, job, part = entry
+            held = job.held.get(server)
+            if held:  # one of this call's pieces is answered: the next may go
+                self._outbox[server].append(held.popleft())
             if reply.status == Status.ERROR:
                 error = self._remote(server, reply.op, reply.text())
                 if not job.settle:
@@ -380,7 +393,10 @@ class IOThread:
         not_op: int | None = None,
     ) -> None:
         """Fail the jobs whose requests to ``server`` are on the wire (or, with ``queued_too``, waiting)."""
-        unsent = {id(entry[1]) for entry in self._outbox[server]} if not queued_too else set()
+        unsent = set()
+        if not queued_too:
+            unsent = {id(entry[1]) for entry in self._outbox[server]}
+            unsent |= {id(entry[1]) for job in self._active for entry in job.held.get(server, ())}
         for srv, job, part in list(self._inflight.values()):
             if srv != server or job.done:
                 continue

@@ -44,12 +44,9 @@ later step of the same operation fails; an own one otherwise).
 
 from __future__ import annotations
 
-import ctypes
-import sys
-from collections.abc import Callable
-
 import torch
 
+from fleet.ps.pages import large_empty, prefault
 from fleet.ps.undo import UndoLog
 
 _TAIL_WINDOWS = (4, 16, 64)  # entries per query in lookup rounds after the first (last repeats)
@@ -73,46 +70,6 @@ _TOMBSTONE = -2  # a removed entry: probing goes on past it, inserts may reuse i
 # 64-bit odd multipliers (from splitmix64), as signed int64 so torch accepts them.
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M2 = 0x94D049BB133111EB - (1 << 64)
-
-
-_MADV_HUGEPAGE = 14
-_HUGE_MIN_BYTES = 8 << 20
-_PAGE = 4096
-
-
-def _load_madvise() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _load_madvise()
-
-
-def large_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty`` for big randomly accessed tables, backed by transparent huge pages where possible.
-
-    Why: every lookup and row gather is a random access into tens of MB, and
-    with 4 KiB pages most of them also miss the TLB. Asking the kernel for
-    2 MiB pages (``madvise(MADV_HUGEPAGE)``, before the memory is first
-    touched) made W3 pulls ~20 % faster here. It is only a hint: on other
-    systems, or with THP disabled, this is plain ``torch.empty``. Callers must
-    fill the tensor (it is uninitialised).
-    """
-    t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    if _madvise is not None and nbytes >= _HUGE_MIN_BYTES:
-        start = t.data_ptr()
-        first = (start + _PAGE - 1) // _PAGE * _PAGE
-        length = (start + nbytes - first) // _PAGE * _PAGE
-        _madvise(first, length, _MADV_HUGEPAGE)  # failure (e.g. THP off) just leaves normal pages
-    return t
 
 
 def as_ids(ids: torch.Tensor) -> torch.Tensor:
@@ -301,6 +258,8 @@ class IdIndex:
             cap *= 2
         fresh = IdIndex.__new__(IdIndex)
         fresh._alloc(cap, fill=False)  # untouched memory: initialised a slice per step
+        prefault(fresh._table)  # meanwhile, its pages are faulted in off the loop (fleet.ps.pages)
+        prefault(fresh._claim)
         fresh._tombstones = 0
         self._next, self._ready = fresh, 0
 

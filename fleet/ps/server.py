@@ -5,7 +5,8 @@ bookkeeping step, the tables are not thread-safe, and ZeroMQ already moves
 bytes on its own IO thread. Requests that cannot be answered yet (a sync pull
 for a version not reached, a create waiting for worker 0's initial values, a
 barrier) are parked with a deadline and answered from the loop, so nothing in
-the loop ever blocks.
+the loop ever blocks. Requests are served in turns by worker (:mod:`fleet.ps.inbox`),
+each worker's in the order sent, so one worker's huge batch cannot crowd out the others.
 
 Authentication (see :mod:`fleet.ps.auth`) is ZeroMQ's ZAP with the PLAIN
 mechanism; its handler is one more socket polled by this loop.
@@ -38,6 +39,7 @@ from fleet.errors import DiskFullError
 from fleet.ps import aggregator as agg
 from fleet.ps import auth
 from fleet.ps.errors import WireError, is_out_of_memory
+from fleet.ps.inbox import FairInbox
 from fleet.ps.limits import BLOB_SLACK, Limit, RequestLimits
 from fleet.ps.liveness import WorkerLiveness
 from fleet.ps.reduce import ReduceOps, against_barrier
@@ -127,6 +129,7 @@ class ParameterServer(TableOps, ReduceOps):
         self._closed = False
         self._shards: dict[int, agg.DenseShard | agg.SparseShard] = {}
         self._waiting = Waitlist()
+        self._inbox = FairInbox()
         self._stopped: set[int] = set()
         self.rejoin = rejoin
         self._liveness = WorkerLiveness(dead_after_s=max(3.0, min(self.timeout_s, 10.0)))
@@ -175,14 +178,14 @@ class ParameterServer(TableOps, ReduceOps):
         log.info("parameter server %d serving at %s", self.server_index, self.endpoint)
         try:
             while not self._shutdown.is_set() and len(self._stopped | self._finished_gone) < self.num_workers:
-                ready = dict(poller.poll(self._poll_timeout_ms()))
+                ready = dict(poller.poll(0 if len(self._inbox) else self._poll_timeout_ms()))
                 if self._zap.socket in ready:
                     self._zap.serve()
-                if self._sock in ready:
+                if self._sock in ready or len(self._inbox):
                     for _ in range(_MAX_BATCH):
-                        try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
+                        self._inbox.take_from(self._sock)  # before each request: a newcomer goes next
+                        frames = self._inbox.next()
+                        if frames is None:
                             break
                         self._handle(frames)
                 self._expire(time.monotonic())
@@ -205,6 +208,7 @@ class ParameterServer(TableOps, ReduceOps):
         self._closed = True
         for parked in self._waiting.clear():
             self._reply_error(parked.ident, parked.msg, "the parameter server is shutting down")
+        self._counts["dropped"] += self._inbox.clear()  # unread, as ZeroMQ drops what its pipes hold
         self._sock.close()
         self._zap.close()
         self._ctx.term()

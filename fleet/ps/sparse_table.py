@@ -46,6 +46,7 @@ from fleet.ps.optim import (
     check_table_config,
     initial_rows,
 )
+from fleet.ps.pages import prefault
 from fleet.ps.recent_slots import RecentSlots
 from fleet.ps.sparse_saves import MAX_REMEMBERED_DELETIONS, SparseTableSaves
 from fleet.ps.storage import grow, row_tensor
@@ -102,6 +103,7 @@ class SparseTable(SparseTableSaves):
         self._steps = row_tensor(capacity, (), torch.int64)
         self._state = {n: row_tensor(capacity, (self.dim,), torch.float32) for n in self._opt.state_names}
         self._scratch = row_tensor(capacity, (), torch.int64)  # per-slot scratch for de-duplication
+        self._prefaulted = 0  # rows whose pages were handed to fleet.ps.pages.prefault (a hint)
         self._dirty = row_tensor(capacity, (), torch.bool).zero_()  # changed since the last save
         self._stats = {}
         if self.lifecycle.active:
@@ -213,6 +215,8 @@ class SparseTable(SparseTableSaves):
         dirty = grow(self._dirty, cap, n)
         dirty[n:] = False
         scratch = grow(self._scratch, cap, 0)
+        if rows.data_ptr() != self._rows.data_ptr():
+            self._prefaulted = min(self._prefaulted, n)  # copied into fresh memory: not faulted in yet
         self._rows, self._steps, self._state, self._stats = rows, steps, state, stats
         self._dirty, self._scratch, self._capacity = dirty, scratch, cap
 
@@ -246,6 +250,20 @@ class SparseTable(SparseTableSaves):
             self._stats["last_seen"][first:end] = self.clock
             self._stats["show"][first:end] = 0.0
             self._stats["click"][first:end] = 0.0
+        self._prefault_ahead(end)
+
+    def _prefault_ahead(self, end: int) -> None:
+        """Have the pages of the rows after ``end`` made present off the loop, a few MiB ahead (fleet.ps.pages)."""
+        ahead = max(4096, (4 << 20) // (4 * self.dim))
+        if end + ahead // 2 < self._prefaulted:
+            return
+        lo = max(end, self._prefaulted)
+        hi = min(self._capacity, lo + ahead)
+        if hi > lo:
+            for name in self._row_names():
+                prefault(self._getter(name)()[lo:hi])
+            prefault(self._scratch[lo:hi])
+        self._prefaulted = hi
 
     # ------------------------------------------------------------------ life cycle
     def tick(self, step: int | None = None) -> None:

@@ -10,7 +10,7 @@ view of the same memory, in microseconds, and a failed growth cannot happen half
 
 Where the reservation is refused (strict overcommit, an address-space limit, another OS) or
 used up, growth falls back to allocating a bigger tensor and copying, as before. Reserved
-mappings are asked for transparent huge pages like :func:`fleet.ps.id_index.large_empty`.
+mappings are asked for transparent huge pages like :func:`fleet.ps.pages.large_empty`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from fleet.ps.id_index import large_empty
+from fleet.ps.pages import large_empty
 
 #: address space reserved per tensor: committed only as it is written, so it costs nothing until then
 RESERVE_BYTES = 16 << 30
