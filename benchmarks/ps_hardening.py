@@ -16,7 +16,8 @@ and one worker's huge pull beside another worker's steps.
 * starve: a server process; worker A pulls ``--ids`` fresh ids in one call (its own process),
   worker B meanwhile runs steps (``--compute-ms`` of compute, then pull 1,024 existing ids and
   push their gradients). Reports A's pull time, B's steps during it and B's step rate alone and
-  during A's pull.
+  during A's pull; then the same with A pulling the same ids as ordinary calls of 1,024 ids, one
+  after another: B's pace beside an ordinary busy worker, the reference for the huge call.
 
 * curve: the price of ``ps_encryption="curve"``: 4 MiB dense push-then-pull round trips against a
   server process with and without it, alternated (median MB/s moved).
@@ -190,16 +191,21 @@ def _client(endpoint: str, secret: bytes, worker: int, max_ids: int | None) -> P
     return PSClient([endpoint], secret, worker, timeout_s=600.0, limits=RequestLimits(max_ids=max_ids))
 
 
-def _huge_pull(endpoint: str, secret: bytes, dim: int, ids: int, max_ids: int | None, span: mp.Queue) -> None:
+def _huge_pull(
+    endpoint: str, secret: bytes, dim: int, ids: int, max_ids: int | None, batch: int | None, span: mp.Queue
+) -> None:
+    """A pulls ``ids`` fresh ids: in one call, or (``batch``) as ordinary calls of ``batch`` ids one after another."""
     torch.set_num_threads(1)
     with _client(endpoint, secret, 0, max_ids) as a:
         a.create_sparse(1, {"dim": dim, "optimizer": ADAGRAD}).result()
         span.put(("start", time.monotonic()))
-        a.pull_sparse(1, torch.arange(10**9, 10**9 + ids)).result()
+        every = torch.arange(10**9, 10**9 + ids)
+        for part in [every] if batch is None else every.split(batch):
+            a.pull_sparse(1, part).result()
         span.put(("end", time.monotonic()))
 
 
-def starve(ids: int, max_ids: int | None, compute_s: float) -> None:
+def starve(ids: int, max_ids: int | None, compute_s: float, a_batch: int | None = None) -> None:
     options = () if max_ids is None else ("--max-request-ids", str(max_ids))
     proc, endpoint = start_server(2, *options)
     try:
@@ -223,7 +229,7 @@ def starve(ids: int, max_ids: int | None, compute_s: float) -> None:
             alone_rate = alone / (time.monotonic() - t0)
             ctx = mp.get_context("spawn")
             span: mp.Queue = ctx.Queue()
-            puller = ctx.Process(target=_huge_pull, args=(endpoint, SECRET, DIM, ids, max_ids, span))
+            puller = ctx.Process(target=_huge_pull, args=(endpoint, SECRET, DIM, ids, max_ids, a_batch, span))
             puller.start()
             marks = dict([span.get(timeout=120)])
             starts: list[float] = []
@@ -238,8 +244,10 @@ def starve(ids: int, max_ids: int | None, compute_s: float) -> None:
             pull_s = marks["end"] - marks["start"]
             limit = "" if max_ids is None else f", {max_ids:,} ids per request"
             limit += f", B computes {compute_s * 1e3:g} ms per step" if compute_s else ""
+            how = "in one call" if a_batch is None else f"as calls of {a_batch:,} ids"
             print(
-                f"starve{limit}: A pulled {ids:,} fresh ids (dim {DIM}) in {pull_s:.1f} s; B made {len(during)} steps "
+                f"starve{limit}: A pulled {ids:,} fresh ids (dim {DIM}) {how} in {pull_s:.1f} s; "
+                f"B made {len(during)} steps "
                 f"meanwhile ({len(during) / pull_s:.1f} steps/s; alone {alone_rate:.1f} steps/s, "
                 f"ratio {len(during) / pull_s / alone_rate:.2f})"
             )
@@ -309,6 +317,10 @@ def main() -> None:
         curve()
     if "starve" in parts:
         starve(args.ids, args.max_request_ids, args.compute_ms / 1000)
+        # The reference: the same ids pulled as ordinary batches, one after another. What B loses
+        # beside them is sharing the cores and the server with a busy worker; what it loses beyond
+        # that beside the one huge call is what the huge call itself costs the others.
+        starve(args.ids, args.max_request_ids, args.compute_ms / 1000, a_batch=1024)
 
 
 if __name__ == "__main__":
