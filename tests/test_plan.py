@@ -221,6 +221,9 @@ def test_build_calibration_from_probe_and_transport_records():
     assert cal.sparse_rows == 110 and cal.background == pytest.approx(0.5)
     assert 0.09 < cal.t_comp_s < 0.12
     assert any("loopback" in a for a in cal.assumptions)
+    assert not any("set_batch_size" in a for a in cal.assumptions)  # the batch is known
+    unknown = planner.build({**probe, "batch": None}, net, "x.py")
+    assert any("fleet.timing.set_batch_size(n)" in a for a in unknown.assumptions)
 
 
 # --- fleetrun --plan, end to end ----------------------------------------------------------

@@ -189,6 +189,11 @@ def build(probe: dict[str, Any], net: dict[str, Any], script: str = "") -> Calib
             cal["ps_client_step_s"] = (net["ps"].get("client_cpu_s") or 0.0) / net["ps"]["replay_steps"]
         if cal["sparse_rows"]:
             assumptions.append("geo: the sparse rows touched in k steps are all distinct (the most traffic)")
+    if not cal["batch"]:
+        assumptions.append(
+            "samples/s: not shown, the batch size is unknown (the script passes no DataLoader to "
+            "fleet.distributed_loader); call fleet.timing.set_batch_size(n) in the script to see them"
+        )
     return Calibration(**cal)
 
 
