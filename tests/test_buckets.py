@@ -81,3 +81,21 @@ def test_accumulated_micro_batches_are_averaged_in_one_process():
     (reference(x).sum() / 2).backward()  # the mean over the two micro-batches
     assert torch.allclose(model.weight.grad, reference.weight.grad)
     assert sync.rounds == 1
+
+
+def test_a_chunk_sums_a_gradient_that_lives_in_its_own_result_buffer_with_three_workers():
+    """zero_grad(set_to_none=False), or a second backward before step: the gradient is last round's
+    result buffer, where the other workers' sum is written. It was read after that write (3 workers:
+    1.5 + 1/3 of 1.5 instead of 1.5 + 1/3 of the gradient; 2 workers read it first by chance)."""
+    from fleet.collective.transport import _Segment, _sum_chunk
+
+    for world in (2, 3, 4):
+        sends = [torch.full((4,), float(k + 1)) / world for k in range(world)]
+        results = [torch.zeros(4) for _ in range(world)]
+        gradient = results[0][:3]  # worker 0's gradient lives in its own result buffer
+        gradient.copy_(torch.tensor([6.0, 7.0, 8.0]))
+        _sum_chunk(_Segment(sends, results), 0, 0, 4, [(0, 3, gradient, 1.0 / world), (3, 4, sends[0][3:], 1.0)])
+        others = sum(range(2, world + 1)) / world
+        want = [others + 6.0 / world, others + 7.0 / world, others + 8.0 / world, others + 1.0 / world]
+        for k in range(world):
+            assert torch.allclose(results[k], torch.tensor(want)), (world, k, results[k].tolist())

@@ -249,6 +249,11 @@ def _sum_chunk(segment: _Segment, rank: int, lo: int, hi: int, own: list) -> Non
     others = [send for k, send in enumerate(segment.sends) if k != rank]
     for a, b, source, factor in own:
         out = total[a - lo : b - lo]
+        if source is not None and _overlaps(source, out):
+            # The gradient lives in this very result buffer (backward accumulated into last round's
+            # result: zero_grad(set_to_none=False), or two backward passes before a step). With three
+            # or more workers the others' sum is written into it before it is read: read it first.
+            source = source.clone()
         base = others[0][a:b]
         if len(others) > 1:
             torch.add(base, others[1][a:b], out=out)
@@ -263,3 +268,10 @@ def _sum_chunk(segment: _Segment, rank: int, lo: int, hi: int, own: list) -> Non
     for k, result in enumerate(segment.results):
         if k != rank:
             result[lo:hi].copy_(total)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share any memory (by the address ranges they span)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1
