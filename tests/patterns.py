@@ -4,8 +4,14 @@ A scenario builds its models and optimizers from the current RNG state, may chan
 before a step (freeze, unfreeze, add a param group), and defines one worker's loss for a
 step. The single-process reference builds from worker 0's seed and, at every step,
 back-propagates the mean of every worker's loss (the loss on the union of the batches), so
-a distributed run must end with the reference's parameters, and with ``.grad is None``
-exactly where the reference has it.
+a distributed run must end with the reference's parameters and gradients, and with
+``.grad is None`` exactly where the reference has it.
+
+A scenario with its own ``train`` step runs the training code between two steps itself
+(backward twice, clipping, a GradScaler, a scheduler...): ``losses(micro)`` is the loss of
+micro-batch ``micro`` of the step, this worker's or the union's. One the parameter server
+cannot run as one process would names, in ``ps_refused``, the error it must fail with at its
+first step.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class State:
     modules: dict[str, nn.Module]
     optimizers: list[torch.optim.Optimizer]
     inner: list[torch.optim.Optimizer] = field(default_factory=list)  # the unwrapped ones, when distributed
+    kept: dict[str, Any] = field(default_factory=dict)  # what a train step keeps (schedulers, a GradScaler)
 
     def __getattr__(self, name: str) -> nn.Module:
         try:
@@ -58,6 +65,8 @@ class Scenario:
     make_batch: Callable[[int, int], tuple] = batch
     kinds: tuple[str, ...] = ("sgd", "adam")
     ps_kinds: tuple[str, ...] = ("sgd", "adam")  # also run in parameter-server sync mode with these
+    train: Callable[[State, int, Callable[..., torch.Tensor]], None] | None = None  # instead of run_step's
+    ps_refused: str | None = None  # parameter-server sync mode refuses it at the first step, saying this
 
 
 def _mlp(**heads: int) -> dict[str, nn.Module]:
@@ -213,6 +222,247 @@ def _sparse_loss(state: State, data: tuple, worker: int, step: int, workers: int
     return F.cross_entropy(state.head(features), y)
 
 
+# --- tied weights, a module called twice ------------------------------------------------------------
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.mid = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 10)
+        self.out.weight = self.emb.weight  # one Parameter, two modules
+
+
+def _tied_build(kind: str) -> State:
+    model = _Tied()
+    return State(kind, {"model": model}, [make_optimizer(kind, model.parameters())])
+
+
+def _tied_loss(state: State, data: tuple, worker: int, step: int, workers: int) -> torch.Tensor:
+    x, y = data
+    model = state.model
+    h = model.emb((x[:, :2].abs() * 3).long().clamp(0, 9)).mean(1)
+    h = torch.tanh(model.mid(torch.tanh(model.mid(h))))  # the same module twice in one forward
+    return F.cross_entropy(model.out(h), y)
+
+
+# --- training steps written by hand ----------------------------------------------------------------
+
+
+def _zero_grad(state: State, set_to_none: bool = True) -> None:
+    for opt in state.optimizers:
+        opt.zero_grad(set_to_none=set_to_none)
+
+
+def _step(state: State) -> None:
+    for opt in state.optimizers:
+        opt.step()
+
+
+def _all_params(state: State) -> list[nn.Parameter]:
+    return [p for module in state.modules.values() for p in module.parameters()]
+
+
+def _backward_twice(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    """Accumulation without no_sync: two backward passes (one through a retained graph) per step."""
+    _zero_grad(state)
+    loss = losses(0)
+    loss.backward(retain_graph=True)
+    (0.5 * loss).backward()
+    losses(1).backward()
+    _step(state)
+
+
+def _keep_zeros(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    _zero_grad(state, set_to_none=False)  # zeros, not None: a branch nobody took still steps (momentum, Adam)
+    losses(0).backward()
+    _step(state)
+
+
+def _step_every_other(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    """Gradients accumulate over two iterations; zero_grad only after the step."""
+    losses(0).backward()
+    if step % 2:
+        _step(state)
+        _zero_grad(state)
+
+
+def _closure_step(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    def closure() -> torch.Tensor:
+        _zero_grad(state)
+        loss = losses(0)
+        loss.backward()
+        return loss
+
+    for opt in state.optimizers:
+        opt.step(closure if opt is state.optimizers[0] else None)
+
+
+def _backward_inputs(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    """backward(inputs=...): the head's gradients first, then the trunk's, through a retained graph."""
+    _zero_grad(state)
+    loss = losses(0)
+    loss.backward(inputs=list(state.head.parameters()), retain_graph=True)
+    loss.backward(inputs=list(state.trunk.parameters()))
+    _step(state)
+
+
+def _input_penalty_loss(state: State, data: tuple, worker: int, step: int, workers: int) -> torch.Tensor:
+    """A gradient penalty on the inputs (torch.autograd.grad with create_graph, then a double backward)."""
+    x, y = data
+    x = x.clone().requires_grad_(True)
+    loss = _mlp_loss(state, (x, y), worker, step, workers)
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    return loss + 0.5 * gx.pow(2).sum()
+
+
+def _schedules(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    if step == 0:  # built on the wrapped optimizer, as a script builds them after fleet.distributed_optimizer
+        opt = state.optimizers[0]
+        state.kept["schedulers"] = [
+            torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (1 + epoch)),
+        ]
+    if step == 3:
+        state.optimizers[0].param_groups[1]["lr"] = 0.03  # by hand
+    _zero_grad(state)
+    losses(0).backward()
+    _step(state)
+    for scheduler in state.kept["schedulers"]:
+        scheduler.step()
+
+
+def _one_cycle(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    if step == 0:  # cycles the momentum (SGD) or betas[0] (Adam) as well as the lr
+        state.kept["scheduler"] = torch.optim.lr_scheduler.OneCycleLR(state.optimizers[0], 0.2, total_steps=STEPS)
+    _zero_grad(state)
+    losses(0).backward()
+    _step(state)
+    state.kept["scheduler"].step()
+
+
+def _hyper_by_hand(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    if step == 0:
+        group = state.optimizers[0].param_groups[0]
+        if "momentum" in group:
+            group["momentum"] = 0.5
+        else:
+            group["weight_decay"] = 0.2
+    _zero_grad(state)
+    losses(0).backward()
+    _step(state)
+
+
+def _clip_norm(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    _zero_grad(state)
+    losses(0).backward()
+    torch.nn.utils.clip_grad_norm_(_all_params(state), 0.3)  # small enough to clip the union's gradient
+    _step(state)
+
+
+def _clip_value(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    _zero_grad(state)
+    losses(0).backward()
+    torch.nn.utils.clip_grad_value_(_all_params(state), 0.02)
+    _step(state)
+
+
+def _grads_by_hand(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    _zero_grad(state)
+    losses(0).backward()
+    state.head.weight.grad.mul_(0.5)
+    state.trunk.bias.grad = torch.full_like(state.trunk.bias, 0.1)
+    _step(state)
+
+
+def _grad_scaler(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    if step == 0:
+        state.kept["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    scaler, opt = state.kept["scaler"], state.optimizers[0]
+    _zero_grad(state)
+    scaler.scale(losses(0)).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(_all_params(state), 0.3)
+    scaler.step(opt)  # skipped where the gradient is not finite (step 2): on every worker alike
+    scaler.update()
+
+
+def _inf_at_2_loss(state: State, data: tuple, worker: int, step: int, workers: int) -> torch.Tensor:
+    loss = _mlp_loss(state, data, worker, step, workers)
+    return loss * float("inf") if step == 2 and worker == workers - 1 else loss
+
+
+def _normalise_by_hand(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    _zero_grad(state)
+    losses(0).backward()
+    _step(state)
+    with torch.no_grad():  # weight normalisation by hand between steps
+        state.head.weight.div_(state.head.weight.norm(dim=1, keepdim=True))
+        state.trunk.bias.clamp_(-0.1, 0.1)
+
+
+def _groups_build(kind: str) -> State:
+    """Three param groups with their own hyper-parameters, for the optimizers beyond plain SGD and Adam."""
+    modules = _mlp(head=3, head2=3)
+    groups = [
+        {"params": list(modules["trunk"].parameters())},
+        {"params": list(modules["head"].parameters()), "lr": 0.05, "weight_decay": 0.1},
+        {"params": list(modules["head2"].parameters()), "lr": 0.02},
+    ]
+    if kind == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=0.01, weight_decay=0.05, betas=(0.8, 0.99))
+    elif kind == "adagrad":
+        opt = torch.optim.Adagrad(groups, lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1)
+    elif kind == "nesterov":
+        groups[2]["momentum"] = 0.5
+        opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True)
+    elif kind == "maximize":
+        opt = torch.optim.Adam(groups, lr=0.01, maximize=True)
+    elif kind == "adam_decoupled":
+        opt = torch.optim.Adam(groups, lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)
+    elif kind == "rmsprop":
+        opt = torch.optim.RMSprop(groups, lr=0.01, momentum=0.5)
+    else:
+        opt = make_optimizer(kind, groups)
+    return State(kind, modules, [opt])
+
+
+def _groups_loss(state: State, data: tuple, worker: int, step: int, workers: int) -> torch.Tensor:
+    x, y = data
+    h = torch.tanh(state.trunk(x))
+    return F.cross_entropy(state.head(h) + state.head2(h), y)
+
+
+class _Mixed(nn.Module):
+    """A float64 layer, a float32 one, and integer and boolean buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8).double()
+        self.b = nn.Linear(8, 3)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("mask", torch.ones(8, dtype=torch.bool))
+
+
+def _mixed_build(kind: str) -> State:
+    model = _Mixed()
+    return State(kind, {"model": model}, [make_optimizer(kind, model.parameters())])
+
+
+def _mixed_loss(state: State, data: tuple, worker: int, step: int, workers: int) -> torch.Tensor:
+    x, y = data
+    model = state.model
+    model.seen += 1
+    h = torch.tanh(model.a(x.double())).float() * model.mask
+    return F.cross_entropy(model.b(h), y)
+
+
+_CHANGED_GRADIENT = "was changed between backward() and optimizer.step()"
+_CHANGED_SETTING = "after fleet.distributed_optimizer"
+_OPTIMIZERS = ("adamw", "adagrad", "nesterov", "maximize", "adam_decoupled")
+
+
 SCENARIOS = {
     s.name: s
     for s in (
@@ -225,6 +475,29 @@ SCENARIOS = {
         Scenario("two_optimizers", _two_build, _two_loss),
         # The parameter server has no SparseAdam: its dense tables take sparse gradients densified.
         Scenario("sparse_gradients", _sparse_build, _sparse_loss, make_batch=_sparse_batch, ps_kinds=("sgd",)),
+        Scenario("tied_weights", _tied_build, _tied_loss, kinds=("adam",)),
+        Scenario("backward_twice", _plain_build, _mlp_loss, train=_backward_twice, kinds=("sgd",)),
+        Scenario("zero_grad_to_zeros", _branch_build, _branch_loss, train=_keep_zeros),
+        Scenario("step_every_other", _plain_build, _mlp_loss, train=_step_every_other, kinds=("adam",)),
+        Scenario("closure_step", _two_build, _two_loss, train=_closure_step, kinds=("sgd",)),  # and an Adam
+        Scenario("backward_inputs", _plain_build, _mlp_loss, train=_backward_inputs, kinds=("sgd",)),
+        Scenario("input_gradient_penalty", _plain_build, _input_penalty_loss, kinds=("adam",)),
+        Scenario("lr_schedules", _groups_build, _groups_loss, train=_schedules),
+        Scenario("no_grad_edits", _plain_build, _mlp_loss, train=_normalise_by_hand, kinds=("adam",)),
+        Scenario("float64_and_int_buffers", _mixed_build, _mixed_loss, kinds=("sgd",)),
+        Scenario("optimizers", _groups_build, _groups_loss, kinds=(*_OPTIMIZERS, "rmsprop"), ps_kinds=_OPTIMIZERS),
+        # What the parameter server cannot do as one process would: refused at the first step, never diverging.
+        Scenario("one_cycle_lr", _plain_build, _mlp_loss, train=_one_cycle, ps_refused=_CHANGED_SETTING),
+        *(
+            Scenario(name, _plain_build, loss, train=train, kinds=kinds, ps_refused=refused)
+            for name, loss, train, kinds, refused in (
+                ("hyperparameter_by_hand", _mlp_loss, _hyper_by_hand, ("sgd",), _CHANGED_SETTING),
+                ("clip_grad_norm", _mlp_loss, _clip_norm, ("sgd",), _CHANGED_GRADIENT),
+                ("clip_grad_value", _mlp_loss, _clip_value, ("adam",), _CHANGED_GRADIENT),
+                ("gradients_by_hand", _mlp_loss, _grads_by_hand, ("sgd",), _CHANGED_GRADIENT),
+                ("grad_scaler", _inf_at_2_loss, _grad_scaler, ("sgd",), _CHANGED_GRADIENT),
+            )
+        ),
     )
 }
 
@@ -235,11 +508,16 @@ def snapshot(state: State) -> dict[str, Any]:
         for name, p in module.named_parameters():
             out[f"{module_name}.{name}"] = p.detach().clone()
             out[f"{module_name}.{name}.grad_is_none"] = p.grad is None
+            if p.grad is not None:
+                out[f"{module_name}.{name}.grad"] = p.grad.detach().to_dense().clone()
     return out
 
 
-def run_step(scenario: Scenario, state: State, step: int, losses: Callable[[], torch.Tensor]) -> None:
+def run_step(scenario: Scenario, state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
     scenario.before_step(state, step)
+    if scenario.train is not None:
+        scenario.train(state, step, losses)
+        return
     for opt in state.optimizers:
         opt.zero_grad()
     scenario.after_zero_grad(state, step)
@@ -255,9 +533,9 @@ def reference(name: str, kind: str, workers: int, steps: int = STEPS) -> dict[st
     state = scenario.build(kind)
     for step in range(steps):
 
-        def union(step: int = step) -> torch.Tensor:
-            parts = [scenario.loss(state, scenario.make_batch(w, step), w, step, workers) for w in range(workers)]
-            return sum(parts) / workers
+        def union(micro: int = 0, step: int = step) -> torch.Tensor:
+            batches = [scenario.make_batch(w, step + 10 * micro) for w in range(workers)]
+            return sum(scenario.loss(state, b, w, step, workers) for w, b in enumerate(batches)) / workers
 
         run_step(scenario, state, step, union)
     return snapshot(state)
@@ -275,7 +553,9 @@ def distributed(name: str, kind: str, rank: int, workers: int, wrap: Callable, s
             scenario,
             state,
             step,
-            lambda step=step: scenario.loss(state, scenario.make_batch(rank, step), rank, step, workers),
+            lambda micro=0, step=step: scenario.loss(
+                state, scenario.make_batch(rank, step + 10 * micro), rank, step, workers
+            ),
         )
     return snapshot(state)
 
@@ -284,7 +564,9 @@ def compare(got: dict[str, Any], want: dict[str, Any], atol: float = 1e-5) -> li
     """Differences between a run and the reference, in words (empty when they agree)."""
     problems = []
     for key, value in want.items():
-        if isinstance(value, bool):
+        if key not in got:
+            problems.append(f"{key}: missing (reference has it)")
+        elif isinstance(value, bool):
             if got[key] != value:
                 problems.append(f"{key}: {got[key]} (reference {value})")
         elif not torch.allclose(got[key], value, atol=atol):

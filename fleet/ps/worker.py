@@ -28,6 +28,7 @@ from fleet.ps.errors import PSRemoteError
 from fleet.ps.optim import OptimizerSpec, ServerOptimizer
 from fleet.ps.recovery import Recovery
 from fleet.ps.rows import GeoRows, RemoteRows
+from fleet.ps.step_checks import GradWatch, HyperParameters
 
 
 class PSOptimizer(WrappedOptimizer):
@@ -54,6 +55,8 @@ class PSOptimizer(WrappedOptimizer):
         self.sparse: list[tuple[Any, int, Any]] = []  # (table module, param group index, rows)
         self._sparse_creates: list[Callable[[], Future]] = []
         self._groups: list[list[int]] = []  # the parameters of each param group with a table, by id
+        self._hyper = HyperParameters(optimizer)  # what the servers step with: changing it is refused
+        self._grad_watch = GradWatch() if config.update == "sync" else None  # gradients written after backward
         self.update = modes.for_config(self, config.update, max(1, int(getattr(config, "k_steps", 1) or 1)))
         self.recovery = Recovery(self, (env.current().int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0)
         self._add_groups(range(len(optimizer.param_groups)), check_values=False)
@@ -85,10 +88,25 @@ class PSOptimizer(WrappedOptimizer):
         created = []
         for index in indices:  # dense tables first, then the sparse ones: every worker gets the same ids
             self._groups.append([id(p) for p in self._inner.param_groups[index]["params"]])
+            self._hyper.record(index)
             created += self.tables.create(index)
         for index in indices:
             created += self._add_sparse(index)
         self.tables.settle(created, self.tables.entries[first:], self._explain, self._worker, check_values)
+        self._watch_grads()
+
+    def _watch_grads(self) -> None:
+        if self._grad_watch is not None:
+            self._grad_watch.watch([p for entry in self.tables.entries for p in entry.params])
+
+    def _check_step(self) -> None:
+        """Refuse what the servers cannot do as one process would (:mod:`fleet.ps.step_checks`)."""
+        served = set() if isinstance(self.update, modes.GeoMode) else {e.index for e in self.tables.entries}
+        served |= {index for module, index, _ in self.sparse if module.optimizer_override is None}
+        self._hyper.check(sorted(served))
+        if self._grad_watch is not None:
+            self._grad_watch.check([p for entry in self.tables.entries for p in entry.params], self._name)
+            self._watch_grads()  # parameters unfrozen since
 
     def _add_sparse(self, index: int) -> list[Future]:
         futures = []
@@ -115,6 +133,10 @@ class PSOptimizer(WrappedOptimizer):
         self._inner.add_param_group(param_group)
         self._adopt_new_groups(check_values=False)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._watch_grads()  # a layer unfrozen before zero_grad is watched from this backward on
+
     def _adopt_new_groups(self, check_values: bool = True) -> None:
         """Give param groups added since the last look their tables (at add_param_group, or at step())."""
         groups = self._inner.param_groups
@@ -136,6 +158,7 @@ class PSOptimizer(WrappedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self._adopt_new_groups()
+        self._check_step()
         started = time.perf_counter()
         try:
             self.recovery.guard(self._send_parameter_writes, lossy=True)
@@ -242,6 +265,14 @@ class PSOptimizer(WrappedOptimizer):
                 rows.version = self.tables.entries[0].version  # sync: every table advances once per step
 
     # ------------------------------------------------------------------ errors
+    def _name(self, param: torch.Tensor) -> str:
+        """The parameter's name in the model (given to distributed_model, or found holding it)."""
+        if self._model is not None:
+            name = next((n for n, p in self._model.named_parameters() if p is param), None)
+            if name is not None:
+                return name
+        return owners.names_of([param])[0]
+
     def _explain(self, exc: PSRemoteError) -> Exception:
         """A server's structured error in this worker's terms: the parameters by name."""
         details = exc.details
