@@ -296,7 +296,22 @@ def distributed_optimizer(
     optimizer: torch.optim.Optimizer, strategy: DistributedStrategy | None = None
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so ``step()`` trains across the job. ``isinstance(result, torch.optim.Optimizer)`` holds."""
+    _check_initialised(optimizer)
     return current_job().wrapping(strategy).wrap_optimizer(optimizer)
+
+
+def _check_initialised(optimizer: Any) -> None:
+    """A lazy module's parameter has no shape until its first forward: there is nothing to start every worker from."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    lazy = [p for group in groups for p in group["params"] if torch.nn.parameter.is_lazy(p)]
+    if lazy:
+        from fleet.owners import names_of
+
+        raise FleetError(
+            f"parameter {names_of(lazy[:1])[0]!r} is not initialised yet (a lazy module such as nn.LazyLinear "
+            "gets its shape at its first forward pass): run one forward pass on a batch before "
+            "fleet.distributed_optimizer, so that every worker can start from worker 0's values."
+        )
 
 
 def distributed_model(model: torch.nn.Module, strategy: DistributedStrategy | None = None) -> torch.nn.Module:

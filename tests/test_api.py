@@ -563,3 +563,13 @@ def test_slot_dataset_signature_is_frozen():
         "(files, batch_size, *, sparse_slots=26, dense=13, shard=True, chunk_bytes=4194304)"
     )
     assert issubclass(fleet.SlotDataset, torch.utils.data.IterableDataset)
+
+
+def test_a_lazy_module_not_yet_initialised_is_refused_naming_the_parameter():
+    fleet.init()
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 2))
+    with pytest.raises(fleet.FleetError, match=r"parameter '0.weight' is not initialised yet .*one forward pass"):
+        fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.zeros(1, 3))  # initialised: wrapped as any other
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    fleet.stop_worker()
