@@ -12,11 +12,19 @@ real optimizer step, after the update, and may report communication / waiting as
 happens with ``self.metrics.add_comm(seconds)`` and dropped stale gradients with
 ``self.metrics.add_dropped(n)`` or ``self.metrics.set_dropped(total)``. See
 :mod:`fleet.timing` and :mod:`fleet.inject`.
+
+Hooks registered on the wrapper (``register_step_pre_hook``/``post_hook``, the state-dict and
+load-state-dict hooks) run around the wrapper's ``step``, ``state_dict`` and
+``load_state_dict``, whichever strategy overrides them, as torch runs them around an
+optimizer's own: an EMA kept by a step post-hook updates after every real step, also where
+the servers step and the user's optimizer never does.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -25,7 +33,92 @@ import torch
 from fleet import context, inject, timing
 
 
+def _outermost(method: Callable) -> Callable:
+    """Run ``method`` with its hooks only in the outermost call (a subclass may call super's)."""
+    flag = f"_fleet_in_{method.__name__}"
+
+    def decorate(hooked: Callable) -> Callable:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.__dict__.get(flag):
+                return method(self, *args, **kwargs)
+            self.__dict__[flag] = True
+            try:
+                return hooked(self, *args, **kwargs)
+            finally:
+                self.__dict__[flag] = False
+
+        call._fleet_hooked = True  # type: ignore[attr-defined]
+        return call
+
+    return decorate
+
+
+def _with_step_hooks(step: Callable) -> Callable:
+    @_outermost(step)
+    def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for pre_hook in list(self._optimizer_step_pre_hooks.values()):
+            result = pre_hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"a step pre-hook must return None or (new_args, new_kwargs), got {result!r}")
+                args, kwargs = result
+        out = step(self, *args, **kwargs)
+        for post_hook in list(self._optimizer_step_post_hooks.values()):
+            post_hook(self, args, kwargs)
+        return out
+
+    return hooked
+
+
+def _with_state_dict_hooks(state_dict: Callable) -> Callable:
+    @_outermost(state_dict)
+    def hooked(self: Any) -> Any:
+        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            pre_hook(self)
+        out = state_dict(self)
+        for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
+            result = post_hook(self, out)
+            out = out if result is None else result
+        return out
+
+    return hooked
+
+
+def _with_load_state_dict_hooks(load_state_dict: Callable) -> Callable:
+    @_outermost(load_state_dict)
+    def hooked(self: Any, state_dict: dict[str, Any]) -> None:
+        if self._optimizer_load_state_dict_pre_hooks:
+            state_dict = state_dict.copy()  # as torch: a hook may change the top level, not the caller's dict
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        load_state_dict(self, state_dict)
+        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(self)
+
+    return hooked
+
+
+_HOOKED_METHODS = {
+    "step": _with_step_hooks,
+    "state_dict": _with_state_dict_hooks,
+    "load_state_dict": _with_load_state_dict_hooks,
+}
+
+
+def _hook_methods(cls: type) -> None:
+    for name, wrap in _HOOKED_METHODS.items():
+        method = cls.__dict__.get(name)
+        if method is not None and not getattr(method, "_fleet_hooked", False):
+            setattr(cls, name, wrap(method))
+
+
 class WrappedOptimizer(torch.optim.Optimizer):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _hook_methods(cls)  # a strategy's own step/state_dict/load_state_dict run the wrapper's hooks too
+
     def __init__(self, optimizer: torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -135,3 +228,6 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._inner!r})"
+
+
+_hook_methods(WrappedOptimizer)

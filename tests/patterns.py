@@ -458,6 +458,29 @@ def _mixed_loss(state: State, data: tuple, worker: int, step: int, workers: int)
     return F.cross_entropy(model.b(h), y)
 
 
+def _ema_build(kind: str) -> State:
+    state = _plain_build(kind)
+    state.modules["ema"] = nn.Linear(6, 8).requires_grad_(False)  # worker's own values until the first step
+    return state
+
+
+def _ema_train(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    """An EMA of the trunk kept by a step post-hook registered on the (wrapped) optimizer."""
+    if step == 0:
+
+        @torch.no_grad()
+        def update(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+            first = not state.kept.setdefault("ema_steps", 0)
+            state.kept["ema_steps"] += 1
+            for mine, trained in zip(state.ema.parameters(), state.trunk.parameters(), strict=True):
+                mine.copy_(trained) if first else mine.lerp_(trained, 0.5)
+
+        state.optimizers[0].register_step_post_hook(update)
+    _zero_grad(state)
+    losses(0).backward()
+    _step(state)
+
+
 _CHANGED_GRADIENT = "was changed between backward() and optimizer.step()"
 _CHANGED_SETTING = "after fleet.distributed_optimizer"
 _OPTIMIZERS = ("adamw", "adagrad", "nesterov", "maximize", "adam_decoupled")
@@ -484,6 +507,7 @@ SCENARIOS = {
         Scenario("input_gradient_penalty", _plain_build, _input_penalty_loss, kinds=("adam",)),
         Scenario("lr_schedules", _groups_build, _groups_loss, train=_schedules),
         Scenario("no_grad_edits", _plain_build, _mlp_loss, train=_normalise_by_hand, kinds=("adam",)),
+        Scenario("ema_step_hook", _ema_build, _mlp_loss, train=_ema_train, kinds=("adam",)),
         Scenario("float64_and_int_buffers", _mixed_build, _mixed_loss, kinds=("sgd",)),
         Scenario("optimizers", _groups_build, _groups_loss, kinds=(*_OPTIMIZERS, "rmsprop"), ps_kinds=_OPTIMIZERS),
         # What the parameter server cannot do as one process would: refused at the first step, never diverging.

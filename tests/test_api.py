@@ -573,3 +573,26 @@ def test_a_lazy_module_not_yet_initialised_is_refused_naming_the_parameter():
     model(torch.zeros(1, 3))  # initialised: wrapped as any other
     fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     fleet.stop_worker()
+
+
+def test_hooks_registered_on_the_wrapped_optimizer_run():
+    """They were kept in the wrapper's own dicts and never called (an EMA in a step post-hook never moved)."""
+    fleet.init()
+    model = torch.nn.Linear(2, 1)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("step_pre", o is opt)))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("step_post", o is opt)))
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("state_dict_pre", o is opt)))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "mine": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append(("load_pre", "mine" in sd)))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load_post", o is opt)))
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    assert saved["mine"] == 1
+    opt.load_state_dict(saved)
+    assert calls == [
+        ("step_pre", True), ("step_post", True), ("state_dict_pre", True), ("load_pre", True), ("load_post", True)
+    ]  # fmt: skip
+    fleet.stop_worker()
