@@ -63,3 +63,50 @@ def test_remote_rows_follow_a_shard_that_is_ahead() -> None:
     async_rows = RemoteRows(client, 0, sync=False)
     async_rows.pull(torch.tensor([1, 2]))
     assert async_rows.version == 0  # async pulls never wait for a version
+
+
+def test_hyperparameters_other_than_lr_may_not_change_after_the_tables_exist() -> None:
+    from fleet.errors import FleetError
+    from fleet.ps.step_checks import HyperParameters
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1, momentum=0.9)
+    hyper = HyperParameters(opt)
+    hyper.record(0)
+    opt.param_groups[0]["lr"] = 0.01  # travels with every push
+    hyper.check([0])
+    opt.param_groups[0]["momentum"] = 0.5
+    with pytest.raises(FleetError, match=r"param group 0's 'momentum' changed from 0.9 to 0.5 .*cycle_momentum=False"):
+        hyper.check([0])
+    hyper.check([])  # a group the servers do not step with its own settings (geo's dense groups)
+
+
+def test_a_gradient_written_between_backward_and_step_is_refused_naming_the_parameter() -> None:
+    from fleet.errors import FleetError
+    from fleet.ps.step_checks import GradWatch
+
+    model = torch.nn.Linear(3, 2)
+    params = list(model.parameters())
+    watch = GradWatch()
+    watch.watch(params)
+    names = {id(p): n for n, p in model.named_parameters()}.__getitem__
+
+    def backward() -> None:
+        model(torch.ones(4, 3)).pow(2).sum().backward()
+
+    backward()
+    backward()  # accumulation: still what backward left
+    watch.check(params, lambda p: names(id(p)))
+    model.bias.grad = torch.ones(2)  # set by hand with no backward into it since: this worker's gradient
+    model.weight.grad = None  # takes no part, as in torch.optim
+    watch.check(params, lambda p: names(id(p)))
+    for clip in (
+        lambda: torch.nn.utils.clip_grad_norm_(params, 1e9),  # rescales by 1.0: written all the same, on every worker
+        lambda: torch.nn.utils.clip_grad_value_(params, 0.1),
+        lambda: setattr(model.bias, "grad", model.bias.grad * 2),
+    ):
+        model.zero_grad()
+        backward()
+        clip()
+        with pytest.raises(FleetError, match=r"gradient of '(weight|bias)' was changed between backward\(\) and"):
+            watch.check(params, lambda p: names(id(p)))
+    watch.check(params, lambda p: names(id(p)))  # forgotten after each check: the next step starts afresh
