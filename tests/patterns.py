@@ -376,6 +376,20 @@ def _grads_by_hand(state: State, step: int, losses: Callable[..., torch.Tensor])
     _step(state)
 
 
+def _grads_from_autograd_grad(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
+    """Gradients computed with torch.autograd.grad and set by hand: every one of them on even steps (no
+    backward at all), the head's after a backward into the trunk only on odd steps."""
+    _zero_grad(state)
+    loss = losses(0)
+    by_hand = _all_params(state) if step % 2 == 0 else list(state.head.parameters())
+    grads = torch.autograd.grad(loss, by_hand, retain_graph=True)
+    if step % 2:
+        loss.backward(inputs=list(state.trunk.parameters()))
+    for p, g in zip(by_hand, grads, strict=True):
+        p.grad = g
+    _step(state)
+
+
 def _grad_scaler(state: State, step: int, losses: Callable[..., torch.Tensor]) -> None:
     if step == 0:
         state.kept["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
@@ -507,6 +521,7 @@ SCENARIOS = {
         Scenario("input_gradient_penalty", _plain_build, _input_penalty_loss, kinds=("adam",)),
         Scenario("lr_schedules", _groups_build, _groups_loss, train=_schedules),
         Scenario("no_grad_edits", _plain_build, _mlp_loss, train=_normalise_by_hand, kinds=("adam",)),
+        Scenario("grads_from_autograd_grad", _plain_build, _mlp_loss, train=_grads_from_autograd_grad),
         Scenario("ema_step_hook", _ema_build, _mlp_loss, train=_ema_train, kinds=("adam",)),
         Scenario("float64_and_int_buffers", _mixed_build, _mixed_loss, kinds=("sgd",)),
         Scenario("optimizers", _groups_build, _groups_loss, kinds=(*_OPTIMIZERS, "rmsprop"), ps_kinds=_OPTIMIZERS),

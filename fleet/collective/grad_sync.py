@@ -26,6 +26,10 @@ It gives a job single-process semantics on ordinary training code, without a fla
 - **Catch-up.** A worker whose backward produced no gradient at all (its loss touched no
   parameter) runs the round at ``optimizer.step()`` instead, so its peers' round still
   pairs with one.
+- **Gradients set by hand** (``p.grad = g``, e.g. from ``torch.autograd.grad``) are this
+  worker's gradients: a round counts every gradient set or written since the last round as
+  new, and ``optimizer.step()`` runs one more round when a gradient was replaced after the
+  last one (in-place changes of averaged gradients, such as ``clip_grad_norm_``, are not).
 
 Every collective a round issues depends only on the agreed layout, never on which
 parameters this worker happened to use, so collectives cannot pair wrongly by construction.
@@ -136,7 +140,7 @@ class GradSync:
         self._layout: Layout | None = None
         self._changed: set[int] = set()  # parameters with a new gradient since the last round
         self._early: set[int] = set()  # this round: judged unused at its start
-        self._idle: dict[int, tuple[Any, int]] = {}  # untrained parameters' gradients at the last round's end
+        self._idle: dict[int, tuple[Any, int]] = {}  # every registered parameter's gradient at the last round's end
         self._in_round = False
         self._next = 0
         self._scale = 1.0
@@ -210,7 +214,15 @@ class GradSync:
         self._idle = {
             id(p): (weakref.ref(p.grad), p.grad._version) if p.grad is not None else (lambda: None, -1)
             for p in self.registered()
-            if id(p) not in layout.ids
+        }
+
+    def _set_by_hand(self, layout: Layout) -> set[int]:
+        """Layout parameters whose gradient was set or written since the last round without a backward
+        accumulating into them (``p.grad = g`` from torch.autograd.grad): new gradients of this worker."""
+        return {
+            id(p)
+            for p in layout.dense + layout.sparse
+            if id(p) not in self._changed and self._grad_changed_while_idle(p)
         }
 
     def remove(self) -> None:
@@ -247,6 +259,7 @@ class GradSync:
         self._in_round = True
         try:
             layout = self.refresh()
+            self._changed |= self._set_by_hand(layout)
             active = 1
             if self.lockstep is not None:
                 layout, agreement = self._agree(layout)
@@ -332,6 +345,21 @@ class GradSync:
         if self.lockstep is not None:
             waited, self.lockstep.waited_s = waited + self.lockstep.waited_s, 0.0
         return waited
+
+    def replaced_by_hand(self) -> bool:
+        """Whether a gradient was replaced (``p.grad = g``) since the last round: it must be averaged before
+        the step even though a backward ran (in-place changes of the averaged gradients, such as
+        clip_grad_norm_, are single-process changes of the average and are not sent again)."""
+        layout = self._layout
+        if layout is None:
+            return False
+        for p in layout.dense + layout.sparse:
+            grad = p.grad
+            if grad is not None:
+                seen = self._idle.get(id(p))
+                if seen is None or seen[0]() is not grad:
+                    return True
+        return False
 
     def catch_up(self) -> None:
         """At optimizer.step(): run this round now if no backward started one since the last step."""

@@ -303,8 +303,13 @@ class CollectiveOptimizer(WrappedOptimizer):
             self._micro_step += 1
             self._arm()
             return None
-        if closure is None and self.sync.hooked and self.sync.rounds == self._rounds_at_step:
-            self.sync.catch_up()  # this worker's backward produced no gradient; its peers' round still needs it
+        if (
+            closure is None
+            and self.sync.hooked
+            and (self.sync.rounds == self._rounds_at_step or self.sync.replaced_by_hand())
+        ):
+            # No backward produced a gradient here (its peers' round still needs one), or one was set by hand.
+            self.sync.catch_up()
         loss = self._inner.step(closure)
         self._rounds_at_step = self.sync.rounds
         self._micro_step += 1
