@@ -495,6 +495,27 @@ def _ema_train(state: State, step: int, losses: Callable[..., torch.Tensor]) -> 
     _step(state)
 
 
+class _RandomBuffer(nn.Module):
+    """A fixed random projection, drawn when the model is built (each worker draws its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("projection", torch.randn(6, 6))
+        self.trunk = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+
+
+def _random_buffer_build(kind: str) -> State:
+    model = _RandomBuffer()
+    return State(kind, {"model": model}, [make_optimizer(kind, model.parameters())])
+
+
+def _random_buffer_loss(state: State, data: tuple, worker: int, step: int, workers: int) -> torch.Tensor:
+    x, y = data
+    model = state.model
+    return F.cross_entropy(model.head(torch.tanh(model.trunk(x @ model.projection))), y)
+
+
 _CHANGED_GRADIENT = "was changed between backward() and optimizer.step()"
 _CHANGED_SETTING = "after fleet.distributed_optimizer"
 _OPTIMIZERS = ("adamw", "adagrad", "nesterov", "maximize", "adam_decoupled")
@@ -522,6 +543,8 @@ SCENARIOS = {
         Scenario("lr_schedules", _groups_build, _groups_loss, train=_schedules),
         Scenario("no_grad_edits", _plain_build, _mlp_loss, train=_normalise_by_hand, kinds=("adam",)),
         Scenario("grads_from_autograd_grad", _plain_build, _mlp_loss, train=_grads_from_autograd_grad),
+        # The parameter server does not give every worker worker 0's buffers (yet): collective only.
+        Scenario("random_buffer", _random_buffer_build, _random_buffer_loss, kinds=("sgd",), ps_kinds=()),
         Scenario("ema_step_hook", _ema_build, _mlp_loss, train=_ema_train, kinds=("adam",)),
         Scenario("float64_and_int_buffers", _mixed_build, _mixed_loss, kinds=("sgd",)),
         Scenario("optimizers", _groups_build, _groups_loss, kinds=(*_OPTIMIZERS, "rmsprop"), ps_kinds=_OPTIMIZERS),
