@@ -65,3 +65,20 @@ def modules_holding(params: list[torch.Tensor]) -> list[nn.Module]:
     holding = [m for m in _modules() if any(id(p) in wanted for p in m.parameters())]
     inner = {id(child) for m in holding for child in m.modules() if child is not m}
     return [m for m in holding if id(m) not in inner]
+
+
+def model_buffers(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str]]:
+    """The buffers of the models holding ``params`` and their names, in an order every worker agrees on
+    (the models by the first of ``params`` each holds)."""
+    position = {id(p): i for i, p in enumerate(params)}
+    models = modules_holding(params)
+    models.sort(key=lambda m: (min(position[id(p)] for p in m.parameters() if id(p) in position), type(m).__name__))
+    seen: set[int] = set()
+    buffers, names = [], []
+    for model in models:
+        for name, buffer in model.named_buffers():
+            if id(buffer) not in seen and not torch.nn.parameter.is_lazy(buffer):
+                seen.add(id(buffer))
+                buffers.append(buffer)
+                names.append(name)
+    return buffers, names

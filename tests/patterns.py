@@ -543,8 +543,7 @@ SCENARIOS = {
         Scenario("lr_schedules", _groups_build, _groups_loss, train=_schedules),
         Scenario("no_grad_edits", _plain_build, _mlp_loss, train=_normalise_by_hand, kinds=("adam",)),
         Scenario("grads_from_autograd_grad", _plain_build, _mlp_loss, train=_grads_from_autograd_grad),
-        # The parameter server does not give every worker worker 0's buffers (yet): collective only.
-        Scenario("random_buffer", _random_buffer_build, _random_buffer_loss, kinds=("sgd",), ps_kinds=()),
+        Scenario("random_buffer", _random_buffer_build, _random_buffer_loss, kinds=("sgd",)),
         Scenario("ema_step_hook", _ema_build, _mlp_loss, train=_ema_train, kinds=("adam",)),
         Scenario("float64_and_int_buffers", _mixed_build, _mixed_loss, kinds=("sgd",)),
         Scenario("optimizers", _groups_build, _groups_loss, kinds=(*_OPTIMIZERS, "rmsprop"), ps_kinds=_OPTIMIZERS),

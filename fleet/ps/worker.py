@@ -60,6 +60,23 @@ class PSOptimizer(WrappedOptimizer):
         self.update = modes.for_config(self, config.update, max(1, int(getattr(config, "k_steps", 1) or 1)))
         self.recovery = Recovery(self, (env.current().int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0)
         self._add_groups(range(len(optimizer.param_groups)), check_values=False)
+        self._share_buffers()
+
+    def _share_buffers(self) -> None:
+        """Every worker starts from worker 0's buffers too (a random projection, spectral_norm's u and v),
+        as from its parameters: worker 0 sends its values to server 0's all-reduce, the others zeros."""
+        buffers = [b for b in owners.model_buffers(self.parameters())[0] if b.numel()]
+        if not buffers:
+            return
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])  # exact for every dtype here
+        if not self.is_first:
+            flat.zero_()
+        total = self.client.all_reduce(flat, "sum").result()
+        offset = 0
+        with torch.no_grad():
+            for b in buffers:
+                b.copy_(total[offset : offset + b.numel()].view_as(b).to(b.dtype))
+                offset += b.numel()
 
     @property
     def last_checkpoint(self) -> str | None:

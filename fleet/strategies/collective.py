@@ -37,7 +37,7 @@ from fleet.collective.shm import LocalHost
 from fleet.collective.transport import GroupTransport, SharedMemoryTransport
 from fleet.errors import PeerError
 from fleet.optimizer import WrappedOptimizer
-from fleet.owners import modules_holding, names_of
+from fleet.owners import model_buffers, names_of
 from fleet.strategies.base import REDUCE_OPS, Strategy, check_reduce
 
 if TYPE_CHECKING:
@@ -258,23 +258,6 @@ class CollectiveStrategy(Strategy):
             broadcast_optimizer_state(optimizer.inner, self.group, source)
 
 
-def buffers_of(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str]]:
-    """The buffers of the models holding ``params`` and their names, in an order every worker agrees on
-    (the models by the first of ``params`` each holds)."""
-    position = {id(p): i for i, p in enumerate(params)}
-    models = modules_holding(params)
-    models.sort(key=lambda m: (min(position[id(p)] for p in m.parameters() if id(p) in position), type(m).__name__))
-    seen: set[int] = set()
-    buffers, names = [], []
-    for model in models:
-        for name, buffer in model.named_buffers():
-            if id(buffer) not in seen and not torch.nn.parameter.is_lazy(buffer):
-                seen.add(id(buffer))
-                buffers.append(buffer)
-                names.append(name)
-    return buffers, names
-
-
 class CollectiveOptimizer(WrappedOptimizer):
     """Steps the user's optimizer on gradients averaged over every worker."""
 
@@ -291,7 +274,7 @@ class CollectiveOptimizer(WrappedOptimizer):
         params = self.parameters()
         if self.group is not None:
             check_same_shapes(params, lambda: names_of(params), self.group)
-            buffers, buffer_names = buffers_of(params)
+            buffers, buffer_names = model_buffers(params)
             check_same_shapes(buffers, lambda: buffer_names, self.group)
             # The models' buffers too (DDP does at construction): one drawn at random when the model was
             # built (spectral_norm's u and v, a random projection) must be worker 0's on every worker.
