@@ -496,11 +496,13 @@ def _ema_train(state: State, step: int, losses: Callable[..., torch.Tensor]) -> 
 
 
 class _RandomBuffer(nn.Module):
-    """A fixed random projection, drawn when the model is built (each worker draws its own)."""
+    """A fixed random projection, drawn when the model is built (each worker draws its own), beside a
+    random one larger than one parameter-server request (4 MiB as float64), which travels in pieces."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("projection", torch.randn(6, 6))
+        self.register_buffer("table", torch.randn(600_000))
         self.trunk = nn.Linear(6, 8)
         self.head = nn.Linear(8, 3)
 
@@ -513,7 +515,9 @@ def _random_buffer_build(kind: str) -> State:
 def _random_buffer_loss(state: State, data: tuple, worker: int, step: int, workers: int) -> torch.Tensor:
     x, y = data
     model = state.model
-    return F.cross_entropy(model.head(torch.tanh(model.trunk(x @ model.projection))), y)
+    return F.cross_entropy(
+        model.head(torch.tanh(model.trunk(x @ model.projection))) + (model.table[:3] - model.table[-3:]), y
+    )
 
 
 _CHANGED_GRADIENT = "was changed between backward() and optimizer.step()"

@@ -10,6 +10,7 @@ restarts. Param groups added later (``add_param_group`` on this optimizer, or fo
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -64,17 +65,30 @@ class PSOptimizer(WrappedOptimizer):
 
     def _share_buffers(self) -> None:
         """Every worker starts from worker 0's buffers too (a random projection, spectral_norm's u and v),
-        as from its parameters: worker 0 sends its values to server 0's all-reduce, the others zeros."""
+        as from its parameters, through server 0's all-reduce.
+
+        Why in two rounds: most buffers (BatchNorm's statistics, a causal mask) are equal on every
+        worker already, and a large one would not fit a request (``max_request_mb``). First one
+        fingerprint per buffer (its bytes' hash: max and min over the workers); then only the buffers
+        that differ, worker 0 sending its values and the others zeros, in pieces under the limit.
+        """
         buffers = [b for b in owners.model_buffers(self.parameters())[0] if b.numel()]
         if not buffers:
             return
-        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])  # exact for every dtype here
+        prints = torch.tensor([_fingerprint(b) for b in buffers], dtype=torch.float64)
+        highest = self.client.all_reduce(prints, "max").result()
+        lowest = self.client.all_reduce(prints, "min").result()
+        differ = [b for b, hi, lo in zip(buffers, highest.tolist(), lowest.tolist(), strict=True) if hi != lo]
+        if not differ:
+            return
+        flat = torch.cat([b.detach().reshape(-1).to(device="cpu", dtype=torch.float64) for b in differ])
         if not self.is_first:
             flat.zero_()
-        total = self.client.all_reduce(flat, "sum").result()
+        piece = max(1, self.client.limits.max_bytes // 8)  # float64 values: one request each
+        total = torch.cat([self.client.all_reduce(part, "sum").result() for part in flat.split(piece)])
         offset = 0
         with torch.no_grad():
-            for b in buffers:
+            for b in differ:
                 b.copy_(total[offset : offset + b.numel()].view_as(b).to(b.dtype))
                 offset += b.numel()
 
@@ -350,3 +364,9 @@ def param_step(state: dict[str, Any]) -> int:
     if "step" in state:
         return int(float(state["step"]))
     return 1 if state.get("momentum_buffer") is not None else 0  # SGD counts no steps; a buffer means it stepped
+
+
+def _fingerprint(buffer: torch.Tensor) -> float:
+    """A 48-bit hash of a buffer's bytes, as a float64 (exact): equal buffers, equal fingerprints."""
+    raw = buffer.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return float(int.from_bytes(hashlib.blake2b(raw.tobytes(), digest_size=6).digest(), "little"))
