@@ -66,7 +66,7 @@ class Scenario:
     kinds: tuple[str, ...] = ("sgd", "adam")
     ps_kinds: tuple[str, ...] = ("sgd", "adam")  # also run in parameter-server sync mode with these
     train: Callable[[State, int, Callable[..., torch.Tensor]], None] | None = None  # instead of run_step's
-    ps_refused: str | None = None  # parameter-server sync mode refuses it at the first step, saying this
+    ps_refused: str | None = None  # parameter-server sync mode refuses it (wrapping or first step), saying this
 
 
 def _mlp(**heads: int) -> dict[str, nn.Module]:
@@ -549,7 +549,7 @@ SCENARIOS = {
         Scenario("grads_from_autograd_grad", _plain_build, _mlp_loss, train=_grads_from_autograd_grad),
         Scenario("random_buffer", _random_buffer_build, _random_buffer_loss, kinds=("sgd",)),
         Scenario("ema_step_hook", _ema_build, _mlp_loss, train=_ema_train, kinds=("adam",)),
-        Scenario("float64_and_int_buffers", _mixed_build, _mixed_loss, kinds=("sgd",)),
+        Scenario("float64_and_int_buffers", _mixed_build, _mixed_loss, kinds=("sgd",), ps_refused="servers hold dense"),
         Scenario("optimizers", _groups_build, _groups_loss, kinds=(*_OPTIMIZERS, "rmsprop"), ps_kinds=_OPTIMIZERS),
         # What the parameter server cannot do as one process would: refused at the first step, never diverging.
         Scenario("one_cycle_lr", _plain_build, _mlp_loss, train=_one_cycle, ps_refused=_CHANGED_SETTING),

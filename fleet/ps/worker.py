@@ -115,6 +115,7 @@ class PSOptimizer(WrappedOptimizer):
 
     # ------------------------------------------------------------------ tables
     def _add_groups(self, indices: range, check_values: bool) -> None:
+        self._check_dtypes(indices)
         first = len(self.tables.entries)
         created = []
         for index in indices:  # dense tables first, then the sparse ones: every worker gets the same ids
@@ -125,6 +126,19 @@ class PSOptimizer(WrappedOptimizer):
             created += self._add_sparse(index)
         self.tables.settle(created, self.tables.entries[first:], self._explain, self._worker, check_values)
         self._watch_grads()
+
+    def _check_dtypes(self, indices: range) -> None:
+        """The servers keep dense values, gradients and optimizer state in float32: refuse any other dtype
+        rather than train a float64 (or bfloat16) model in float32 arithmetic without a word."""
+        for index in indices:
+            for p in self._inner.param_groups[index]["params"]:
+                if p.numel() and p.dtype != torch.float32:
+                    raise FleetError(
+                        f"Parameter {self._name(p)!r} is {str(p.dtype).removeprefix('torch.')}, but the parameter "
+                        "servers hold dense parameters, their gradients and the optimizer state in float32, so it "
+                        "would train in float32 arithmetic, unlike one process. Convert the model to float32 "
+                        "(model.float()) for a parameter-server job, or use mode='collective' (any dtype)."
+                    )
 
     def _watch_grads(self) -> None:
         if self._grad_watch is not None:
