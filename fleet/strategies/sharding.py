@@ -134,8 +134,9 @@ class ShardingStrategy(Strategy):
                     f"shard_modules={sorted(names)} matches no submodule of {type(model).__name__}; its submodules "
                     f"are of the classes {sorted({type(m).__name__ for m in model.modules() if m is not model})}."
                 )
-            return units
-        return [child for child in model.children() if any(p.numel() for p in child.parameters())]
+        else:
+            units = [child for child in model.children() if any(p.numel() for p in child.parameters())]
+        return [unit for unit in units if not _shares_parameters(unit, model)]
 
     # --- the Strategy interface ------------------------------------------------------------------
 
@@ -155,18 +156,25 @@ class ShardingStrategy(Strategy):
                 model.set_requires_gradient_sync(True)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        replaced = self.sharded([p for group in optimizer.param_groups for p in group["params"]])
+        if replaced:
+            _swap_parameters(optimizer, replaced)
+        wrapped = ShardingOptimizer(optimizer, self)
+        self._optimizers.append(weakref.ref(wrapped))
+        return wrapped
+
+    def sharded(self, params: list[torch.Tensor]) -> dict[int, torch.nn.Parameter]:
+        """Shard the models holding ``params`` (once each); ``id(old parameter) -> its sharded replacement``."""
+        if self.runtime.process_group(self.config.timeout_s) is None:
+            return {}  # one worker: nothing to shard
+        _refuse_sparse_gradients(params)
         # Parameters of a model already sharded (by distributed_model, or another optimizer) were replaced.
         replaced = {id(p): self._replaced.get(p) for p in params if p in self._replaced}
-        fresh = [p for p in params if id(p) not in replaced]
+        fresh = [p for p in params if id(p) not in replaced and not _is_sharded(p)]
         if fresh:
             for model in self._roots(fresh):
                 replaced.update(self._shard(model))
-        if replaced:
-            _swap_parameters(optimizer, replaced)
-        wrapped = ShardingOptimizer(optimizer)
-        self._optimizers.append(weakref.ref(wrapped))
-        return wrapped
+        return replaced
 
     def table_backend(self, module: tables.TableModule) -> tables.TableBackend | None:
         """fleet.nn.SparseEmbedding tables stay whole on every worker, updated with every worker's rows."""
@@ -212,6 +220,22 @@ class ShardingStrategy(Strategy):
 class ShardingOptimizer(WrappedOptimizer):
     """The user's optimizer over the sharded parameters; FSDP2 already reduced the gradients in backward."""
 
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: ShardingStrategy):
+        super().__init__(optimizer)
+        self.strategy = strategy
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Shards the new parameters' model first (every worker starts from worker 0's values), as wrapping does."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        replaced = self.strategy.sharded(params)
+        self._inner.add_param_group({**param_group, "params": [replaced.get(id(p), p) for p in params]})
+
+    def step(self, closure=None):
+        if self.strategy.runtime.process_group(self.strategy.config.timeout_s) is not None:
+            _refuse_unsharded(self.parameters())
+        return super().step(closure)
+
 
 def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer.inner if isinstance(optimizer, WrappedOptimizer) else optimizer
@@ -234,3 +258,41 @@ def _swap_parameters(optimizer: torch.optim.Optimizer, replaced: dict[int, torch
             else value
             for key, value in state.items()
         }
+
+
+def _is_sharded(param: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor) or tables.module_of(param) is not None
+
+
+def _shares_parameters(unit: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """Whether a parameter of ``unit`` is also held outside it (tied weights): FSDP2 would shard it twice,
+    as two parameters trained apart, so such a unit is left to the model's own unit, which holds both."""
+    inside = {id(m) for m in unit.modules()}
+    mine = {id(p) for p in unit.parameters()}
+    return any(id(p) in mine for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False))
+
+
+def _refuse_sparse_gradients(params: list[torch.Tensor]) -> None:
+    found = owners.find_owners(params)
+    sparse = [found[id(p)].name for p in params if owners.is_sparse_embedding_weight(found[id(p)])]
+    if sparse:
+        raise FleetError(
+            f"parameter {sparse[0]!r} is the weight of an nn.Embedding/EmbeddingBag with sparse=True: mode='sharding' "
+            "(FSDP2) cannot reduce-scatter sparse gradients. Use sparse=False, fleet.nn.SparseEmbedding for a "
+            "big table, or mode='collective', which averages sparse gradients as sparse."
+        )
+
+
+def _refuse_unsharded(params: list[torch.Tensor]) -> None:
+    """A parameter the optimizer steps that fleet never sharded would train on this worker's gradient alone."""
+    unsharded = [p for p in params if not _is_sharded(p)]
+    if unsharded:
+        name = owners.names_of(unsharded[:1])[0]
+        raise FleetError(
+            f"parameter {name!r} is in the optimizer but was never sharded, so its gradient is this worker's "
+            "own, not the average over the workers: it was added after fleet.distributed_optimizer without "
+            "going through it (optimizer.inner.add_param_group, or a module attached to a model already "
+            "sharded). Add it with the wrapped optimizer's add_param_group, in a module of its own."
+        )
