@@ -80,6 +80,16 @@ def _params(modules: dict[str, nn.Module], *names: str) -> list[nn.Parameter]:
     return [p for n in names for p in modules[n].parameters()]
 
 
+def _one_model(model_class: type[nn.Module]) -> Callable[[str], State]:
+    """A build for a scenario of one model (``State.model``) and one optimizer over all its parameters."""
+
+    def build(kind: str) -> State:
+        model = model_class()
+        return State(kind, {"model": model}, [make_optimizer(kind, model.parameters())])
+
+    return build
+
+
 def _single(kind: str, modules: dict[str, nn.Module], names: tuple[str, ...]) -> State:
     return State(kind, modules, [make_optimizer(kind, _params(modules, *names))])
 
@@ -232,11 +242,6 @@ class _Tied(nn.Module):
         self.mid = nn.Linear(8, 8)
         self.out = nn.Linear(8, 10)
         self.out.weight = self.emb.weight  # one Parameter, two modules
-
-
-def _tied_build(kind: str) -> State:
-    model = _Tied()
-    return State(kind, {"model": model}, [make_optimizer(kind, model.parameters())])
 
 
 def _tied_loss(state: State, data: tuple, worker: int, step: int, workers: int) -> torch.Tensor:
@@ -459,11 +464,6 @@ class _Mixed(nn.Module):
         self.register_buffer("mask", torch.ones(8, dtype=torch.bool))
 
 
-def _mixed_build(kind: str) -> State:
-    model = _Mixed()
-    return State(kind, {"model": model}, [make_optimizer(kind, model.parameters())])
-
-
 def _mixed_loss(state: State, data: tuple, worker: int, step: int, workers: int) -> torch.Tensor:
     x, y = data
     model = state.model
@@ -507,11 +507,6 @@ class _RandomBuffer(nn.Module):
         self.head = nn.Linear(8, 3)
 
 
-def _random_buffer_build(kind: str) -> State:
-    model = _RandomBuffer()
-    return State(kind, {"model": model}, [make_optimizer(kind, model.parameters())])
-
-
 def _random_buffer_loss(state: State, data: tuple, worker: int, step: int, workers: int) -> torch.Tensor:
     x, y = data
     model = state.model
@@ -537,7 +532,7 @@ SCENARIOS = {
         Scenario("two_optimizers", _two_build, _two_loss),
         # The parameter server has no SparseAdam: its dense tables take sparse gradients densified.
         Scenario("sparse_gradients", _sparse_build, _sparse_loss, make_batch=_sparse_batch, ps_kinds=("sgd",)),
-        Scenario("tied_weights", _tied_build, _tied_loss, kinds=("adam",)),
+        Scenario("tied_weights", _one_model(_Tied), _tied_loss, kinds=("adam",)),
         Scenario("backward_twice", _plain_build, _mlp_loss, train=_backward_twice, kinds=("sgd",)),
         Scenario("zero_grad_to_zeros", _branch_build, _branch_loss, train=_keep_zeros),
         Scenario("step_every_other", _plain_build, _mlp_loss, train=_step_every_other, kinds=("adam",)),
@@ -547,9 +542,11 @@ SCENARIOS = {
         Scenario("lr_schedules", _groups_build, _groups_loss, train=_schedules),
         Scenario("no_grad_edits", _plain_build, _mlp_loss, train=_normalise_by_hand, kinds=("adam",)),
         Scenario("grads_from_autograd_grad", _plain_build, _mlp_loss, train=_grads_from_autograd_grad),
-        Scenario("random_buffer", _random_buffer_build, _random_buffer_loss, kinds=("sgd",)),
+        Scenario("random_buffer", _one_model(_RandomBuffer), _random_buffer_loss, kinds=("sgd",)),
         Scenario("ema_step_hook", _ema_build, _mlp_loss, train=_ema_train, kinds=("adam",)),
-        Scenario("float64_and_int_buffers", _mixed_build, _mixed_loss, kinds=("sgd",), ps_refused="servers hold dense"),
+        Scenario(
+            "float64_and_int_buffers", _one_model(_Mixed), _mixed_loss, kinds=("sgd",), ps_refused="servers hold dense"
+        ),
         Scenario("optimizers", _groups_build, _groups_loss, kinds=(*_OPTIMIZERS, "rmsprop"), ps_kinds=_OPTIMIZERS),
         # What the parameter server cannot do as one process would: refused at the first step, never diverging.
         Scenario("one_cycle_lr", _plain_build, _mlp_loss, train=_one_cycle, ps_refused=_CHANGED_SETTING),

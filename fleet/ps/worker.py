@@ -69,15 +69,16 @@ class PSOptimizer(WrappedOptimizer):
 
         Why in two rounds: most buffers (BatchNorm's statistics, a causal mask) are equal on every
         worker already, and a large one would not fit a request (``max_request_mb``). First one
-        fingerprint per buffer (its bytes' hash: max and min over the workers); then only the buffers
+        fingerprint per buffer (its bytes' hash: max and min over the workers, one all-reduce); then only the buffers
         that differ, worker 0 sending its values and the others zeros, in pieces under the limit.
         """
         buffers = [b for b in owners.model_buffers(self.parameters())[0] if b.numel()]
         if not buffers:
             return
         prints = torch.tensor([_fingerprint(b) for b in buffers], dtype=torch.float64)
-        highest = self.client.all_reduce(prints, "max").result()
-        lowest = self.client.all_reduce(prints, "min").result()
+        # max and min in one round: the max of the negated fingerprints is minus their min (exact in float64)
+        extremes = self.client.all_reduce(torch.cat([prints, -prints]), "max").result()
+        highest, lowest = extremes[: len(buffers)], -extremes[len(buffers) :]
         differ = [b for b, hi, lo in zip(buffers, highest.tolist(), lowest.tolist(), strict=True) if hi != lo]
         if not differ:
             return
