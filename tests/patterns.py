@@ -115,6 +115,32 @@ def _branch_loss(state: State, data: tuple, worker: int, step: int, workers: int
     return loss  # head_c: never used by anyone
 
 
+class _Heads(nn.Module):
+    """Two heads in one module (one sharding unit): the branch is inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 3)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, h: torch.Tensor, use_b: bool) -> list[torch.Tensor]:
+        return [self.a(h), self.b(h)] if use_b else [self.a(h)]
+
+
+class _BranchInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.heads = _Heads()
+
+
+def _branch_inside_loss(state: State, data: tuple, worker: int, step: int, workers: int) -> torch.Tensor:
+    x, y = data
+    model = state.model
+    h = torch.tanh(model.trunk(x))
+    return sum(F.cross_entropy(logits, y) for logits in model.heads(h, _uses_b(worker, step)))
+
+
 # --- frozen, unfrozen --------------------------------------------------------------------------
 
 
@@ -524,6 +550,7 @@ SCENARIOS = {
     s.name: s
     for s in (
         Scenario("unused_branch", _branch_build, _branch_loss),
+        Scenario("branch_inside_a_module", _one_model(_BranchInside), _branch_inside_loss, kinds=("adam",)),
         Scenario("frozen_then_unfrozen", _frozen_build, _mlp_loss, before_step=_unfreeze_at_2),
         Scenario("unfrozen_after_zero_grad", _frozen_build, _mlp_loss, after_zero_grad=_unfreeze_at_2),
         Scenario("frozen_mid_training", _plain_build, _mlp_loss, before_step=_freeze_at_2),

@@ -55,7 +55,8 @@ def _cases(names) -> list[tuple[str, str]]:
 
 # What sharding supports (a sample, to keep the suite short: every process start of FSDP2 costs): freezing and
 # unfreezing, a layer added through the wrapper (sharded from worker 0's values), two backward passes before a
-# step, clipping and a GradScaler on the sharded gradients, float64 layers beside float32 ones.
+# step, clipping and a GradScaler on the sharded gradients, float64 layers beside float32 ones, and autograd
+# calls that name the (sharded) parameters: backward(inputs=...), gradients from torch.autograd.grad set by hand.
 SHARDED = [
     "frozen_then_unfrozen",
     "frozen_mid_training",
@@ -64,10 +65,18 @@ SHARDED = [
     "clip_grad_norm",
     "grad_scaler",
     "float64_and_int_buffers",
+    "backward_inputs",
+    "grads_from_autograd_grad",
+    "gradients_by_hand",
+    "branch_inside_a_module",
 ]
+# Refused cases run last: each leaves its models mid-step on every worker alike.
 SHARDING_REFUSED = {
     "add_param_group_to_inner": "was never sharded, so its gradient is this worker's own",
     "sparse_gradients": "sparse=True: mode='sharding' (FSDP2) cannot reduce-scatter sparse gradients",
+    # A module run by some workers only: named before FSDP2's gathers could pair wrongly (they hung until the timeout).
+    "unused_branch": "worker 0 about to run the forward of sharded module 'Linear(in_features=8, out_features=3",
+    "two_optimizers": "worker 0 about to run backward; worker 1 about to run the forward of sharded module",
 }
 SHARDING_CASES = _cases([*SHARDED, *SHARDING_REFUSED])
 
@@ -88,8 +97,26 @@ def sharding_worker(rank: int, cases: list, workers: int) -> dict:
             continue
         # The whole tensors, gathered from the shards (every worker takes part, in the same order).
         out[name, kind] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in got.items()}
+    out["hand_set_on_one_worker"] = _hand_set_on_one_worker(rank, strategy)
     fleet.stop_worker()
     return out
+
+
+def _hand_set_on_one_worker(rank: int, strategy) -> str:
+    """Both take a gradient with torch.autograd.grad; only worker 1 sets it as .grad: named, not averaged."""
+    import fleet
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    (grad,) = torch.autograd.grad(model(torch.ones(3, 4)).sum(), [model.weight])
+    if rank == 1:
+        model.weight.grad = grad
+    try:
+        opt.step()
+    except fleet.FleetError as error:
+        return str(error)
+    return "stepped"
 
 
 @_once
@@ -109,6 +136,14 @@ def test_sharding_equals_single_process_or_refuses(name: str, kind: str) -> None
     for rank, result in enumerate(results):
         problems = patterns.compare(result[name, kind], want)
         assert not problems, f"worker {rank}, {name} with {kind}: " + "; ".join(problems)
+
+
+def test_sharding_names_a_gradient_set_by_hand_on_some_workers_only() -> None:
+    for rank, result in enumerate(sharding_results()):
+        assert (
+            "parameter 'weight': some workers set its .grad by hand as a whole tensor"
+            in result["hand_set_on_one_worker"]
+        ), f"worker {rank}: {result['hand_set_on_one_worker']}"
 
 
 def test_tied_weights_stay_in_one_sharding_unit() -> None:

@@ -44,6 +44,9 @@ FINISH = 6  # fleet.stop_worker(), or the process exits
 JOINED = 7  # this worker's loop ended inside fleet.join(); it shadows the others
 PARAMS = 8  # parameters broadcast after add_param_group: a = number of new parameters
 REDUCE = 9  # fleet.metrics: all-reduce a float64 vector: a = its length, b = the op's index in REDUCE_OPS
+SHARD_FORWARD = 10  # mode="sharding": FSDP2 gathers a module's parameters: a = the module's index
+SHARD_BACKWARD = 11  # mode="sharding": a backward after sharded forwards: a = 1 backward, 2 torch.autograd.grad
+SHARD_REDUCE = 12  # mode="sharding": FSDP2 reduce-scatters a module's gradients: a = its index, b = which it has
 
 TRAINING = (ROUND, BUFFERS, SPARSE_ROWS, AVERAGE, PARAMS)
 ENDED = (BARRIER, FINISH, JOINED)
@@ -58,6 +61,9 @@ WHAT = {
     JOINED: "wait inside fleet.join() with its loop finished",
     PARAMS: "broadcast parameters added with add_param_group",
     REDUCE: "all-reduce a global metric (compute() of a fleet.metrics metric)",
+    SHARD_FORWARD: "run the forward of a sharded module",
+    SHARD_BACKWARD: "run backward",
+    SHARD_REDUCE: "reduce-scatter a sharded module's gradients (backward)",
 }
 
 REDUCE_OPS = ("sum", "max", "min")  # REDUCE's b, by index: fleet.strategies.base.REDUCE_OPS (tested equal)
@@ -219,7 +225,7 @@ class Lockstep:
         for h in agreement.headers:
             groups.setdefault(h.kind, []).append(h.rank)
         parts = [
-            f"{_workers(ranks)} about to {WHAT.get(kind, kind)} (step {_steps(agreement, ranks)})"
+            f"{workers(ranks)} about to {WHAT.get(kind, kind)} (step {_steps(agreement, ranks)})"
             for kind, ranks in groups.items()
         ]
         text = "Workers issued different collectives: " + "; ".join(parts) + "."
@@ -250,7 +256,7 @@ class Lockstep:
         what = agreement.leader().says()
         return (
             f"Workers disagree about the operands of the next collective ({what}): "
-            + " vs ".join(_workers(ranks) for ranks in groups.values())
+            + " vs ".join(workers(ranks) for ranks in groups.values())
             + ". Every worker must build the same model and train the same parameters."
         )
 
@@ -259,7 +265,7 @@ class Lockstep:
         for h in agreement.headers:
             groups.setdefault((h.a, h.b), []).append(h.rank)
         parts = [
-            f"{_workers(ranks)} reducing {n} values by {REDUCE_OPS[op] if 0 <= op < len(REDUCE_OPS) else op}"
+            f"{workers(ranks)} reducing {n} values by {REDUCE_OPS[op] if 0 <= op < len(REDUCE_OPS) else op}"
             for (n, op), ranks in groups.items()
         ]
         return (
@@ -276,7 +282,7 @@ class Lockstep:
         )
 
 
-def _workers(ranks: list[int]) -> str:
+def workers(ranks: list[int]) -> str:
     return ("worker " if len(ranks) == 1 else "workers ") + ", ".join(str(r) for r in ranks)
 
 

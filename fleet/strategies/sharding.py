@@ -43,6 +43,8 @@ from fleet.collective.broadcast import broadcast_tensors, check_same_shapes
 from fleet.collective.grad_sync import ParamMap
 from fleet.errors import FleetError
 from fleet.optimizer import WrappedOptimizer
+from fleet.sharding import autograd as sharded_autograd
+from fleet.sharding.order import ShardedOrder
 from fleet.strategies.base import Runtime, Strategy
 
 if TYPE_CHECKING:
@@ -76,6 +78,7 @@ class ShardingStrategy(Strategy):
         self._sharded: weakref.WeakSet = weakref.WeakSet()  # the models fully_shard was applied to
         self._replaced = ParamMap()  # an old parameter (weakly) -> its sharded replacement
         self._optimizers: list[weakref.ref] = []
+        self._order: ShardedOrder | None = None  # every worker runs the same sharded modules (made with the group)
 
     # --- sharding the model ----------------------------------------------------------------
 
@@ -116,9 +119,17 @@ class ShardingStrategy(Strategy):
         if self.config.mixed_precision != "none":
             dtype = DTYPES[self.config.mixed_precision]
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for unit in self._units(model):
+        units = self._units(model)
+        if self._order is None:
+            self._order = ShardedOrder(group, self.config.timeout_s, self.runtime.diagnose_peers)
+        root = _describe(model, len(self._order.roots))  # before fully_shard renames its class
+        self._order.roots.append(root)
+        inside = {id(unit): name for name, unit in model.named_modules()}
+        for unit in units:
             fully_shard(unit, **options)
         fully_shard(model, **options)
+        sharded_autograd.track(model)  # backward(inputs=...) and autograd.grad on its parameters
+        self._order.watch([(f"{root}.{inside[id(unit)]}", unit) for unit in units] + [(root, model)])
         self._sharded.add(model)
         after = dict(model.named_parameters())
         for name, old in before.items():
@@ -192,6 +203,11 @@ class ShardingStrategy(Strategy):
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
+    def shutdown(self) -> None:
+        if self._order is not None:
+            self._order.close()
+        super().shutdown()
+
     def barrier(self) -> None:
         group = self.runtime.process_group(self.config.timeout_s)
         if group is not None:
@@ -232,9 +248,19 @@ class ShardingOptimizer(WrappedOptimizer):
         self._inner.add_param_group({**param_group, "params": [replaced.get(id(p), p) for p in params]})
 
     def step(self, closure=None):
-        if self.strategy.runtime.process_group(self.strategy.config.timeout_s) is not None:
-            _refuse_unsharded(self.parameters())
+        group = self.strategy.runtime.process_group(self.strategy.config.timeout_s)
+        if group is not None:
+            params = self.parameters()
+            _refuse_unsharded(params)
+            _shard_whole_gradients(params, group)
         return super().step(closure)
+
+
+def _describe(model: torch.nn.Module, earlier: int) -> str:
+    """A sharded model in a message: its repr when short (``Linear(in_features=8, ...)``), and which one it was."""
+    text = repr(model)
+    text = text if "\n" not in text and len(text) <= 80 else type(model).__name__
+    return f"{text} (model {earlier + 1} sharded)" if earlier else text
 
 
 def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -283,6 +309,58 @@ def _refuse_sparse_gradients(params: list[torch.Tensor]) -> None:
             "(FSDP2) cannot reduce-scatter sparse gradients. Use sparse=False, fleet.nn.SparseEmbedding for a "
             "big table, or mode='collective', which averages sparse gradients as sparse."
         )
+
+
+def _shard_whole_gradients(params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Average the gradients set by hand as whole tensors (from torch.autograd.grad) and keep this worker's shard.
+
+    A backward leaves FSDP2's averaged shard in ``.grad``; ``p.grad = g`` with ``g`` from
+    ``torch.autograd.grad`` leaves this worker's own gradient of the whole parameter, which one
+    process would have averaged over the union of the batches. Every worker takes part in one
+    small all-reduce per step to agree on which parameters carry one (a worker that set one
+    where another did not is named, instead of pairing collectives wrongly).
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    whole = torch.tensor([p.grad is not None and not isinstance(p.grad, DTensor) for p in sharded], dtype=torch.int32)
+    agreed = torch.cat([whole, -whole])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    anyone, everyone = agreed[: len(sharded)], -agreed[len(sharded) :]
+    if not bool(anyone.any()):
+        return
+    for i in (anyone != everyone).nonzero().flatten().tolist():
+        name = owners.names_of([sharded[i]])[0]
+        raise FleetError(
+            f"parameter {name!r}: some workers set its .grad by hand as a whole tensor (from torch.autograd.grad) "
+            "and others did not, so there is no average to take. Set it the same way on every worker."
+        )
+    chosen = [p for p, flag in zip(sharded, whole.tolist(), strict=True) if flag]
+    for p in chosen:
+        if p.grad.shape != p.shape:
+            name = owners.names_of([p])[0]
+            raise FleetError(
+                f"parameter {name!r}: .grad was set to a tensor of shape {tuple(p.grad.shape)}, but the parameter's "
+                f"shape is {tuple(p.shape)}."
+            )
+    world = dist.get_world_size(group)
+    for same in _by_dtype([p.grad.detach().to(p.dtype) for p in chosen]):
+        flat = torch.cat([g.reshape(-1) for _, g in same])
+        dist.all_reduce(flat, group=group)
+        flat /= world
+        offset = 0
+        for i, g in same:
+            average = flat[offset : offset + g.numel()].view_as(g)
+            offset += g.numel()
+            p = chosen[i]
+            p.grad = distribute_tensor(average, p.device_mesh, p.placements, src_data_rank=None)
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[tuple[int, torch.Tensor]]]:
+    kinds: dict[tuple[torch.dtype, torch.device], list[tuple[int, torch.Tensor]]] = {}
+    for i, t in enumerate(tensors):
+        kinds.setdefault((t.dtype, t.device), []).append((i, t))
+    return list(kinds.values())
 
 
 def _refuse_unsharded(params: list[torch.Tensor]) -> None:

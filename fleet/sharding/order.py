@@ -1,0 +1,152 @@
+"""Every worker runs the same sharded modules in the same order: checked before FSDP2's collectives.
+
+FSDP2 gathers a module's parameters at the start of its forward and reduce-scatters its
+gradients in backward, and gloo and NCCL pair those collectives by the order workers issue
+them. A module that only some workers run in a step (a branch taken on some batches, an
+auxiliary loss on some workers, one of two models trained by some workers only) made the
+others' gathers pair with the wrong collective: a wait until the timeout ending in gloo's
+"Connection closed by peer", or, between two modules of the same size, parameters silently
+mixed. So every worker announces, through fleet's lockstep (one all-gather of a few integers):
+
+- each sharded module's forward, before FSDP2 gathers its parameters;
+- the first backward (or ``torch.autograd.grad``) after a sharded forward;
+- each reduce-scatter of a module's gradients, with which of its parameters have one.
+
+A worker about to do something else is named at once, with the module, on every worker. Within
+a module every worker ran, a parameter that only some workers used (a branch inside the
+module) gets a zero gradient on the others before the reduce-scatter, so the average counts
+them as zero, as one process's gradient of the mean loss does; a parameter nobody used keeps
+``.grad is None``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fleet.collective import lockstep
+from fleet.errors import PeerError
+from fleet.sharding import autograd
+
+ADVICE = (
+    "mode='sharding' (FSDP2) gathers a module's parameters and reduces its gradients on every worker together, "
+    "so every worker must run the same sharded modules in the same order in every step, and use their outputs "
+    "in backward alike. A module used by only some workers (a branch taken on some batches, a loss term on some "
+    "workers, a model trained by some workers only) cannot be sharded: run it on every worker (multiplying its "
+    "output by zero where it is not wanted gives the same gradients), or use mode='collective', which handles it."
+)
+
+
+class ShardedOrder:
+    """Announces each sharded module's forward and reduce-scatter, and each backward after a forward."""
+
+    def __init__(self, group: Any, timeout_s: float, diagnose: Callable[[], str | None] | None = None):
+        self.group = group
+        self.lockstep = lockstep.Lockstep(group, timeout_s, diagnose)
+        self.names: list[str] = []  # a watched module's index (the same on every worker) -> its name
+        self.roots: list[str] = []  # the models sharded, described, in the order they were
+        self._ran_forward = False  # a sharded module ran forward since the last backward announced
+        autograd.before_backward(self.before_backward)
+
+    def watch(self, modules: list[tuple[str, torch.nn.Module]]) -> None:
+        """Announce the forward and the reduce-scatter of each of ``modules`` (already given to fully_shard)."""
+        for name, module in modules:
+            index = len(self.names)
+            self.names.append(name)
+            module.register_forward_pre_hook(_ForwardHook(self, index), prepend=True)  # before FSDP2's gather
+            for param_group in module._get_fsdp_state()._fsdp_param_groups:
+                param_group.post_backward = _ReduceHook(self, index, param_group.post_backward)
+
+    def before_forward(self, index: int) -> None:
+        self._agree(lockstep.SHARD_FORWARD, index)
+        self._ran_forward = True
+
+    def before_backward(self, how: int) -> None:
+        # Only after a sharded forward: a backward through other tensors (worker 0 alone computing
+        # something) issues no FSDP2 collective, so it needs no agreement either.
+        if self._ran_forward:
+            self._ran_forward = False
+            self._agree(lockstep.SHARD_BACKWARD, how)
+            self.lockstep.steps += 1
+
+    def before_reduce(self, index: int, param_group: Any) -> None:
+        """Agree on which parameters of the module have a gradient; zeros for those only others have."""
+        if not param_group.reduce_grads:
+            return  # no_sync(): FSDP2 only accumulates, on every worker alike
+        params = [p for p in param_group.fsdp_params if hasattr(p, "_unsharded_param")]
+        has = [p.unsharded_accumulated_grad is not None or p.unsharded_param.grad is not None for p in params]
+        which = int.from_bytes(hashlib.blake2b(bytes(has), digest_size=8).digest(), "little") >> 2
+        agreement = self.lockstep.exchange(lockstep.SHARD_REDUCE, index, which)
+        if any((h.kind, h.a) != (lockstep.SHARD_REDUCE, index) for h in agreement.headers):
+            raise PeerError(self._mismatch(agreement))
+        if all(h.b == which for h in agreement.headers):
+            return
+        anyone = torch.tensor(has, dtype=torch.int32)
+        dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=self.group)
+        for p, mine, someone in zip(params, has, anyone.tolist(), strict=True):
+            if someone and not mine:
+                p.unsharded_param.grad = torch.zeros(
+                    p.unsharded_param.shape, dtype=p.unsharded_param.dtype, device=p.unsharded_param.device
+                )
+
+    def close(self) -> None:
+        autograd.forget(self.before_backward)
+
+    def _agree(self, kind: int, a: int) -> None:
+        agreement = self.lockstep.exchange(kind, a)
+        if any((h.kind, h.a) != (kind, a) for h in agreement.headers):
+            raise PeerError(self._mismatch(agreement))
+
+    def _mismatch(self, agreement: lockstep.Agreement) -> str:
+        groups: dict[str, list[int]] = {}
+        for h in agreement.headers:
+            groups.setdefault(self._doing(h), []).append(h.rank)
+        parts = [f"{lockstep.workers(ranks)} about to {doing}" for doing, ranks in groups.items()]
+        passes = "/".join(sorted({str(h.steps) for h in agreement.headers}))
+        return (
+            f"Workers ran different sharded modules (after {passes} backward pass(es) with sharded modules): "
+            f"{'; '.join(parts)}. {ADVICE}"
+        )
+
+    def _doing(self, header: lockstep.Header) -> str:
+        name = self.names[header.a] if 0 <= header.a < len(self.names) else f"#{header.a}"
+        if header.kind == lockstep.SHARD_FORWARD:
+            return f"run the forward of sharded module {name!r}"
+        if header.kind == lockstep.SHARD_REDUCE:
+            return f"reduce-scatter the gradients of sharded module {name!r}"
+        if header.kind == lockstep.SHARD_BACKWARD:
+            return "run torch.autograd.grad" if header.a == autograd.AUTOGRAD_GRAD else "run backward"
+        return header.says()
+
+
+class _ForwardHook:
+    """A forward pre-hook holding its order weakly: a model outliving its strategy stops announcing."""
+
+    def __init__(self, order: ShardedOrder, index: int):
+        self.order = weakref.ref(order)
+        self.index = index
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+        order = self.order()
+        if order is not None:
+            order.before_forward(self.index)
+
+
+class _ReduceHook:
+    """In place of an FSDP2 parameter group's ``post_backward``: agree first, then reduce-scatter."""
+
+    def __init__(self, order: ShardedOrder, index: int, post_backward: Callable[..., Any]):
+        self.order = weakref.ref(order)
+        self.index = index
+        self.post_backward = post_backward
+
+    def __call__(self, *args: Any) -> Any:
+        order = self.order()
+        if order is not None:
+            order.before_reduce(self.index, self.post_backward.__self__)
+        return self.post_backward(*args)
