@@ -98,6 +98,7 @@ def sharding_worker(rank: int, cases: list, workers: int) -> dict:
         # The whole tensors, gathered from the shards (every worker takes part, in the same order).
         out[name, kind] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in got.items()}
     out["hand_set_on_one_worker"] = _hand_set_on_one_worker(rank, strategy)
+    out["metric_beside_a_forward"] = _metric_beside_a_forward(rank, strategy)
     fleet.stop_worker()
     return out
 
@@ -136,6 +137,31 @@ def test_sharding_equals_single_process_or_refuses(name: str, kind: str) -> None
     for rank, result in enumerate(results):
         problems = patterns.compare(result[name, kind], want)
         assert not problems, f"worker {rank}, {name} with {kind}: " + "; ".join(problems)
+
+
+def _metric_beside_a_forward(rank: int, strategy) -> str:
+    """Worker 0 computes a global metric while worker 1 runs a sharded forward: named, never paired."""
+    import fleet
+
+    model = torch.nn.Linear(4, 2)
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    try:
+        if rank == 0:
+            total = fleet.metrics.Sum()
+            total.update(torch.ones(3))
+            total.compute()
+        else:
+            model(torch.ones(3, 4))
+    except fleet.FleetError as error:
+        return str(error)
+    return "ran"
+
+
+def test_sharding_names_a_metric_computed_beside_a_forward() -> None:
+    for rank, result in enumerate(sharding_results()):
+        message = result["metric_beside_a_forward"]
+        assert "worker 0 about to all-reduce a global metric" in message, f"worker {rank}: {message}"
+        assert "worker 1 about to run the forward of sharded module 'Linear(in_features=4" in message
 
 
 def test_sharding_names_a_gradient_set_by_hand_on_some_workers_only() -> None:

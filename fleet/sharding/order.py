@@ -10,7 +10,8 @@ mixed. So every worker announces, through fleet's lockstep (one all-gather of a 
 
 - each sharded module's forward, before FSDP2 gathers its parameters;
 - the first backward (or ``torch.autograd.grad``) after a sharded forward;
-- each reduce-scatter of a module's gradients, with which of its parameters have one.
+- each reduce-scatter of a module's gradients, with which of its parameters have one;
+- fleet's own collectives in between: a ``fleet.metrics`` all-reduce, ``fleet.barrier_worker()``.
 
 A worker about to do something else is named at once, with the module, on every worker. Within
 a module every worker ran, a parameter that only some workers used (a branch inside the
@@ -93,6 +94,12 @@ class ShardedOrder:
                 p.unsharded_param.grad = torch.zeros(
                     p.unsharded_param.shape, dtype=p.unsharded_param.dtype, device=p.unsharded_param.device
                 )
+
+    def before_collective(self, kind: int, a: int = 0, b: int = 0) -> None:
+        """Announce a collective of fleet's own (a metric's all-reduce, a barrier) among the sharded ones."""
+        agreement = self.lockstep.exchange(kind, a, b)
+        if any((h.kind, h.a, h.b) != (kind, a, b) for h in agreement.headers):
+            raise PeerError(self._mismatch(agreement))
 
     def close(self) -> None:
         autograd.forget(self.before_backward)

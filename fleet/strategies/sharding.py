@@ -38,14 +38,14 @@ import torch
 import torch.distributed as dist
 
 from fleet import owners, tables
-from fleet.collective import sparse_grads
+from fleet.collective import lockstep, sparse_grads
 from fleet.collective.broadcast import broadcast_tensors, check_same_shapes
 from fleet.collective.grad_sync import ParamMap
 from fleet.errors import FleetError
 from fleet.optimizer import WrappedOptimizer
 from fleet.sharding import autograd as sharded_autograd
 from fleet.sharding.order import ShardedOrder
-from fleet.strategies.base import Runtime, Strategy
+from fleet.strategies.base import Runtime, Strategy, check_reduce
 
 if TYPE_CHECKING:
     from fleet.strategy import DistributedStrategy
@@ -211,7 +211,15 @@ class ShardingStrategy(Strategy):
     def barrier(self) -> None:
         group = self.runtime.process_group(self.config.timeout_s)
         if group is not None:
+            if self._order is not None:
+                self._order.before_collective(lockstep.BARRIER)
             dist.barrier(group=group)
+
+    def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self._order is not None:  # among FSDP2's collectives: announced like them
+            check_reduce(values, op)
+            self._order.before_collective(lockstep.REDUCE, values.numel(), lockstep.REDUCE_OPS.index(op))
+        return super().all_reduce(values, op)
 
     def save_state(self, dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Every worker writes its shards (torch.distributed.checkpoint), in a format any worker count loads."""
