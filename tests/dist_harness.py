@@ -1,7 +1,8 @@
 """Run a function in N fresh worker processes, as fleetrun would start them, over gloo on 127.0.0.1.
 
-Children are forked from a forkserver that has already imported torch, so a test pays
-the import once. Every run has a deadline: a hang fails the test instead of the suite.
+Children are forked from a forkserver that has already imported torch, fleet's modules and
+torch's FSDP2 and checkpoint packages (about 1.3 s a process otherwise, most of a small test),
+so a test pays the imports once. Every run has a deadline: a hang fails the test instead of the suite.
 """
 
 from __future__ import annotations
@@ -21,7 +22,22 @@ from pathlib import Path
 from typing import Any
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "fleet"])
+_CTX.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed.checkpoint",
+        "torch.distributed.fsdp",
+        "torch.distributed.tensor",
+        "fleet",
+        "fleet.api",
+        "fleet.metrics",
+        "fleet.ps.server",
+        "fleet.ps.worker",
+        "fleet.strategies.collective",
+        "fleet.strategies.parameter_server",
+        "fleet.strategies.sharding",
+    ]
+)
 
 
 # Variables of every launcher fleet detects: a test that starts its own launch must not inherit them.
