@@ -11,6 +11,7 @@ mixed. So every worker announces, through fleet's lockstep (one all-gather of a 
 - each sharded module's forward, before FSDP2 gathers its parameters;
 - the first backward (or ``torch.autograd.grad``) after a sharded forward;
 - each reduce-scatter of a module's gradients, with which of its parameters have one;
+- each optimizer step, with which parameters carry a gradient set by hand;
 - fleet's own collectives in between: a ``fleet.metrics`` all-reduce, ``fleet.barrier_worker()``.
 
 A worker about to do something else is named at once, with the module, on every worker. Within
@@ -81,7 +82,7 @@ class ShardedOrder:
             return  # no_sync(): FSDP2 only accumulates, on every worker alike
         params = [p for p in param_group.fsdp_params if hasattr(p, "_unsharded_param")]
         has = [p.unsharded_accumulated_grad is not None or p.unsharded_param.grad is not None for p in params]
-        which = int.from_bytes(hashlib.blake2b(bytes(has), digest_size=8).digest(), "little") >> 2
+        which = _fingerprint(has)
         agreement = self.lockstep.exchange(lockstep.SHARD_REDUCE, index, which)
         if any((h.kind, h.a) != (lockstep.SHARD_REDUCE, index) for h in agreement.headers):
             raise PeerError(self._mismatch(agreement))
@@ -94,6 +95,24 @@ class ShardedOrder:
                 p.unsharded_param.grad = torch.zeros(
                     p.unsharded_param.shape, dtype=p.unsharded_param.dtype, device=p.unsharded_param.device
                 )
+
+    def before_step(self, whole: list[bool]) -> int | None:
+        """Announce an optimizer step and which parameters carry a whole gradient set by hand.
+
+        Returns None when every worker says the same, else the index of the first parameter
+        whose flag differs (found with one more all-reduce, on every worker alike).
+        """
+        which = _fingerprint(whole)
+        agreement = self.lockstep.exchange(lockstep.SHARD_STEP, which)
+        if any(h.kind != lockstep.SHARD_STEP for h in agreement.headers):
+            raise PeerError(self._mismatch(agreement))
+        if all(h.a == which for h in agreement.headers):
+            return None
+        flags = torch.tensor(whole, dtype=torch.int32)
+        both = torch.cat([flags, -flags])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        anyone, everyone = both[: len(whole)], -both[len(whole) :]
+        return int((anyone != everyone).nonzero()[0])
 
     def before_collective(self, kind: int, a: int = 0, b: int = 0) -> None:
         """Announce a collective of fleet's own (a metric's all-reduce, a barrier) among the sharded ones."""
@@ -129,6 +148,11 @@ class ShardedOrder:
         if header.kind == lockstep.SHARD_BACKWARD:
             return "run torch.autograd.grad" if header.a == autograd.AUTOGRAD_GRAD else "run backward"
         return header.says()
+
+
+def _fingerprint(flags: list[bool]) -> int:
+    """62 bits: fits a header field."""
+    return int.from_bytes(hashlib.blake2b(bytes(flags), digest_size=8).digest(), "little") >> 2
 
 
 class _ForwardHook:

@@ -260,7 +260,7 @@ class ShardingOptimizer(WrappedOptimizer):
         if group is not None:
             params = self.parameters()
             _refuse_unsharded(params)
-            _shard_whole_gradients(params, group)
+            _shard_whole_gradients(params, group, self.strategy._order)
         return super().step(closure)
 
 
@@ -319,31 +319,32 @@ def _refuse_sparse_gradients(params: list[torch.Tensor]) -> None:
         )
 
 
-def _shard_whole_gradients(params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+def _shard_whole_gradients(params: list[torch.Tensor], group: dist.ProcessGroup, order: ShardedOrder | None) -> None:
     """Average the gradients set by hand as whole tensors (from torch.autograd.grad) and keep this worker's shard.
 
     A backward leaves FSDP2's averaged shard in ``.grad``; ``p.grad = g`` with ``g`` from
     ``torch.autograd.grad`` leaves this worker's own gradient of the whole parameter, which one
-    process would have averaged over the union of the batches. Every worker takes part in one
-    small all-reduce per step to agree on which parameters carry one (a worker that set one
-    where another did not is named, instead of pairing collectives wrongly).
+    process would have averaged over the union of the batches. The step is announced among
+    FSDP2's collectives with which parameters carry one, so the workers agree on them (a worker
+    that set one where another did not is named, instead of pairing collectives wrongly) and a
+    step without any costs nothing more.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     sharded = [p for p in params if isinstance(p, DTensor)]
-    whole = torch.tensor([p.grad is not None and not isinstance(p.grad, DTensor) for p in sharded], dtype=torch.int32)
-    agreed = torch.cat([whole, -whole])
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    anyone, everyone = agreed[: len(sharded)], -agreed[len(sharded) :]
-    if not bool(anyone.any()):
-        return
-    for i in (anyone != everyone).nonzero().flatten().tolist():
-        name = owners.names_of([sharded[i]])[0]
+    whole = [p.grad is not None and not isinstance(p.grad, DTensor) for p in sharded]
+    if order is None:
+        return  # nothing sharded by fleet: no gradient of a sharded parameter to average
+    differs = order.before_step(whole)
+    if differs is not None:
+        name = owners.names_of([sharded[differs]])[0]
         raise FleetError(
             f"parameter {name!r}: some workers set its .grad by hand as a whole tensor (from torch.autograd.grad) "
             "and others did not, so there is no average to take. Set it the same way on every worker."
         )
-    chosen = [p for p, flag in zip(sharded, whole.tolist(), strict=True) if flag]
+    if not any(whole):
+        return
+    chosen = [p for p, flag in zip(sharded, whole, strict=True) if flag]
     for p in chosen:
         if p.grad.shape != p.shape:
             name = owners.names_of([p])[0]
