@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fleet.collective import lockstep
+from fleet.collective.shm import LocalHost
 from fleet.errors import PeerError
 from fleet.sharding import autograd
 
@@ -47,9 +48,18 @@ ADVICE = (
 class ShardedOrder:
     """Announces each sharded module's forward and reduce-scatter, and each backward after a forward."""
 
-    def __init__(self, group: Any, timeout_s: float, diagnose: Callable[[], str | None] | None = None):
+    def __init__(
+        self,
+        group: Any,
+        timeout_s: float,
+        diagnose: Callable[[], str | None] | None = None,
+        shared_memory: bool = True,
+    ):
         self.group = group
-        self.lockstep = lockstep.Lockstep(group, timeout_s, diagnose)
+        # Workers on one host exchange the announcements through shared memory: no gloo round trip
+        # (a few microseconds instead of about a millisecond each, some thirty per step).
+        host = LocalHost.connect(group, timeout_s) if shared_memory else None
+        self.lockstep = lockstep.Lockstep(group, timeout_s, diagnose, host.lockstep if host is not None else None)
         self.names: list[str] = []  # a watched module's index (the same on every worker) -> its name
         self.roots: list[str] = []  # the models sharded, described, in the order they were
         self._ran_forward = False  # a sharded module ran forward since the last backward announced

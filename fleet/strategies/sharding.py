@@ -121,7 +121,9 @@ class ShardingStrategy(Strategy):
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         units = self._units(model)
         if self._order is None:
-            self._order = ShardedOrder(group, self.config.timeout_s, self.runtime.diagnose_peers)
+            self._order = ShardedOrder(
+                group, self.config.timeout_s, self.runtime.diagnose_peers, self.config.shared_memory
+            )
         root = _describe(model, len(self._order.roots))  # before fully_shard renames its class
         self._order.roots.append(root)
         inside = {id(unit): name for name, unit in model.named_modules()}
