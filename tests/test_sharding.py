@@ -57,7 +57,9 @@ def sharded_worker(
     model = make_model(seed=rank)  # different on every worker: worker 0's values must win
     opt = make_optimizer(kind, model.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)  # built before wrapping
-    opt = fleet.distributed_optimizer(opt, fleet.DistributedStrategy(mode="sharding", sharding_stage=stage))
+    # 3 workers: fleet's announcements through gloo, the path across hosts; 2: through shared memory.
+    strategy = fleet.DistributedStrategy(mode="sharding", sharding_stage=stage, shared_memory=fleet.worker_num() != 3)
+    opt = fleet.distributed_optimizer(opt, strategy)
     shards = [tuple(p.to_local().shape) for p in model.parameters() if hasattr(p, "to_local")]
     start = steps.start
     if ckpt is not None and start > 0:
