@@ -72,7 +72,8 @@ class ShardedOrder:
             self.names.append(name)
             module.register_forward_pre_hook(_ForwardHook(self, index), prepend=True)  # before FSDP2's gather
             for param_group in module._get_fsdp_state()._fsdp_param_groups:
-                param_group.post_backward = _ReduceHook(self, index, param_group.post_backward)
+                if not isinstance(param_group.post_backward, _ReduceHook):  # modules sharded as one group share it
+                    param_group.post_backward = _ReduceHook(self, index, param_group.post_backward)
 
     def before_forward(self, index: int) -> None:
         self._agree(lockstep.SHARD_FORWARD, index)

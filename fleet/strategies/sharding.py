@@ -128,17 +128,27 @@ class ShardingStrategy(Strategy):
         self._order.roots.append(root)
         inside = {id(unit): name for name, unit in model.named_modules()}
         for unit in units:
-            fully_shard(unit, **options)
+            fully_shard(unit if len(unit) > 1 else unit[0], **options)
         fully_shard(model, **options)
+        # FSDP2 picks its root at the first forward and refuses a submodule called before the model
+        # ("requires running forward through the root module first"); the model is the root.
+        model._get_fsdp_state()._lazy_init()
         sharded_autograd.track(model)  # backward(inputs=...) and autograd.grad on its parameters
-        self._order.watch([(f"{root}.{inside[id(unit)]}", unit) for unit in units] + [(root, model)])
+        self._order.watch([(f"{root}.{inside[id(m)]}", m) for unit in units for m in unit] + [(root, model)])
         self._sharded.add(model)
         after = dict(model.named_parameters())
         for name, old in before.items():
             self._replaced.set(old, after[name])
         return {id(before[name]): after[name] for name in before}
 
-    def _units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+    def _units(self, model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+        """The submodules sharded ahead of the model, each a list: one module, or modules sharing parameters.
+
+        Modules that share a parameter (tied weights) are sharded together, as one FSDP2 group: two
+        units would shard the parameter twice and train two copies apart, and as one group a call of
+        any of them gathers it. A module sharing a parameter with the model itself is left to the
+        model's own unit.
+        """
         names = set(self.config.shard_modules)
         if names:
             units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
@@ -149,7 +159,13 @@ class ShardingStrategy(Strategy):
                 )
         else:
             units = [child for child in model.children() if any(p.numel() for p in child.parameters())]
-        return [unit for unit in units if not _shares_parameters(unit, model)]
+        groups: list[list[torch.nn.Module]] = [[unit] for unit in units]
+        for i in range(len(groups)):  # merge the candidates that share a parameter (few: a quadratic pass)
+            for j in range(i + 1, len(groups)):
+                if groups[i] and groups[j] and _param_ids(groups[i]) & _param_ids(groups[j]):
+                    groups[j] = groups[i] + groups[j]
+                    groups[i] = []
+        return [group for group in groups if group and not _shares_parameters(group, model)]
 
     # --- the Strategy interface ------------------------------------------------------------------
 
@@ -302,11 +318,16 @@ def _is_sharded(param: torch.Tensor) -> bool:
     return isinstance(param, DTensor) or tables.module_of(param) is not None
 
 
-def _shares_parameters(unit: torch.nn.Module, model: torch.nn.Module) -> bool:
-    """Whether a parameter of ``unit`` is also held outside it (tied weights): FSDP2 would shard it twice,
-    as two parameters trained apart, so such a unit is left to the model's own unit, which holds both."""
-    inside = {id(m) for m in unit.modules()}
-    mine = {id(p) for p in unit.parameters()}
+def _param_ids(modules: list[torch.nn.Module]) -> set[int]:
+    return {id(p) for m in modules for p in m.parameters()}
+
+
+def _shares_parameters(modules: list[torch.nn.Module], model: torch.nn.Module) -> bool:
+    """Whether a parameter of ``modules`` is also held outside them (tied to the model's own, or to a
+    module nested in a unit): FSDP2 would shard it twice, as two parameters trained apart, so such
+    modules are left to the model's own unit, which holds both."""
+    inside = {id(m) for unit in modules for m in unit.modules()}
+    mine = _param_ids(modules)
     return any(id(p) in mine for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False))
 
 
