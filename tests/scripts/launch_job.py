@@ -51,7 +51,18 @@ if "--grandchild" in opts:
     with open(logs / f"grandchild.{key}", "w") as f:
         f.write(f"{child.pid}\n")
 
+def _recorded(path: Path) -> bool:
+    return path.exists() and path.stat().st_size > 0
+
+
 if opts.get("--fail-first") == key and restart == 0:
+    # Fail only once every process of this launch has recorded its pid: a peer still starting
+    # would be stopped before recording it, and the tests count the launches from these files.
+    everyone = [f"worker.{w}" for w in range(int(os.environ["FLEET_WORKER_NUM"]))]
+    everyone += [f"server.{s}" for s in range(int(os.environ.get("FLEET_SERVER_NUM", "0") or 0))]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not all(_recorded(logs / f"pids.{k}") for k in everyone):
+        time.sleep(0.01)
     print(f"{key} fails on its first run")
     sys.exit(3)
 
