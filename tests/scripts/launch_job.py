@@ -51,6 +51,7 @@ if "--grandchild" in opts:
     with open(logs / f"grandchild.{key}", "w") as f:
         f.write(f"{child.pid}\n")
 
+
 def _recorded(path: Path) -> bool:
     return path.exists() and path.stat().st_size > 0
 
