@@ -47,7 +47,7 @@ REDUCE = 9  # fleet.metrics: all-reduce a float64 vector: a = its length, b = th
 SHARD_FORWARD = 10  # mode="sharding": FSDP2 gathers a module's parameters: a = the module's index
 SHARD_BACKWARD = 11  # mode="sharding": a backward after sharded forwards: a = 1 backward, 2 torch.autograd.grad
 SHARD_REDUCE = 12  # mode="sharding": FSDP2 reduce-scatters a module's gradients: a = its index, b = which it has
-SHARD_STEP = 13  # mode="sharding": an optimizer step: a = which parameters carry a gradient set by hand
+SHARD_STEP = 13  # mode="sharding": an optimizer step: b = which parameters carry a gradient set by hand
 
 TRAINING = (ROUND, BUFFERS, SPARSE_ROWS, AVERAGE, PARAMS)
 ENDED = (BARRIER, FINISH, JOINED)

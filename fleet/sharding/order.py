@@ -76,7 +76,7 @@ class ShardedOrder:
                     param_group.post_backward = _ReduceHook(self, index, param_group.post_backward)
 
     def before_forward(self, index: int) -> None:
-        self._agree(lockstep.SHARD_FORWARD, index)
+        self.before_collective(lockstep.SHARD_FORWARD, index)
         self._ran_forward = True
 
     def before_backward(self, how: int) -> None:
@@ -84,7 +84,7 @@ class ShardedOrder:
         # something) issues no FSDP2 collective, so it needs no agreement either.
         if self._ran_forward:
             self._ran_forward = False
-            self._agree(lockstep.SHARD_BACKWARD, how)
+            self.before_collective(lockstep.SHARD_BACKWARD, how)
             self.lockstep.steps += 1
 
     def before_reduce(self, index: int, param_group: Any) -> None:
@@ -93,15 +93,11 @@ class ShardedOrder:
             return  # no_sync(): FSDP2 only accumulates, on every worker alike
         params = [p for p in param_group.fsdp_params if hasattr(p, "_unsharded_param")]
         has = [p.unsharded_accumulated_grad is not None or p.unsharded_param.grad is not None for p in params]
-        which = _fingerprint(has)
-        agreement = self.lockstep.exchange(lockstep.SHARD_REDUCE, index, which)
-        if any((h.kind, h.a) != (lockstep.SHARD_REDUCE, index) for h in agreement.headers):
-            raise PeerError(self._mismatch(agreement))
-        if all(h.b == which for h in agreement.headers):
+        differing = self._agree_on_flags(lockstep.SHARD_REDUCE, index, has)
+        if differing is None:
             return
-        anyone = torch.tensor(has, dtype=torch.int32)
-        dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=self.group)
-        for p, mine, someone in zip(params, has, anyone.tolist(), strict=True):
+        anyone, _ = differing
+        for p, mine, someone in zip(params, has, anyone, strict=True):
             if someone and not mine:
                 p.unsharded_param.grad = torch.zeros(
                     p.unsharded_param.shape, dtype=p.unsharded_param.dtype, device=p.unsharded_param.device
@@ -111,33 +107,37 @@ class ShardedOrder:
         """Announce an optimizer step and which parameters carry a whole gradient set by hand.
 
         Returns None when every worker says the same, else the index of the first parameter
-        whose flag differs (found with one more all-reduce, on every worker alike).
+        whose flag differs.
         """
-        which = _fingerprint(whole)
-        agreement = self.lockstep.exchange(lockstep.SHARD_STEP, which)
-        if any(h.kind != lockstep.SHARD_STEP for h in agreement.headers):
-            raise PeerError(self._mismatch(agreement))
-        if all(h.a == which for h in agreement.headers):
+        differing = self._agree_on_flags(lockstep.SHARD_STEP, 0, whole)
+        if differing is None:
             return None
-        flags = torch.tensor(whole, dtype=torch.int32)
-        both = torch.cat([flags, -flags])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        anyone, everyone = both[: len(whole)], -both[len(whole) :]
-        return int((anyone != everyone).nonzero()[0])
+        anyone, everyone = differing
+        return next(i for i, (some, every) in enumerate(zip(anyone, everyone, strict=True)) if some != every)
 
     def before_collective(self, kind: int, a: int = 0, b: int = 0) -> None:
-        """Announce a collective of fleet's own (a metric's all-reduce, a barrier) among the sharded ones."""
+        """Announce the next collective (FSDP2's, or fleet's own: a metric's all-reduce, a barrier)."""
         agreement = self.lockstep.exchange(kind, a, b)
         if any((h.kind, h.a, h.b) != (kind, a, b) for h in agreement.headers):
             raise PeerError(self._mismatch(agreement))
 
-    def close(self) -> None:
-        autograd.forget(self.before_backward)
-
-    def _agree(self, kind: int, a: int) -> None:
-        agreement = self.lockstep.exchange(kind, a)
+    def _agree_on_flags(self, kind: int, a: int, flags: list[bool]) -> tuple[list[int], list[int]] | None:
+        """Announce ``kind``/``a`` with a fingerprint of ``flags``: None when every worker holds the same
+        flags, else whether any and whether every worker set each one (one more all-reduce, on every
+        worker alike: the max of the flags and the max of their negation)."""
+        which = _fingerprint(flags)
+        agreement = self.lockstep.exchange(kind, a, which)
         if any((h.kind, h.a) != (kind, a) for h in agreement.headers):
             raise PeerError(self._mismatch(agreement))
+        if all(h.b == which for h in agreement.headers):
+            return None
+        mine = torch.tensor(flags, dtype=torch.int32)
+        both = torch.cat([mine, -mine])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        return both[: len(flags)].tolist(), (-both[len(flags) :]).tolist()
+
+    def close(self) -> None:
+        autograd.forget(self.before_backward)
 
     def _mismatch(self, agreement: lockstep.Agreement) -> str:
         groups: dict[str, list[int]] = {}

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from fleet import owners, tables
 from fleet.collective import lockstep, sparse_grads
-from fleet.collective.broadcast import broadcast_tensors, check_same_shapes
+from fleet.collective.broadcast import average_tensors, broadcast_tensors, check_same_shapes
 from fleet.collective.grad_sync import ParamMap
 from fleet.errors import FleetError
 from fleet.optimizer import WrappedOptimizer
@@ -159,13 +159,13 @@ class ShardingStrategy(Strategy):
                 )
         else:
             units = [child for child in model.children() if any(p.numel() for p in child.parameters())]
-        groups: list[list[torch.nn.Module]] = [[unit] for unit in units]
+        groups = [([unit], _param_ids([unit])) for unit in units]
         for i in range(len(groups)):  # merge the candidates that share a parameter (few: a quadratic pass)
             for j in range(i + 1, len(groups)):
-                if groups[i] and groups[j] and _param_ids(groups[i]) & _param_ids(groups[j]):
-                    groups[j] = groups[i] + groups[j]
-                    groups[i] = []
-        return [group for group in groups if group and not _shares_parameters(group, model)]
+                if groups[i][1] & groups[j][1]:
+                    groups[j] = (groups[i][0] + groups[j][0], groups[i][1] | groups[j][1])
+                    groups[i] = ([], set())
+        return [modules for modules, _ in groups if modules and not _shares_parameters(modules, model)]
 
     # --- the Strategy interface ------------------------------------------------------------------
 
@@ -354,10 +354,10 @@ def _shard_whole_gradients(params: list[torch.Tensor], group: dist.ProcessGroup,
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    sharded = [p for p in params if isinstance(p, DTensor)]
-    whole = [p.grad is not None and not isinstance(p.grad, DTensor) for p in sharded]
     if order is None:
         return  # nothing sharded by fleet: no gradient of a sharded parameter to average
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    whole = [p.grad is not None and not isinstance(p.grad, DTensor) for p in sharded]
     differs = order.before_step(whole)
     if differs is not None:
         name = owners.names_of([sharded[differs]])[0]
@@ -375,24 +375,10 @@ def _shard_whole_gradients(params: list[torch.Tensor], group: dist.ProcessGroup,
                 f"parameter {name!r}: .grad was set to a tensor of shape {tuple(p.grad.shape)}, but the parameter's "
                 f"shape is {tuple(p.shape)}."
             )
-    world = dist.get_world_size(group)
-    for same in _by_dtype([p.grad.detach().to(p.dtype) for p in chosen]):
-        flat = torch.cat([g.reshape(-1) for _, g in same])
-        dist.all_reduce(flat, group=group)
-        flat /= world
-        offset = 0
-        for i, g in same:
-            average = flat[offset : offset + g.numel()].view_as(g)
-            offset += g.numel()
-            p = chosen[i]
-            p.grad = distribute_tensor(average, p.device_mesh, p.placements, src_data_rank=None)
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> list[list[tuple[int, torch.Tensor]]]:
-    kinds: dict[tuple[torch.dtype, torch.device], list[tuple[int, torch.Tensor]]] = {}
-    for i, t in enumerate(tensors):
-        kinds.setdefault((t.dtype, t.device), []).append((i, t))
-    return list(kinds.values())
+    averages = [p.grad.detach().to(p.dtype, copy=True) for p in chosen]  # the script's tensors stay as they are
+    average_tensors(averages, group, dist.get_world_size(group))
+    for p, average in zip(chosen, averages, strict=True):
+        p.grad = distribute_tensor(average, p.device_mesh, p.placements, src_data_rank=None)
 
 
 def _refuse_unsharded(params: list[torch.Tensor]) -> None:
