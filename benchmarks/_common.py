@@ -15,7 +15,7 @@ Workloads: ``w1`` (benchmarks/README.md W1 MLP, cross-entropy, SGD 0.01), ``ctr`
 examples/single_to_multi/train_ctr.py, SGD 0.1), ``sleep`` (a Linear(8, 1) whose "compute" is the
 injected log-normal delay: the cleanest fan-out measurement).
 
-Straggler delays use fleet's own injector (:class:`fleet.inject.Injector`, log-normal, seeded per
+Straggler delays use fleet's own injector (:class:`fleet.runtime.inject.Injector`, log-normal, seeded per
 rank), applied at the step boundary by this loop, so the same delay sequence hits every mode.
 """
 
@@ -234,25 +234,27 @@ def worker_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=10, help="steps in worker 0's smoothed loss")
     parser.add_argument("--extra-steps", type=int, default=5, help="steps worker 0 runs past the target")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="worker 0 stops after this long")
-    parser.add_argument("--delay", default=None, help='fleet.inject spec as JSON, e.g. {"ranks":[3],"delay":{...}}')
+    parser.add_argument(
+        "--delay", default=None, help='fleet.runtime.inject spec as JSON, e.g. {"ranks":[3],"delay":{...}}'
+    )
     args = parser.parse_args(argv)
 
     import torch
 
     import fleet
-    from fleet import inject
+    from fleet.runtime import inject
 
     torch.set_num_threads(1)
     fleet.init()  # a parameter server serves here, then exits
     rank, workers = fleet.worker_index(), fleet.worker_num()
     model, lr, data, loss_of, embedding = _build(args.workload, rank, args.batch, args.lr)
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=lr))
-    strategy = fleet.context.current().strategy
+    strategy = fleet.runtime.context.current().strategy
     mode = getattr(strategy, "mode", "collective")
     update = getattr(strategy, "update", "sync")
     collective = mode == "collective" and workers > 1
     injector = inject.Injector(inject.parse(args.delay, "--delay") if args.delay else None, rank)
-    recorder = fleet.timing.recorder()
+    recorder = fleet.telemetry.timing.recorder()
 
     pulled = [0.0]  # PS: the sparse pull inside the embedding's forward is communication
     if embedding is not None and mode == "ps":

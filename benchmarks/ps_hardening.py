@@ -4,7 +4,7 @@ and one worker's huge pull beside another worker's steps.
     python benchmarks/ps_hardening.py [--parts attack,hold,starve] [--ids 4000000] [--dim 8]
     PYTHONPATH=/path/to/an/older/checkout python benchmarks/ps_hardening.py   # the same, against older code
 
-* attack: a server process (``python -m fleet.ps.server``) and 8 raw TCP connections that each send
+* attack: a server process (``python -m fleet.ps.server.loop``) and 8 raw TCP connections that each send
   a ZMTP 3.0 greeting (mechanism PLAIN), a long command-frame header declaring 200 MiB, then stream
   up to 200 MiB of filler. Reports the server's peak RSS growth (``/proc/<pid>/status`` VmRSS,
   sampled every 20 ms), the bytes it took in, and whether a worker is served afterwards.
@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from fleet.ps.client import PSClient
+from fleet.ps.client.client import PSClient
 
 SECRET = secrets.token_bytes(16)
 MiB = 1 << 20
@@ -52,7 +52,7 @@ GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"PLAIN".ljust(20, b"\0"
 
 def start_server(workers: int, *options: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fleet.ps.server", "--endpoint", "127.0.0.1:0", "--index", "0"]
+        [sys.executable, "-m", "fleet.ps.server.loop", "--endpoint", "127.0.0.1:0", "--index", "0"]
         + ["--workers", str(workers), "--timeout", "600", *options],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -134,12 +134,12 @@ def attack(declared: int) -> None:
 
 def hold(max_rows: int) -> None:
     try:
-        from fleet.ps.limits import RequestLimits
+        from fleet.ps.protocol.limits import RequestLimits
     except ImportError:
         print("hold: skipped (this code has no request limits)")
         return
-    from fleet.ps.server import ParameterServer
-    from fleet.ps.wire import Message, Op, encode
+    from fleet.ps.protocol.wire import Message, Op, encode
+    from fleet.ps.server.loop import ParameterServer
 
     torch.set_num_threads(1)
     limits = RequestLimits()
@@ -186,7 +186,7 @@ def _handled_in(server, encode, msg) -> float:
 def _client(endpoint: str, secret: bytes, worker: int, max_ids: int | None) -> PSClient:
     if max_ids is None:
         return PSClient([endpoint], secret, worker, timeout_s=600.0)
-    from fleet.ps.limits import RequestLimits
+    from fleet.ps.protocol.limits import RequestLimits
 
     return PSClient([endpoint], secret, worker, timeout_s=600.0, limits=RequestLimits(max_ids=max_ids))
 
@@ -306,7 +306,7 @@ def main() -> None:
     if "attack" in parts:
         attack(200 * MiB)
         try:  # the worst a stranger can do now: declare exactly the largest frame
-            from fleet.ps.wire import FRAME_BYTES
+            from fleet.ps.protocol.wire import FRAME_BYTES
 
             attack(FRAME_BYTES)
         except ImportError:

@@ -1,4 +1,4 @@
-"""What the authenticated rendezvous costs: fleet.rendezvous.join for N ranks, and a signed get/set.
+"""What the authenticated rendezvous costs: fleet.runtime.rendezvous.join for N ranks, and a signed get/set.
 
 Ranks are threads of this process, each with its own connection to one TCPStore on 127.0.0.1
 (the protocol is the same a process runs; the numbers include Python's GIL). Prints the
@@ -19,9 +19,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from fleet import rendezvous
-from fleet.roles import RoleInfo
-from fleet.signed_store import SignedStore
+from fleet.runtime import rendezvous
+from fleet.runtime.roles import RoleInfo
+from fleet.runtime.signed_store import SignedStore
 
 
 def join_once(clients: list[dist.Store], world: int, secret: bytes) -> float:

@@ -28,8 +28,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from fleet.slot_data import SlotDataset, generate  # noqa: E402
-from fleet.slot_format import SlotLayout, count_records  # noqa: E402
+from fleet.data.slot_dataset import SlotDataset, generate  # noqa: E402
+from fleet.data.slot_format import SlotLayout, count_records  # noqa: E402
 
 W2_SAMPLES_PER_S = 17_000  # W2's best training rate, 2 workers together (README): the conservative comparison
 W2_WORKERS = 2

@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from fleet.ps.lifecycle import CountFilterEntry, LifeCycle
-from fleet.ps.optim import OptimizerSpec
-from fleet.ps.sparse_table import SparseTable
+from fleet.sparse.lifecycle import CountFilterEntry, LifeCycle
+from fleet.sparse.optim import OptimizerSpec
+from fleet.sparse.table import SparseTable
 
 DIM, BATCH, NEW_PER_BATCH = 16, 512 * 26, 3_000
 

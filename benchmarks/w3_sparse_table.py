@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from fleet.ps.optim import OptimizerSpec
-from fleet.ps.sparse_table import SparseTable
+from fleet.sparse.optim import OptimizerSpec
+from fleet.sparse.table import SparseTable
 
 BATCH = 512 * 26
 DIM = 16

@@ -3,7 +3,7 @@
     python benchmarks/w3_transport.py [--iters 200] [--small-iters 2000] [--mb 4]
 
 * fleet: one worker (this process) and one server process (``python -m
-  fleet.ps.server``). One iteration = push a 4 MB float32 gradient (async SGD
+  fleet.ps.server.loop``). One iteration = push a 4 MB float32 gradient (async SGD
   on the server) and pull the 4 MB back: 8 MB moved. Two variants: "push,
   then pull" waits for each answer (two round trips); "pipelined" sends the
   pull right behind the push on the same connection and waits for both (one
@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from fleet.ps.client import PSClient
+from fleet.ps.client.client import PSClient
 
 SECRET = secrets.token_bytes(16)
 
@@ -84,7 +84,7 @@ class RawEcho:
 
 def start_server() -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "FLEET_SECRET": SECRET.hex()}
-    cmd = [sys.executable, "-m", "fleet.ps.server", "--endpoint", "127.0.0.1:0", "--index", "0", "--workers", "1"]
+    cmd = [sys.executable, "-m", "fleet.ps.server.loop", "--endpoint", "127.0.0.1:0", "--index", "0", "--workers", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
     line = proc.stdout.readline()
     if "listening on" not in line:

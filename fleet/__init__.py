@@ -14,23 +14,23 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from fleet.usererrors import install_excepthook as _install_excepthook
+from fleet.runtime.excepthook import install_excepthook as _install_excepthook
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "DistributedStrategy": "fleet.strategy",
     "StrategyError": "fleet.strategy",
-    "EnvError": "fleet.env",
+    "EnvError": "fleet.runtime.env",
     "FleetError": "fleet.errors",
     "DiskFullError": "fleet.errors",
     "ModelMismatchError": "fleet.errors",
     "PeerError": "fleet.errors",
     "StoreTamperedError": "fleet.errors",
-    "PaddleCloudRoleMaker": "fleet.roles",
-    "Role": "fleet.roles",
-    "RoleInfo": "fleet.roles",
-    "UserDefinedRoleMaker": "fleet.roles",
+    "PaddleCloudRoleMaker": "fleet.runtime.roles",
+    "Role": "fleet.runtime.roles",
+    "RoleInfo": "fleet.runtime.roles",
+    "UserDefinedRoleMaker": "fleet.runtime.roles",
     "Strategy": "fleet.strategies",
     "register_strategy": "fleet.strategies",
     "barrier_worker": "fleet.api",
@@ -51,19 +51,19 @@ _EXPORTS = {
     "role_info": "fleet.api",
     "server_endpoints": "fleet.api",
     "shrink": "fleet.api",
-    "CountFilterEntry": "fleet.ps.lifecycle",
+    "CountFilterEntry": "fleet.sparse.lifecycle",
     "export_for_inference": "fleet.export",
     "load_for_inference": "fleet.export",
-    "ProbabilityEntry": "fleet.ps.lifecycle",
+    "ProbabilityEntry": "fleet.sparse.lifecycle",
     "server_index": "fleet.api",
     "server_num": "fleet.api",
     "stop_worker": "fleet.api",
     "worker_index": "fleet.api",
     "local_rank": "fleet.api",
     "worker_num": "fleet.api",
-    "progress": "fleet.progress_bar",
-    "file_shard": "fleet.files",
-    "SlotDataset": "fleet.slot_data",
+    "progress": "fleet.telemetry.progress",
+    "file_shard": "fleet.data.files",
+    "SlotDataset": "fleet.data.slot_dataset",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -72,7 +72,7 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        # submodules such as fleet.nn, fleet.api, fleet.data
+        # submodules such as fleet.nn, fleet.api, fleet.data.loader
         try:
             return importlib.import_module(f"fleet.{name}")
         except ModuleNotFoundError:
@@ -110,15 +110,15 @@ if TYPE_CHECKING:
         worker_num,
     )
     from fleet.checkpoint import load_checkpoint, load_persistables, save_checkpoint, save_persistables  # noqa: F401
-    from fleet.env import EnvError  # noqa: F401
+    from fleet.data.files import file_shard  # noqa: F401
+    from fleet.data.slot_dataset import SlotDataset  # noqa: F401
     from fleet.errors import DiskFullError, FleetError, ModelMismatchError, PeerError, StoreTamperedError  # noqa: F401
     from fleet.export import export_for_inference, load_for_inference  # noqa: F401
-    from fleet.files import file_shard  # noqa: F401
-    from fleet.progress_bar import progress  # noqa: F401
-    from fleet.ps.lifecycle import CountFilterEntry, ProbabilityEntry  # noqa: F401
-    from fleet.roles import PaddleCloudRoleMaker, Role, RoleInfo, UserDefinedRoleMaker  # noqa: F401
-    from fleet.slot_data import SlotDataset  # noqa: F401
+    from fleet.runtime.env import EnvError  # noqa: F401
+    from fleet.runtime.roles import PaddleCloudRoleMaker, Role, RoleInfo, UserDefinedRoleMaker  # noqa: F401
+    from fleet.sparse.lifecycle import CountFilterEntry, ProbabilityEntry  # noqa: F401
     from fleet.strategies import Strategy, register_strategy  # noqa: F401
     from fleet.strategy import DistributedStrategy, StrategyError  # noqa: F401
+    from fleet.telemetry.progress import progress  # noqa: F401
 
 _install_excepthook()

@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fleet import api
-from fleet.atomic import is_disk_full, make_dirs, save_atomic, write_text_atomic
 from fleet.errors import DiskFullError, FleetError
+from fleet.storage.atomic import is_disk_full, make_dirs, save_atomic, write_text_atomic
 
 LATEST = "latest"
 KEEP = 2  # complete checkpoints kept; older step directories are removed

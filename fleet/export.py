@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from fleet import context, tables
-from fleet.atomic import save_atomic
-from fleet.ps.sparse_table import SparseTable
+from fleet.runtime import context
+from fleet.sparse import backends as tables
+from fleet.sparse.table import SparseTable
+from fleet.storage.atomic import save_atomic
 
 FILE = "inference.pt"
 FORMAT = "fleet-inference-1"
@@ -98,8 +99,8 @@ def load_for_inference(dirname: str, model: torch.nn.Module) -> torch.nn.Module:
 
 def _serving_table(module: Any, saved: dict[str, Any]) -> SparseTable:
     """A local table holding the exported rows; missing ids read as in training (zeros or initial values)."""
-    from fleet.ps.lifecycle import CountFilterEntry, LifeCycle
-    from fleet.ps.optim import OptimizerSpec
+    from fleet.sparse.lifecycle import CountFilterEntry, LifeCycle
+    from fleet.sparse.optim import OptimizerSpec
 
     # An entry that admits nothing (lookups of missing ids read zeros); otherwise a plain table.
     lifecycle = LifeCycle(entry=CountFilterEntry(255, sketch_width=64)) if saved["missing"] == "zeros" else None

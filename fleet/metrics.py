@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from fleet import context
+from fleet.runtime import context
 
 __all__ = ["AUC", "Accuracy", "MAE", "Max", "Mean", "Metric", "Min", "RMSE", "Sum"]
 __all__ += ["acc", "auc", "mae", "max", "min", "mse", "rmse", "sum"]

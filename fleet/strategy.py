@@ -14,9 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fleet import env, strategy_file
-from fleet.inject import InjectionSpec
-from fleet.ps.limits import DEFAULT_MAX_REQUEST_IDS, DEFAULT_MAX_REQUEST_MB
+from fleet import strategy_file
+from fleet.ps.protocol.limits import DEFAULT_MAX_REQUEST_IDS, DEFAULT_MAX_REQUEST_MB
+from fleet.runtime import env
+from fleet.runtime.inject import InjectionSpec
 
 
 class StrategyError(ValueError):
@@ -64,7 +65,7 @@ class DistributedStrategy(BaseModel):
     max_request_ids: int = Field(DEFAULT_MAX_REQUEST_IDS, ge=1, le=1 << 26)
     """PS: ids one sparse pull or push request carries. Workers split bigger batches into several
     requests, so that no request holds a server's loop for long while other workers wait; a
-    server refuses a request over its limits with an error naming them (fleet.ps.limits)."""
+    server refuses a request over its limits with an error naming them (fleet.ps.protocol.limits)."""
 
     max_request_mb: float = Field(DEFAULT_MAX_REQUEST_MB, ge=0.0625, le=1024)
     """PS: MiB one sparse request, or its reply, carries (ids, rows and clicks); with wide rows
@@ -114,7 +115,7 @@ class DistributedStrategy(BaseModel):
 
     inject: InjectionSpec | None = None
     """Tests and demos: a straggler delay or a crash on chosen worker ranks, e.g.
-    ``{"ranks": [1], "delay": {"mu": -1.0, "sigma": 0.5}}`` (see fleet.inject; FLEET_INJECT wins)."""
+    ``{"ranks": [1], "delay": {"mu": -1.0, "sigma": 0.5}}`` (see fleet.runtime.inject; FLEET_INJECT wins)."""
 
     # --- validation -----------------------------------------------------------
 

@@ -21,7 +21,7 @@ from collections import Counter
 RULES = {
     "fleet": [
         ("data generation", r"batches \(train_ctr\.py|SlotDataset|slot_data"),
-        ("step metrics file (fleet.timing write)", r"StepMetrics\.write|write_atomic"),
+        ("step metrics file (fleet.telemetry.timing write)", r"StepMetrics\.write|write_atomic"),
         (
             "sparse pull: wait for the server",
             r"SparseEmbedding\.forward.*(RemoteRows\.pull|Future\.result|Condition\.wait)",

@@ -11,7 +11,7 @@ they arrive while this step computes; elsewhere prefetch does nothing).
 From files instead of the synthetic generator (Paddle's MultiSlot text or fleet's binary
 slot files; each worker reads its fleet.file_shard of the list, all the same number of batches):
 
-    python -m fleet.slot_data generate data/ --files 4 --samples 20000
+    python -m fleet.data.slot_dataset generate data/ --files 4 --samples 20000
     fleetrun --workers 2 train_ctr.py --files 'data/part-*' --epochs 2
 """
 

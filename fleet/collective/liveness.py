@@ -8,7 +8,7 @@ stops too). If the store itself is gone, its host (worker 0) is the one that die
 
 The store is open to anyone who reaches its port, so a heartbeat is never trusted
 blindly: in a job with a secret each value carries a MAC (the store is a
-:class:`~fleet.signed_store.SignedStore`), and a writer notices when its key holds
+:class:`~fleet.runtime.signed_store.SignedStore`), and a writer notices when its key holds
 something it did not write (``compare_set``) and says so, under its MAC, in its next
 beats. A value that is malformed, forged, deleted, goes backwards or carries that mark
 means the store was tampered with: the diagnosis then says so and names nobody, and the
@@ -23,9 +23,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from fleet import env
 from fleet.errors import StoreTamperedError
-from fleet.signed_store import SignedStore
+from fleet.runtime import env
+from fleet.runtime.signed_store import SignedStore
 
 HEARTBEAT_S = 1.0
 WATCH_S = 2.5 * HEARTBEAT_S  # how long a diagnosis samples the counters

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from fleet.job_files import SHM_DIR, shm_prefix
+from fleet.runtime.job_files import SHM_DIR, shm_prefix
 
 _SPINS = 50  # yields (tens of microseconds) before sleeping in the kernel
 _CHECK_PEERS_S = 0.5
@@ -173,7 +173,7 @@ class Channel:
 class LocalHost:
     """The shared memory of a job whose workers all run on this host (:meth:`connect`).
 
-    ``token`` names the job's segments (under :func:`fleet.job_files.shm_prefix`, which fleetrun cleans up); ``lockstep`` and ``buckets`` are two channels (the
+    ``token`` names the job's segments (under :func:`fleet.runtime.job_files.shm_prefix`, which fleetrun cleans up); ``lockstep`` and ``buckets`` are two channels (the
     headers of :mod:`fleet.collective.lockstep`, and the gradient transport's barriers), so
     that the training thread and the transport's thread never share a sequence.
     """

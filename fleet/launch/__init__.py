@@ -2,7 +2,7 @@
 
 Run ``fleetrun --help`` (or ``python -m fleet.launch --help``). The launcher
 never imports the training side (no torch): it talks to the processes it
-starts only through the environment variables named in :mod:`fleet.env`.
+starts only through the environment variables named in :mod:`fleet.runtime.env`.
 
 Modules: ``cli`` (command line), ``config`` (checks), ``plan`` (processes and
 their environment), ``ports`` (free ports), ``supervisor`` (start, watch,

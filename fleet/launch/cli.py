@@ -15,7 +15,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fleet import env
 from fleet.launch import config as cfg
 from fleet.launch.config import LaunchConfig, LaunchError
 from fleet.launch.multinode import check_multinode, run_multinode
@@ -23,6 +22,7 @@ from fleet.launch.output import OutputMux
 from fleet.launch.plan import JobLayout
 from fleet.launch.ports import PortAllocator, endpoint
 from fleet.launch.supervisor import Supervisor
+from fleet.runtime import env
 
 DESCRIPTION = """\
 Start a fleet training job on this machine (or on several): N worker processes

@@ -2,7 +2,7 @@
 
 Every check raises :class:`LaunchError` with a one-paragraph message that
 names the thing at fault and the fix; the CLI prints it and exits with
-:data:`fleet.env.EXIT_USER_ERROR`. Nothing here imports torch or pydantic: the
+:data:`fleet.runtime.env.EXIT_USER_ERROR`. Nothing here imports torch or pydantic: the
 strategy file is read (:mod:`fleet.strategy_file`) only to catch a launch that
 contradicts it (servers for a collective strategy, a parameter-server strategy
 without servers). The training side validates the rest of the file.
@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleet import env, strategy_file
+from fleet import strategy_file
+from fleet.runtime import env
 
 
 class LaunchError(ValueError):

@@ -28,13 +28,13 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from fleet import env
 from fleet.launch.config import LaunchConfig, LaunchError
 from fleet.launch.control import Peer
 from fleet.launch.output import OutputMux
 from fleet.launch.plan import JobLayout
 from fleet.launch.ports import PortAllocator, endpoint
 from fleet.launch.supervisor import Supervisor
+from fleet.runtime import env
 
 STILL_WAITING_EVERY_S = 10.0
 _CONNECT_RETRY_S = 0.5

@@ -3,7 +3,7 @@
 Pure functions over a :class:`~fleet.launch.config.LaunchConfig` and a
 :class:`JobLayout` (addresses and secret), so the variables every child sees
 can be tested without starting anything. Variables are set only through the
-names in :mod:`fleet.env`.
+names in :mod:`fleet.runtime.env`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fleet import env
 from fleet.launch.config import LaunchConfig
+from fleet.runtime import env
 
 WORKER = "worker"
 SERVER = "server"

@@ -2,7 +2,7 @@
 
 A port is found by binding port 0 and releasing it, so there is a window in
 which another program can take it; a child that then fails to bind exits with
-:data:`fleet.env.EXIT_PORT_IN_USE` and the supervisor relaunches the job with
+:data:`fleet.runtime.env.EXIT_PORT_IN_USE` and the supervisor relaunches the job with
 fresh ports. Within one fleetrun, a port is never handed out twice.
 """
 

@@ -4,7 +4,7 @@ Rules, in the order the supervision loop applies them:
 
 - A signal to fleetrun (SIGINT, SIGTERM, SIGHUP) stops every child and
   fleetrun exits 128+signal. A second signal skips the grace period.
-- A child exiting with :data:`fleet.env.EXIT_PORT_IN_USE` lost a race for the
+- A child exiting with :data:`fleet.runtime.env.EXIT_PORT_IN_USE` lost a race for the
   port it was given: the job is stopped and relaunched with fresh ports, a
   bounded number of times, not counted as a restart.
 - Any other non-zero exit (or death by signal) is a failure. With restarts
@@ -40,13 +40,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleet import env
-from fleet.job_files import clear_joined, joined_workers, remove_shm
 from fleet.launch.config import LaunchConfig
 from fleet.launch.output import LostWrites, OutputMux, ProcessOutput, style_for
 from fleet.launch.plan import SERVER, WORKER, JobLayout, ProcessSpec, child_env, local_specs
 from fleet.launch.report import Row, describe, exit_code, failure_block, summary_table
 from fleet.launch.timing import StragglerWatch, clear_metrics, final_report
+from fleet.runtime import env
+from fleet.runtime.job_files import clear_joined, joined_workers, remove_shm
 
 _PR_SET_PDEATHSIG = 1
 

@@ -1,8 +1,8 @@
 """fleetrun's side of "where the time goes": straggler watch while the job runs, report at its end.
 
-Workers write ``<log dir>/metrics/worker-<i>.json`` (see :mod:`fleet.timing`). While the
+Workers write ``<log dir>/metrics/worker-<i>.json`` (see :mod:`fleet.telemetry.timing`). While the
 job runs, :class:`StragglerWatch` reads them every ``interval`` seconds and applies
-:class:`fleet.step_report.StragglerTracker`: a worker whose computation p50 over its last 20
+:class:`fleet.telemetry.step_report.StragglerTracker`: a worker whose computation p50 over its last 20
 steps exceeds 1.5x the median of the other workers' p50 (and by more than 5 ms) on 2
 consecutive checks is reported as ``[fleetrun] straggler: worker 3 ...``.
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from rich.console import RenderableType
 
-from fleet import step_report
+from fleet.telemetry import step_report
 
 
 class StragglerWatch:

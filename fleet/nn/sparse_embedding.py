@@ -3,7 +3,7 @@
 One module serves every mode. Each forward looks up the batch's unique ids, as a
 leaf tensor that collects the per-row gradients, and expands them to the batch
 through the inverse index. Where the rows live is the active strategy's choice
-(:mod:`fleet.tables`): a local table in a single process (updated whenever the
+(:mod:`fleet.sparse.backends`): a local table in a single process (updated whenever the
 optimizer that holds this module's parameters steps, through a torch optimizer step
 hook, so even an unwrapped ``torch.optim.SGD`` trains it), the same table with each
 step's row gradients merged over the workers in collective mode, rows on the servers
@@ -13,7 +13,7 @@ The module owns a zero-size placeholder ``nn.Parameter`` so that it appears in
 ``model.parameters()``: the optimizer holding the placeholder is the one that
 updates the rows, with its class and hyper-parameters unless ``optimizer`` overrides them.
 
-A long-running CTR job bounds its table with a life cycle (:mod:`fleet.ps.lifecycle`):
+A long-running CTR job bounds its table with a life cycle (:mod:`fleet.sparse.lifecycle`):
 ``entry`` (``fleet.CountFilterEntry(n)`` / ``fleet.ProbabilityEntry(p)``) admits new ids,
 ``ttl_steps`` and ``max_rows`` evict rows, ``fleet.shrink()`` evicts on demand. The
 servers (or the local table) enforce it; :meth:`SparseEmbedding.num_rows` says how many
@@ -29,9 +29,10 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from fleet import context, tables
-from fleet.ps.lifecycle import Entry, LifeCycle
-from fleet.ps.optim import InitializerSpec, OptimizerSpec
+from fleet.runtime import context
+from fleet.sparse import backends as tables
+from fleet.sparse.lifecycle import Entry, LifeCycle
+from fleet.sparse.optim import InitializerSpec, OptimizerSpec
 
 
 def _initializer(value: Any) -> InitializerSpec:

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 import fleet
-from fleet import env
+from fleet.runtime import env
 
 KB = 1024
 
@@ -99,8 +99,8 @@ def measure_ps(rank: int, group: Any, sizes: list[int], args: argparse.Namespace
     """Worker 0 serves, worker 1 pulls; returns worker 1's medians (dense bytes and sparse rows), and
     the script's own step shape replayed without computation (see :func:`replay_steps`)."""
     reps, sparse_dim, sparse_rows = args.reps, args.sparse_dim, args.sparse_rows
-    from fleet.ps.client import PSClient
-    from fleet.ps.server import ParameterServer
+    from fleet.ps.client.client import PSClient
+    from fleet.ps.server.loop import ParameterServer
 
     box: list[Any] = [None, None]
     server = thread = None
@@ -223,9 +223,9 @@ def _replay(client: Any, table: int, grad: torch.Tensor, ids_for_step: Any, dim:
 
 def measure_apply(optimizer: str, dense_bytes: int, sparse_dim: int, sparse_rows: int, reps: int) -> dict:
     """The server's own work, in this process: a dense update, sparse pulls and updates of a warm table."""
-    from fleet.ps.dense_table import DenseTable
-    from fleet.ps.optim import OptimizerSpec
-    from fleet.ps.sparse_table import SparseTable
+    from fleet.ps.server.dense_table import DenseTable
+    from fleet.sparse.optim import OptimizerSpec
+    from fleet.sparse.table import SparseTable
 
     kind = optimizer if optimizer in ("sgd", "adam", "adamw", "adagrad") else "sgd"
     numel = max(1024, min(dense_bytes, 64 * 2**20) // 4)
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"fleet.plan.measure needs exactly 2 workers (one per host to measure a network), got {workers}"
         )
-    group = fleet.context.current().process_group(120.0)
+    group = fleet.runtime.context.current().process_group(120.0)
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", fleet.local_rank() % max(1, torch.cuda.device_count()))

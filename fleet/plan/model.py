@@ -26,7 +26,7 @@ stretches by the ratio of the two shares. A loopback transport (calibrated betwe
 of one host) is CPU work and stretches alike; a network link does not.
 
 The speed-up is over one process running the script alone (no fleet, no server). The
-speed-up condition is fleet's own (:func:`fleet.step_report.speedup_condition`):
+speed-up condition is fleet's own (:func:`fleet.telemetry.step_report.speedup_condition`):
 T_sync < (R-1)/R x T_comp with T_sync = step - computation.
 """
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from fleet.plan.calibration import Calibration, Link
 from fleet.plan.lognormal import LogNormal
-from fleet.step_report import speedup_condition
+from fleet.telemetry.step_report import speedup_condition
 
 MODES = ("collective", "ps_sync", "ps_backup", "ps_async", "ps_geo")
 LABELS = {

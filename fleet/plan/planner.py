@@ -192,7 +192,7 @@ def build(probe: dict[str, Any], net: dict[str, Any], script: str = "") -> Calib
     if not cal["batch"]:
         assumptions.append(
             "samples/s: not shown, the batch size is unknown (the script passes no DataLoader to "
-            "fleet.distributed_loader); call fleet.timing.set_batch_size(n) in the script to see them"
+            "fleet.distributed_loader); call fleet.telemetry.timing.set_batch_size(n) in the script to see them"
         )
     return Calibration(**cal)
 

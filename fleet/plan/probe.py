@@ -6,14 +6,14 @@
 The user's script runs unchanged in this process (``runpy``, as ``__main__``, with its own
 ``sys.argv`` and directory on ``sys.path``). What is recorded, without touching the script:
 
-- per-step computation, from fleet's own step recorder (:mod:`fleet.timing`): every wrapped
+- per-step computation, from fleet's own step recorder (:mod:`fleet.telemetry.timing`): every wrapped
   optimizer closes each step there, so each step's (wall, computation, communication) is read
   as it is recorded; a script that does not use fleet is timed from torch's global
   optimizer-step hook instead (the time between consecutive steps);
 - the gradient bytes of a step (parameters that have a dense gradient at ``step()``), the
   sparse rows of a step (unique ids through every ``fleet.nn.SparseEmbedding``) and their
   width, the device of the parameters, the optimizer class, torch's intra-op threads, the
-  batch size fleet knows (``distributed_loader`` or ``fleet.timing.set_batch_size``).
+  batch size fleet knows (``distributed_loader`` or ``fleet.telemetry.timing.set_batch_size``).
 
 After ``--warmup`` + ``--steps`` steps, or ``--seconds`` of timed steps, the result is written
 and the process ends at once with status 0 (``os._exit``: the script's remaining epochs are
@@ -95,7 +95,7 @@ class Probe:
     def on_lookup(self, module: Any, ids: Any) -> None:
         # Runs inside the timed forward: O(batch) (a hash index, not isin over every id seen, which
         # grew to ~10 ms per step by W2's 30th step), and its time is taken out of the step's computation.
-        from fleet.ps.id_index import IdIndex
+        from fleet.sparse.id_index import IdIndex
 
         started = time.perf_counter()
         self.sparse_dim = int(module.embedding_dim)
@@ -150,7 +150,7 @@ class Probe:
 
         batch = None
         try:
-            from fleet import timing
+            from fleet.telemetry import timing
 
             batch = timing.recorder().batch_size
         except Exception:  # noqa: BLE001 - a batch size is optional
@@ -160,7 +160,7 @@ class Probe:
             "warmup": self.warmup,
             "compute_s": self.compute,
             "wall_s": self.wall,
-            "timed_by": "fleet.timing" if self.from_fleet else "torch optimizer hook",
+            "timed_by": "fleet.telemetry.timing" if self.from_fleet else "torch optimizer hook",
             "dense_bytes": self.dense_bytes,
             "optimizer": self.optimizer,
             "device": self.device,
@@ -186,8 +186,8 @@ def install(probe: Probe) -> None:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from fleet import timing
     from fleet.nn import SparseEmbedding
+    from fleet.telemetry import timing
 
     recorder = timing.recorder()
     original = recorder.end_step

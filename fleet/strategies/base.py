@@ -37,9 +37,9 @@ import torch
 from fleet.errors import FleetError, PeerError
 
 if TYPE_CHECKING:
-    from fleet.roles import RoleInfo
+    from fleet.runtime.roles import RoleInfo
+    from fleet.sparse.backends import TableBackend, TableModule
     from fleet.strategy import DistributedStrategy
-    from fleet.tables import TableBackend, TableModule
 
 REDUCE_OPS = ("sum", "max", "min")
 """The reductions :meth:`Strategy.all_reduce` offers (element-wise over the workers)."""
@@ -138,7 +138,7 @@ class Strategy(ABC):
         worker's replica, which every worker shrinks alike); strategies whose tables live elsewhere
         shrink them there once.
         """
-        from fleet import tables
+        from fleet.sparse import backends as tables
 
         tables.shrink_all(threshold)
 
@@ -189,7 +189,7 @@ class Strategy(ABC):
 
         The default suits strategies whose workers hold the whole model: worker 0 writes it.
         """
-        from fleet.atomic import save_atomic
+        from fleet.storage.atomic import save_atomic
 
         if self.runtime.role.worker_index == 0:
             save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{dirname}/state.pt")

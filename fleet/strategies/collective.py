@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fleet import tables
 from fleet.collective import lockstep, sparse_grads
 from fleet.collective.broadcast import (
     average_tensors,
@@ -36,8 +35,9 @@ from fleet.collective.join import Join
 from fleet.collective.shm import LocalHost
 from fleet.collective.transport import GroupTransport, SharedMemoryTransport
 from fleet.errors import PeerError
-from fleet.optimizer import WrappedOptimizer
-from fleet.owners import model_buffers, names_of
+from fleet.runtime.optimizer import WrappedOptimizer
+from fleet.runtime.owners import model_buffers, names_of
+from fleet.sparse import backends as tables
 from fleet.strategies.base import REDUCE_OPS, Strategy, check_reduce
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 ``join`` runs at ``fleet.init``: it settles the secret and the server endpoints and, on a
 server process, serves until every worker stopped, then exits with status 0 (so a script
 needs no server branch). On a worker, ``wrap_optimizer`` returns a
-:class:`fleet.ps.worker.PSOptimizer` over one :class:`fleet.ps.client.PSClient` per process,
+:class:`fleet.ps.worker.optimizer.PSOptimizer` over one :class:`fleet.ps.client.client.PSClient` per process,
 and the ``fleet.nn.SparseEmbedding`` tables that optimizer holds are served from the
 servers (:meth:`table_backend`). ``save_persistables``/``load_persistables`` checkpoint
 every server's shards plus worker 0's optimizer-side state.
@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fleet.errors import DiskFullError, FleetError
-from fleet.ps import persist
+from fleet.storage import persist
 from fleet.strategies.base import Runtime, Strategy, check_reduce
 
 if TYPE_CHECKING:
-    from fleet.ps.client import PSClient
-    from fleet.ps.server import ParameterServer
-    from fleet.roles import RoleInfo
+    from fleet.ps.client.client import PSClient
+    from fleet.ps.server.loop import ParameterServer
+    from fleet.runtime.roles import RoleInfo
+    from fleet.sparse.backends import TableBackend, TableModule
     from fleet.strategy import DistributedStrategy
-    from fleet.tables import TableBackend, TableModule
 
 WORKER_FILE = "worker-0.pt"
 
@@ -84,7 +84,7 @@ class ParameterServerStrategy(Strategy):
 
     def join(self) -> None:
         """Serve on a server (and exit the process); connect on a worker."""
-        from fleet.ps import launch_server
+        from fleet.ps.server import launch as launch_server
 
         if not self.runtime.role.server_num:
             return  # mode='ps' with no servers: wrap_optimizer explains
@@ -95,7 +95,7 @@ class ParameterServerStrategy(Strategy):
             self.client()
 
     def serve(self, run: bool) -> None:
-        from fleet.ps import launch_server
+        from fleet.ps.server import launch as launch_server
 
         if self._server is None:
             self._server = launch_server.init_server(
@@ -106,8 +106,8 @@ class ParameterServerStrategy(Strategy):
 
     def client(self) -> PSClient:
         """This worker's PSClient, made once per process."""
-        from fleet.ps.client import PSClient
-        from fleet.ps.launch_server import resolve_secret
+        from fleet.ps.client.client import PSClient
+        from fleet.ps.server.launch import resolve_secret
 
         if self._client is None:
             role = self.runtime.role
@@ -125,7 +125,7 @@ class ParameterServerStrategy(Strategy):
 
     def _limits(self) -> Any:
         """What one request to a server may carry (the strategy's max_request_ids / max_request_mb)."""
-        from fleet.ps.limits import RequestLimits
+        from fleet.ps.protocol.limits import RequestLimits
 
         return RequestLimits.from_strategy(self.config)
 
@@ -146,7 +146,7 @@ class ParameterServerStrategy(Strategy):
             os._exit(1)
 
     def server_endpoints(self) -> list[str]:
-        from fleet.ps.launch_server import worker_endpoints
+        from fleet.ps.server.launch import worker_endpoints
 
         if not self._endpoints and self.runtime.role.server_num:
             self._endpoints = worker_endpoints(self.runtime)
@@ -165,7 +165,7 @@ class ParameterServerStrategy(Strategy):
     # --- training -------------------------------------------------------------------------------
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        from fleet.ps.worker import PSOptimizer
+        from fleet.ps.worker.optimizer import PSOptimizer
 
         role = self.runtime.role
         if not role.server_num:
@@ -238,7 +238,7 @@ class ParameterServerStrategy(Strategy):
 
     def save_persistables(self, dirname: str, mode: str = "base") -> None:
         """Every server writes its shards, worker 0 its optimizer state, into a new save under ``dirname``;
-        ``dirname/latest`` moves to it only once all of that is written (:mod:`fleet.ps.persist`). Call on
+        ``dirname/latest`` moves to it only once all of that is written (:mod:`fleet.storage.persist`). Call on
         every worker: each raises if the save failed, and the save before it stays the one to load.
 
         ``mode="delta"``: sparse tables write only the rows created or changed since the previous
@@ -268,8 +268,8 @@ class ParameterServerStrategy(Strategy):
 
     def _save_new(self, dirname: str, mode: str, optimizers: list[Any]) -> str:
         """Worker 0's part of a save: a new directory, the servers' shards, its own file, then ``latest``."""
-        from fleet.atomic import save_atomic
-        from fleet.ps.errors import PSRemoteError
+        from fleet.ps.protocol.errors import PSRemoteError
+        from fleet.storage.atomic import save_atomic
 
         delta = mode == "delta"
         if delta and self._save_failed:

@@ -37,14 +37,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fleet import owners, tables
 from fleet.collective import lockstep, sparse_grads
 from fleet.collective.broadcast import average_tensors, broadcast_tensors, check_same_shapes
 from fleet.collective.grad_sync import ParamMap
 from fleet.errors import FleetError
-from fleet.optimizer import WrappedOptimizer
+from fleet.runtime import owners
+from fleet.runtime.optimizer import WrappedOptimizer
 from fleet.sharding import autograd as sharded_autograd
 from fleet.sharding.order import ShardedOrder
+from fleet.sparse import backends as tables
 from fleet.strategies.base import Runtime, Strategy, check_reduce
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""A configurable stand-in for a training script, for tests/test_launch.py (no torch).
+"""A configurable stand-in for a training script, for tests/launch/test_launch.py (no torch).
 
 Every process prints its fleet variables, appends its pid to
 $FLEET_LOG_DIR/pids.<role>.<rank> and then behaves as the flags say:

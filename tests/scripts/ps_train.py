@@ -37,7 +37,7 @@ for step in range(steps):
     opt.step()
     losses.append(round(loss.item(), 4))
 fleet.barrier_worker()
-job = fleet.context.current()
+job = fleet.runtime.context.current()
 info = {
     "worker": fleet.worker_index(),
     "workers": fleet.worker_num(),

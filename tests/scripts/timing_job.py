@@ -1,4 +1,4 @@
-"""A tiny collective training job for tests/test_timing.py: STEPS steps of a small MLP.
+"""A tiny collective training job for tests/telemetry/test_timing.py: STEPS steps of a small MLP.
 
 Usage: timing_job.py STEPS [--progress]. Injection comes from FLEET_INJECT.
 """
@@ -14,7 +14,7 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 fleet.init()
 opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
-fleet.timing.set_batch_size(8)
+fleet.telemetry.timing.set_batch_size(8)
 x, y = torch.randn(8, 16), torch.randn(8, 1)
 batches = range(steps)
 if "--progress" in sys.argv:

@@ -1,0 +1,258 @@
+"""distributed_loader: each worker iterates its own shard of the user's DataLoader.
+
+Epochs follow the wrapped DataLoader: every new pass over the loader is a new epoch with a
+new order, whether or not the script calls ``set_epoch`` (which still works, and wins). One
+process keeps exactly the batches and order the unconverted script had, drawing from the same
+random generators; several workers share a permutation of ``strategy.seed + epoch`` (as
+DistributedSampler), which every worker computes alike without communicating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+from fleet.telemetry import timing
+
+_END = object()
+
+
+class ShardedLoader:
+    """A DataLoader over this worker's shard, with epochs, resumable positions and ``set_epoch``."""
+
+    def __init__(self, loader: DataLoader, num_shards: int, shard: int, seed: int = 0):
+        self.position = 0  # batches taken from the current epoch, for checkpoints
+        self.num_shards = num_shards
+        self.shard = shard
+        self.epoch = 0
+        self._skip = 0
+        self._begun = False  # has a pass over the current epoch started (the next pass is a new epoch)
+        self._epoch_given = False  # set_epoch() named the epoch of the next pass
+        self._finished = False  # the last pass ran to the end of its epoch
+        self._epoch_rng: dict[str, Any] | None = None  # generators' states when this epoch's pass began
+        self._resume_rng: dict[str, Any] | None = None
+        self._generator = loader.generator
+        if isinstance(loader.batch_size, int) and loader.batch_size > 0:
+            timing.recorder().set_batch_size(loader.batch_size, inferred=True)  # for samples/s
+        self.map_style = not isinstance(loader.dataset, IterableDataset)
+        self.sampler: _ResumableSampler | None = None
+        self._own_order: _SkippingSampler | None = None
+        if not self.map_style:
+            self.loader = loader
+            if getattr(loader.dataset, "shards_itself", False):  # fleet.SlotDataset: already this worker's share
+                self.num_shards, self.shard = 1, 0
+            return
+        if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
+            raise TypeError(
+                f"fleet.distributed_loader can shard a DataLoader built with shuffle=True or False, but this one uses "
+                f"a custom {type(loader.sampler).__name__}. Build the loader with "
+                "sampler=DistributedSampler(dataset, fleet.worker_num(), fleet.worker_index()) yourself instead."
+            )
+        if loader.batch_sampler is not None and type(loader.batch_sampler).__name__ != "BatchSampler":
+            raise TypeError(
+                f"fleet.distributed_loader cannot shard a custom batch_sampler ({type(loader.batch_sampler).__name__})."
+            )
+        self.sampler = _ResumableSampler(
+            loader.dataset,
+            num_replicas=num_shards,
+            rank=shard,
+            shuffle=isinstance(loader.sampler, RandomSampler),
+            seed=seed,
+            drop_last=loader.drop_last,
+        )
+        self.loader = _rebuild(loader, self.sampler)
+        if num_shards == 1:
+            # One process keeps the unconverted script's order: the user's own sampler, drawing
+            # from the same generators at the same moments, until set_epoch asks for seeded epochs.
+            self._own_order = _SkippingSampler(loader.sampler)
+            self._own_loader = _rebuild(loader, self._own_order)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._skip = 0  # a resumed position belongs to the epoch it was saved in
+            self._resume_rng = None
+        self.epoch = epoch
+        self._epoch_given = True
+        self._own_order = None  # from now on the order is DistributedSampler's, seeded by epoch
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this worker is: the epoch, the batches already taken from it, and whether it ended."""
+        state: dict[str, Any] = {"epoch": self.epoch, "position": self.position, "finished": self._finished}
+        if self._epoch_rng is not None and not self._finished:
+            state["epoch_rng"] = self._epoch_rng
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next pass continues an unfinished epoch after the batches already trained on;
+        a finished epoch resumes at the start of the next one."""
+        epoch, position = int(state["epoch"]), int(state["position"])
+        finished = bool(state.get("finished", False))
+        if not finished and position > 0 and self._length() is not None:
+            finished = position >= self._length()  # saved inside the loop body, after the last batch
+        if finished:
+            epoch, position = epoch + 1, 0
+        self._set_epoch_number(epoch)
+        self._skip = self.position = position
+        self._resume_rng = state.get("epoch_rng") if position else None
+        self._begun = False
+        self._finished = False
+        self._epoch_given = False
+
+    def _set_epoch_number(self, epoch: int) -> None:
+        self.epoch = epoch
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._begun and not self._epoch_given:
+            self._set_epoch_number(self.epoch + 1)  # a new pass is a new epoch, as with DataLoader(shuffle=True)
+            self._skip, self._resume_rng = 0, None
+        self._begun, self._epoch_given, self._finished = True, False, False
+        skip, self._skip = self._skip, 0
+        resume_rng, self._resume_rng = self._resume_rng, None
+        self.position = skip
+        return self._batches(skip, resume_rng)
+
+    def _batches(self, skip: int, resume_rng: dict[str, Any] | None) -> Iterator[Any]:
+        loader = self._own_loader if self._own_order is not None else self.loader
+        order = self._own_order if self._own_order is not None else self.sampler
+        now = torch.get_rng_state()  # the checkpoint's, when resuming
+        if resume_rng is not None:
+            # Rewind the generators to where they were when the interrupted epoch began, so this
+            # pass draws the same order (and worker seeds) it drew then. Afterwards the global one
+            # goes back to the checkpoint's state, which the interrupted run had at that point; the
+            # loader's own generator (not in the checkpoint) is right where those draws left it.
+            _set_generator_states(resume_rng, self._generator)
+        self._epoch_rng = _generator_states(self._generator)
+        if order is not None:
+            order.skip = skip * (loader.batch_size or 1)
+            batches: Iterator[Any] = iter(loader)
+        else:
+            mine = _even_share(iter(loader), self.num_shards, self.shard, loader.drop_last)
+            batches = (batch for i, batch in enumerate(mine) if i >= skip)
+        first = next(batches, _END)  # the samplers draw their seeds lazily, at the first batch
+        if resume_rng is not None or (skip and order is not None):
+            # (Checkpoints from before epoch_rng: at least leave the checkpoint's state untouched.)
+            torch.set_rng_state(now)
+        if first is _END:
+            self._finished = True
+            return
+        self.position += 1
+        yield first
+        for batch in batches:
+            self.position += 1
+            yield batch
+        self._finished = True
+
+    def _length(self) -> int | None:
+        try:
+            return len(self)
+        except TypeError:
+            return None
+
+    def __len__(self) -> int:
+        if self.map_style:
+            return len(self.loader)
+        total = len(self.loader)  # raises TypeError for an iterable dataset without __len__, as DataLoader does
+        return total // self.num_shards if self.loader.drop_last else -(-total // self.num_shards)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+
+def _rebuild(loader: DataLoader, sampler: Sampler) -> DataLoader:
+    return DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
+    )
+
+
+def _generator_states(generator: torch.Generator | None) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if generator is not None:
+        state["loader"] = generator.get_state()
+    return state
+
+
+def _set_generator_states(state: dict[str, Any], generator: torch.Generator | None) -> None:
+    torch.set_rng_state(state["torch"])
+    if generator is not None and "loader" in state:
+        generator.set_state(state["loader"])
+
+
+def _even_share(batches: Iterator[Any], num_shards: int, shard: int, drop_last: bool) -> Iterator[Any]:
+    """This shard's batches of a stream every worker reads in full: the same number on every worker.
+
+    The stream is taken in rounds of ``num_shards`` consecutive batches, one per worker. When
+    it ends part-way through a round, that last round is dropped (``drop_last=True``, like
+    DistributedSampler's) or completed with the first batches of the epoch again, so that
+    every worker still gets exactly one more (``drop_last=False``, DistributedSampler's
+    padding): no worker is left waiting in a collective for a batch that never comes.
+    """
+    first: list[Any] = []  # the epoch's first batches, kept to complete a last partial round
+    round_: list[Any] = []
+    for batch in batches:
+        if len(first) < num_shards - 1:
+            first.append(batch)
+        round_.append(batch)
+        if len(round_) == num_shards:
+            yield round_[shard]
+            round_ = []
+    if round_ and not drop_last:
+        round_ += (first * num_shards)[: num_shards - len(round_)]
+        yield round_[shard]
+
+
+def _skipping(indices: Iterator[Any], skip: int) -> Iterator[Any]:
+    for i, index in enumerate(indices):
+        if i >= skip:
+            yield index
+
+
+class _ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way, after ``skip`` indices."""
+
+    skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        return _skipping(super().__iter__(), skip)
+
+
+class _SkippingSampler(Sampler):
+    """The user's own sampler, able to start an epoch part-way, after ``skip`` indices."""
+
+    skip = 0
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        return _skipping(iter(self.sampler), skip)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def shard_loader(loader: Any, num_shards: int, shard: int, seed: int = 0) -> Any:
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"fleet.distributed_loader needs a torch.utils.data.DataLoader, got {type(loader).__name__}.")
+    return ShardedLoader(loader, num_shards, shard, seed)
+
+
+__all__ = ["ShardedLoader", "shard_loader"]

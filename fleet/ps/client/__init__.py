@@ -1,0 +1,1 @@
+"""The worker's connection to the parameter servers: sharded tables behind futures."""

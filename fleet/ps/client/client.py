@@ -1,0 +1,536 @@
+"""The worker's view of the parameter servers: sharded tables behind futures.
+
+A dense logical table is one flat float32 vector cut into contiguous pieces,
+one per server (:func:`shard_ranges`); a sparse table's row ``id`` lives on
+server ``id % num_servers``. The client splits every call into one message
+per server, sends them in parallel from its IO thread, and reassembles the
+replies in the caller's order, so callers never see the sharding. A sparse
+batch bigger than the request limits (:mod:`fleet.ps.protocol.limits`) goes as several
+requests per server (:mod:`fleet.ps.client.split`), which callers do not see either.
+
+Every method returns a :class:`concurrent.futures.Future` at once. Tensors
+handed to a push are sent straight from their memory (no copy): do not
+modify them until the push's future has resolved. Callbacks added to these
+futures run on the client's IO thread: keep them short, and never wait there
+for another request of the same client.
+
+``encryption="curve"`` encrypts and authenticates every connection with keys
+derived from the secret (:mod:`fleet.ps.protocol.auth`); the servers must use it too.
+
+Failures: a server that does not answer within ``timeout_s`` (or whose
+connection drops while a request is in flight) raises
+:class:`~fleet.ps.protocol.errors.PSServerUnavailable` naming its index and endpoint;
+an error answer raises :class:`~fleet.ps.protocol.errors.PSRemoteError`; a refused
+secret raises :class:`~fleet.ps.protocol.errors.PSAuthError` at the handshake.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fleet.data.files import share_bounds
+from fleet.ps.client.io import IOThread, Job
+from fleet.ps.client.split import pull_pieces, push_pieces
+from fleet.ps.protocol import auth
+from fleet.ps.protocol.errors import PSAuthError, PSError, PSServerUnavailable
+from fleet.ps.protocol.limits import RequestLimits
+from fleet.ps.protocol.liveness import HEARTBEAT_S
+from fleet.ps.protocol.wire import (
+    DENSE_STATE_GET,
+    DENSE_STATE_SET_OPTIMIZER,
+    DENSE_STATE_SET_VALUES,
+    MORE_FOLLOWS,
+    REDUCE_OPS,
+    Message,
+    Op,
+)
+
+log = logging.getLogger(__name__)
+
+
+def shard_ranges(size: int, num_servers: int) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) pieces of a length-``size`` vector, sizes differing by at most one."""
+    if num_servers < 1:
+        raise ValueError(f"num_servers={num_servers}; need at least one server")
+    return share_bounds(size, num_servers)
+
+
+def sparse_owner(ids: torch.Tensor, num_servers: int) -> torch.Tensor:
+    """The server index of each id: a non-negative ``id mod num_servers`` (negative ids too)."""
+    return torch.remainder(ids, num_servers)
+
+
+@dataclass(frozen=True)
+class DenseState:
+    """A dense table read whole: flat values and optimizer state, and each parameter's step count."""
+
+    values: torch.Tensor
+    named: dict[str, torch.Tensor]
+    param_steps: torch.Tensor
+    step: int
+
+
+def _by_server(split: Sequence[tuple[int, Any]], replies: Sequence[Message]) -> list[Message]:
+    """One reply per server (its oldest version) of a request split into pieces."""
+    oldest: dict[int, Message] = {}
+    for (server, _), reply in zip(split, replies, strict=True):
+        if server not in oldest or reply.arg < oldest[server].arg:
+            oldest[server] = reply
+    return [oldest[server] for server in sorted(oldest)]
+
+
+def _versioned(t: torch.Tensor, replies: Sequence[Message]) -> torch.Tensor:
+    """Attach the shards' versions: ``ps_version`` (the minimum) and ``ps_versions`` (per server)."""
+    versions = tuple(r.arg for r in replies)
+    t.ps_versions = versions  # type: ignore[attr-defined]
+    t.ps_version = min(versions) if versions else 0  # type: ignore[attr-defined]
+    return t
+
+
+class PSClient:
+    """Talks to every parameter server for one worker; thread-safe, one IO thread per client."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        secret: bytes,
+        worker_index: int,
+        timeout_s: float,
+        max_in_flight: int = 16,
+        limits: RequestLimits | None = None,
+        encryption: str = "none",
+    ):
+        if not endpoints:
+            raise ValueError("PSClient needs at least one server endpoint")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}; it must be positive")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight}; it must be at least 1")
+        self.endpoints = tuple(endpoints)
+        self.num_servers = len(self.endpoints)
+        self.worker_index = worker_index
+        self.timeout_s = float(timeout_s)
+        self.limits = limits if limits is not None else RequestLimits()
+        self._dense: dict[int, tuple[int, list[tuple[int, int]]]] = {}  # table -> (size, ranges)
+        self._sparse: dict[int, tuple[int, str]] = {}  # table -> (dim, update mode)
+        self._closed = False
+        self._io = IOThread(self.endpoints, secret, worker_index, max_in_flight, auth.check_encryption(encryption))
+        self._io.start(timeout_s=10.0)
+        # Servers tell a dead worker from a busy one by these beats (fleet.ps.protocol.liveness).
+        self._beating = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="fleet-ps-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._beating.wait(HEARTBEAT_S):
+            if self._closed:
+                return
+            try:
+                # Unanswered beats are not errors; a restarted server's answer is (fleet.ps.client.io).
+                self._submit(self._all(Op.HELLO), timeout_s=5 * HEARTBEAT_S)
+            except PSError:
+                return
+
+    # ------------------------------------------------------------ plumbing
+    def _msg(self, op: Op, table: int = 0, **fields: Any) -> Message:
+        return Message(op=op, table=table, peer=self.worker_index, **fields)
+
+    def _submit(
+        self,
+        parts: list[tuple[int, Message]],
+        combine: Callable[[list[Message]], Any] = lambda replies: None,
+        timeout_s: float | None = None,
+        settle: bool = False,
+    ) -> Future:
+        if self._closed:
+            raise PSError("this PSClient is closed")
+        job = Job(Future(), parts, combine, float(timeout_s or self.timeout_s), settle=settle)
+        return self._io.submit(job)
+
+    def _all(self, op: Op, table: int = 0, blob: bytes = b"", **fields: Any) -> list[tuple[int, Message]]:
+        return [(s, self._msg(op, table, blob=blob, **fields)) for s in range(self.num_servers)]
+
+    def _dense_layout(self, table_id: int) -> tuple[int, list[tuple[int, int]]]:
+        try:
+            return self._dense[table_id]
+        except KeyError:
+            raise PSError(f"dense table {table_id} is unknown to this client: call create_dense first") from None
+
+    def _sparse_info(self, table_id: int) -> tuple[int, str]:
+        try:
+            return self._sparse[table_id]
+        except KeyError:
+            raise PSError(f"sparse table {table_id} is unknown to this client: call create_sparse first") from None
+
+    @staticmethod
+    def _json_list(replies: list[Message]) -> list[dict[str, Any]]:
+        return [json.loads(bytes(r.blob).decode("utf-8")) for r in replies]
+
+    # ---------------------------------------------------------- lifecycle
+    def hello(self, timeout_s: float | None = None) -> Future:
+        """Future[list[dict]]: each server's index, worker count and endpoint; checks the endpoint order."""
+
+        def check(replies: list[Message]) -> list[dict[str, Any]]:
+            infos = self._json_list(replies)
+            for position, info in enumerate(infos):
+                if info.get("server_index") != position:
+                    raise PSError(
+                        f"endpoint {self.endpoints[position]} is listed as server {position} but reports server "
+                        f"{info.get('server_index')}: the endpoint list is not in server index order"
+                    )
+            return infos
+
+        return self._submit(self._all(Op.HELLO), check, timeout_s)
+
+    def wait_for_servers(self, timeout_s: float, cause: BaseException | None = None) -> None:
+        """Block until every server answers HELLO (after a server restart), for at most ``timeout_s``.
+
+        Raises ``cause`` (or the last failure) when a server stays away that long.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self._submit(self._all(Op.HELLO), timeout_s=max(0.5, min(2.0, left))).result()
+                return
+            except PSAuthError:
+                raise
+            except PSServerUnavailable as exc:
+                if time.monotonic() + 0.2 >= deadline:
+                    raise (cause or exc) from exc
+            time.sleep(0.2)
+
+    def close(self, stop_servers_for_me: bool = True) -> None:
+        """Send STOP (this worker is done) to every server, then stop the IO thread; bounded, never raises."""
+        if self._closed:
+            return
+        self._beating.set()  # no heartbeat may follow the STOP
+        self._heartbeat.join(timeout=2 * HEARTBEAT_S)
+        if stop_servers_for_me:
+            try:
+                self._submit(self._all(Op.STOP)).result(self.timeout_s + 1.0)
+            except Exception as exc:  # the servers may be gone already; closing must still finish
+                log.warning("worker %d: STOP was not acknowledged: %s", self.worker_index, exc)
+        self._closed = True
+        self._io.close(timeout_s=self.timeout_s + 1.0)
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def stale_pushes(self) -> int:
+        """Pushes the servers dropped as stale (sync mode), as counted by this client."""
+        return self._io.stale_pushes
+
+    # -------------------------------------------------------------- dense
+    def create_dense(
+        self, table_id: int, init: torch.Tensor | None, config: dict[str, Any], timeout_s: float | None = None
+    ) -> Future:
+        """Create a dense table sharded over all servers.
+
+        The worker with ``init`` (worker 0) sets the initial values; others pass
+        None and need ``config["size"]``: their future resolves once the table
+        exists. ``config`` holds ``optimizer`` and ``update``
+        ("sync" | "async" | "geo", default "async") and ``backup_workers``.
+        """
+        flat = None if init is None else init.detach().reshape(-1).to(torch.float32).contiguous()
+        size = flat.numel() if flat is not None else config.get("size")
+        if size is None:
+            raise ValueError(f"dense table {table_id}: a worker without initial values must give config['size']")
+        if flat is not None and config.get("size", size) != size:
+            raise ValueError(f"dense table {table_id}: config['size']={config['size']} but init has {size} values")
+        ranges = shard_ranges(int(size), self.num_servers)
+        parts = []
+        for s, (lo, hi) in enumerate(ranges):
+            shard_config = {**config, "size": hi - lo, "offset": lo, "total_size": int(size)}
+            blob = json.dumps(shard_config, sort_keys=True).encode()
+            tensors = [] if flat is None else [flat[lo:hi]]
+            parts.append((s, self._msg(Op.CREATE_DENSE, table_id, blob=blob, tensors=tensors)))
+        self._dense[table_id] = (int(size), ranges)
+        return self._submit(parts, timeout_s=timeout_s)
+
+    def pull_dense(self, table_id: int, min_version: int = 0) -> Future:
+        """Future[Tensor]: the flat values; ``.ps_version`` is the oldest shard version in it.
+
+        With ``min_version`` (sync mode) each server answers once its shard has
+        applied that many updates.
+        """
+        size, ranges = self._dense_layout(table_id)
+        parts = [(s, self._msg(Op.PULL_DENSE, table_id, arg=min_version)) for s in range(self.num_servers)]
+
+        def assemble(replies: list[Message]) -> torch.Tensor:
+            if len(replies) == 1:
+                return _versioned(replies[0].tensors[0], replies)
+            out = torch.empty(size, dtype=torch.float32)
+            for (lo, hi), reply in zip(ranges, replies, strict=True):
+                out[lo:hi].copy_(reply.tensors[0])
+            return _versioned(out, replies)
+
+        return self._submit(parts, assemble)
+
+    def dense_state(self, table_id: int) -> Future:
+        """Future[DenseState]: the table's values, optimizer state and each parameter's step, from every server."""
+        size, ranges = self._dense_layout(table_id)
+
+        def assemble(replies: list[Message]) -> DenseState:
+            metas = self._json_list(replies)
+            names = metas[0]["names"]
+            values = torch.empty(size, dtype=torch.float32)
+            named = {name: torch.empty(size, dtype=torch.float32) for name in names}
+            steps = replies[0].tensors[1].clone()
+            for (lo, hi), reply in zip(ranges, replies, strict=True):
+                values[lo:hi].copy_(reply.tensors[0])
+                for name, t in zip(names, reply.tensors[2:], strict=True):
+                    named[name][lo:hi].copy_(t)
+                torch.maximum(steps, reply.tensors[1], out=steps)
+            return DenseState(values, named, steps, max(int(m["step"]) for m in metas))
+
+        return self._submit(self._all(Op.DENSE_STATE, table_id, arg=DENSE_STATE_GET), assemble)
+
+    def set_dense_optimizer_state(
+        self, table_id: int, named: dict[str, torch.Tensor], param_steps: torch.Tensor, step: int
+    ) -> Future:
+        """Replace the table's optimizer state (flat, like the values) and its parameters' step counts."""
+        size, ranges = self._dense_layout(table_id)
+        blob = json.dumps({"names": list(named), "step": int(step)}).encode()
+        flat = {name: t.detach().reshape(-1).to(torch.float32).contiguous() for name, t in named.items()}
+        for name, t in flat.items():
+            if t.numel() != size:
+                raise ValueError(f"dense table {table_id} holds {size} values, optimizer state {name!r} {t.numel()}")
+        steps = param_steps.to(torch.int64).contiguous()
+        parts = [
+            (s, self._msg(Op.DENSE_STATE, table_id, arg=DENSE_STATE_SET_OPTIMIZER, blob=blob,
+                          tensors=[steps, *(t[lo:hi] for t in flat.values())]))
+            for s, (lo, hi) in enumerate(ranges)
+        ]  # fmt: skip
+        return self._submit(parts)
+
+    def set_dense_values(self, table_id: int, values: torch.Tensor, version: int = 0) -> Future:
+        """Overwrite the table's values (parameters the user wrote outside the optimizer).
+
+        ``version``: the version the written values were based on; a sync shard past it drops them.
+        """
+        size, ranges = self._dense_layout(table_id)
+        flat = values.detach().reshape(-1).to(torch.float32).contiguous()
+        if flat.numel() != size:
+            raise ValueError(f"dense table {table_id} holds {size} values, the new values {flat.numel()}")
+        parts = [
+            (s, self._msg(Op.DENSE_STATE, table_id, arg=DENSE_STATE_SET_VALUES, step=version, tensors=[flat[lo:hi]]))
+            for s, (lo, hi) in enumerate(ranges)
+        ]
+        return self._submit(parts)
+
+    def _dense_push(
+        self, op: Op, table_id: int, values: torch.Tensor, step: int, lr: float, extra: list[torch.Tensor] = ()
+    ) -> Future:
+        size, ranges = self._dense_layout(table_id)
+        flat = values.detach().reshape(-1)
+        if flat.numel() != size:
+            raise ValueError(f"dense table {table_id} holds {size} values, but the pushed tensor has {flat.numel()}")
+        flat = flat.to(torch.float32).contiguous()
+        parts = [
+            (s, self._msg(op, table_id, step=step, lr=lr, tensors=[flat[lo:hi], *extra]))
+            for s, (lo, hi) in enumerate(ranges)
+        ]
+        return self._submit(parts)
+
+    def push_dense_grad(
+        self, table_id: int, grad: torch.Tensor, step: int, lr: float, present: torch.Tensor | None = None
+    ) -> Future:
+        """Future[None]: push a gradient for ``step`` (sync) or to apply now (async) with learning rate ``lr``.
+
+        ``present``: uint8, one flag per parameter of the table (its ``shapes``), 0 where this
+        worker has no gradient; None when it has them all.
+        """
+        extra = [present.to(torch.uint8).contiguous()] if present is not None else []
+        return self._dense_push(Op.PUSH_DENSE_GRAD, table_id, grad, step, lr, extra)
+
+    def push_dense_delta(self, table_id: int, delta: torch.Tensor) -> Future:
+        """Future[None]: geo mode, add ``delta`` (this worker's change since its last sync) to the values."""
+        return self._dense_push(Op.PUSH_DENSE_DELTA, table_id, delta, 0, 0.0)
+
+    # ------------------------------------------------------------- sparse
+    def create_sparse(self, table_id: int, config: dict[str, Any], timeout_s: float | None = None) -> Future:
+        """Create a sparse table (every worker may call it; identical configs are no-ops).
+
+        ``config``: ``dim``, ``optimizer``, ``initializer``, ``seed``, ``update``, ``backup_workers``.
+        """
+        if config.get("max_rows") is not None:
+            config = {**config, "servers": self.num_servers}  # each server keeps max_rows // servers
+        blob = json.dumps(config, sort_keys=True).encode()
+        self._sparse[table_id] = (int(config["dim"]), config.get("update", "async"))
+        return self._submit(self._all(Op.CREATE_SPARSE, table_id, blob), timeout_s=timeout_s)
+
+    def _split(self, ids: torch.Tensor, every_server: bool) -> list[tuple[int, torch.Tensor]]:
+        """(server, positions in ``ids``) per server; servers without ids are left out unless ``every_server``."""
+        if self.num_servers == 1:
+            return [(0, None)]  # type: ignore[list-item]
+        owner = sparse_owner(ids, self.num_servers)
+        out = []
+        for s in range(self.num_servers):
+            pos = (owner == s).nonzero().squeeze(1)
+            if pos.numel() or every_server:
+                out.append((s, pos))
+        return out
+
+    def pull_sparse(self, table_id: int, ids: torch.Tensor, min_version: int = 0) -> Future:
+        """Future[Tensor]: rows ``[len(ids), dim]`` in the order of ``ids`` (unique ids; missing rows are created).
+
+        With ``min_version`` every server is asked (empty id lists included), so
+        that every shard has reached the version before this worker pushes.
+        """
+        dim, _ = self._sparse_info(table_id)
+        ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
+        most = self.limits.ids_per_request(dim)
+        split: list[tuple[int, torch.Tensor | None]] = []  # (server, positions in ids) per request
+        for server, pos in self._split(ids, every_server=min_version > 0):
+            mine = ids if pos is None else ids[pos]
+            pieces = pull_pieces(mine, most, self.limits.piece_ids(dim))
+            if pieces is None:
+                split.append((server, pos))
+            else:
+                split.extend((server, piece if pos is None else pos[piece]) for piece in pieces)
+        parts = [
+            (s, self._msg(Op.PULL_SPARSE, table_id, arg=min_version, tensors=[ids if pos is None else ids[pos]]))
+            for s, pos in split
+        ]
+
+        def assemble(replies: list[Message]) -> torch.Tensor:
+            if len(replies) == 1 and split[0][1] is None:
+                return _versioned(replies[0].tensors[0], replies)
+            out = torch.empty(ids.numel(), dim, dtype=torch.float32)
+            for (_, pos), reply in zip(split, replies, strict=True):
+                if pos.numel():
+                    out.index_copy_(0, pos, reply.tensors[0])
+            return _versioned(out, _by_server(split, replies))
+
+        return self._submit(parts, assemble)
+
+    def _sparse_push(
+        self,
+        op: Op,
+        table_id: int,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        step: int,
+        lr: float,
+        clicks: torch.Tensor | None = None,
+    ) -> Future:
+        dim, mode = self._sparse_info(table_id)
+        ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
+        rows = rows.detach().to(torch.float32).contiguous()
+        if list(rows.shape) != [ids.numel(), dim]:
+            raise ValueError(
+                f"sparse table {table_id}: rows of shape {list(rows.shape)} for {ids.numel()} ids, dim {dim}"
+            )
+        if clicks is not None:
+            clicks = clicks.detach().reshape(-1).to(torch.float32).contiguous()
+            if clicks.numel() != ids.numel():
+                raise ValueError(f"sparse table {table_id}: {clicks.numel()} clicks for {ids.numel()} ids")
+        parts = []
+        most = self.limits.ids_per_request(dim)
+        for s, pos in self._split(ids, every_server=mode == "sync"):
+            tensors = [ids, rows] if clicks is None else [ids, rows, clicks]
+            if pos is not None:
+                tensors = [t[pos] for t in tensors]
+            pieces = push_pieces(tensors, most, self.limits.piece_ids(dim))
+            for k, piece in enumerate(pieces):
+                more = MORE_FOLLOWS if k < len(pieces) - 1 else 0
+                parts.append((s, self._msg(op, table_id, step=step, lr=lr, arg=more, tensors=piece)))
+        return self._submit(parts)
+
+    def push_sparse_grad(
+        self,
+        table_id: int,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        step: int,
+        lr: float,
+        clicks: torch.Tensor | None = None,
+    ) -> Future:
+        """Future[None]: gradients of rows ``ids`` (duplicates are summed by the server), with optional clicks.
+
+        ``step``: the sync step (sync mode), else this worker's step count (the tables' clock).
+        """
+        return self._sparse_push(Op.PUSH_SPARSE_GRAD, table_id, ids, grads, step, lr, clicks)
+
+    def push_sparse_delta(self, table_id: int, ids: torch.Tensor, deltas: torch.Tensor, step: int = 0) -> Future:
+        """Future[None]: geo mode, add ``deltas`` to rows ``ids``; ``step`` is this worker's step count."""
+        return self._sparse_push(Op.PUSH_SPARSE_DELTA, table_id, ids, deltas, step, 0.0)
+
+    def shrink(self, table_id: int, threshold: float | None = None, timeout_s: float | None = None) -> Future:
+        """Future[int]: every server evicts the table's expired rows (and rows scoring below ``threshold``)."""
+        blob = json.dumps({"threshold": threshold}).encode()
+
+        def total(replies: list[Message]) -> int:
+            return sum(int(info["removed"]) for info in self._json_list(replies))
+
+        return self._submit(self._all(Op.SHRINK, table_id, blob=blob), total, timeout_s)
+
+    def export_sparse(self, table_id: int) -> Future:
+        """Future[(ids, rows)]: every row of sparse table ``table_id``, from all servers."""
+
+        def gather(replies: list[Message]) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.cat([r.tensors[0] for r in replies]), torch.cat([r.tensors[1] for r in replies])
+
+        return self._submit(self._all(Op.EXPORT_SPARSE, table_id), gather)
+
+    def sparse_rows(self, table_id: int) -> Future:
+        """Future[int]: the rows sparse table ``table_id`` holds now, over all servers."""
+
+        def total(replies: list[Message]) -> int:
+            return sum(int(info["tables"].get(str(table_id), {}).get("rows", 0)) for info in self._json_list(replies))
+
+        return self._submit(self._all(Op.STATS), total)
+
+    # ---------------------------------------------------------- job-wide
+    def barrier(self, timeout_s: float | None = None) -> Future:
+        """Future[None]: resolves when every (not yet stopped) worker reached the barrier on every server.
+
+        Going through every server also means each server has handled every
+        request the workers sent before the barrier.
+        """
+        return self._submit(self._all(Op.BARRIER), timeout_s=timeout_s)
+
+    def all_reduce(self, values: torch.Tensor, op: str = "sum", timeout_s: float | None = None) -> Future:
+        """Future[Tensor]: ``values`` (as a float64 vector) reduced element-wise over every worker still running.
+
+        ``op``: "sum", "max" or "min". Server 0 answers once every worker that has not stopped sent a
+        vector of the same length (``fleet.metrics``' one collective in a parameter-server job).
+        """
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce op={op!r}; expected one of {', '.join(REDUCE_OPS)}")
+        flat = values.detach().reshape(-1).to(device="cpu", dtype=torch.float64).contiguous()
+        msg = self._msg(Op.ALL_REDUCE, arg=REDUCE_OPS.index(op), tensors=[flat])
+        return self._submit([(0, msg)], lambda replies: replies[0].tensors[0].clone(), timeout_s)
+
+    def save(self, dirname: str, timeout_s: float | None = None, delta: bool = False) -> Future:
+        """Future[list[dict]]: every server writes its shards under ``dirname`` (a path the servers can reach).
+
+        ``delta``: sparse tables write only the rows changed since the servers' previous save.
+        """
+        path = os.path.abspath(dirname).encode()
+        # settle: on one server's error the caller removes the directory, so every server must be done with it
+        return self._submit(self._all(Op.SAVE, blob=path, arg=int(delta)), self._json_list, timeout_s, settle=True)
+
+    def load(self, dirname: str, timeout_s: float | None = None) -> Future:
+        """Future[list[dict]]: every server restores its shards from ``dirname`` (same number of servers)."""
+        path = os.path.abspath(dirname).encode()
+        return self._submit(self._all(Op.LOAD, blob=path), self._json_list, timeout_s, settle=True)
+
+    def stats(self) -> Future:
+        """Future[list[dict]]: each server's counters, in server order."""
+        return self._submit(self._all(Op.STATS), self._json_list)

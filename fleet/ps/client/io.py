@@ -1,0 +1,436 @@
+"""The worker's IO thread: owns every ZeroMQ socket to the servers.
+
+Why a thread: ZeroMQ sockets are not thread-safe, and the training thread
+must be able to start a push, go on computing, and collect the result later.
+Public calls build a :class:`Job` (one message per server it touches plus a
+function that combines the replies) and put it on a bounded queue; this
+thread sends the messages, matches replies by request id, enforces each
+job's deadline and resolves the job's :class:`~concurrent.futures.Future`.
+
+Failure detection: a deadline per job (the strategy's timeout); a socket
+monitor per server that turns a lost connection into an immediate
+:class:`PSServerUnavailable` for the requests in flight on it, and a refused
+handshake into :class:`PSAuthError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from fleet.ps.protocol import auth
+from fleet.ps.protocol.errors import (
+    PSAuthError,
+    PSClientClosed,
+    PSError,
+    PSRemoteError,
+    PSServerUnavailable,
+    WireError,
+    parse_error_reply,
+)
+from fleet.ps.protocol.wire import (
+    MAX_WIRE_FRAME,
+    MORE_FOLLOWS,
+    Message,
+    Op,
+    Status,
+    decode,
+    encode,
+    op_name,
+    read_request_id,
+)
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 100
+# Of one call split into pieces (a huge batch), at most this many per server are sent and not yet
+# answered: the server then holds only a few of them queued, and another worker's request, served in
+# turn with them (fleet.ps.server.inbox), is not stuck behind thousands in ZeroMQ's pipes.
+PIECES_ON_THE_WIRE = 4
+_MAX_BATCH = 256
+
+
+def _more_follows(msg: Message) -> bool:
+    """Whether ``msg`` is a piece of a sparse push with more pieces after it."""
+    return msg.op in (Op.PUSH_SPARSE_GRAD, Op.PUSH_SPARSE_DELTA) and msg.arg == MORE_FOLLOWS
+
+
+@dataclass(eq=False)
+class Job:
+    """One logical request: a message per server, combined into one result."""
+
+    future: Future
+    parts: list[tuple[int, Message]]  # (server index, request)
+    combine: Callable[[list[Message]], Any]
+    timeout_s: float
+    replies: list[Message | None] = field(default_factory=list)
+    pending: set[int] = field(default_factory=set)  # request ids not answered yet
+    deadline: float = 0.0
+    done: bool = False
+    # Wait for every server's answer before failing on one's error: a SAVE whose directory the
+    # caller removes on failure must not have a server still writing into it.
+    settle: bool = False
+    error: BaseException | None = None
+    held: dict[int, deque] = field(default_factory=dict)  # per server: parts beyond PIECES_ON_THE_WIRE
+
+
+class IOThread:
+    """Runs the socket loop for one :class:`~fleet.ps.client.client.PSClient`."""
+
+    def __init__(
+        self, endpoints: Sequence[str], secret: bytes, worker_index: int, max_in_flight: int, encryption: str = "none"
+    ):
+        self.endpoints = list(endpoints)
+        self.secret = auth.check_secret(secret)
+        self.encryption = auth.check_encryption(encryption)
+        self.worker_index = worker_index
+        self.max_in_flight = max_in_flight
+        self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_in_flight)
+        self.stale_pushes = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._closing = threading.Event()
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._ids = itertools.count(1)
+        self._inflight: dict[int, tuple[int, Job, int]] = {}  # request id -> (server, job, part index)
+        self._active: set[Job] = set()
+        self._outbox: list[deque[tuple[int, Message, Job]]] = [deque() for _ in self.endpoints]
+        self._refused: dict[int, str] = {}  # server -> why its handshake failed
+        # server -> why its last handshake failed for a reason other than the secret (cleared by a handshake
+        # that succeeds): requests made meanwhile fail at once with it instead of waiting for their deadline
+        self._failing: dict[int, str] = {}
+        self._incarnations = [0] * len(endpoints)  # per server, as its last HELLO reply said; 0: not known yet
+        self.thread = threading.Thread(target=self._main, name=f"fleet-ps-io-w{worker_index}", daemon=True)
+
+    # ------------------------------------------------------ caller side
+    def start(self, timeout_s: float) -> None:
+        self.thread.start()
+        if not self._ready.wait(timeout_s):
+            raise PSClientClosed(f"the parameter-server IO thread did not start within {timeout_s} s")
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def submit(self, job: Job) -> Future:
+        """Queue ``job`` (blocks while ``max_in_flight`` jobs are queued, up to the job's timeout)."""
+        if self._closing.is_set() or not self.thread.is_alive():
+            raise PSClientClosed("the parameter-server client is closed")
+        try:
+            self.queue.put(job, timeout=job.timeout_s)
+        except queue.Full:
+            raise PSError(
+                f"{self.max_in_flight} requests stayed queued for {job.timeout_s} s: the parameter servers are not "
+                "answering, or a future callback blocks the client's IO thread"
+            ) from None
+        self.wake()
+        if not self.thread.is_alive():  # it ended between the check above and the put: nobody will answer
+            self._fail_everything(PSClientClosed("the parameter-server client is closed"))
+        return job.future
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full, so the IO thread is already due to wake up
+
+    def close(self, timeout_s: float) -> None:
+        self._closing.set()
+        self.wake()
+        self.thread.join(timeout_s)
+        if not self.thread.is_alive():
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+
+    # ---------------------------------------------------------- IO side
+    def _main(self) -> None:
+        ctx = zmq.Context(io_threads=1)
+        self._sockets: list[zmq.Socket] = []
+        self._monitors: list[zmq.Socket] = []
+        try:
+            for endpoint in self.endpoints:
+                sock = ctx.socket(zmq.DEALER)
+                sock.linger = 0
+                sock.sndhwm = sock.rcvhwm = 10000
+                sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
+                sock.maxmsgsize = MAX_WIRE_FRAME  # no frame of a reply is larger (fleet.ps.protocol.wire)
+                auth.configure_client(sock, self.secret, f"worker-{self.worker_index}", self.encryption)
+                if ":" in endpoint.rpartition(":")[0]:
+                    sock.ipv6 = True
+                events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                events |= zmq.EVENT_HANDSHAKE_SUCCEEDED
+                self._monitors.append(sock.get_monitor_socket(events))
+                sock.connect(f"tcp://{endpoint}")
+                self._sockets.append(sock)
+        except BaseException as exc:
+            self._startup_error = PSError(f"cannot set up connections to parameter servers {self.endpoints}: {exc}")
+            self._ready.set()
+            ctx.destroy(linger=0)
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except BaseException as exc:  # never leave a caller waiting on a dead thread
+            log.exception("parameter-server IO thread failed")
+            self._fail_everything(PSClientClosed(f"the parameter-server IO thread failed: {exc!r}"))
+            raise
+        finally:
+            self._fail_everything(PSClientClosed("the parameter-server client was closed"))
+            for sock in self._sockets:
+                sock.disable_monitor()
+            ctx.destroy(linger=0)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        for sock, mon in zip(self._sockets, self._monitors, strict=True):
+            poller.register(sock, zmq.POLLIN)
+            poller.register(mon, zmq.POLLIN)
+        blocked: set[int] = set()  # servers whose socket is also polled for POLLOUT
+        while not self._closing.is_set():
+            self._admit()
+            waiting_out = self._flush()
+            for i in blocked ^ waiting_out:
+                poller.modify(self._sockets[i], zmq.POLLIN | (zmq.POLLOUT if i in waiting_out else 0))
+            blocked = waiting_out
+            ready = dict(poller.poll(self._poll_timeout_ms()))
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            for i, sock in enumerate(self._sockets):
+                if ready.get(sock, 0) & zmq.POLLIN:
+                    self._receive(i)
+            for i, mon in enumerate(self._monitors):
+                if mon in ready:
+                    self._monitor_events(i)
+            self._expire(time.monotonic())
+
+    def _poll_timeout_ms(self) -> int:
+        if not self.queue.empty() and len(self._active) < self.max_in_flight:
+            return 0
+        now, nearest = time.monotonic(), _IDLE_POLL_MS / 1000
+        for job in self._active:
+            nearest = min(nearest, job.deadline - now)
+        return max(0, int(nearest * 1000) + 1)
+
+    def _admit(self) -> None:
+        """Move queued jobs onto the wire while fewer than ``max_in_flight`` are active."""
+        while len(self._active) < self.max_in_flight:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            job.deadline = time.monotonic() + job.timeout_s
+            job.replies = [None] * len(job.parts)
+            self._active.add(job)
+            if not job.parts:
+                self._finish(job)
+                continue
+            sent: dict[int, int] = {}
+            for part, (server, msg) in enumerate(job.parts):
+                if server in self._refused:
+                    self._fail(job, self._refused_error(server, msg))
+                    break
+                if server in self._failing:
+                    self._fail(job, self._unavailable(server, msg, self._failing[server]))
+                    break
+                msg.request_id = next(self._ids)
+                msg.timeout_ms = int(job.timeout_s * 1000)
+                job.pending.add(msg.request_id)
+                self._inflight[msg.request_id] = (server, job, part)
+                sent[server] = sent.get(server, 0) + 1
+                if sent[server] > PIECES_ON_THE_WIRE:
+                    job.held.setdefault(server, deque()).append((server, msg, job))
+                else:
+                    self._outbox[server].append((server, msg, job))
+
+    def _flush(self) -> set[int]:
+        """Send what the sockets accept now; return the servers with messages still waiting."""
+        waiting = set()
+        for server, box in enumerate(self._outbox):
+            while box:
+                _, msg, job = box[0]
+                if job.done:
+                    box.popleft()
+                    continue
+                try:
+                    self._sockets[server].send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    waiting.add(server)
+                    break
+                box.popleft()
+        return waiting
+
+    def _receive(self, server: int) -> None:
+        sock = self._sockets[server]
+        for _ in range(_MAX_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                reply = decode(frames)
+            except WireError as exc:
+                rid = exc.request_id or read_request_id(frames[0])[0]
+                entry = self._inflight.get(rid)
+                log.warning("malformed reply from parameter server %d: %s", server, exc)
+                if entry is not None:
+                    self._fail(entry[1], self._remote(server, exc.op, f"malformed reply: {exc}"))
+                continue
+            if reply.op == Op.HELLO and reply.status == Status.OK:
+                self._check_incarnation(server, reply.arg)
+            entry = self._inflight.pop(reply.request_id, None)
+            if entry is None:
+                continue  # the answer to a request that already timed out or failed
+            _, job, part = entry
+            held = job.held.get(server)
+            if held:  # one of this call's pieces is answered: the next may go
+                self._outbox[server].append(held.popleft())
+            if reply.status == Status.ERROR:
+                error = self._remote(server, reply.op, reply.text())
+                if not job.settle:
+                    self._fail(job, error)
+                    continue
+                job.error = job.error or error
+                job.pending.discard(reply.request_id)
+                if not job.pending:
+                    self._fail(job, job.error)
+                continue
+            if reply.status == Status.STALE and not _more_follows(job.parts[part][1]):
+                self.stale_pushes += 1  # once per push, with its last piece
+            job.pending.discard(reply.request_id)
+            job.replies[part] = reply
+            if not job.pending and not job.done:
+                if job.error is not None:
+                    self._fail(job, job.error)
+                else:
+                    self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        self._retire(job)
+        try:
+            result = job.combine(job.replies)  # type: ignore[arg-type]
+        except BaseException as exc:
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(result)
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        if job.done:
+            return
+        self._retire(job)
+        job.future.set_exception(exc)
+
+    def _retire(self, job: Job) -> None:
+        job.done = True
+        self._active.discard(job)
+        for rid in job.pending:
+            self._inflight.pop(rid, None)
+        job.pending.clear()
+
+    def _remote(self, server: int, op: int, text: str) -> PSRemoteError:
+        message, details = parse_error_reply(text)
+        return PSRemoteError(server, self.endpoints[server], op_name(op), message, details)
+
+    def _unavailable(self, server: int, msg: Message, why: str, cls: type = PSServerUnavailable) -> PSError:
+        name = op_name(msg.op)
+        return cls(f"parameter server {server} at {self.endpoints[server]} {why}", server, self.endpoints[server], name)
+
+    def _refused_error(self, server: int, msg: Message) -> PSError:
+        return self._unavailable(server, msg, self._refused[server], PSAuthError)
+
+    def _monitor_events(self, server: int) -> None:
+        mon = self._monitors[server]
+        for _ in range(_MAX_BATCH):
+            try:
+                event = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_DISCONNECTED:
+                self._receive(server)  # replies that arrived before the connection dropped still count
+                why = "closed the connection (the server exited or crashed, or refused an oversized message)"
+                self._fail_server(server, why)
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failing.pop(server, None)
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._refused[server] = "refused this worker's credentials: the shared secret (FLEET_SECRET) differs"
+                self._fail_server(server, self._refused[server], PSAuthError, queued_too=True)
+            else:
+                hint = (
+                    "the shared secret differs, or the servers do not use ps_encryption='curve'"
+                    if self.encryption == "curve"
+                    else "do the servers use ps_encryption='curve' while this worker does not?"
+                )
+                self._failing[server] = f"failed the connection handshake ({hint}; event {kind!r})"
+                self._fail_server(server, self._failing[server], queued_too=True)
+
+    def _check_incarnation(self, server: int, incarnation: int) -> None:
+        """A new incarnation answering HELLO: the server restarted while this worker did not notice.
+
+        Its requests to the old server may have reached the new one, which cannot answer them (a sync
+        pull waits for a version it is no longer on); failing them now starts the recovery at once
+        instead of after the request timeout.
+        """
+        known = self._incarnations[server]
+        self._incarnations[server] = incarnation
+        if known and incarnation != known:
+            self._fail_server(server, "was restarted (a new server process answers at its endpoint)", not_op=Op.HELLO)
+
+    def _fail_server(
+        self,
+        server: int,
+        why: str,
+        cls: type = PSServerUnavailable,
+        queued_too: bool = False,
+        not_op: int | None = None,
+    ) -> None:
+        """Fail the jobs whose requests to ``server`` are on the wire (or, with ``queued_too``, waiting)."""
+        unsent = set()
+        if not queued_too:
+            unsent = {id(entry[1]) for entry in self._outbox[server]}
+            unsent |= {id(entry[1]) for job in self._active for entry in job.held.get(server, ())}
+        for srv, job, part in list(self._inflight.values()):
+            if srv != server or job.done:
+                continue
+            msg = job.parts[part][1]
+            if id(msg) in unsent or msg.op == not_op:
+                continue
+            self._fail(job, self._unavailable(server, msg, f"{why} while {op_name(msg.op)} was in flight", cls))
+
+    def _expire(self, now: float) -> None:
+        for job in [j for j in self._active if j.deadline <= now]:
+            for rid in job.pending:
+                server, _, part = self._inflight[rid]
+                msg = job.parts[part][1]
+                why = f"did not answer {op_name(msg.op)} within {job.timeout_s} s"
+                self._fail(job, self._unavailable(server, msg, why))
+                break
+
+    def _fail_everything(self, exc: PSError) -> None:
+        for job in list(self._active):
+            self._fail(job, exc)
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(exc)

@@ -1,0 +1,1 @@
+"""The parameter server's wire: message format, authentication, size limits and errors."""

@@ -1,0 +1,1 @@
+"""The parameter-server process: its event loop and the tables it serves."""

@@ -1,0 +1,526 @@
+"""Server-side table shards and their update modes (sync / async / geo).
+
+A shard wraps one table (dense or sparse) held by one server and decides
+*when* pushes reach it; the table decides *how* (its optimizer). Keeping the
+update-mode bookkeeping here lets the server loop stay a dispatcher and lets
+the tables stay ignorant of workers and steps.
+
+Sync semantics (the Parameter Server contract): a shard's ``version`` counts
+applied updates. A push for ``step == version`` is accumulated; when
+``required`` pushes for that step have arrived (N - backup_workers, or fewer
+once workers have stopped), their average is applied once with the pushes'
+learning rate and the version advances. A push for an older step is stale:
+dropped and counted per worker. A push for a future step is a protocol error
+-- a worker must first pull with ``min_version=step``.
+
+A sparse push may come in pieces (the client cuts batches over the request limits,
+:mod:`fleet.ps.protocol.limits`): every piece but the last says ``more``. In sync mode the pieces wait
+apart from the step's accumulator and join it with the last one, so a step that closes
+meanwhile (backup workers) holds none of a late push; in async and geo mode each piece is
+applied on arrival. Either way the version, the stale count and the table's clock move once
+per push, not per piece.
+
+Every change to a shard is all-or-nothing: when applying a step fails (out of memory), the
+accumulated gradients stay, the version does not move, and the table is as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+UPDATE_MODES = ("sync", "async", "geo")
+
+#: keys of a shard config that belong to the table itself (the rest is update-mode bookkeeping)
+_DENSE_TABLE_KEYS = ("size", "optimizer")
+
+
+class ShardError(ValueError):
+    """A request that does not fit the shard (wrong mode, step, shape): sent back as an error reply.
+
+    ``details``: machine-readable facts for the worker (a ``code`` and its fields), sent with the
+    message so that the worker can explain the error in its own terms (parameter names).
+    """
+
+    def __init__(self, message: str, details: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.details = details or {}
+
+
+# Presence flags of a dense push, one per parameter of the table.
+FROZEN, NO_GRAD, HAS_GRAD = 0, 1, 2
+
+
+def canonical(config: dict[str, Any]) -> str:
+    """The config as canonical JSON, so that 'identical create' means identical text."""
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+def _make_dense(config: dict[str, Any]) -> Any:
+    from fleet.ps.server.dense_table import DenseTable
+
+    table_config = {k: config[k] for k in _DENSE_TABLE_KEYS if k in config}
+    return DenseTable.from_config({**table_config, "pieces": [list(p[1:]) for p in pieces_of(config)]})
+
+
+def pieces_of(config: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """``(parameter index, lo, hi)``: which slices of this shard hold which of the table's parameters.
+
+    A dense table is its param group's parameters back to back (``shapes``), cut across the
+    servers by size (``offset``, ``size``); a parameter may straddle two shards.
+    """
+    size = int(config["size"])
+    shapes = config.get("shapes")
+    if not shapes:
+        return [(0, 0, size)] if size else []
+    offset = int(config.get("offset", 0))
+    pieces, start = [], 0
+    for index, shape in enumerate(shapes):
+        end = start + math.prod(int(d) for d in shape)
+        lo, hi = max(start, offset) - offset, min(end, offset + size) - offset
+        if lo < hi:
+            pieces.append((index, lo, hi))
+        start = end
+    if sum(hi - lo for _, lo, hi in pieces) != size:
+        raise ShardError(f"dense table: shapes {shapes} do not add up to a shard of {size} values at offset {offset}")
+    return pieces
+
+
+def _make_sparse(config: dict[str, Any]) -> Any:
+    from fleet.sparse.table import SparseTable
+
+    return SparseTable.from_config({k: config[k] for k in SparseTable.CONFIG_KEYS if k in config})
+
+
+class Shard:
+    """Update-mode bookkeeping common to dense and sparse shards."""
+
+    kind = ""
+
+    def __init__(self, table_id: int, config: dict[str, Any], num_workers: int, table: Any):
+        mode = config.get("update", "async")
+        if mode not in UPDATE_MODES:
+            raise ShardError(f"table {table_id}: update={mode!r}; expected one of {', '.join(UPDATE_MODES)}")
+        backup = int(config.get("backup_workers", 0))
+        if not 0 <= backup < num_workers:
+            raise ShardError(
+                f"table {table_id}: backup_workers={backup} with {num_workers} workers; "
+                f"it must be in [0, {num_workers - 1}] so that at least one gradient makes a step"
+            )
+        self.table_id = table_id
+        self.config = config
+        self.key = canonical(config)
+        self.mode: str = mode
+        self.backup_workers = backup
+        self.num_workers = num_workers
+        self.table = table
+        self.version = 0
+        self.stale_dropped: dict[int, int] = {}
+        self._pushed: set[int] = set()  # workers whose gradient for step == version is in the accumulator
+        self._lr = 0.0
+        self.step_error: str | None = None  # why the last attempt to apply a complete sync step failed
+
+    def required(self, active_workers: int) -> int:
+        """How many gradients close a sync step: N - b, fewer once workers have stopped for good."""
+        return max(1, min(self.num_workers - self.backup_workers, active_workers))
+
+    def waiting_for(self, active: set[int]) -> list[int]:
+        """Workers whose push for the current step is missing (for timeout messages)."""
+        return sorted(active - self._pushed)
+
+    def _check_grad_push(self, worker: int, step: int, last: bool = True) -> bool:
+        """Validate a gradient push (or a piece of one); return False when it is stale (dropped).
+
+        A stale push is counted once, with its ``last`` piece.
+        """
+        if self.mode == "geo":
+            raise ShardError(f"table {self.table_id} is in geo mode: push deltas, not gradients")
+        if self.mode == "async":
+            return True
+        if step < self.version:
+            if last:
+                self.stale_dropped[worker] = self.stale_dropped.get(worker, 0) + 1
+            return False
+        if step > self.version:
+            raise ShardError(
+                f"table {self.table_id}: push for step {step} but the shard is at version {self.version}; "
+                f"pull with min_version={step} before pushing step {step}"
+            )
+        if worker in self._pushed:
+            raise ShardError(f"table {self.table_id}: worker {worker} already pushed step {step}")
+        return True
+
+    def _check_delta_push(self) -> None:
+        if self.mode != "geo":
+            raise ShardError(f"table {self.table_id} is in {self.mode} mode: push gradients, not deltas")
+
+    def maybe_step(self, active: set[int], at_barrier: set[int]) -> bool:
+        """Apply the accumulated sync step if complete; True when the version advanced.
+
+        Complete: N - b gradients (fewer once workers stopped for good), or every active
+        worker that is still training has pushed. Workers waiting at a barrier are done
+        with their steps (uneven batch counts, or fast workers with backup workers), so a
+        step does not wait for them; but a barrier is no reason to close a step early:
+        a gradient already on its way from a training worker must still count.
+        """
+        if self.mode != "sync" or not self._pushed:
+            return False
+        if len(self._pushed) < self.required(len(active)) and not (active - at_barrier) <= self._pushed:
+            return False
+        self._apply_accumulated(len(self._pushed), self._lr)  # all-or-nothing: on failure nothing moved
+        self._pushed.clear()
+        self.version += 1
+        self.step_error = None
+        return True
+
+    def _apply_accumulated(self, count: int, lr: float) -> None:
+        """Apply the step's accumulated gradients and empty the accumulator -- or raise and change nothing."""
+        raise NotImplementedError
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "update": self.mode,
+            "version": self.version,
+            "stale_dropped": {str(w): n for w, n in sorted(self.stale_dropped.items())},
+        }
+
+
+class DenseShard(Shard):
+    """A contiguous slice of a flat float32 parameter vector."""
+
+    kind = "dense"
+
+    def __init__(self, table_id: int, config: dict[str, Any], num_workers: int, make: Callable | None = None):
+        if int(config.get("size", -1)) < 0:
+            raise ShardError(f"dense table {table_id}: config needs a non-negative 'size'")
+        super().__init__(table_id, config, num_workers, (make or _make_dense)(config))
+        self.size = int(config["size"])
+        self.parameters = len(config.get("shapes") or [None])
+        self._piece_params = [index for index, _, _ in pieces_of(config)]
+        self._acc: torch.Tensor | None = None
+        self._present: torch.Tensor | None = None  # sync: per parameter, how many pushes of this step had it
+        self._trainable: tuple[int, list[bool]] | None = None  # sync: the first push's frozen/trainable flags
+        self.broken: tuple[str, dict[str, Any]] | None = None  # set when workers disagreed: the table is unusable
+        self._snapshot: torch.Tensor | None = None
+        self._snapshot_version = -1
+
+    def check_values(self, what: str, t: torch.Tensor) -> None:
+        if t.dtype != torch.float32:
+            raise ShardError(f"dense table {self.table_id}: {what} has dtype {t.dtype}, expected torch.float32")
+        if t.dim() != 1 or t.numel() != self.size:
+            raise ShardError(f"dense table {self.table_id}: {what} has shape {list(t.shape)}, expected [{self.size}]")
+
+    def set(self, values: torch.Tensor) -> None:
+        self.check_values("initial values", values)
+        self.table.set(values)
+        self._snapshot_version = -1
+
+    def snapshot(self) -> torch.Tensor:
+        """The values at the current version, as a tensor no later update touches.
+
+        Pull replies are sent without copying, so the reply must not alias the
+        live table that the next push updates in place; in sync mode every
+        worker's pull at one version shares a single copy.
+        """
+        if self._snapshot_version != self.version or self._snapshot is None:
+            self._snapshot = self.table.pull().detach().clone()
+            self._snapshot_version = self.version
+        return self._snapshot
+
+    def check_present(self, present: torch.Tensor | None) -> None:
+        if present is None:
+            return
+        if present.dtype != torch.uint8 or list(present.shape) != [self.parameters]:
+            raise ShardError(
+                f"dense table {self.table_id}: presence flags have {present.dtype} {list(present.shape)}, "
+                f"expected torch.uint8 [{self.parameters}] (one per parameter of the table)"
+            )
+        if int(present.max()) > HAS_GRAD:
+            raise ShardError(f"dense table {self.table_id}: presence flags must be 0, 1 or 2")
+
+    def _piece_flags(self, counts: torch.Tensor | None) -> list[bool] | None:
+        """Per piece of the table, whether its parameter has a gradient (``counts`` > 0); None: all have."""
+        if counts is None:
+            return None
+        flags = counts.tolist()
+        return [flags[index] > 0 for index in self._piece_params]
+
+    def push_grad(
+        self, worker: int, step: int, grad: torch.Tensor, lr: float, present: torch.Tensor | None = None
+    ) -> bool:
+        """Returns False when the push was stale and dropped.
+
+        ``present``: uint8 per parameter of the table: :data:`HAS_GRAD`, :data:`NO_GRAD` (it trains
+        but this worker has no gradient for it) or :data:`FROZEN` (None: every one has a gradient).
+        A parameter no push of a step has a gradient for is left untouched. In sync mode the
+        workers must agree on which parameters are frozen: otherwise the table refuses the step
+        (every waiting worker gets the error), rather than mixing the two.
+        """
+        self.check_values("gradient", grad)
+        self.check_present(present)
+        if self.broken is not None:
+            raise ShardError(*self.broken)
+        if not self._check_grad_push(worker, step):
+            return False
+        has_grad = present == HAS_GRAD if present is not None else None
+        if self.mode == "async":
+            self.table.apply_gradient(grad, lr, self._piece_flags(has_grad))
+            self.version += 1
+            return True
+        trainable = self._trainable
+        try:
+            self._check_trainable(worker, present)
+            counts = self._present
+            if has_grad is not None or counts is not None:
+                one = torch.ones(self.parameters, dtype=torch.int32)
+                flags = has_grad.to(torch.int32) if has_grad is not None else one
+                if counts is None:  # the earlier pushes of this step had every parameter
+                    counts = torch.full((self.parameters,), len(self._pushed), dtype=torch.int32)
+                counts = counts + flags
+            # sync: the received buffer is ours (a ZeroMQ frame), so it can be the accumulator itself;
+            # adding to it is the push's only change in place, so a failure before it changes nothing
+            if self._acc is None:
+                self._acc = grad if grad.is_contiguous() else grad.contiguous()
+            else:
+                self._acc.add_(grad)
+        except Exception:
+            if self.broken is None:  # a disagreement breaks the table for good; anything else undoes
+                self._trainable = trainable
+            raise
+        self._present = counts
+        self._pushed.add(worker)
+        self._lr = lr
+        return True
+
+    def _check_trainable(self, worker: int, present: torch.Tensor | None) -> None:
+        trainable = (present != FROZEN).tolist() if present is not None else [True] * self.parameters
+        if self._trainable is None:
+            self._trainable = (worker, trainable)
+            return
+        first, reference = self._trainable
+        if trainable == reference:
+            return
+        index = next(i for i, (a, b) in enumerate(zip(reference, trainable, strict=True)) if a != b)
+        trains, frozen = (first, worker) if reference[index] else (worker, first)
+        details = {
+            "code": "trainable_mismatch",
+            "table": self.table_id,
+            "parameter": index,
+            "trains_on": trains,
+            "frozen_on": frozen,
+        }
+        self.broken = (
+            f"dense table {self.table_id}: parameter {index} trains on worker {trains} but is frozen on worker "
+            f"{frozen} in the same step; workers must freeze and unfreeze parameters alike",
+            details,
+        )
+        raise ShardError(*self.broken)
+
+    def push_delta(self, delta: torch.Tensor) -> None:
+        self._check_delta_push()
+        self.check_values("delta", delta)
+        self.table.add_delta(delta)
+        self.version += 1
+
+    def _apply_accumulated(self, count: int, lr: float) -> None:
+        if self._acc is not None:
+            # Absent gradients count as zero in the average (DDP's semantics); a parameter that no
+            # worker had a gradient for is not stepped at all. Not divided in place: a failed
+            # update must leave the accumulator as it was.
+            self.table.apply_gradient(self._acc / count, lr, self._piece_flags(self._present))
+        self._acc, self._present, self._trainable = None, None, None
+
+    def state(self, delta: bool = False) -> dict[str, Any]:
+        return {"version": self.version, "table": self.table.state_dict()}
+
+    def saved(self) -> None:
+        """Dense shards are saved whole every time."""
+
+    def load(self, states: list[dict[str, Any]]) -> None:
+        """The last of a chain of saves (each holds the whole dense shard)."""
+        state = states[-1]
+        self.table.load_state_dict(state["table"])
+        self.version = int(state["version"])
+        self._acc, self._present, self._trainable, self._snapshot_version = None, None, None, -1
+        self._pushed.clear()
+
+    def optimizer_state(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int]:
+        """Values, each parameter's step count (-1: not on this shard), optimizer state and table step."""
+        state = self.table.state_dict()
+        param_steps = torch.full((self.parameters,), -1, dtype=torch.int64)
+        for piece, param in enumerate(self._piece_params):
+            param_steps[param] = int(state["piece_steps"][piece])
+        named = {key.removeprefix("state."): t for key, t in state.items() if key.startswith("state.")}
+        return state["values"], param_steps, named, int(state["step"])
+
+    def set_optimizer_state(self, param_steps: torch.Tensor, named: dict[str, torch.Tensor], step: int) -> None:
+        """Replace the optimizer state (values and version untouched); checked whole before anything changes."""
+        current = self.table.state_dict()
+        wanted = sorted(key.removeprefix("state.") for key in current if key.startswith("state."))
+        if sorted(named) != wanted:
+            raise ShardError(
+                f"dense table {self.table_id}: optimizer state {sorted(named)} does not match this table's {wanted}"
+            )
+        if param_steps.dtype != torch.int64 or list(param_steps.shape) != [self.parameters]:
+            raise ShardError(
+                f"dense table {self.table_id}: parameter steps have shape {list(param_steps.shape)} and dtype "
+                f"{param_steps.dtype}, expected [{self.parameters}] int64"
+            )
+        for name, t in named.items():
+            self.check_values(f"optimizer state {name!r}", t)
+        state = {**current, "step": int(step), **{f"state.{name}": t for name, t in named.items()}}
+        state["piece_steps"] = torch.tensor(
+            [max(0, int(param_steps[p])) for p in self._piece_params], dtype=torch.int64
+        )
+        self.table.load_state_dict(state)
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "size": self.size}
+
+
+class SparseShard(Shard):
+    """The rows of a sparse table whose ids map to this server."""
+
+    kind = "sparse"
+
+    def __init__(self, table_id: int, config: dict[str, Any], num_workers: int, make: Callable | None = None):
+        if int(config.get("dim", 0)) <= 0:
+            raise ShardError(f"sparse table {table_id}: config needs a positive 'dim'")
+        super().__init__(table_id, config, num_workers, (make or _make_sparse)(config))
+        self.dim = int(config["dim"])
+        # sync: each worker's complete push of the step, (ids, grads, clicks) lists (clicks None: none
+        # carried). Summed in worker order when the step closes, so the result never depends on the order
+        # in which the pushes arrived (index_add_ of several terms per id is not associative).
+        self._complete: dict[int, tuple[list, list, list]] = {}
+        # sync: a push arriving in pieces, per worker: (step, ids, grads, clicks) until its last piece
+        self._partial: dict[int, tuple[int, list, list, list]] = {}
+
+    def check_ids(self, ids: torch.Tensor) -> None:
+        if ids.dtype != torch.int64:
+            raise ShardError(f"sparse table {self.table_id}: ids have dtype {ids.dtype}, expected torch.int64")
+        if ids.dim() != 1:
+            raise ShardError(f"sparse table {self.table_id}: ids have shape {list(ids.shape)}, expected [n]")
+
+    def check_rows(self, what: str, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self.check_ids(ids)
+        if rows.dtype != torch.float32:
+            raise ShardError(f"sparse table {self.table_id}: {what} have dtype {rows.dtype}, expected torch.float32")
+        if list(rows.shape) != [ids.numel(), self.dim]:
+            raise ShardError(
+                f"sparse table {self.table_id}: {what} have shape {list(rows.shape)}, "
+                f"expected [{ids.numel()}, {self.dim}] for {ids.numel()} ids"
+            )
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        self.check_ids(ids)
+        if ids.numel() == 0:
+            return torch.empty(0, self.dim)
+        return self.table.pull(ids)
+
+    def check_clicks(self, ids: torch.Tensor, clicks: torch.Tensor | None) -> None:
+        if clicks is not None and (clicks.dtype != torch.float32 or list(clicks.shape) != [ids.numel()]):
+            raise ShardError(
+                f"sparse table {self.table_id}: clicks have shape {list(clicks.shape)} ({clicks.dtype}), "
+                f"expected [{ids.numel()}] float32, one per id"
+            )
+
+    def push_grad(
+        self,
+        worker: int,
+        step: int,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        clicks: torch.Tensor | None = None,
+        more: bool = False,
+    ) -> bool:
+        """``step``: the sync step this gradient is for; in async mode the worker's own step (the table's clock).
+
+        ``more``: this is a piece of a push and more pieces follow (see the module's docstring).
+        """
+        self.check_rows("gradients", ids, grads)
+        self.check_clicks(ids, clicks)
+        if not self._check_grad_push(worker, step, last=not more):
+            self._partial.pop(worker, None)
+            return False
+        if self.mode == "async":
+            self.table.apply_gradient(ids, grads, lr, clicks, step=step)
+            if not more:
+                self.version += 1
+            return True
+        step_, ids_list, grads_list, clicks_list = self._partial.pop(worker, None) or (step, [], [], [])
+        if step_ != step:  # pieces of an earlier push whose last piece never came
+            ids_list, grads_list, clicks_list = [], [], []
+        if ids.numel():
+            ids_list.append(ids)
+            grads_list.append(grads)
+            clicks_list.append(clicks)
+        if more:
+            self._partial[worker] = (step, ids_list, grads_list, clicks_list)
+            return True
+        self._complete[worker] = (ids_list, grads_list, clicks_list)
+        self._pushed.add(worker)
+        self._lr = lr
+        return True
+
+    def push_delta(self, ids: torch.Tensor, deltas: torch.Tensor, step: int = 0, more: bool = False) -> None:
+        """Geo mode; ``step`` is the worker's own step (the table's clock); ``more`` as for :meth:`push_grad`."""
+        self._check_delta_push()
+        self.check_rows("deltas", ids, deltas)
+        self.table.add_delta(ids, deltas, step=step)
+        if not more:
+            self.version += 1
+
+    def maybe_step(self, active: set[int], at_barrier: set[int]) -> bool:
+        stepped = super().maybe_step(active, at_barrier)
+        if stepped:
+            self._partial.clear()  # pieces of the closed step: their last piece will be stale
+        return stepped
+
+    def _apply_accumulated(self, count: int, lr: float) -> None:
+        ids_list, grads_list, clicks_list = [], [], []
+        for worker in sorted(self._complete):
+            ids_list += self._complete[worker][0]
+            grads_list += self._complete[worker][1]
+            clicks_list += self._complete[worker][2]
+        step = self.version + 1  # the clock counts sync steps, as one process counts optimizer steps
+        if not ids_list:
+            self.table.tick(step)
+            self._complete = {}
+            return
+        ids = torch.cat(ids_list) if len(ids_list) > 1 else ids_list[0]
+        grads = torch.cat(grads_list) if len(grads_list) > 1 else grads_list[0]
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        merged = torch.zeros(uniq.numel(), self.dim, dtype=grads.dtype).index_add_(0, inverse, grads)
+        merged_clicks = None  # most steps of most tables carry no clicks: nothing to merge then
+        if any(c is not None for c in clicks_list):
+            parts = zip(clicks_list, ids_list, strict=True)
+            clicks = torch.cat([c if c is not None else torch.zeros(i.numel()) for c, i in parts])
+            merged_clicks = torch.zeros(uniq.numel()).index_add_(0, inverse, clicks)
+        self.table.apply_gradient(uniq, merged.div_(count), lr, merged_clicks, step=step)  # all-or-nothing
+        self._complete = {}
+
+    def state(self, delta: bool = False) -> dict[str, Any]:
+        return {"version": self.version, "table": self.table.state_dict(delta=delta)}
+
+    def saved(self) -> None:
+        self.table.mark_saved()
+
+    def load(self, states: list[dict[str, Any]]) -> None:
+        """A base, then the deltas saved after it, in order (all of them, or on failure none)."""
+        with self.table.transaction():
+            self.table.load_state_dict(states[0]["table"])
+            for state in states[1:]:
+                self.table.apply_delta(state["table"])
+        self.version = int(states[-1]["version"])
+        self._complete = {}
+        self._partial.clear()
+        self._pushed.clear()
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "dim": self.dim, **self.table.info()}

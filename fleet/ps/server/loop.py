@@ -1,0 +1,514 @@
+"""The parameter-server process: one ROUTER socket, one thread, one event loop.
+
+Why single-threaded: every op is either a memcpy-sized table operation or a
+bookkeeping step, the tables are not thread-safe, and ZeroMQ already moves
+bytes on its own IO thread. Requests that cannot be answered yet (a sync pull
+for a version not reached, a create waiting for worker 0's initial values, a
+barrier) are parked with a deadline and answered from the loop, so nothing in
+the loop ever blocks. Requests are served in turns by worker (:mod:`fleet.ps.server.inbox`),
+each worker's in the order sent, so one worker's huge batch cannot crowd out the others.
+
+Authentication (see :mod:`fleet.ps.protocol.auth`) is ZeroMQ's ZAP with the PLAIN
+mechanism; its handler is one more socket polled by this loop.
+
+Bounds, so that neither a stranger nor one worker can take the server from the others:
+before authentication a peer can make the server allocate one frame,
+:data:`~fleet.ps.protocol.wire.FRAME_BYTES` (``zmq.MAXMSGSIZE``, with room for CURVE's envelope); after it, every message kind has a
+byte budget checked from the header before any tensor is built, and a sparse request at
+most the ids of :class:`~fleet.ps.protocol.limits.RequestLimits`, so one request holds the loop for a
+fraction of a second. A request that fails inside a table -- out of memory included --
+leaves the table as it was and gets an error naming the server, the table and the cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import secrets
+import threading
+import time
+import traceback
+from collections import defaultdict
+from typing import Any
+
+import torch
+import zmq
+
+from fleet.errors import DiskFullError
+from fleet.ps.protocol import auth
+from fleet.ps.protocol.errors import WireError, is_out_of_memory
+from fleet.ps.protocol.limits import BLOB_SLACK, Limit, RequestLimits
+from fleet.ps.protocol.liveness import WorkerLiveness
+from fleet.ps.protocol.wire import (
+    MAX_WIRE_FRAME,
+    Message,
+    Op,
+    RequestTooLarge,
+    Status,
+    decode,
+    encode,
+    op_name,
+    read_request_id,
+)
+from fleet.ps.server import aggregator as agg
+from fleet.ps.server.inbox import FairInbox
+from fleet.ps.server.reduce import ReduceOps, against_barrier
+from fleet.ps.server.table_ops import TableOps
+from fleet.ps.server.waitlist import Parked, Waitlist
+
+log = logging.getLogger(__name__)
+
+_MAX_BATCH = 256  # messages handled per poll wake-up before deadlines are checked again
+_IDLE_POLL_MS = 100  # upper bound on a poll, so shutdown() is noticed promptly
+
+
+def zmq_address(endpoint: str) -> str:
+    """'host:port' -> 'tcp://host:port'; port 0 asks ZeroMQ for an ephemeral port."""
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"endpoint {endpoint!r} is not host:port (for example 127.0.0.1:6170)")
+    return f"tcp://{host}:{'*' if int(port) == 0 else port}"
+
+
+class ParameterServer(TableOps, ReduceOps):
+    """Holds table shards and answers workers until every worker has sent STOP.
+
+    ``endpoint`` is bound at construction (so a port clash surfaces at once and
+    port 0 resolves to :attr:`endpoint`); :meth:`serve` runs the loop in the
+    calling thread and returns the stats. :meth:`shutdown` may be called from
+    any thread.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        secret: bytes,
+        server_index: int,
+        num_workers: int,
+        timeout_s: float,
+        *,
+        limits: RequestLimits | None = None,
+        encryption: str = "none",
+        rejoin: bool = False,
+        torch_threads: int | None = 1,
+        checkpoint_record_dir: str | None = None,
+    ):
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers}; a parameter server needs at least one worker")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s}; it must be positive")
+        self.server_index = server_index
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.torch_threads = torch_threads
+        self.limits = limits if limits is not None else RequestLimits()
+        self._request_budget = self.limits.budget()
+        self.checkpoint_record_dir = checkpoint_record_dir  # where each SAVE is recorded for a restart
+        auth.check_secret(secret)
+        self.encryption = auth.check_encryption(encryption)
+        self._ctx = zmq.Context(io_threads=1)
+        try:
+            self._zap = auth.ZapHandler(self._ctx, secret, self.encryption)
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.linger = 2000  # let the last STOP replies leave before the context closes
+            auth.configure_server(sock, self.encryption, secret)
+            sock.maxmsgsize = MAX_WIRE_FRAME  # what a peer that has not authenticated can make us allocate
+            sock.sndhwm = sock.rcvhwm = 10000
+            sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
+            if ":" in endpoint.rpartition(":")[0]:
+                sock.ipv6 = True
+            self._sock = sock
+            sock.bind(zmq_address(endpoint))
+            bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except Exception:
+            self._ctx.destroy(linger=0)
+            raise
+        self.endpoint = bound.removeprefix("tcp://")
+        self._shutdown = threading.Event()
+        self._closed = False
+        self._shards: dict[int, agg.DenseShard | agg.SparseShard] = {}
+        self._waiting = Waitlist()
+        self._inbox = FairInbox()
+        self._stopped: set[int] = set()
+        self.rejoin = rejoin
+        self._liveness = WorkerLiveness(dead_after_s=max(3.0, min(self.timeout_s, 10.0)))
+        self._started = time.monotonic()
+        # Tells this run of the server from an earlier one at the same endpoint: a worker whose request
+        # ZeroMQ delivered to a restarted server learns from the next HELLO that the state it knew is gone.
+        self.incarnation = secrets.randbits(62) + 1
+        self._ops: dict[str, int] = defaultdict(int)
+        self._table_ops: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._counts: dict[str, int] = defaultdict(int)
+        self._handlers = {
+            Op.HELLO: self._hello,
+            Op.CREATE_DENSE: self._create,
+            Op.CREATE_SPARSE: self._create,
+            Op.PULL_DENSE: self._pull,
+            Op.PULL_SPARSE: self._pull,
+            Op.PUSH_DENSE_GRAD: self._push,
+            Op.PUSH_SPARSE_GRAD: self._push,
+            Op.PUSH_DENSE_DELTA: self._push,
+            Op.PUSH_SPARSE_DELTA: self._push,
+            Op.BARRIER: self._barrier_op,
+            Op.SAVE: self._save,
+            Op.LOAD: self._load,
+            Op.STATS: lambda ident, msg: self._ok(msg, blob=json.dumps(self.stats()).encode()),
+            Op.STOP: self._stop,
+            Op.ALL_REDUCE: self._all_reduce_op,
+            Op.SHRINK: self._shrink,
+            Op.EXPORT_SPARSE: self._export_sparse,
+            Op.DENSE_STATE: self._dense_state,
+        }
+
+    # ------------------------------------------------------------------ loop
+    def serve(self) -> dict[str, Any]:
+        """Answer requests until all workers stopped or :meth:`shutdown`; then close and return stats.
+
+        Sets torch's intra-op threads for the process to ``torch_threads``
+        (unless None): table updates are memory-bound, and idle OpenMP workers
+        spin-waiting next to ZeroMQ's IO thread cost more than they save --
+        measured on 2 cores, a 4 MB push took 3.5x the server CPU with 2 threads.
+        """
+        if self.torch_threads is not None:
+            torch.set_num_threads(self.torch_threads)
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._zap.socket, zmq.POLLIN)
+        log.info("parameter server %d serving at %s", self.server_index, self.endpoint)
+        try:
+            while not self._shutdown.is_set() and len(self._stopped | self._finished_gone) < self.num_workers:
+                ready = dict(poller.poll(0 if len(self._inbox) else self._poll_timeout_ms()))
+                if self._zap.socket in ready:
+                    self._zap.serve()
+                if self._sock in ready or len(self._inbox):
+                    for _ in range(_MAX_BATCH):
+                        self._inbox.take_from(self._sock)  # before each request: a newcomer goes next
+                        frames = self._inbox.next()
+                        if frames is None:
+                            break
+                        self._handle(frames)
+                self._expire(time.monotonic())
+        finally:
+            self._close()
+        return self.stats()
+
+    def shutdown(self) -> None:
+        """Ask :meth:`serve` to return (thread-safe); parked requests get an error reply."""
+        self._shutdown.set()
+
+    def _poll_timeout_ms(self) -> int:
+        now = time.monotonic()
+        nearest = self._waiting.next_deadline(now + _IDLE_POLL_MS / 1000)
+        return max(0, int((nearest - now) * 1000) + 1)
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for parked in self._waiting.clear():
+            self._reply_error(parked.ident, parked.msg, "the parameter server is shutting down")
+        self._counts["dropped"] += self._inbox.clear()  # unread, as ZeroMQ drops what its pipes hold
+        self._sock.close()
+        self._zap.close()
+        self._ctx.term()
+        log.info("parameter server %d at %s stopped", self.server_index, self.endpoint)
+
+    # ------------------------------------------------------------- dispatch
+    def _budget(self, op: int, table: int) -> Limit | None:
+        """What a message of kind ``op`` may carry: a dense table's values are its shard, anything else the limit."""
+        if op == Op.CREATE_DENSE:
+            return None  # the creator sets the size; the values must match it (checked on creation)
+        if op in (Op.PUSH_DENSE_GRAD, Op.PUSH_DENSE_DELTA, Op.DENSE_STATE):
+            shard = self._shards.get(table)
+            if not isinstance(shard, agg.DenseShard):
+                return self._request_budget  # unknown or sparse: refused by the handler, with the reason
+            copies = 3 if op == Op.DENSE_STATE else 1  # values, or optimizer state (Adam: two vectors)
+            return Limit(
+                4 * copies * shard.size + 8 * shard.parameters + BLOB_SLACK,
+                f"a {op_name(op)} of dense table {table} carries at most {copies} x its shard here "
+                f"({shard.size:,} float32 values)",
+            )
+        return self._request_budget
+
+    def _handle(self, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            self._counts["dropped"] += 1  # not even an identity plus one frame: nobody to answer
+            return
+        ident = frames[0].bytes
+        self._counts["bytes_in"] += sum(len(f) for f in frames[1:])
+        try:
+            msg = decode(frames[1:], self._budget)
+        except WireError as exc:
+            over = isinstance(exc, RequestTooLarge)
+            self._counts["over_limit" if over else "malformed"] += 1
+            rid, op = (exc.request_id, exc.op) if exc.request_id else read_request_id(frames[1])
+            text = f"request over the limit on parameter server {self.server_index}: {exc}" if over else None
+            self._reply_error(ident, Message(op=op, request_id=rid), text or f"malformed message: {exc}")
+            return
+        except Exception as exc:  # joining a large tensor's frames can run out of memory: answer, keep serving
+            rid, op = read_request_id(frames[1])
+            self._reply_error(ident, Message(op=op, request_id=rid), self._failure(exc, op_name(op), None))
+            return
+        name = op_name(msg.op)
+        self._ops[name] += 1
+        if msg.status != Status.REQUEST:
+            self._reply_error(ident, msg, f"{name} arrived with reply status {msg.status}; expected a request")
+            return
+        if not 0 <= msg.peer < self.num_workers:
+            self._reply_error(ident, msg, f"worker index {msg.peer} is outside [0, {self.num_workers - 1}]")
+            return
+        if msg.peer not in self._stopped and self._liveness.seen(msg.peer, time.monotonic()):
+            log.warning("parameter server %d: worker %d is back", self.server_index, msg.peer)
+        on_table = msg.op not in (Op.HELLO, Op.BARRIER, Op.SAVE, Op.LOAD, Op.STATS, Op.STOP, Op.ALL_REDUCE, Op.SHRINK)
+        if on_table:
+            self._table_ops[msg.table][name] += 1
+        try:
+            reply = self._handlers[Op(msg.op)](ident, msg)
+        except agg.ShardError as exc:
+            reply = self._error(msg, str(exc), exc.details)
+        except (ValueError, KeyError, TypeError) as exc:
+            reply = self._error(msg, str(exc) or type(exc).__name__)
+        except Exception as exc:  # out of memory, or a bug in a table: either must not take the server down
+            reply = self._error(msg, self._failure(exc, name, msg.table if on_table else None))
+        if reply is not None:
+            self._send(ident, reply)
+
+    def _failure(self, exc: BaseException, what: str, table: int | None) -> str:
+        """The error text for an unexpected failure; logged (with the traceback unless out of memory)."""
+        where = f"{what} of table {table}" if table is not None else what
+        if isinstance(exc, DiskFullError):  # the user's disk, not a bug: its message names the path, no traceback
+            log.error("parameter server %d could not finish %s: %s", self.server_index, where, exc)
+            self._counts["disk_full"] += 1
+            return f"parameter server {self.server_index}: {exc}"
+        if is_out_of_memory(exc):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            log.error("parameter server %d ran out of memory in %s: %s", self.server_index, where, first)
+            self._counts["out_of_memory"] += 1
+            return (
+                f"parameter server {self.server_index} ran out of memory in {where} ({first}); the table is as "
+                "it was before and the server keeps serving. Free memory on its host, spread the tables over "
+                "more servers, or bound the sparse tables' rows (max_rows, ttl_steps)"
+            )
+        log.error("parameter server %d failed on %s:\n%s", self.server_index, where, traceback.format_exc())
+        return f"internal error in {where} on parameter server {self.server_index}: {type(exc).__name__}: {exc}"
+
+    def _send(self, ident: bytes, reply: Message) -> None:
+        try:
+            frames = encode(reply)
+        except WireError as exc:  # e.g. a table answered with a tensor the wire cannot carry
+            log.error("parameter server %d cannot encode its %s reply: %s", self.server_index, reply.op_name(), exc)
+            text = f"internal error: the reply cannot be encoded ({exc})".encode()
+            frames = encode(
+                Message(reply.op, reply.table, self.server_index, reply.request_id, status=Status.ERROR, blob=text)
+            )
+        self._counts["bytes_out"] += sum(len(f) for f in frames)
+        try:  # ROUTER drops rather than blocks on a full or unknown peer; NOBLOCK makes sure
+            self._sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            self._counts["replies_dropped"] += 1
+            log.warning("could not answer %s: %s", op_name(reply.op), exc)
+
+    def _ok(self, msg: Message, *, tensors=None, blob: bytes = b"", version: int = 0, status=Status.OK) -> Message:
+        return Message(
+            op=msg.op,
+            table=msg.table,
+            peer=self.server_index,
+            request_id=msg.request_id,
+            step=msg.step,
+            arg=version,
+            status=status,
+            tensors=list(tensors or ()),
+            blob=blob,
+        )
+
+    def _error(self, msg: Message, text: str, details: dict[str, Any] | None = None) -> Message:
+        """An error reply: the text, or with ``details`` a JSON object (see :func:`fleet.ps.protocol.errors.parse_error_reply`)."""
+        self._counts["errors"] += 1
+        blob = json.dumps({"message": text, **details}) if details else text
+        return self._ok(msg, blob=blob.encode("utf-8", errors="replace"), status=Status.ERROR)
+
+    def _reply_error(self, ident: bytes, msg: Message, text: str, details: dict[str, Any] | None = None) -> None:
+        self._send(ident, self._error(msg, text, details))
+
+    def _deadline(self, msg: Message, now: float) -> float:
+        """When a parked request gets its timeout error: a little before the sender gives up."""
+        budget = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else self.timeout_s
+        return now + budget - min(0.25, 0.1 * budget)
+
+    def _park(self, ident: bytes, msg: Message) -> Parked:
+        now = time.monotonic()
+        return Parked(ident, msg, self._deadline(msg, now), now)
+
+    @property
+    def _active(self) -> set[int]:
+        """Workers a sync step waits for: not stopped, and not gone when restarts may bring them back."""
+        gone = self._liveness.gone if self.rejoin else set()
+        return set(range(self.num_workers)) - self._stopped - gone
+
+    @property
+    def _finished_gone(self) -> set[int]:
+        """Gone workers the server no longer waits for before it ends (none while restarts may come)."""
+        return set() if self.rejoin else self._liveness.gone
+
+    def _check_liveness(self, now: float) -> None:
+        if not self._liveness.due(now):
+            return  # the server loop runs this after every batch of requests
+        busy = {parked.msg.peer for parked in self._waiting}
+        for worker in self._liveness.check(now, busy):
+            log.warning(
+                "parameter server %d: worker %d sent nothing for %.1f s: it died or hung%s",
+                self.server_index,
+                worker,
+                self._liveness.dead_after_s,
+                "; sync steps go on without it until it rejoins" if self.rejoin else "",
+            )
+            if self.rejoin:
+                self._close_ready_steps()
+                self._release_barrier()
+                self._release_reduce()
+
+    def _maybe_step(self, shard: agg.Shard) -> bool:
+        """Close the shard's sync step if it is complete (see Shard.maybe_step); never raises.
+
+        When applying the step fails (out of memory), the shard keeps the step's gradients and
+        its version, records why in ``step_error``, and the workers waiting for the step hear
+        it now rather than at their timeout; the next push, stop or barrier tries again.
+        """
+        try:
+            return shard.maybe_step(self._active, set(self._waiting.barrier))
+        except Exception as exc:
+            what = f"applying sync step {shard.version}"
+            shard.step_error = self._failure(exc, what, shard.table_id)
+            for parked in self._waiting.ready_pulls(shard.table_id, 1 << 62):
+                self._reply_error(parked.ident, parked.msg, shard.step_error)
+            return False
+
+    def _close_ready_steps(self) -> None:
+        """After workers stopped or reached a barrier: sync steps waiting only for them may complete."""
+        for table, shard in self._shards.items():
+            if self._maybe_step(shard):
+                self._answer_pulls(table)
+
+    # ------------------------------------------------------------------ ops
+    def _hello(self, ident: bytes, msg: Message) -> Message:
+        info = {"server_index": self.server_index, "num_workers": self.num_workers, "endpoint": self.endpoint}
+        return self._ok(msg, blob=json.dumps(info).encode(), version=self.incarnation)
+
+    def _barrier_op(self, ident: bytes, msg: Message) -> None:
+        if msg.peer in self._waiting.barrier:
+            raise agg.ShardError(f"worker {msg.peer} entered the barrier twice")
+        if self._waiting.reduce:  # the others all-reduce a metric: nobody may wait here for them
+            waiting = [msg.peer, *self._waiting.barrier]
+            raise ValueError(self._fail_collectives(against_barrier(list(self._waiting.reduce), waiting)))
+        self._waiting.barrier[msg.peer] = self._park(ident, msg)
+        self._close_ready_steps()
+        self._release_barrier()
+        return None
+
+    def _release_barrier(self) -> None:
+        for parked in self._waiting.release_barrier(len(self._active)):
+            self._send(parked.ident, self._ok(parked.msg))
+
+    def _stop(self, ident: bytes, msg: Message) -> Message:
+        self._stopped.add(msg.peer)
+        self._liveness.forget(msg.peer)
+        self._waiting.barrier.pop(msg.peer, None)
+        self._waiting.reduce.pop(msg.peer, None)
+        # fewer workers now: sync steps, barriers and all-reduces waiting for the stopped one may complete
+        self._close_ready_steps()
+        self._release_barrier()
+        self._release_reduce()
+        return self._ok(msg)
+
+    # ------------------------------------------------------------- deadlines
+    def _expire(self, now: float) -> None:
+        self._check_liveness(now)
+        pulls, creates, barrier = self._waiting.expired(now)
+        for table, parked in pulls:
+            shard = self._shards[table]
+            self._reply_error(
+                parked.ident,
+                parked.msg,
+                f"{op_name(parked.msg.op)} of table {table} waited {now - parked.since:.2f} s for version "
+                f"{parked.msg.arg}, but the shard is at version {shard.version}; missing pushes for step "
+                f"{shard.version} from workers {shard.waiting_for(self._active)} "
+                f"({shard.mode} needs {shard.required(len(self._active))})",
+            )
+        for table, parked in creates:
+            waited = now - parked.since
+            text = f"table {table} was not created with initial values (by worker 0) within {waited:.2f} s"
+            self._reply_error(parked.ident, parked.msg, text)
+        for parked in barrier:
+            missing = sorted(self._active - set(self._waiting.barrier) - {parked.msg.peer})
+            text = f"barrier timed out after {now - parked.since:.2f} s waiting for workers {missing}"
+            self._reply_error(parked.ident, parked.msg, text)
+        self._expire_reduce(now)
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        """Counters for tests, metrics and the end-of-run report (JSON-serialisable)."""
+        stale: dict[str, int] = defaultdict(int)
+        for shard in self._shards.values():
+            for worker, n in shard.stale_dropped.items():
+                stale[str(worker)] += n
+        return {
+            "server_index": self.server_index,
+            "endpoint": self.endpoint,
+            "uptime_s": round(time.monotonic() - self._started, 3),
+            "ops": dict(self._ops),
+            "table_ops": {str(t): dict(ops) for t, ops in self._table_ops.items()},
+            "tables": {str(t): shard.info() for t, shard in self._shards.items()},
+            "stale_dropped": dict(stale),
+            "stopped_workers": sorted(self._stopped),
+            "gone_workers": sorted(self._liveness.ever_gone),
+            **{
+                k: self._counts.get(k, 0)
+                for k in ("bytes_in", "bytes_out", "errors", "malformed", "over_limit", "out_of_memory", "disk_full")
+            },
+            "auth_rejected": self._zap.rejected,
+            "dropped": self._counts.get("dropped", 0) + self._counts.get("replies_dropped", 0),
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Process entry point: ``python -m fleet.ps.server.loop --endpoint H:P --index I --workers N``.
+
+    The secret comes from FLEET_SECRET (hex), never from the command line,
+    where other users of the machine could read it.
+    """
+    from fleet.runtime import env
+
+    parser = argparse.ArgumentParser(description="fleet parameter server")
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--max-request-ids", type=int, default=RequestLimits.max_ids)
+    parser.add_argument("--max-request-mb", type=float, default=RequestLimits.max_bytes / (1 << 20))
+    parser.add_argument("--encryption", choices=auth.ENCRYPTIONS, default="none")
+    args = parser.parse_args(argv)
+    secret_hex = env.current().require(env.FLEET_SECRET, "the parameter server authenticates workers with it")
+    try:
+        secret = bytes.fromhex(secret_hex)
+    except ValueError:
+        raise env.EnvError(f"{env.FLEET_SECRET} is not hex") from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        limits = RequestLimits(args.max_request_ids, int(args.max_request_mb * (1 << 20)))
+        server = ParameterServer(
+            args.endpoint, secret, args.index, args.workers, args.timeout, limits=limits, encryption=args.encryption
+        )
+    except zmq.ZMQError as exc:
+        if exc.errno == zmq.EADDRINUSE:
+            log.error("cannot bind %s: address in use", args.endpoint)
+            return env.EXIT_PORT_IN_USE
+        raise
+    print(f"fleet parameter server {args.index} listening on {server.endpoint}", flush=True)
+    stats = server.serve()
+    print(json.dumps(stats), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

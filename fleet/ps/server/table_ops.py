@@ -1,0 +1,272 @@
+"""The table requests of :class:`~fleet.ps.server.loop.ParameterServer`: create, pull, push, save, load.
+
+Split out of the server loop module to keep both small; :class:`TableOps` is
+a mixin whose host (the server) provides ``_shards``, ``_waiting``,
+``_active``, ``_maybe_step``, ``num_workers``, ``server_index`` and the reply helpers
+``_ok`` / ``_send`` / ``_reply_error`` / ``_park`` / ``_failure``, and ``limits``.
+Handlers return the reply, or None when the request was parked to be answered later.
+
+A sparse request carries at most the ids of the server's :class:`~fleet.ps.protocol.limits.RequestLimits`
+(the client splits bigger batches); a piece of a split push says so with ``arg`` =
+:data:`~fleet.ps.protocol.wire.MORE_FOLLOWS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from fleet.ps.protocol.limits import RequestLimits
+from fleet.ps.protocol.wire import (
+    DENSE_STATE_GET,
+    DENSE_STATE_SET_OPTIMIZER,
+    DENSE_STATE_SET_VALUES,
+    MORE_FOLLOWS,
+    Message,
+    Op,
+    Status,
+    op_name,
+)
+from fleet.ps.server import aggregator as agg
+from fleet.ps.server import shard_io
+
+
+class TableOps:
+    """Handlers for the table ops; mixed into the server class."""
+
+    _shards: dict[int, agg.DenseShard | agg.SparseShard]
+    limits: RequestLimits
+
+    def _shard(self, msg: Message, kind: str) -> agg.DenseShard | agg.SparseShard:
+        shard = self._shards.get(msg.table)
+        if shard is None:
+            raise agg.ShardError(f"unknown table {msg.table} (create it first; this server has {sorted(self._shards)})")
+        if shard.kind != kind:
+            raise agg.ShardError(f"table {msg.table} is {shard.kind}, but {op_name(msg.op)} needs a {kind} table")
+        return shard
+
+    @staticmethod
+    def _expect(msg: Message, *names: str) -> list[Any]:
+        if len(msg.tensors) != len(names):
+            raise agg.ShardError(
+                f"{op_name(msg.op)} carries {len(msg.tensors)} tensors, expected {len(names)} ({', '.join(names)})"
+            )
+        return msg.tensors
+
+    def _create(self, ident: bytes, msg: Message) -> Message | None:
+        dense = msg.op == Op.CREATE_DENSE
+        try:
+            config = json.loads(bytes(msg.blob).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise agg.ShardError(f"table {msg.table}: config is not UTF-8 JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise agg.ShardError(f"table {msg.table}: config must be a JSON object, got {type(config).__name__}")
+        existing = self._shards.get(msg.table)
+        if existing is not None:
+            self._check_same(existing, "dense" if dense else "sparse", config)
+            return self._ok(msg, version=existing.version)
+        if dense:
+            init = msg.tensors[0] if len(msg.tensors) == 1 else None
+            if len(msg.tensors) > 1:
+                raise agg.ShardError(f"CREATE_DENSE carries {len(msg.tensors)} tensors, expected 0 or 1 (init)")
+            if init is None:  # not the creator: wait until the creator's initial values arrive
+                self._waiting.creates[msg.table].append(self._park(ident, msg))
+                return None
+            shard = agg.DenseShard(msg.table, config, self.num_workers)
+            shard.set(init)
+        else:
+            self._expect(msg)
+            shard = agg.SparseShard(msg.table, config, self.num_workers)
+        self._shards[msg.table] = shard
+        self._answer_creates(msg.table)
+        return self._ok(msg)
+
+    def _check_same(self, shard: agg.Shard, kind: str, config: dict[str, Any]) -> None:
+        if shard.kind != kind or shard.key != agg.canonical(config):
+            details = {
+                "code": "conflicting_create",
+                "table": shard.table_id,
+                "existing": {"kind": shard.kind, "config": shard.config},
+                "requested": {"kind": kind, "config": config},
+            }
+            raise agg.ShardError(
+                f"conflicting create of table {shard.table_id}: it exists as {shard.kind} with config {shard.key}, "
+                f"this create asks for {kind} with config {agg.canonical(config)}",
+                details,
+            )
+
+    def _answer_creates(self, table: int) -> None:
+        shard = self._shards[table]
+        for parked in self._waiting.take_creates(table):
+            try:
+                self._check_same(shard, "dense", json.loads(bytes(parked.msg.blob).decode("utf-8")))
+                self._send(parked.ident, self._ok(parked.msg, version=shard.version))
+            except agg.ShardError as exc:
+                self._reply_error(parked.ident, parked.msg, str(exc), exc.details)
+            except ValueError as exc:
+                self._reply_error(parked.ident, parked.msg, str(exc))
+            except Exception as exc:  # noqa: BLE001 - answered, and the next parked request still is
+                self._reply_error(parked.ident, parked.msg, self._failure(exc, op_name(parked.msg.op), table))
+
+    def _pull(self, ident: bytes, msg: Message) -> Message | None:
+        if msg.op == Op.PULL_DENSE:
+            shard = self._shard(msg, "dense")
+            self._expect(msg)
+        else:
+            shard = self._shard(msg, "sparse")
+            ids = self._expect(msg, "ids")[0]
+            shard.check_ids(ids)
+            self.limits.check_ids("PULL_SPARSE", msg.table, ids.numel(), shard.dim)
+        if getattr(shard, "broken", None) is not None:
+            raise agg.ShardError(*shard.broken)
+        if msg.arg > shard.version and shard.step_error is not None:
+            raise agg.ShardError(shard.step_error)
+        if msg.arg > shard.version:
+            self._waiting.pulls[msg.table].append(self._park(ident, msg))
+            return None
+        return self._pull_reply(shard, msg)
+
+    def _pull_reply(self, shard: agg.Shard, msg: Message) -> Message:
+        if isinstance(shard, agg.DenseShard):
+            return self._ok(msg, tensors=[shard.snapshot()], version=shard.version)
+        return self._ok(msg, tensors=[shard.pull(msg.tensors[0])], version=shard.version)
+
+    def _push(self, ident: bytes, msg: Message) -> Message:
+        status = Status.OK
+        more = msg.arg == MORE_FOLLOWS
+        if msg.op == Op.PUSH_DENSE_GRAD:
+            shard = self._shard(msg, "dense")
+            # The presence flags travel only when some parameter has no gradient.
+            grad, *present = msg.tensors if len(msg.tensors) == 2 else self._expect(msg, "grad")
+            try:
+                if not shard.push_grad(msg.peer, msg.step, grad, msg.lr, present[0] if present else None):
+                    status = Status.STALE
+            except agg.ShardError as exc:
+                if shard.broken is not None:  # the workers waiting for this step learn why it never comes
+                    for parked in self._waiting.ready_pulls(msg.table, 1 << 62):
+                        self._reply_error(parked.ident, parked.msg, str(exc), exc.details)
+                raise
+        elif msg.op == Op.PUSH_SPARSE_GRAD:
+            shard = self._shard(msg, "sparse")
+            # Clicks travel only when the worker recorded some.
+            ids, grads, *clicks = msg.tensors if len(msg.tensors) == 3 else self._expect(msg, "ids", "grads")
+            self.limits.check_ids("PUSH_SPARSE_GRAD", msg.table, ids.numel(), shard.dim)
+            if not shard.push_grad(msg.peer, msg.step, ids, grads, msg.lr, clicks[0] if clicks else None, more):
+                status = Status.STALE
+        elif msg.op == Op.PUSH_DENSE_DELTA:
+            shard = self._shard(msg, "dense")
+            shard.push_delta(self._expect(msg, "delta")[0])
+        else:
+            shard = self._shard(msg, "sparse")
+            ids, deltas = self._expect(msg, "ids", "deltas")
+            self.limits.check_ids("PUSH_SPARSE_DELTA", msg.table, ids.numel(), shard.dim)
+            shard.push_delta(ids, deltas, step=msg.step, more=more)
+        if status == Status.STALE and not more:
+            self._counts["stale_dropped"] += 1
+        self._maybe_step(shard)
+        if shard.step_error is not None:  # this push completed a step that could not be applied
+            raise agg.ShardError(shard.step_error)
+        self._answer_pulls(msg.table)
+        return self._ok(msg, version=shard.version, status=status)
+
+    def _answer_pulls(self, table: int) -> None:
+        shard = self._shards[table]
+        for parked in self._waiting.ready_pulls(table, shard.version):
+            try:
+                self._send(parked.ident, self._pull_reply(shard, parked.msg))
+            except (agg.ShardError, ValueError) as exc:
+                self._reply_error(parked.ident, parked.msg, str(exc))
+            except Exception as exc:  # noqa: BLE001 - answered, and the next parked pull still is
+                self._reply_error(parked.ident, parked.msg, self._failure(exc, op_name(parked.msg.op), table))
+
+    def _dense_state(self, ident: bytes, msg: Message) -> Message:
+        """A dense shard's values and optimizer state, read or replaced (see wire.DENSE_STATE_GET)."""
+        shard = self._shard(msg, "dense")
+        assert isinstance(shard, agg.DenseShard)
+        if msg.arg == DENSE_STATE_GET:
+            self._expect(msg)
+            values, param_steps, named, step = shard.optimizer_state()
+            blob = json.dumps({"names": list(named), "step": step}).encode()
+            return self._ok(msg, tensors=[values, param_steps, *named.values()], blob=blob, version=shard.version)
+        if msg.arg == DENSE_STATE_SET_VALUES:
+            values = self._expect(msg, "values")[0]
+            shard.check_values("values", values)
+            if shard.mode == "sync" and msg.step < shard.version:
+                # Written on values of a step that has closed since (a backup worker, late): applying
+                # them would undo that step. Dropped like its late gradient; it takes the new values.
+                self._counts["stale_dropped"] += 1
+                return self._ok(msg, version=shard.version, status=Status.STALE)
+            shard.set(values)
+            return self._ok(msg, version=shard.version)
+        if msg.arg != DENSE_STATE_SET_OPTIMIZER:
+            raise agg.ShardError(f"DENSE_STATE arg {msg.arg} is none of get (0), set optimizer (1), set values (2)")
+        try:
+            meta = json.loads(msg.text())
+            names, step = list(meta["names"]), int(meta["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise agg.ShardError(
+                'DENSE_STATE set carries a JSON object such as {"names": ["exp_avg"], "step": 3}'
+            ) from None
+        if len(msg.tensors) != 1 + len(names):
+            raise agg.ShardError(
+                f"DENSE_STATE set carries {len(msg.tensors)} tensors for {len(names)} state names + steps"
+            )
+        shard.set_optimizer_state(msg.tensors[0], dict(zip(names, msg.tensors[1:], strict=True)), step)
+        return self._ok(msg, version=shard.version)
+
+    def _shrink(self, ident: bytes, msg: Message) -> Message:
+        """Evict, in sparse table ``msg.table``, rows past their TTL and (with a threshold) rows scoring below it."""
+        try:
+            threshold = json.loads(msg.text() or "{}").get("threshold")
+        except (json.JSONDecodeError, AttributeError):
+            raise agg.ShardError('SHRINK carries a JSON object such as {"threshold": 0.5}') from None
+        if threshold is not None and not isinstance(threshold, int | float):
+            raise agg.ShardError(f"SHRINK threshold must be a number or null, got {threshold!r}")
+        shard = self._shard(msg, "sparse")
+        return self._ok(msg, blob=json.dumps({"removed": shard.table.shrink(threshold)}).encode())
+
+    def _export_sparse(self, ident: bytes, msg: Message) -> Message:
+        """Every (id, row) of sparse table ``msg.table`` on this server, for ``fleet.export_for_inference``."""
+        shard = self._shard(msg, "sparse")
+        self._expect(msg)
+        return self._ok(msg, tensors=list(shard.table.export()), version=shard.version)
+
+    def _save(self, ident: bytes, msg: Message) -> Message:
+        """``arg`` 1: a delta on the last save (or load) of this server; 0: a base."""
+        last = getattr(self, "last_save", None)
+        if msg.arg == 1 and last is None:
+            raise agg.ShardError(
+                f"a delta save needs an earlier save (or load) of parameter server {self.server_index} to build "
+                "on: save a base first (save_persistables(dirname, mode='base'))"
+            )
+        if msg.arg == 1 and os.path.abspath(msg.text()) == last:
+            raise agg.ShardError(f"a delta save cannot overwrite the save it builds on ({last}): use a new directory")
+        files = shard_io.save_shards(msg.text(), self.server_index, self._shards, last if msg.arg == 1 else None)
+        self.last_save = os.path.abspath(msg.text())
+        record_dir = getattr(self, "checkpoint_record_dir", None)
+        if record_dir:  # a restarted server loads its shards from here (fleetrun --max-restarts)
+            shard_io.record_checkpoint(record_dir, self.server_index, msg.text())
+        return self._ok(msg, blob=json.dumps({"files": files}).encode())
+
+    def _load(self, ident: bytes, msg: Message) -> Message:
+        loaded = self.restore(msg.text())
+        return self._ok(msg, blob=json.dumps({"tables": loaded}).encode())
+
+    def restore(self, dirname: str) -> list[int]:
+        """Load this server's shards saved under ``dirname`` (tables, values, optimizer state, versions)."""
+        loaded = []
+        for table, kind, config, state in shard_io.load_shards(dirname, self.server_index):
+            shard = self._shards.get(table)
+            if shard is None:
+                shard = (agg.DenseShard if kind == "dense" else agg.SparseShard)(table, config, self.num_workers)
+                self._shards[table] = shard
+            else:
+                self._check_same(shard, kind, config)
+            shard.load(state)
+            loaded.append(table)
+        self.last_save = os.path.abspath(dirname)
+        for table in loaded:
+            self._answer_creates(table)
+            self._answer_pulls(table)
+        return loaded

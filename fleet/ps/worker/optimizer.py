@@ -1,0 +1,388 @@
+"""The worker side of parameter-server training: a wrapped optimizer over a PSClient.
+
+Each param group becomes one flat dense table (:mod:`fleet.ps.client.dense`) and each
+``fleet.nn.SparseEmbedding`` the optimizer holds one sparse table, whose rows the strategy
+serves to the module (:mod:`fleet.ps.worker.rows`). ``step()`` runs the update mode's policy
+(:mod:`fleet.ps.worker.modes`) under :class:`~fleet.ps.worker.recovery.Recovery`, which rides out server
+restarts. Param groups added later (``add_param_group`` on this optimizer, or found at
+``step()`` when added to the unwrapped one) get their tables the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from fleet.errors import FleetError, ModelMismatchError
+from fleet.ps.client.client import PSClient
+from fleet.ps.client.dense import DenseTables
+from fleet.ps.protocol.errors import PSRemoteError
+from fleet.ps.worker import modes
+from fleet.ps.worker.recovery import Recovery
+from fleet.ps.worker.rows import GeoRows, RemoteRows
+from fleet.ps.worker.step_checks import GradWatch, HyperParameters
+from fleet.runtime import env, owners
+from fleet.runtime.optimizer import WrappedOptimizer
+from fleet.sparse import backends as tables
+from fleet.sparse.optim import OptimizerSpec, ServerOptimizer
+
+
+class PSOptimizer(WrappedOptimizer):
+    """``step()`` trains through the parameter servers; the surface stays ``torch.optim.Optimizer``'s."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        client: PSClient,
+        config: Any,
+        role: Any,
+        new_table: Callable[[], int],
+        model: torch.nn.Module | None = None,
+    ):
+        super().__init__(optimizer)
+        self.client = client
+        self.config = config
+        self.is_first = role.worker_index == 0
+        self._worker = role.worker_index
+        self._model = model
+        self._new_table = new_table
+        self._base = {"update": config.update, "backup_workers": int(config.backup_workers)}
+        self.tables = DenseTables(client, optimizer, self._base, self.is_first, new_table)
+        self.sparse: list[tuple[Any, int, Any]] = []  # (table module, param group index, rows)
+        self._sparse_creates: list[Callable[[], Future]] = []
+        self._groups: list[list[int]] = []  # the parameters of each param group with a table, by id
+        self._hyper = HyperParameters(optimizer)  # what the servers step with: changing it is refused
+        self._grad_watch = GradWatch() if config.update == "sync" else None  # gradients written after backward
+        self.update = modes.for_config(self, config.update, max(1, int(getattr(config, "k_steps", 1) or 1)))
+        self.recovery = Recovery(self, (env.current().int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0)
+        self._add_groups(range(len(optimizer.param_groups)), check_values=False)
+        self._share_buffers()
+
+    def _share_buffers(self) -> None:
+        """Every worker starts from worker 0's buffers too (a random projection, spectral_norm's u and v),
+        as from its parameters, through server 0's all-reduce.
+
+        Why in two rounds: most buffers (BatchNorm's statistics, a causal mask) are equal on every
+        worker already, and a large one would not fit a request (``max_request_mb``). First one
+        fingerprint per buffer (its bytes' hash: max and min over the workers, one all-reduce); then only the buffers
+        that differ, worker 0 sending its values and the others zeros, in pieces under the limit.
+        """
+        buffers = [b for b in owners.model_buffers(self.parameters())[0] if b.numel()]
+        if not buffers:
+            return
+        prints = torch.tensor([_fingerprint(b) for b in buffers], dtype=torch.float64)
+        # max and min in one round: the max of the negated fingerprints is minus their min (exact in float64)
+        extremes = self.client.all_reduce(torch.cat([prints, -prints]), "max").result()
+        highest, lowest = extremes[: len(buffers)], -extremes[len(buffers) :]
+        differ = [b for b, hi, lo in zip(buffers, highest.tolist(), lowest.tolist(), strict=True) if hi != lo]
+        if not differ:
+            return
+        flat = torch.cat([b.detach().reshape(-1).to(device="cpu", dtype=torch.float64) for b in differ])
+        if not self.is_first:
+            flat.zero_()
+        piece = max(1, self.client.limits.max_bytes // 8)  # float64 values: one request each
+        total = torch.cat([self.client.all_reduce(part, "sum").result() for part in flat.split(piece)])
+        offset = 0
+        with torch.no_grad():
+            for b in differ:
+                b.copy_(total[offset : offset + b.numel()].view_as(b).to(b.dtype))
+                offset += b.numel()
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        return self.recovery.last_checkpoint
+
+    @last_checkpoint.setter
+    def last_checkpoint(self, dirname: str | None) -> None:
+        self.recovery.last_checkpoint = dirname
+
+    @property
+    def server_restarts(self) -> int:
+        return self.recovery.server_restarts
+
+    @property
+    def stale_dropped(self) -> int:
+        """This worker's pushes the servers dropped as stale (sync with backup workers), per table and server."""
+        return self.client.stale_pushes
+
+    def creates(self) -> list[Callable[[], Future]]:
+        """Every table's create, to send again after a server restart."""
+        return [*self.tables.creates, *self._sparse_creates]
+
+    # ------------------------------------------------------------------ tables
+    def _add_groups(self, indices: range, check_values: bool) -> None:
+        self._check_dtypes(indices)
+        first = len(self.tables.entries)
+        created = []
+        for index in indices:  # dense tables first, then the sparse ones: every worker gets the same ids
+            self._groups.append([id(p) for p in self._inner.param_groups[index]["params"]])
+            self._hyper.record(index)
+            created += self.tables.create(index)
+        for index in indices:
+            created += self._add_sparse(index)
+        self.tables.settle(created, self.tables.entries[first:], self._explain, self._worker, check_values)
+        self._watch_grads()
+
+    def _check_dtypes(self, indices: range) -> None:
+        """The servers keep dense values, gradients and optimizer state in float32: refuse any other dtype
+        rather than train a float64 (or bfloat16) model in float32 arithmetic without a word."""
+        for index in indices:
+            for p in self._inner.param_groups[index]["params"]:
+                if p.numel() and p.dtype != torch.float32:
+                    raise FleetError(
+                        f"Parameter {self._name(p)!r} is {str(p.dtype).removeprefix('torch.')}, but the parameter "
+                        "servers hold dense parameters, their gradients and the optimizer state in float32, so it "
+                        "would train in float32 arithmetic, unlike one process. Convert the model to float32 "
+                        "(model.float()) for a parameter-server job, or use mode='collective' (any dtype)."
+                    )
+
+    def _watch_grads(self) -> None:
+        if self._grad_watch is not None:
+            self._grad_watch.watch([p for entry in self.tables.entries for p in entry.params])
+
+    def _check_step(self) -> None:
+        """Refuse what the servers cannot do as one process would (:mod:`fleet.ps.worker.step_checks`)."""
+        served = set() if isinstance(self.update, modes.GeoMode) else {e.index for e in self.tables.entries}
+        served |= {index for module, index, _ in self.sparse if module.optimizer_override is None}
+        self._hyper.check(sorted(served))
+        if self._grad_watch is not None:
+            self._grad_watch.check([p for entry in self.tables.entries for p in entry.params], self._name)
+            self._watch_grads()  # parameters unfrozen since
+
+    def _add_sparse(self, index: int) -> list[Future]:
+        futures = []
+        group = self._inner.param_groups[index]
+        for module, _ in tables.modules_in(self._inner, [group]):
+            spec = OptimizerSpec.from_torch(type(self._inner), group)
+            table_id = self._new_table()
+            sparse_cfg = {**self._base, **module.table_config(spec)}
+            self._sparse_creates.append(lambda t=table_id, c=sparse_cfg: self.client.create_sparse(t, c))
+            futures.append(self._sparse_creates[-1]())
+            if self.config.update == "geo":
+                rows: Any = GeoRows(self.client, table_id, module, module.optimizer_override or spec)
+            else:
+                rows = RemoteRows(self.client, table_id, sync=self.config.update == "sync")
+            rows.guard = self.recovery.guard
+            self.sparse.append((module, index, rows))
+        return futures
+
+    def rows_for(self, module: Any) -> Any:
+        """The table backend of a SparseEmbedding this optimizer holds (None if it holds none)."""
+        return next((rows for m, _, rows in self.sparse if m is module), None)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._inner.add_param_group(param_group)
+        self._adopt_new_groups(check_values=False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._watch_grads()  # a layer unfrozen before zero_grad is watched from this backward on
+
+    def _adopt_new_groups(self, check_values: bool = True) -> None:
+        """Give param groups added since the last look their tables (at add_param_group, or at step())."""
+        groups = self._inner.param_groups
+        for index, known in enumerate(self._groups):
+            if index >= len(groups) or [id(p) for p in groups[index]["params"]] != known:
+                raise FleetError(
+                    f"param group {index} of the optimizer changed its parameters after fleet.distributed_optimizer "
+                    "(in parameter-server mode each param group is a table on the servers): add parameters with "
+                    "add_param_group instead."
+                )
+        if len(groups) > len(self._groups):
+            self.update.flush()  # async: nothing in flight refers to the old list of tables
+            self._add_groups(range(len(self._groups), len(groups)), check_values=check_values and not self.is_first)
+
+    # ------------------------------------------------------------------ step
+    def step(self, closure=None):  # noqa: D102
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._adopt_new_groups()
+        self._check_step()
+        started = time.perf_counter()
+        try:
+            self.recovery.guard(self._send_parameter_writes, lossy=True)
+            local_s = self.recovery.guard(self.update.step, lossy=True) or 0.0
+        except PSRemoteError as exc:
+            raise self._explain(exc) from None
+        self.metrics.set_dropped(self.stale_dropped)
+        # step timings, straggler watch and injection (fleet.telemetry.timing / fleet.runtime.inject)
+        self._end_step(comm_s=time.perf_counter() - started - local_s)
+        return loss
+
+    def geo_sync(self) -> None:
+        """Geo mode: push the changes since the last sync now, then take the servers' values."""
+        assert isinstance(self.update, modes.GeoMode), "geo_sync applies to update='geo'"
+        self.update.sync()
+
+    def flush(self) -> None:
+        """Wait for background pushes and pulls (async) so the servers hold this worker's updates."""
+        self.recovery.guard(self._send_parameter_writes, lossy=True)
+        self.recovery.guard(self.update.flush, lossy=True)
+
+    def _send_parameter_writes(self) -> None:
+        """Parameters the user wrote since fleet last set them replace the servers' values, as they would
+        replace a single process's: model.load_state_dict, clamping or re-initialising weights by hand."""
+        written = [entry for entry in self.tables.entries if entry.written()]
+        if not written:
+            return
+        self.update.discard_pull()
+        futures = [self.client.set_dense_values(entry.table_id, entry.values(), entry.version) for entry in written]
+        for future in futures:
+            future.result()
+        for entry in written:
+            entry.mark_clean()
+            if isinstance(self.update, modes.GeoMode):
+                entry.base = entry.values()  # the write is the servers' value now, not a delta to add
+
+    # ------------------------------------------------------------------ state dicts
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format, holding the servers' optimizer state for the dense parameters (geo: the local one).
+
+        Sparse tables' rows and their optimizer state are not in it: save them with fleet.save_persistables.
+        """
+        if isinstance(self.update, modes.GeoMode) or not self.tables.entries:
+            return self._inner.state_dict()
+        self.flush()
+        futures = [self.client.dense_state(entry.table_id) for entry in self.tables.entries]
+        server_state: dict[Any, dict[str, Any]] = {}
+        for entry, future in zip(self.tables.entries, futures, strict=True):
+            read = self.recovery.guard(future.result)
+            spec = OptimizerSpec.from_torch(type(self._inner), entry.group)
+            offset = 0
+            for index, p in enumerate(entry.params):
+                n = p.numel()
+                pieces = {name: t[offset : offset + n].view_as(p).clone() for name, t in read.named.items()}
+                per_param = torch_param_state(spec, pieces, int(read.param_steps[index]))
+                if per_param:
+                    server_state[p] = per_param
+                offset += n
+        held = {p for entry in self.tables.entries for p in entry.params}
+        local = self._inner.state
+        merged = defaultdict(dict, {p: v for p, v in local.items() if p not in held})
+        merged.update(server_state)
+        self._inner.state = merged  # torch's own packing (param indices, param_groups) over the servers' state
+        try:
+            return self._inner.state_dict()
+        finally:
+            self._inner.state = local
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the user's optimizer (param groups, lr, ...) and send the dense optimizer state to the servers."""
+        self._inner.load_state_dict(state_dict)
+        if isinstance(self.update, modes.GeoMode) or not self.tables.entries:
+            return  # geo steps with the local optimizer: its state is where it belongs
+        self.flush()
+        futures = []
+        for entry in self.tables.entries:
+            spec = OptimizerSpec.from_torch(type(self._inner), entry.group)
+            names = ServerOptimizer(spec).state_names
+            flat = {name: torch.zeros(entry.size) for name in names}
+            if "sum" in flat:
+                flat["sum"].fill_(spec.initial_accumulator_value)
+            steps = torch.zeros(len(entry.params), dtype=torch.int64)
+            offset = 0
+            for index, p in enumerate(entry.params):
+                n = p.numel()
+                loaded = self._inner.state.get(p, {})
+                for name in names:
+                    if loaded.get(name) is not None:
+                        flat[name][offset : offset + n] = loaded[name].detach().reshape(-1).to(torch.float32)
+                steps[index] = param_step(loaded)
+                offset += n
+            futures.append(self.client.set_dense_optimizer_state(entry.table_id, flat, steps, int(steps.max())))
+        for future in futures:
+            self.recovery.guard(future.result)
+        for entry in self.tables.entries:
+            for p in entry.params:  # the servers hold it now; a stale local copy would only mislead
+                self._inner.state.pop(p, None)
+
+    def refresh(self) -> None:
+        """Pull the servers' current dense values into the parameters (after a load or a restart)."""
+        self.tables.refresh()
+        for _, _, rows in self.sparse:
+            if isinstance(rows, RemoteRows) and self.tables.entries:
+                rows.version = self.tables.entries[0].version  # sync: every table advances once per step
+
+    # ------------------------------------------------------------------ errors
+    def _name(self, param: torch.Tensor) -> str:
+        """The parameter's name in the model (given to distributed_model, or found holding it)."""
+        if self._model is not None:
+            name = next((n for n, p in self._model.named_parameters() if p is param), None)
+            if name is not None:
+                return name
+        return owners.names_of([param])[0]
+
+    def _explain(self, exc: PSRemoteError) -> Exception:
+        """A server's structured error in this worker's terms: the parameters by name."""
+        details = exc.details
+        code = details.get("code")
+        if code == "trainable_mismatch":
+            entry = next((e for e in self.tables.entries if e.table_id == details["table"]), None)
+            param = entry.params[details["parameter"]] if entry is not None else None
+            name = owners.names_of([param])[0] if param is not None else f"parameter {details['parameter']}"
+            return FleetError(
+                f"Workers disagree about which parameters train: {name!r} trains (requires_grad=True) on worker "
+                f"{details['trains_on']} but is frozen on worker {details['frozen_on']} in the same step. Freeze "
+                "and unfreeze parameters the same way on every worker (the change takes effect at the next step)."
+            )
+        if code == "conflicting_create":
+            return self._model_mismatch(exc) or exc
+        return exc
+
+    def _model_mismatch(self, exc: PSRemoteError) -> Exception | None:
+        """A dense table created with other shapes than this worker's: name the first parameter that differs."""
+        theirs = exc.details["existing"]["config"].get("shapes")
+        mine = exc.details["requested"]["config"].get("shapes")
+        if theirs is None or mine is None or theirs == mine:
+            return None
+        entry = next((e for e in self.tables.entries if e.table_id == exc.details["table"]), None)
+        params = entry.params if entry is not None else []
+        model = self._model
+        names = (
+            {id(p): n for n, p in model.named_parameters()}
+            if model is not None
+            else {k: o.name for k, o in owners.find_owners(params).items()}
+        )
+        for position, (a, b) in enumerate(zip(theirs, mine, strict=False)):
+            if a != b:
+                name = names.get(id(params[position]), f"parameter {position}") if position < len(params) else position
+                return ModelMismatchError(
+                    f"Workers hold different models: {name!r} has shape {b} on worker {self._worker} but {a} on the "
+                    "worker that created the parameter-server table first. Every worker must build the same model."
+                )
+        return ModelMismatchError(
+            f"Workers hold different models: worker {self._worker} has {len(mine)} parameters in a param group "
+            f"where the first worker had {len(theirs)}. Every worker must build the same model and optimizer."
+        )
+
+
+def torch_param_state(spec: OptimizerSpec, pieces: dict[str, torch.Tensor], step: int) -> dict[str, Any]:
+    """One parameter's state as the torch.optim class of ``spec`` keeps it ({} where torch keeps none)."""
+    if spec.kind == "adagrad":  # torch makes Adagrad's state at construction, step 0 included
+        return {"step": torch.tensor(float(max(step, 0))), **pieces}
+    if step <= 0:
+        return {}  # never stepped: torch has no state for it yet
+    if spec.kind == "sgd":
+        return pieces  # the momentum buffer, or nothing without momentum
+    return {"step": torch.tensor(float(step)), **pieces}
+
+
+def param_step(state: dict[str, Any]) -> int:
+    """The step count the servers need for one parameter's loaded torch state."""
+    if "step" in state:
+        return int(float(state["step"]))
+    return 1 if state.get("momentum_buffer") is not None else 0  # SGD counts no steps; a buffer means it stepped
+
+
+def _fingerprint(buffer: torch.Tensor) -> float:
+    """A 48-bit hash of a buffer's bytes, as a float64 (exact): equal buffers, equal fingerprints."""
+    raw = buffer.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return float(int.from_bytes(hashlib.blake2b(raw.tobytes(), digest_size=6).digest(), "little"))

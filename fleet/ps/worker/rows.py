@@ -1,0 +1,126 @@
+"""Where a ``fleet.nn.SparseEmbedding``'s rows live in a parameter-server job (its table backends).
+
+:class:`RemoteRows` (sync and async): each forward pulls the batch's unique ids from the
+servers; the wrapped optimizer pushes the row gradients. :class:`GeoRows` (geo): rows are
+cached here, trained by the local optimizer and synced every ``k_steps``. Both take a
+``guard`` from the optimizer, which waits out a server restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from fleet.ps.client.client import PSClient
+from fleet.sparse.backends import TableModule
+from fleet.sparse.id_index import IdIndex
+from fleet.sparse.optim import OptimizerSpec
+from fleet.sparse.table import SparseTable
+
+Guard = Callable[[Callable[[], Any]], Any]
+
+
+def _unguarded(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+class _ServerTable:
+    """What both backends ask of the servers' table as a whole (``client``, ``table_id`` and ``guard`` set)."""
+
+    client: PSClient
+    table_id: int
+    guard: Guard
+
+    def num_rows(self) -> int:
+        return self.guard(lambda: self.client.sparse_rows(self.table_id).result())
+
+    def shrink(self, threshold: float | None) -> int:
+        return self.guard(lambda: self.client.shrink(self.table_id, threshold).result())
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.guard(lambda: self.client.export_sparse(self.table_id).result())
+
+
+class RemoteRows(_ServerTable):
+    def __init__(self, client: PSClient, table_id: int, sync: bool = True):
+        self.client = client
+        self.table_id = table_id
+        self.sync = sync
+        self.version = 0
+        self.guard: Guard = _unguarded
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.guard(lambda: self.client.pull_sparse(self.table_id, ids, self.version).result())
+        if self.sync and self.version:
+            # backup workers: a late worker finds the shards ahead and pushes for their version. (Only
+            # with min_version > 0 is every server asked, so that ps_version is the oldest shard's.)
+            self.version = max(self.version, int(getattr(rows, "ps_version", 0)))
+        return rows
+
+    def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
+        """The wrapped optimizer pushes the gradients itself."""
+
+    def prefetch(self, ids: torch.Tensor) -> Future | None:
+        """Async mode: pull ``ids`` in the background (rows may be a step old there anyway)."""
+        return None if self.sync else self.client.pull_sparse(self.table_id, ids)
+
+    def collect(self, future: Future) -> torch.Tensor | None:
+        """A prefetch's rows, or None when it failed (the forward then pulls again, under the guard)."""
+        try:
+            return future.result()
+        except Exception:  # noqa: BLE001 - e.g. a server restarted meanwhile: pulled again through the guard
+            return None
+
+
+class GeoRows(_ServerTable):
+    """Rows cached here; :meth:`num_rows`, :meth:`shrink` and :meth:`export` concern the servers' table."""
+
+    def __init__(self, client: PSClient, table_id: int, module: TableModule, spec: OptimizerSpec):
+        self.client = client
+        self.table_id = table_id
+        self.local = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
+        self.base = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
+        self.known = IdIndex()  # ids whose rows came from the servers: O(batch) per check, not O(seen)
+        self.touched: list[torch.Tensor] = []
+        self.guard: Guard = _unguarded
+
+    def forget(self) -> None:
+        """After a server restart: every row is fetched from the servers again; unsynced changes are dropped."""
+        self.known = IdIndex()
+        self.touched = []
+
+    def _fetch(self, ids: torch.Tensor) -> None:
+        missing = ids[self.known.lookup(ids) < 0]
+        if missing.numel():
+            new = torch.unique(missing)
+            self._rebase(new, self.client.pull_sparse(self.table_id, new).result())
+            self.known.insert_new(new)  # only once the rows arrived
+
+    def _rebase(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self.local.add_delta(ids, rows - self.local.pull(ids))
+        self.base.add_delta(ids, rows - self.base.pull(ids))
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        self.guard(lambda: self._fetch(ids))
+        return self.local.pull(ids)
+
+    def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
+        """The wrapped optimizer applies the gradients itself (:meth:`apply`)."""
+
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        if ids.numel():
+            self.local.apply_gradient(ids, grads, lr)
+            self.touched.append(ids)
+
+    def sync(self, step: int = 0) -> None:
+        """Push the changes since the last sync (``step``: this worker's step count, the servers' clock)."""
+        if not self.touched:
+            return
+        ids = torch.unique(torch.cat(self.touched))
+        self.touched = []
+        delta = self.local.pull(ids) - self.base.pull(ids)
+        self.client.push_sparse_delta(self.table_id, ids, delta, step).result()
+        self._rebase(ids, self.client.pull_sparse(self.table_id, ids).result())

@@ -1,0 +1,123 @@
+"""What a worker checks at ``step()`` so that a parameter-server job never silently differs from one process.
+
+Two things ordinary training code does between steps cannot be carried to the servers, so
+they fail at once, naming the parameter or the setting, instead of training differently:
+
+- :class:`HyperParameters`: the servers run the optimizer with the hyper-parameters its table
+  was created with; only ``lr`` travels with every push. A param group whose ``momentum``,
+  ``betas``, ``weight_decay``, ... changed since (``OneCycleLR`` cycles the momentum by
+  default, or a hand-made schedule) would be silently ignored.
+- :class:`GradWatch` (sync mode): the servers average the workers' gradients after
+  ``step()``. A single process changes the *averaged* gradient between ``backward()`` and
+  ``step()`` (``clip_grad_norm_``, ``clip_grad_value_``, ``GradScaler.unscale_``, by hand);
+  here each worker would change its own, and clipping the parts is not clipping the whole.
+  A gradient that backward left and that was written since is refused on every worker alike
+  (whatever the values: ``clip_grad_norm_`` rescales even when it has nothing to clip, so
+  all workers fail at the same step; to log the norm use ``torch.nn.utils.get_total_norm``);
+  one set by hand without a backward into it (``p.grad = g`` from ``torch.autograd.grad``)
+  is this worker's gradient and is averaged as such; one set to ``None`` takes no part, as
+  in torch.optim.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fleet.errors import FleetError
+from fleet.sparse.optim import OptimizerSpec
+
+
+class HyperParameters:
+    """Every param group's hyper-parameters (all but ``lr``) as the servers hold them."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.created: dict[int, OptimizerSpec] = {}  # param group index -> its spec when its tables were made
+
+    def record(self, index: int) -> None:
+        self.created[index] = self._spec(index)
+
+    def _spec(self, index: int) -> OptimizerSpec:
+        spec = OptimizerSpec.from_torch(type(self.optimizer), self.optimizer.param_groups[index])
+        return spec.model_copy(update={"lr": 0.0})
+
+    def check(self, indices: list[int]) -> None:
+        """The groups ``indices`` (those the servers step with their own spec) still have it."""
+        for index in indices:
+            before = self.created.get(index)
+            if before is None:
+                continue
+            now = self._spec(index)
+            if now == before:
+                continue
+            name = next(n for n in type(now).model_fields if getattr(now, n) != getattr(before, n))
+            raise FleetError(
+                f"param group {index}'s {name!r} changed from {_plain(getattr(before, name))} to "
+                f"{_plain(getattr(now, name))} after fleet.distributed_optimizer (a scheduler such as "
+                "OneCycleLR, which cycles the momentum unless cycle_momentum=False, load_state_dict of a state saved "
+                "with other settings, or by hand). In parameter-server "
+                "mode the servers run the optimizer with the hyper-parameters its table was created with and only "
+                "'lr' travels with every step, so this change would be silently ignored. Keep every hyper-parameter "
+                "but 'lr' fixed, or use mode='collective'."
+            )
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+class GradWatch:
+    """The gradients each backward left in the watched parameters, to tell at step() whether they changed since."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}
+        self._hooked: dict[int, tuple[weakref.ref, Any]] = {}  # id(param) -> (param, hook handle)
+        me = weakref.ref(self)
+
+        def record(param: torch.Tensor) -> None:  # holds the watch weakly: a dropped optimizer stops watching
+            watch = me()
+            if watch is not None:
+                watch._record(param)
+
+        self._hook = record
+
+    def watch(self, params: list[torch.Tensor]) -> None:
+        """Hook the parameters that train now (a frozen one is hooked once it trains: at the next call)."""
+        for p in params:
+            hooked = self._hooked.get(id(p))
+            if p.requires_grad and (hooked is None or hooked[0]() is not p):
+                self._hooked[id(p)] = (weakref.ref(p), p.register_post_accumulate_grad_hook(self._hook))
+
+    def _record(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None or grad.is_sparse:
+            self._seen.pop(id(param), None)
+            return
+        self._seen[id(param)] = (weakref.ref(param), grad, grad._version)
+
+    def check(self, params: list[torch.Tensor], name: Callable[[torch.Tensor], str]) -> None:
+        """Raise if a gradient backward left in one of ``params`` was changed since; then forget them all."""
+        try:
+            for p in params:
+                entry = self._seen.get(id(p))
+                if entry is None or entry[0]() is not p or p.grad is None:
+                    continue
+                _, grad, version = entry
+                if p.grad is grad and grad._version == version:
+                    continue
+                raise FleetError(
+                    f"The gradient of {name(p)!r} was changed between backward() and "
+                    "optimizer.step() (clip_grad_norm_, clip_grad_value_, GradScaler's unscale_/step, or by hand). "
+                    "In a single process that change applies to the gradient of the whole batch, but in "
+                    "parameter-server sync mode the servers average the workers' gradients only after step(), so it "
+                    "would apply to each worker's own gradient and training would silently differ. Leave the "
+                    "gradients as backward() left them (scale the loss instead; torch.nn.utils.get_total_norm reads "
+                    "the norm without writing), or use mode='collective', whose gradients are averaged during "
+                    "backward()."
+                )
+        finally:
+            self._seen = {}

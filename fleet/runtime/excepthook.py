@@ -1,0 +1,37 @@
+"""Mistakes a user can make end the process with one paragraph, not a traceback wall.
+
+Only fleet's own user-error types are shortened (a bad strategy value, an inconsistent
+launch environment); every other exception keeps Python's full report. Set
+FLEET_TRACEBACK=1 to see the traceback of user errors too.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from fleet.runtime import env
+
+FLEET_TRACEBACK = "FLEET_TRACEBACK"
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    from fleet.errors import ModelMismatchError
+    from fleet.runtime.env import EnvError
+    from fleet.strategy import StrategyError
+
+    return (EnvError, StrategyError, ModelMismatchError)
+
+
+def install_excepthook() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "_fleet", False):
+        return
+
+    def hook(kind, value, traceback):
+        if issubclass(kind, _user_error_types()) and not env.current().has(FLEET_TRACEBACK):
+            print(f"fleet: {kind.__name__}: {value}\n(set {FLEET_TRACEBACK}=1 to see the traceback)", file=sys.stderr)
+            sys.exit(env.EXIT_USER_ERROR)
+        previous(kind, value, traceback)
+
+    hook._fleet = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -1,0 +1,179 @@
+"""Sparse embedding tables: where a ``fleet.nn.SparseEmbedding``'s rows live, chosen by the strategy.
+
+A table module (``fleet.nn.SparseEmbedding``) registers its placeholder parameter here, so
+that engines find the tables an optimizer holds (:func:`modules_in`) without importing
+``fleet.nn``; each forward asks the active strategy for its :class:`TableBackend` and falls
+back to the module's :class:`LocalRows`:
+
+- single process: :class:`LocalRows`, a table in this process;
+- collective: the same local table, with each step's row gradients merged over the workers
+  first (:class:`LocalRows` with an ``exchange``), so every worker's copy stays identical;
+- parameter server: rows pulled from the servers (:mod:`fleet.ps.worker.rows`); the wrapped
+  optimizer pushes their gradients.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from fleet.sparse.optim import OptimizerSpec, initial_rows
+from fleet.sparse.table import SparseTable
+
+_BY_PLACEHOLDER: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_ORDER: dict[int, int] = {}  # registration order, so that every worker walks its tables alike
+
+Exchange = Callable[[Any, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+class TableModule(Protocol):
+    """What engines may use of a table module (``fleet.nn.SparseEmbedding``)."""
+
+    placeholder: torch.nn.Parameter
+    embedding_dim: int
+    initializer: Any
+    seed: int
+    optimizer_override: OptimizerSpec | None
+    lifecycle: Any
+
+    def table_config(self, spec: OptimizerSpec) -> dict[str, Any]: ...
+
+    def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+
+
+class TableBackend(Protocol):
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for unique int64 ``ids``."""
+
+    def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
+        """The optimizer holding the table stepped: apply the pending row gradients (if this backend does)."""
+
+    def num_rows(self) -> int:
+        """The rows the table holds now (all of its shards)."""
+
+    def shrink(self, threshold: float | None) -> int:
+        """Evict expired rows (and rows scoring below ``threshold``); return how many went."""
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, rows) of every row the table holds (all shards), for serving."""
+
+
+def register(placeholder: torch.nn.Parameter, module: TableModule) -> None:
+    _BY_PLACEHOLDER[id(placeholder)] = module
+    _ORDER[id(placeholder)] = len(_ORDER)
+
+
+def module_of(placeholder: torch.Tensor) -> TableModule | None:
+    module = _BY_PLACEHOLDER.get(id(placeholder))
+    return module if module is not None and module.placeholder is placeholder else None
+
+
+def any_registered() -> bool:
+    return bool(_BY_PLACEHOLDER)
+
+
+def all_modules() -> list[Any]:
+    """Every table module alive in this process, in creation order."""
+    return [m for key, m in sorted(_BY_PLACEHOLDER.items(), key=lambda kv: _ORDER[kv[0]])]
+
+
+def shrink_all(threshold: float | None) -> None:
+    """``fleet.shrink`` where each process holds its tables (or its replica of them): every backend shrinks."""
+    for module in all_modules():
+        module.backend().shrink(threshold)
+
+
+def modules_in(
+    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]] | None = None
+) -> list[tuple[TableModule, dict[str, Any]]]:
+    """The table modules whose placeholder is in ``optimizer`` (or in ``groups`` of it), with their group."""
+    found = []
+    for group in optimizer.param_groups if groups is None else groups:
+        for p in group["params"]:
+            module = module_of(p)
+            if module is not None:
+                found.append((module, group))
+    return found
+
+
+class LocalRows:
+    """A table in this process (every module has one; it is the backend without a strategy)."""
+
+    def __init__(self, module: TableModule):
+        self._module = weakref.ref(module)
+        self.table: SparseTable | None = None
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return self.table.pull(ids)
+        module = self._module()
+        if module.lifecycle.entry is not None:  # nothing admitted yet
+            return torch.zeros(ids.numel(), module.embedding_dim)
+        return initial_rows(ids, module.embedding_dim, module.initializer, module.seed)
+
+    def step(self, optimizer_class: type, group: dict[str, Any], exchange: Exchange | None = None) -> None:
+        module = self._module()
+        ids, grads, clicks = module.take_gradients()
+        lr = float(group["lr"])
+        if exchange is not None:
+            if module.lifecycle.active:  # clicks ride along as one more column, summed, not averaged
+                column = clicks if clicks is not None else torch.zeros(ids.numel())
+                grads = torch.cat([grads, column.unsqueeze(1)], 1)
+            ids, grads = exchange(module, ids, grads, lr)
+            clicks = None
+        self.apply(optimizer_class, group, ids, grads, lr, clicks)
+
+    def apply(
+        self,
+        optimizer_class: type,
+        group: dict[str, Any],
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        clicks: torch.Tensor | None = None,
+    ) -> None:
+        """One step of the table; ``grads`` may carry the clicks as a last column (exchanged rows)."""
+        module = self._module()
+        if self.table is None:
+            spec = module.optimizer_override or OptimizerSpec.from_torch(optimizer_class, group)
+            self.table = SparseTable(module.embedding_dim, spec, module.initializer, module.seed, module.lifecycle)
+        if grads.shape[1] == module.embedding_dim + 1:
+            grads, clicks = grads[:, :-1], grads[:, -1]
+        self.table.apply_gradient(ids, grads, lr, clicks)
+
+    def num_rows(self) -> int:
+        return len(self.table) if self.table is not None else 0
+
+    def shrink(self, threshold: float | None) -> int:
+        return self.table.shrink(threshold) if self.table is not None else 0
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is None:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, self._module().embedding_dim)
+        return self.table.export()
+
+
+class ExchangedRows:
+    """Collective mode: the module's local table, each step's row gradients merged over the workers first."""
+
+    def __init__(self, local: LocalRows, exchange: Exchange):
+        self.local = local
+        self.exchange = exchange
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.local.pull(ids)
+
+    def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
+        self.local.step(optimizer_class, group, self.exchange)
+
+    def num_rows(self) -> int:
+        return self.local.num_rows()
+
+    def shrink(self, threshold: float | None) -> int:
+        return self.local.shrink(threshold)
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.local.export()

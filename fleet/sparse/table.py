@@ -1,0 +1,548 @@
+"""One server's shard of a sparse embedding table: rows keyed by arbitrary int64 ids.
+
+Why rows are created on first touch: CTR-style ids come from a huge, open
+space (hashed feature values), so the table cannot be allocated up front. A row
+is created the first time any request (pull or push) names its id, with the
+value :func:`fleet.sparse.optim.initial_rows` gives that id, so the result does not
+depend on which worker touched it first or how ids are sharded over servers.
+
+Storage: an :class:`~fleet.sparse.id_index.IdIndex` maps id -> dense slot; rows
+live in a growable ``[capacity, dim]`` float32 tensor indexed by slot, with the
+optimizer's per-row state (momentum buffer, Adam moments, Adagrad sum) and a
+per-row step count in tensors grown alongside (amortised doubling). Every
+operation is a fixed number of whole-batch torch ops; nothing loops over ids.
+
+Updates are row-wise ("lazy"): only the rows named in a push change, each with
+its own state and step, so a row that gets a gradient every step follows
+``torch.optim`` exactly. Not thread-safe: the server serialises calls per table.
+
+With a life cycle (:mod:`fleet.sparse.lifecycle`: admission, TTL, ``max_rows``) rows are
+created by updates only, once admitted; a pull of an id without a row returns its
+initial value (zeros while an entry has not admitted it) and stores nothing. Every
+table remembers which rows changed since the last save and which ids it evicted, so a
+save can be a delta (:meth:`state_dict` with ``delta=True``, :meth:`apply_delta`; in
+:mod:`fleet.sparse.saves`).
+
+Every operation is all-or-nothing (:meth:`transaction`, :mod:`fleet.sparse.undo`): if any step
+fails -- an allocation when memory runs out, above all -- the table is rolled back to what
+it was and stays usable. New rows are written into the free slots past the live length
+before the id index learns their ids, so the index never names a slot without a row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fleet.sparse.growable import grow, row_tensor
+from fleet.sparse.id_index import IdIndex, as_ids
+from fleet.sparse.lifecycle import EVICT_SLACK, Admission, LifeCycle
+from fleet.sparse.optim import (
+    InitializerSpec,
+    OptimizerSpec,
+    ServerOptimizer,
+    check_table_config,
+    initial_rows,
+)
+from fleet.sparse.pages import prefault
+from fleet.sparse.recent_slots import RecentSlots
+from fleet.sparse.saves import MAX_REMEMBERED_DELETIONS, SparseTableSaves
+from fleet.sparse.undo import Getter, UndoLog
+
+_REQUIRED_KEYS = ("dim", "optimizer")
+
+
+class SparseTable(SparseTableSaves):
+    """Rows of width ``dim`` keyed by int64 id, updated by a row-wise server optimizer."""
+
+    #: what a table config may hold (a shard's config has more: the update mode, backup workers)
+    CONFIG_KEYS = ("dim", "optimizer", "initializer", "seed", "servers", *LifeCycle.CONFIG_KEYS)
+
+    def __init__(
+        self,
+        dim: int,
+        optimizer: OptimizerSpec,
+        initializer: InitializerSpec | None = None,
+        seed: int = 0,
+        lifecycle: LifeCycle | None = None,
+    ) -> None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"dim must be an int > 0, got {dim!r}")
+        if not isinstance(optimizer, OptimizerSpec):
+            raise TypeError(f"optimizer must be an OptimizerSpec, got {type(optimizer).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.dim = dim
+        self.optimizer = optimizer
+        self.initializer = initializer if initializer is not None else InitializerSpec()
+        self.seed = seed
+        self._opt = ServerOptimizer(optimizer)
+        # Per-row step counts cost two random accesses per row; keep them only where the math reads them.
+        self._track_steps = self._opt.needs_step
+        self.lifecycle = lifecycle if lifecycle is not None else LifeCycle()
+        self._admission = Admission(self.lifecycle.entry, self.lifecycle.sketch_width, seed)
+        self.clock = 0
+        self.counts = {"dropped_gradients": 0, "evicted": 0, "refused_rows": 0}
+        self._next_expiry = 0
+        self._deleted: list[torch.Tensor] | None = []  # None: too many to remember, the next save must be a base
+        self._deleted_count = 0
+        self.saved = False  # whether a save (or load) set the start of the next delta
+        self._undo: UndoLog | None = None  # the open transaction's log
+        self._recent = RecentSlots()  # slots of recent pulls, for the pushes of the same ids
+        self._reset(capacity=1024)
+
+    def _reset(self, capacity: int) -> None:
+        self._recent.forget()
+        self._index = IdIndex(capacity * 2)
+        self._capacity = capacity
+        # Per-row tensors over reserved address space: growing them is a longer view, not a copy.
+        self._rows = row_tensor(capacity, (self.dim,), torch.float32)
+        self._steps = row_tensor(capacity, (), torch.int64)
+        self._state = {n: row_tensor(capacity, (self.dim,), torch.float32) for n in self._opt.state_names}
+        self._scratch = row_tensor(capacity, (), torch.int64)  # per-slot scratch for de-duplication
+        self._prefaulted = 0  # rows whose pages were handed to fleet.sparse.pages.prefault (a hint)
+        self._dirty = row_tensor(capacity, (), torch.bool).zero_()  # changed since the last save
+        self._stats = {}
+        if self.lifecycle.active:
+            self._stats = {
+                "last_seen": row_tensor(capacity, (), torch.int32),
+                "show": row_tensor(capacity, (), torch.float32),
+                "click": row_tensor(capacity, (), torch.float32),
+            }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> SparseTable:
+        """Build from ``{"dim", "optimizer", "initializer", "seed"}`` and the life-cycle keys (optional ones).
+
+        ``max_rows`` is the job's cap; with ``servers`` S each shard keeps at most ``max_rows // S``.
+        """
+        check_table_config("sparse", config, cls.CONFIG_KEYS, _REQUIRED_KEYS)
+        dim, seed = config["dim"], config.get("seed", 0)
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"sparse table config: 'dim' must be an int > 0, got {dim!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"sparse table config: 'seed' must be an int, got {seed!r}")
+        try:
+            spec = OptimizerSpec.from_config(config["optimizer"])
+        except ValueError as err:
+            raise ValueError(f"sparse table config: 'optimizer': {err}") from None
+        init = None
+        if config.get("initializer") is not None:
+            try:
+                init = InitializerSpec.from_config(config["initializer"])
+            except ValueError as err:
+                raise ValueError(f"sparse table config: 'initializer': {err}") from None
+        try:
+            lifecycle = LifeCycle.from_config(config, shards=int(config.get("servers", 1)))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"sparse table config: {err}") from None
+        return cls(dim, spec, init, seed, lifecycle)
+
+    def __len__(self) -> int:
+        """Number of rows the table holds now."""
+        return len(self._index)
+
+    def info(self) -> dict[str, Any]:
+        return {"rows": len(self), "clock": self.clock, **self.counts}
+
+    # ------------------------------------------------------------------ transactions
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[UndoLog]:
+        """Every change made inside, or on an exception none: the table is rolled back, then it re-raises.
+
+        Operations open their own; an enclosing one (a load followed by its deltas) makes them
+        one. Grown storage stays grown (its contents are rolled back): capacity is not state.
+        """
+        if self._undo is not None:
+            yield self._undo
+            return
+        undo = UndoLog()
+        undo.attrs(self, "clock", "_next_expiry", "counts", "_deleted", "_deleted_count", "saved")
+        self.counts = dict(self.counts)  # changed in place below: the rollback restores the original
+        if self._deleted is not None:
+            self._deleted = list(self._deleted)
+        self._undo = undo
+        try:
+            yield undo
+        except BaseException:
+            undo.rollback()
+            self._recent.forget()  # the rollback may take back rows that a remembered pull created
+            raise
+        finally:
+            self._undo = None
+
+    def _log(self) -> UndoLog:
+        if self._undo is None:
+            raise RuntimeError("a sparse table change outside a transaction cannot be undone")
+        return self._undo
+
+    #: per-row tensors, by name: what compaction, saves and loads walk over
+    def _row_names(self) -> list[str]:
+        names = ["rows", "steps", "dirty"]
+        names += [f"state.{k}" for k in self._state]
+        names += [f"stats.{k}" for k in self._stats]
+        return names
+
+    def _getter(self, name: str) -> Getter:
+        """The tensor called ``name`` as the table holds it when the getter runs (storage may grow meanwhile)."""
+        kind, _, key = name.partition(".")
+        if kind == "state":
+            return lambda: self._state[key]
+        if kind == "stats":
+            return lambda: self._stats[key]
+        attr = f"_{kind}"
+        return lambda: getattr(self, attr)
+
+    # ------------------------------------------------------------------ storage
+    def _grow_to(self, needed: int, used: int) -> None:
+        """Make room for ``needed`` rows (keeping the first ``used``), doubling so growth is amortised.
+
+        Usually a longer view of reserved memory (:mod:`fleet.sparse.growable`); otherwise every new tensor
+        is made before any is swapped in, so a failed allocation changes nothing.
+        """
+        if needed <= self._capacity:
+            return
+        cap = self._capacity
+        while cap < needed:
+            cap *= 2
+        n = used
+        rows, steps = grow(self._rows, cap, n), grow(self._steps, cap, n)
+        state = {name: grow(t, cap, n) for name, t in self._state.items()}
+        stats = {name: grow(t, cap, n) for name, t in self._stats.items()}
+        dirty = grow(self._dirty, cap, n)
+        dirty[n:] = False
+        scratch = grow(self._scratch, cap, 0)
+        if rows.data_ptr() != self._rows.data_ptr():
+            self._prefaulted = min(self._prefaulted, n)  # copied into fresh memory: not faulted in yet
+        self._rows, self._steps, self._state, self._stats = rows, steps, state, stats
+        self._dirty, self._scratch, self._capacity = dirty, scratch, cap
+
+    def _slots(self, ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots for ``ids`` (any order, duplicates allowed), creating missing rows (in a transaction).
+
+        ``slots``: the index's lookup of ``ids``, when the caller did it already. New ids are
+        de-duplicated and sorted, so their slots follow id order within one call; their rows are
+        written before the index learns them.
+        """
+        slots = self._index.lookup(ids) if slots is None else slots
+        missing = slots < 0
+        if not bool(missing.any()):
+            return slots
+        where = missing.nonzero().squeeze(1)
+        new_ids, inverse = torch.unique(ids.index_select(0, where), sorted=True, return_inverse=True)
+        self._init_rows(len(self), new_ids)
+        new_slots = self._index.insert_new(new_ids, self._log())
+        slots.index_copy_(0, where, new_slots.index_select(0, inverse))
+        return slots
+
+    def _init_rows(self, first: int, new_ids: torch.Tensor) -> None:
+        """Fill the free slots ``first ..`` (past the live length: nothing to undo) for ``new_ids``."""
+        end = first + new_ids.numel()
+        self._grow_to(end, used=first)
+        self._rows[first:end] = initial_rows(new_ids, self.dim, self.initializer, self.seed)
+        self._steps[first:end] = 0
+        self._opt.fill_new_state({name: t[first:end] for name, t in self._state.items()})
+        self._dirty[first:end] = True
+        if self._stats:
+            self._stats["last_seen"][first:end] = self.clock
+            self._stats["show"][first:end] = 0.0
+            self._stats["click"][first:end] = 0.0
+        self._prefault_ahead(end)
+
+    def _prefault_ahead(self, end: int) -> None:
+        """Have the pages of the rows after ``end`` made present off the loop, a few MiB ahead (fleet.sparse.pages)."""
+        ahead = max(4096, (4 << 20) // (4 * self.dim))
+        if end + ahead // 2 < self._prefaulted:
+            return
+        lo = max(end, self._prefaulted)
+        hi = min(self._capacity, lo + ahead)
+        if hi > lo:
+            for name in self._row_names():
+                prefault(self._getter(name)()[lo:hi])
+            prefault(self._scratch[lo:hi])
+        self._prefaulted = hi
+
+    # ------------------------------------------------------------------ life cycle
+    def tick(self, step: int | None = None) -> None:
+        """Advance the clock: to ``step`` when given (never back), else by one; expire rows past their TTL."""
+        with self.transaction():
+            self.clock = self.clock + 1 if step is None else max(self.clock, int(step))
+            ttl = self.lifecycle.ttl_steps
+            if ttl is not None and self.clock >= self._next_expiry:
+                self._next_expiry = self.clock + max(1, ttl // 8)
+                self._remove(self._expired())
+
+    def _expired(self) -> torch.Tensor:
+        n = len(self)
+        ttl = self.lifecycle.ttl_steps
+        if ttl is None or not n:
+            return torch.zeros(n, dtype=torch.bool)
+        return (self.clock - self._stats["last_seen"][:n]) > ttl
+
+    def scores(self) -> torch.Tensor:
+        """Each row's decayed show/click score (Paddle's CTR accessor score), by slot."""
+        n = len(self)
+        if not self._stats:
+            return torch.zeros(n)
+        age = self.clock - self._stats["last_seen"][:n]
+        lc = self.lifecycle
+        return lc.score(lc.decayed(self._stats["show"][:n], age), lc.decayed(self._stats["click"][:n], age))
+
+    def shrink(self, threshold: float | None = None) -> int:
+        """Remove rows past their TTL and, with ``threshold``, rows scoring below it; return how many went."""
+        with self.transaction():
+            gone = self._expired()
+            if threshold is not None and self._stats:
+                gone |= self.scores() < float(threshold)
+            return self._remove(gone)
+
+    def _remove(self, gone: torch.Tensor) -> int:
+        """Drop the rows whose slot is set in ``gone``, compacting the rest in place (slot order kept).
+
+        The undo keeps only the removed rows: it spreads the kept ones back to their old slots.
+        """
+        count = int(gone.sum())
+        if not count:
+            return 0
+        undo = self._log()
+        n = len(self)
+        keep = (~gone).nonzero().squeeze(1)
+        drop = gone.nonzero().squeeze(1)
+        m = keep.numel()
+        self._recent.forget()  # compaction moves slots
+        new_slot = torch.full((n,), -1, dtype=torch.int64)
+        new_slot[keep] = torch.arange(m)
+        for name in self._row_names():
+            get = self._getter(name)
+            t = get()
+            compacted, removed = t[:n].index_select(0, keep), t[:n].index_select(0, drop)
+            t[:m] = compacted
+            # recorded after the write, not before like the others: spreading undoes a compaction only
+            undo.add(lambda get=get, removed=removed: _spread(get(), keep, drop, removed))
+        self._remember_deleted(self._index.renumber(new_slot, undo))
+        self.counts["evicted"] += count
+        return count
+
+    def _remember_deleted(self, ids: torch.Tensor) -> None:
+        if self._deleted is None:
+            return
+        self._deleted.append(ids)
+        self._deleted_count += ids.numel()
+        if self._deleted_count > max(MAX_REMEMBERED_DELETIONS, 4 * len(self)):
+            self._deleted = None  # unbounded memory otherwise, for a job that never saves a delta
+
+    def _make_room(self, new_ids: torch.Tensor, protect: torch.Tensor) -> torch.Tensor:
+        """Evict lowest-scoring rows (not those in ``protect``) so ``new_ids`` fit under max_rows; return those that fit."""
+        cap = self.lifecycle.max_rows
+        n = len(self)
+        if cap is None or n + new_ids.numel() <= cap:
+            return new_ids
+        target = min(cap - new_ids.numel(), int(cap * (1 - EVICT_SLACK)))
+        score = self.scores()
+        score[protect] = float("inf")
+        evictable = n - int(torch.unique(protect).numel())
+        count = min(max(n - target, 0), evictable)
+        if count:
+            gone = torch.zeros(n, dtype=torch.bool)
+            gone[torch.topk(score, count, largest=False, sorted=False).indices] = True
+            self._remove(gone)
+        room = cap - len(self)
+        if room < new_ids.numel():
+            self.counts["refused_rows"] += new_ids.numel() - room
+            new_ids = new_ids[:room]
+        return new_ids
+
+    def _admitted_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slots for an update's ``ids`` under the life cycle: new ids get rows once admitted; -1 for the rest."""
+        slots = self._index.lookup(ids)
+        missing = slots < 0
+        if not bool(missing.any()):
+            return slots
+        new_ids = torch.unique(ids[missing])
+        admitted = new_ids[self._admission.admit(new_ids, self.clock, self._log())]
+        if admitted.numel():
+            admitted = self._make_room(admitted, protect=slots[~missing])
+            self._init_rows(len(self), admitted)
+            self._index.insert_new(admitted, self._log())
+            slots = self._index.lookup(ids)  # eviction compacts, so every slot may have moved
+        return slots
+
+    def _update_slots(self, ids: torch.Tensor, values: torch.Tensor, clicks: torch.Tensor | None):
+        """Slots, values and clicks of the ids an update may change (dropping, and counting, the unadmitted)."""
+        if not self.lifecycle.active:
+            return self._slots(ids, self._recent.take(ids)), values, clicks
+        slots = self._admitted_slots(ids)
+        kept = slots >= 0
+        if not bool(kept.all()):
+            self.counts["dropped_gradients"] += int((~kept).sum())
+            where = kept.nonzero().squeeze(1)
+            slots, values = slots.index_select(0, where), values.index_select(0, where)
+            clicks = clicks.index_select(0, where) if clicks is not None else None
+        return slots, values, clicks
+
+    def _touch(self, slots: torch.Tensor, clicks: torch.Tensor | None) -> None:
+        """Record an update of ``slots`` (duplicates allowed): dirty, last seen now, one more show, the clicks."""
+        undo = self._log()
+        undo.rows(self._getter("dirty"), slots)
+        self._dirty.index_fill_(0, slots, True)
+        if not self._stats:
+            return
+        lc, last_seen = self.lifecycle, self._stats["last_seen"]
+        seen = last_seen.index_select(0, slots)
+        age = self.clock - seen
+        old_show, old_click = self._stats["show"].index_select(0, slots), self._stats["click"].index_select(0, slots)
+        # Repeated slots compute identical values from the old ones, so their writes agree.
+        new_show, new_click = lc.decayed(old_show, age) + 1.0, lc.decayed(old_click, age)
+        undo.rows(self._getter("stats.show"), slots, old_show)
+        self._stats["show"].index_copy_(0, slots, new_show)
+        undo.rows(self._getter("stats.click"), slots, old_click)
+        self._stats["click"].index_copy_(0, slots, new_click)
+        if clicks is not None:
+            self._stats["click"].index_add_(0, slots, clicks.to(torch.float32))
+        undo.rows(self._getter("stats.last_seen"), slots, seen)
+        last_seen.index_fill_(0, slots, self.clock)
+
+    def _check_rows(self, name: str, values: torch.Tensor, n: int) -> torch.Tensor:
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+        if tuple(values.shape) != (n, self.dim):
+            raise ValueError(f"{name} has shape {tuple(values.shape)}, expected ({n}, {self.dim}) for {n} ids")
+        if not values.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got {values.dtype}")
+        return values.to(torch.float32)
+
+    def _sum_duplicates(self, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``values`` with every position of a repeated slot holding that slot's total.
+
+        Why not compact to unique slots: a batch of 13k ids from a 1M space
+        repeats only ~1 % of them, and compacting would copy every gradient
+        row. Instead the update runs on all positions, and positions of one
+        slot carry identical inputs, so they compute identical results and the
+        duplicate writes of the scatter-back agree.
+
+        Finding the repeats costs O(n) without a sort: each position scatters
+        its index into a per-slot scratch array and reads back the survivor;
+        only the few positions that lost (and their survivors) are then
+        grouped exactly. Totals add each group in batch order, the same sum
+        ``torch.unique`` + ``index_add_`` gives, whichever scatter write won.
+        """
+        n = slots.numel()
+        pos = torch.arange(n)
+        self._scratch.scatter_(0, slots, pos)
+        survivor = self._scratch.index_select(0, slots)
+        lost = (survivor != pos).nonzero().squeeze(1)
+        if lost.numel() == 0:
+            return values
+        involved = torch.unique(torch.cat([lost, survivor.index_select(0, lost)]))  # sorted positions
+        groups, group_of = torch.unique(slots.index_select(0, involved), return_inverse=True)
+        first = torch.full((groups.numel(),), n, dtype=torch.int64)
+        first.scatter_reduce_(0, group_of, involved, "amin")
+        first_of = first.index_select(0, group_of)
+        repeat = first_of != involved
+        dup, dup_first = involved[repeat], first_of[repeat]  # dup is in batch order
+        summed = values.clone()
+        summed.index_add_(0, dup_first, values.index_select(0, dup))
+        summed.index_copy_(0, dup, summed.index_select(0, dup_first))
+        return summed
+
+    # ------------------------------------------------------------------ requests
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for ``ids`` as a new float32 ``[len(ids), dim]`` tensor; missing rows are created.
+
+        With a life cycle nothing is created: an id without a row reads its initial value, or
+        zeros while an entry has not admitted it.
+        """
+        ids = as_ids(ids)
+        if not self.lifecycle.active:
+            slots = self._index.lookup(ids)
+            if not bool((slots < 0).any()):
+                rows = self._rows.index_select(0, slots)  # nothing changes: no transaction needed
+                self._recent.remember(ids, slots)
+                return rows
+            with self.transaction():  # the gather below can fail too: then the new rows go again
+                slots = self._slots(ids, slots)  # first: creating rows may replace self._rows
+                rows = self._rows.index_select(0, slots)
+                self._recent.remember(ids, slots)  # a failure here takes the rows back and forgets
+                return rows
+        slots = self._index.lookup(ids)
+        out = self._rows.index_select(0, slots.clamp(min=0))
+        missing = (slots < 0).nonzero().squeeze(1)
+        if missing.numel():
+            if self.lifecycle.entry is not None:
+                out.index_fill_(0, missing, 0.0)
+            else:
+                fresh = initial_rows(ids.index_select(0, missing), self.dim, self.initializer, self.seed)
+                out.index_copy_(0, missing, fresh)
+        return out
+
+    def apply_gradient(
+        self,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        clicks: torch.Tensor | None = None,
+        step: int | None = None,
+    ) -> None:
+        """One row-wise optimizer step on the named rows; duplicate ids' gradients are summed first.
+
+        Advances the clock (to ``step`` when given). ``clicks`` (one per id, optional) feed the
+        rows' click counts.
+        """
+        ids = as_ids(ids)
+        grads = self._check_rows("grads", grads, ids.numel())
+        clicks = self._check_clicks(clicks, ids.numel())
+        with self.transaction() as undo:
+            self.tick(step)
+            if ids.numel() == 0:
+                return
+            slots, grads, clicks = self._update_slots(ids, grads, clicks)
+            if slots.numel() == 0:
+                return
+            self._touch(slots, clicks)
+            g = self._sum_duplicates(slots, grads)
+            count: int | torch.Tensor = 1
+            if self._track_steps:
+                old_steps = self._steps.index_select(0, slots)
+                count = old_steps + 1
+                undo.rows(self._getter("steps"), slots, old_steps)
+                self._steps.index_copy_(0, slots, count)
+            # The update runs on copies; the gathered originals are what the undo writes back.
+            old_rows = self._rows.index_select(0, slots)
+            old_state = {name: t.index_select(0, slots) for name, t in self._state.items()}
+            rows, state = old_rows.clone(), {name: t.clone() for name, t in old_state.items()}
+            self._opt.update(rows, g, state, count, float(lr))
+            # Repeated slots write identical values (see _sum_duplicates), so the write order is immaterial.
+            undo.rows(self._getter("rows"), slots, old_rows)
+            self._rows.index_copy_(0, slots, rows)
+            for name in self._state:
+                undo.rows(self._getter(f"state.{name}"), slots, old_state[name])
+                self._state[name].index_copy_(0, slots, state[name])
+
+    def add_delta(self, ids: torch.Tensor, deltas: torch.Tensor, step: int | None = None) -> None:
+        """Geo mode: add per-row parameter changes (duplicates add up); optimizer state untouched."""
+        ids = as_ids(ids)
+        deltas = self._check_rows("deltas", deltas, ids.numel())
+        with self.transaction() as undo:
+            self.tick(step)
+            if ids.numel():
+                slots, deltas, _ = self._update_slots(ids, deltas, None)
+                self._touch(slots, None)
+                undo.rows(self._getter("rows"), slots)
+                self._rows.index_add_(0, slots, deltas)
+
+    def _check_clicks(self, clicks: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        if clicks is None:
+            return None
+        if not isinstance(clicks, torch.Tensor) or tuple(clicks.shape) != (n,) or not clicks.dtype.is_floating_point:
+            raise ValueError(f"clicks must be a float tensor of shape ({n},), one per id")
+        return clicks.to(torch.float32)
+
+
+def _spread(t: torch.Tensor, keep: torch.Tensor, drop: torch.Tensor, removed: torch.Tensor) -> None:
+    """Undo a compaction of ``t``: the kept rows (now first) back to slots ``keep``, ``removed`` to ``drop``."""
+    kept = t[: keep.numel()].clone()
+    t.index_copy_(0, keep, kept)
+    t.index_copy_(0, drop, removed)

@@ -1,0 +1,1 @@
+"""Files that are never torn: atomic writes, and the one layout of numbered saves with a committed pointer."""

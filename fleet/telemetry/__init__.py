@@ -1,0 +1,1 @@
+"""Where the time goes: per-step timing on every worker, the reports' maths, the progress display."""

@@ -1,0 +1,213 @@
+"""Where the time goes: per-step timing on every worker (the maths of the reports: :mod:`fleet.telemetry.step_report`).
+
+Worker side (:class:`StepMetrics`, one per process, :func:`recorder`). Every wrapped
+optimizer calls ``_end_step`` once per optimizer step (see :mod:`fleet.runtime.optimizer`),
+which calls :meth:`StepMetrics.end_step`. A step is the time between two consecutive
+step boundaries, so it covers the whole training-loop iteration (data, forward,
+backward, communication, update); the first boundary only starts the clock.
+
+- communication / wait: seconds the strategy reports with :meth:`StepMetrics.add_comm`
+  (collective: waiting for the gradient all-reduces at the end of backward, and local-SGD
+  averaging; parameter server: waiting for pushes and pulls).
+- computation: step time minus communication / wait. An injected straggler delay counts
+  as computation: it is this worker's own slowness.
+- samples: ``batch_size x micro-batches`` per step. The batch size is the one given to
+  :func:`set_batch_size`, otherwise the ``batch_size`` of the DataLoader passed to
+  ``fleet.distributed_loader``; unknown (samples/s reported as null) without either.
+- stale gradients dropped: :meth:`StepMetrics.add_dropped` / :meth:`StepMetrics.set_dropped`.
+- restarts: ``FLEET_RESTART_COUNT``.
+
+The hot path costs two ``perf_counter`` calls, a few additions and two ``math.log``. At most
+every :data:`WRITE_EVERY_S` seconds (checked at a step boundary), and at interpreter exit,
+the worker writes its summary to ``$FLEET_LOG_DIR/metrics/worker-<i>.json`` (temporary
+file + ``os.replace``, so readers never see half a file). Run-long percentiles come from
+a log-spaced histogram (bins 5 % wide, so p50/p95 are within 2.5 %); the straggler window
+keeps the last :data:`WINDOW_STEPS` steps exactly.
+
+This module imports neither torch nor pydantic: fleetrun (:mod:`fleet.launch.timing`)
+reads the files and applies the rules of :mod:`fleet.telemetry.step_report`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from fleet.runtime import context, env
+from fleet.storage.atomic import write_text_atomic
+from fleet.telemetry import step_report
+from fleet.telemetry.step_report import LogHistogram, median
+
+WINDOW_STEPS = 20
+WRITE_EVERY_S = 1.0
+
+
+def worker_identity() -> tuple[int, int]:
+    """(worker index, worker count): from ``fleet.init``'s context if any, else the launcher's variables."""
+    job = context.current()
+    if job is not None:
+        return job.role.worker_index, job.role.worker_num
+    reader = env.current()
+    for index, count in (
+        (env.FLEET_WORKER_INDEX, env.FLEET_WORKER_NUM),
+        (env.PADDLE_TRAINER_ID, env.PADDLE_TRAINERS_NUM),
+        (env.RANK, env.WORLD_SIZE),
+        (env.OMPI_COMM_WORLD_RANK, env.OMPI_COMM_WORLD_SIZE),
+        (env.PMI_RANK, env.PMI_SIZE),
+        (env.SLURM_PROCID, env.SLURM_NTASKS),
+    ):
+        if reader.has(index):
+            return reader.int(index, 0) or 0, reader.int(count, 1) or 1
+    return 0, 1
+
+
+class StepMetrics:
+    """This worker's step timings. Strategies feed it; see the module docstring."""
+
+    def __init__(
+        self,
+        log_dir: str | Path | None = None,
+        *,
+        rank: int | None = None,
+        restarts: int = 0,
+        write_every_s: float = WRITE_EVERY_S,
+        clock: Any = time.perf_counter,
+    ):
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.rank = rank
+        self.restarts = restarts
+        self.write_every_s = write_every_s
+        self._clock = clock
+        self.batch_size: int | None = None
+        self._batch_explicit = False
+        self.steps = 0
+        self.samples = 0
+        self.dropped_stale = 0
+        self.total = {"step": 0.0, "compute": 0.0, "comm": 0.0}
+        self.hist = {name: LogHistogram() for name in self.total}
+        self.window: deque[tuple[float, float, float]] = deque(maxlen=WINDOW_STEPS)
+        self._comm = 0.0
+        self._last: float | None = None
+        self._written = 0.0
+
+    # --- what strategies and users call ------------------------------------------
+
+    def add_comm(self, seconds: float) -> None:
+        """Seconds of the current step spent communicating or waiting for peers."""
+        self._comm += seconds
+
+    def add_dropped(self, count: int = 1) -> None:
+        """Stale gradients of this worker that were dropped."""
+        self.dropped_stale += count
+
+    def set_dropped(self, total: int) -> None:
+        """The running total of this worker's dropped stale gradients (e.g. a client's counter)."""
+        self.dropped_stale = int(total)
+
+    def set_batch_size(self, n: int, *, inferred: bool = False) -> None:
+        if inferred and self._batch_explicit:
+            return
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"fleet.telemetry.timing.set_batch_size(n) needs a positive int, got {n!r}.")
+        self.batch_size, self._batch_explicit = n, self._batch_explicit or not inferred
+
+    def end_step(self, micro_batches: int = 1) -> None:
+        """Close the current step: called by the wrapped optimizer at every step boundary."""
+        now = self._clock()
+        if self._last is None:
+            self._last, self._comm, self._written = now, 0.0, now
+            return
+        wall = now - self._last
+        comm = min(self._comm, wall)
+        compute = wall - comm
+        self._last, self._comm = now, 0.0
+        self.steps += 1
+        if self.batch_size is not None:
+            self.samples += self.batch_size * micro_batches
+        for name, value in (("step", wall), ("compute", compute), ("comm", comm)):
+            self.total[name] += value
+            self.hist[name].add(value)
+        self.window.append((wall, compute, comm))
+        if self.log_dir is not None and now - self._written >= self.write_every_s:
+            self._written = now
+            self.write()
+
+    # --- what fleetrun reads ------------------------------------------------------
+
+    def summary(self, final: bool = False) -> dict[str, Any]:
+        if self.rank is None:
+            self.rank = worker_identity()[0]
+        window = list(self.window)
+        run: dict[str, Any] = {f"{name}_s_total": round(value, 6) for name, value in self.total.items()}
+        for name, hist in self.hist.items():
+            run[f"{name}_p50"] = hist.percentile(50)
+            run[f"{name}_p95"] = hist.percentile(95)
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "final": final,
+            "steps": self.steps,
+            "samples": self.samples if self.batch_size is not None else None,
+            "batch_size": self.batch_size,
+            "dropped_stale": self.dropped_stale,
+            "restarts": self.restarts,
+            "window": {
+                "steps": len(window),
+                "step_p50": median(w for w, _, _ in window),
+                "compute_p50": median(c for _, c, _ in window),
+                "comm_p50": median(m for _, _, m in window),
+            },
+            "run": run,
+        }
+
+    def path(self) -> Path | None:
+        if self.log_dir is None:
+            return None
+        if self.rank is None:
+            self.rank = worker_identity()[0]
+        return self.log_dir / "metrics" / f"worker-{self.rank}.json"
+
+    def write(self, final: bool = False) -> Path | None:
+        """Write the summary atomically; never raises (metrics must not kill training)."""
+        path = self.path()
+        if path is None:
+            return None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(path, json.dumps(self.summary(final)))
+        except OSError as error:
+            print(f"fleet.telemetry.timing: could not write {path}: {error}", file=sys.stderr)
+            return None
+        return path
+
+
+_recorder: StepMetrics | None = None
+
+
+def recorder() -> StepMetrics:
+    """This process's :class:`StepMetrics`, writing under ``$FLEET_LOG_DIR`` if set."""
+    global _recorder
+    if _recorder is None:
+        reader = env.current()
+        _recorder = StepMetrics(reader.str(env.FLEET_LOG_DIR), restarts=reader.int(env.FLEET_RESTART_COUNT, 0) or 0)
+        atexit.register(_final_write)
+    return _recorder
+
+
+def _final_write() -> None:
+    if _recorder is not None and _recorder.steps:
+        _recorder.write(final=True)
+        if not env.current().has(env.FLEET_ROLE):  # fleetrun reports itself after every worker exited
+            step_report.report_at_exit(_recorder, *worker_identity())
+
+
+def set_batch_size(n: int) -> None:
+    """Samples per step on this worker (per micro-batch with gradient accumulation), for samples/s."""
+    recorder().set_batch_size(n)

@@ -1,0 +1,122 @@
+"""Workers on one host: the shared-memory channel and transport (fleet/collective/shm.py, transport.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import patterns
+from dist_harness import run_workers
+from fleet.collective import shm
+
+pytestmark = pytest.mark.skipif(not shm.supported(), reason="the shared-memory path needs x86-64 and /dev/shm")
+
+
+def _table(world: int, width: int) -> torch.Tensor:
+    return torch.zeros(shm.Channel.numel(world, width), dtype=torch.int64)
+
+
+def test_channel_exchanges_values_and_keeps_rounds_apart():
+    world, rounds = 3, 50
+    table = _table(world, 2)
+    seen: dict[int, list] = {}
+
+    def worker(rank: int) -> None:
+        channel = shm.Channel(table, rank, world, 2, timeout_s=10)
+        seen[rank] = [channel.exchange([rank, step]) for step in range(rounds)]
+        channel.barrier()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    for rank in range(world):
+        assert seen[rank] == [[[r, step] for r in range(world)] for step in range(rounds)]
+
+
+def test_channel_names_a_peer_whose_process_is_gone():
+    table = _table(2, 1)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    table.view(2, 4)[1, 1] = dead.pid  # worker 1 joined the channel, then its process ended
+    channel = shm.Channel(table, 0, 2, 1, timeout_s=30)
+    with pytest.raises(shm.ChannelError, match="worker 1 died") as error:
+        channel.barrier()
+    assert error.value.ranks == [1]
+
+
+def test_channel_names_a_peer_that_never_arrives():
+    table = _table(2, 1)
+    table.view(2, 4)[1, 1] = os.getpid()  # alive, but never writes
+    with pytest.raises(shm.ChannelError, match="worker 1 did not arrive within 0.5 s"):
+        shm.Channel(table, 0, 2, 1, timeout_s=0.5).barrier()
+
+
+def test_a_segment_is_owner_only_and_fully_allocated(tmp_path):
+    path = f"{shm.SHM_DIR}/fleet-test-{os.getpid()}"
+    try:
+        segment = shm.create(path, 1000, torch.float32)
+        assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(path).st_blocks * 512 >= 4000
+        segment.fill_(1.0)
+        assert shm.attach(path, 1000, torch.float32).sum() == 1000
+        with pytest.raises(OSError, match="holds 4000 bytes, expected 8000"):
+            shm.attach(path, 2000, torch.float32)
+    finally:
+        os.unlink(path)
+
+
+def fallback_worker(rank: int, fail_rank: int) -> dict:
+    """One worker cannot allocate shared memory: every worker falls back to the process group together."""
+    import fleet
+    from fleet.collective import transport
+
+    if rank == fail_rank:
+
+        def no_space(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        transport.shm.create = no_space
+    fleet.init()
+    out = patterns.distributed("unused_branch", "sgd", rank, 2, fleet.distributed_optimizer)
+    fleet.stop_worker()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_no_shared_memory_on_one_worker_falls_back_together():
+    results = run_workers(fallback_worker, 2, 1)
+    want = patterns.reference("unused_branch", "sgd", 2)
+    for result in results:
+        assert not patterns.compare(result, want)
+
+
+def overlapped_worker(rank: int) -> dict:
+    """With a core to spare, buckets are summed on a thread of their own while backward goes on."""
+    import fleet
+    from fleet.collective import transport
+
+    transport.overlap_pays = lambda workers_here: True
+    fleet.init()
+    out = {
+        name: patterns.distributed(name, "adam", rank, 2, fleet.distributed_optimizer)
+        for name in ("unused_branch", "two_optimizers")
+    }
+    fleet.stop_worker()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_buckets_summed_on_their_own_thread_equal_single_process():
+    results = run_workers(overlapped_worker, 2)
+    for name in ("unused_branch", "two_optimizers"):
+        want = patterns.reference(name, "adam", 2)
+        for result in results:
+            assert not patterns.compare(result[name], want), name

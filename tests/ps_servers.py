@@ -1,0 +1,79 @@
+"""Parameter servers in threads of the test process, and raw sockets to them (shared by the PS tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import zmq
+
+from fleet.ps.client.client import PSClient
+from fleet.ps.protocol import auth
+from fleet.ps.protocol.limits import RequestLimits
+from fleet.ps.protocol.wire import Message, decode
+from fleet.ps.server.loop import ParameterServer
+
+SECRET = b"test-secret-0123"
+SGD = {"kind": "sgd", "lr": 0.1}
+
+
+@contextlib.contextmanager
+def servers(
+    n: int, workers: int, timeout_s: float = 3.0, limits: RequestLimits | None = None
+) -> Iterator[list[ParameterServer]]:
+    """``n`` servers serving in threads; shut down (and joined) on exit."""
+    started = [
+        ParameterServer("127.0.0.1:0", SECRET, i, workers, timeout_s, limits=limits, torch_threads=None)
+        for i in range(n)
+    ]
+    threads = [threading.Thread(target=s.serve, daemon=True) for s in started]
+    for t in threads:
+        t.start()
+    try:
+        yield started
+    finally:
+        for s in started:
+            s.shutdown()
+        for t in threads:
+            t.join(5)
+            assert not t.is_alive()
+
+
+def client(srvs: list[ParameterServer], worker: int, timeout_s: float = 3.0, secret: bytes = SECRET) -> PSClient:
+    return PSClient([s.endpoint for s in srvs], secret, worker, timeout_s)
+
+
+def run_workers(fn, n: int) -> list:
+    """Run ``fn(worker_index)`` in ``n`` threads; re-raise the first failure."""
+    results: list = [None] * n
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        try:
+            results[i] = fn(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def raw_socket(ctx: zmq.Context, endpoint: str, secret: bytes = SECRET) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    auth.configure_client(sock, secret, "raw")
+    sock.connect(f"tcp://{endpoint}")
+    return sock
+
+
+def ask(sock: zmq.Socket, frames: list) -> Message:
+    sock.send_multipart(frames, copy=False)
+    assert sock.poll(3000), "the server did not answer"
+    return decode(sock.recv_multipart(copy=False))
