@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "DistributedStrategy": "fleet.strategy",
-    "StrategyError": "fleet.strategy",
+    "StrategyError": "fleet.errors",
     "EnvError": "fleet.runtime.env",
     "FleetError": "fleet.errors",
     "DiskFullError": "fleet.errors",
@@ -68,22 +68,26 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
+PUBLIC_MODULES = ("metrics", "nn")
+"""Documented submodules reachable as ``fleet.<name>`` (Paddle's ``fleet.metrics``; ``fleet.nn``)."""
+
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        # submodules such as fleet.nn, fleet.api, fleet.data.loader
-        try:
+        if name in PUBLIC_MODULES:
             return importlib.import_module(f"fleet.{name}")
-        except ModuleNotFoundError:
-            raise AttributeError(f"module 'fleet' has no attribute {name!r}") from None
+        raise AttributeError(
+            f"module 'fleet' has no attribute {name!r}; its public names are fleet.__all__ and the submodules "
+            f"{', '.join(PUBLIC_MODULES)} (the other packages are internal: import them by their full name)"
+        )
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(_EXPORTS) | set(PUBLIC_MODULES) | {n for n in globals() if n.startswith("__")})
 
 
 if TYPE_CHECKING:
@@ -112,13 +116,20 @@ if TYPE_CHECKING:
     from fleet.checkpoint import load_checkpoint, load_persistables, save_checkpoint, save_persistables  # noqa: F401
     from fleet.data.files import file_shard  # noqa: F401
     from fleet.data.slot_dataset import SlotDataset  # noqa: F401
-    from fleet.errors import DiskFullError, FleetError, ModelMismatchError, PeerError, StoreTamperedError  # noqa: F401
+    from fleet.errors import (  # noqa: F401
+        DiskFullError,
+        FleetError,
+        ModelMismatchError,
+        PeerError,
+        StoreTamperedError,
+        StrategyError,
+    )
     from fleet.export import export_for_inference, load_for_inference  # noqa: F401
     from fleet.runtime.env import EnvError  # noqa: F401
     from fleet.runtime.roles import PaddleCloudRoleMaker, Role, RoleInfo, UserDefinedRoleMaker  # noqa: F401
     from fleet.sparse.lifecycle import CountFilterEntry, ProbabilityEntry  # noqa: F401
     from fleet.strategies import Strategy, register_strategy  # noqa: F401
-    from fleet.strategy import DistributedStrategy, StrategyError  # noqa: F401
+    from fleet.strategy import DistributedStrategy  # noqa: F401
     from fleet.telemetry.progress import progress  # noqa: F401
 
 _install_excepthook()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fleet import registry
 from fleet.collective.liveness import Liveness
 from fleet.data.loader import shard_loader
 from fleet.errors import FleetError, StoreTamperedError
@@ -20,7 +21,6 @@ from fleet.runtime import context, env, job_files, job_secret, netif, rendezvous
 from fleet.runtime.roles import RoleInfo, RoleMaker, detect
 from fleet.runtime.signed_store import SignedStore
 from fleet.sparse import backends as tables
-from fleet.strategies import registry
 from fleet.strategies.base import Strategy
 from fleet.strategy import DistributedStrategy, StrategyError
 
@@ -306,7 +306,7 @@ def _check_initialised(optimizer: Any) -> None:
     groups = getattr(optimizer, "param_groups", None) or []
     lazy = [p for group in groups for p in group["params"] if torch.nn.parameter.is_lazy(p)]
     if lazy:
-        from fleet.runtime.owners import names_of
+        from fleet.training.owners import names_of
 
         raise FleetError(
             f"parameter {names_of(lazy[:1])[0]!r} is not initialised yet (a lazy module such as nn.LazyLinear "

@@ -9,6 +9,10 @@ class FleetError(RuntimeError):
     """Base class of fleet's runtime errors."""
 
 
+class StrategyError(ValueError):
+    """A strategy value, combination or file that fleet cannot run (``fleet.DistributedStrategy``)."""
+
+
 class PeerError(FleetError):
     """A peer process died, stopped answering, or disagrees with this one."""
 

@@ -14,14 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fleet import strategy_file
+from fleet import registry, strategy_file
+from fleet.errors import StrategyError
 from fleet.ps.protocol.limits import DEFAULT_MAX_REQUEST_IDS, DEFAULT_MAX_REQUEST_MB
 from fleet.runtime import env
 from fleet.runtime.inject import InjectionSpec
 
-
-class StrategyError(ValueError):
-    """A strategy value, combination or file that fleet cannot run."""
+__all__ = ["DistributedStrategy", "StrategyError"]
 
 
 def _explain(error: ValidationError) -> str:
@@ -177,17 +176,13 @@ class DistributedStrategy(BaseModel):
     @field_validator("mode")
     @classmethod
     def _registered_mode(cls, mode: str) -> str:
-        from fleet.strategies import registry
-
         if mode not in registry.names():
             raise ValueError(f"expected one of {', '.join(repr(n) for n in registry.names())}")
         return mode
 
     @model_validator(mode="after")
     def _supported_combination(self) -> DistributedStrategy:
-        from fleet.strategies.registry import check_combination
-
-        check_combination(self)
+        registry.check_combination(self)
         return self
 
     # --- Paddle's spellings ----------------------------------------------------

@@ -55,7 +55,7 @@ from fleet.collective.broadcast import all_gather_json
 from fleet.collective.shm import ChannelError
 from fleet.collective.transport import GroupTransport, SharedMemoryTransport
 from fleet.errors import FleetError, PeerError
-from fleet.runtime.owners import find_owners, is_sparse_embedding_weight
+from fleet.training.owners import find_owners, is_sparse_embedding_weight
 
 
 class ParamMap:

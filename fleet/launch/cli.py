@@ -275,9 +275,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not options.plan and (options.calibration or options.plan_workers):
             raise LaunchError("--calibration and --plan-workers belong to --plan; add --plan (see fleetrun --help).")
         if options.plan:
-            from fleet.plan.planner import plan, worker_counts
+            from fleet.launch.config import make_log_dir
+            from fleet.plan.planner import PlanArgumentError, plan, worker_counts
 
-            return plan(config, options.calibration, worker_counts(options.plan_workers))
+            try:
+                counts = worker_counts(options.plan_workers)
+            except PlanArgumentError as error:
+                raise LaunchError(str(error)) from None
+            log_dir = make_log_dir(str(config.log_dir) if config.log_dir is not None else None)
+            return plan(config, log_dir, options.calibration, counts)
         return run(config)
     except LaunchError as error:
         print(f"fleetrun: error: {error}", file=sys.stderr)

@@ -25,15 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "paths":
         print(f"probe   {probe_path()}\nmeasure {measure_path()}")
         return 0
-    from fleet.launch.config import LaunchError
     from fleet.plan.calibration import Calibration
     from fleet.plan.model import DEFAULT_COUNTS
-    from fleet.plan.planner import predict_and_report, worker_counts
+    from fleet.plan.planner import PlanArgumentError, predict_and_report, worker_counts
 
     try:
         cal = Calibration.load(args.calibration)
         counts = worker_counts(args.plan_workers) or DEFAULT_COUNTS
-    except (ValueError, LaunchError) as error:
+    except (ValueError, PlanArgumentError) as error:
         print(f"python -m fleet.plan: {error}", file=sys.stderr)
         return 2
     if args.workers_per_host < 1 or args.servers_per_host < 0:

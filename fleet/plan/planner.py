@@ -42,20 +42,24 @@ class PlanError(RuntimeError):
     """A calibration run that failed; the message names the run and shows its last lines."""
 
 
+class PlanArgumentError(ValueError):
+    """A mistake in the planning options (``--plan-workers``), explained for the user."""
+
+
 def worker_counts(text: str | None) -> tuple[int, ...] | None:
     """``--plan-workers 1,8,64``; None: the default 1, 2, 4, ..., 1,024."""
     if text is None:
         return None
-    from fleet.launch.config import LaunchError
-
     try:
         counts = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
     except ValueError:
-        raise LaunchError(
+        raise PlanArgumentError(
             f"--plan-workers {text!r} is not a list of numbers; give e.g. --plan-workers 1,8,64."
         ) from None
     if not counts or counts[0] < 1:
-        raise LaunchError(f"--plan-workers {text!r}: give worker counts of 1 or more, e.g. --plan-workers 1,8,64.")
+        raise PlanArgumentError(
+            f"--plan-workers {text!r}: give worker counts of 1 or more, e.g. --plan-workers 1,8,64."
+        )
     return counts
 
 
@@ -341,18 +345,20 @@ def report(cal: Calibration, preds: list[Prediction], setup_note: str, chosen: s
 
 def plan(
     config: Any,
+    log_dir: Path,
     calibration: str | None = None,
     counts: tuple[int, ...] | None = None,
     console: Console | None = None,
-    log_dir: Path | None = None,
     say: Callable[[str], None] | None = None,
 ) -> int:
-    """fleetrun --plan: returns the exit status (0 on success)."""
-    from fleet.launch import config as cfg
+    """fleetrun --plan: returns the exit status (0 on success).
 
+    ``config`` is fleetrun's checked launch configuration (its ``script``, ``script_args``,
+    ``workers``, ``servers`` and ``strategy``); the launcher makes ``log_dir``, so planning
+    never imports the launcher.
+    """
     console = console or Console(highlight=False)
     say = say or (lambda text: console.print(Text(f"[fleetrun] {text}", style="dim")))
-    log_dir = log_dir or cfg.make_log_dir(str(config.log_dir) if config.log_dir is not None else None)
     counts = counts or DEFAULT_COUNTS
     script = Path(config.script)
     try:

@@ -8,26 +8,58 @@ checkpoints) reaches the job through :func:`current` and :func:`strategy`, never
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from fleet.api import FleetContext
-    from fleet.strategies.base import Strategy
+from fleet.runtime.roles.role import RoleInfo
 
-_current: FleetContext | None = None
+__all__ = ["ActiveStrategy", "Job", "current", "no_sync", "set_current", "strategy"]
 
 
-def current() -> FleetContext | None:
+class ActiveStrategy(Protocol):
+    """What the layers below the strategies may ask of the one this process trains under
+    (``fleet.strategies.base.Strategy`` implements it); they never import the strategies."""
+
+    config: Any
+    """The validated ``fleet.DistributedStrategy``."""
+
+    def no_sync(self) -> AbstractContextManager: ...
+
+    def table_backend(self, module: Any) -> Any: ...
+
+    def all_reduce(self, values: Any, op: str = "sum") -> Any: ...
+
+    def inference_state(self, model: Any) -> dict[str, Any]: ...
+
+    def barrier(self) -> None: ...
+
+
+class Job(Protocol):
+    """This process's view of the job (``fleet.api.FleetContext`` implements it)."""
+
+    role: RoleInfo
+    strategy: Any
+    """The job's ``fleet.DistributedStrategy``."""
+
+    @property
+    def active_strategy(self) -> ActiveStrategy | None: ...
+
+    def process_group(self, timeout_s: float) -> Any: ...
+
+
+_current: Job | None = None
+
+
+def current() -> Job | None:
     """This process's job context, or None before ``fleet.init`` (and after ``fleet.stop_worker``)."""
     return _current
 
 
-def set_current(context: FleetContext | None) -> None:
+def set_current(context: Job | None) -> None:
     global _current
     _current = context
 
 
-def strategy() -> Strategy | None:
+def strategy() -> ActiveStrategy | None:
     """The strategy this process trains under, once one was chosen (None before, or without fleet.init)."""
     return _current.active_strategy if _current is not None else None
 

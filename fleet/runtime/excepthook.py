@@ -15,9 +15,8 @@ FLEET_TRACEBACK = "FLEET_TRACEBACK"
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
-    from fleet.errors import ModelMismatchError
+    from fleet.errors import ModelMismatchError, StrategyError
     from fleet.runtime.env import EnvError
-    from fleet.strategy import StrategyError
 
     return (EnvError, StrategyError, ModelMismatchError)
 

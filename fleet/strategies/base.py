@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from fleet import registry
 from fleet.errors import FleetError, PeerError
 
 if TYPE_CHECKING:
@@ -79,14 +80,25 @@ class Strategy(ABC):
         self.config = config
         self.runtime = runtime
 
+    owned_fields: ClassVar[frozenset[str]] = frozenset()
+    """DistributedStrategy fields that only this strategy reads: under any other mode they must
+    keep their defaults (the generic :meth:`check` refuses them, naming this strategy's mode)."""
+
     @classmethod
     def check(cls, config: DistributedStrategy) -> None:
-        """Reject options this strategy cannot honour; raise ValueError naming the field and the fix."""
-        if cls.name != "sharding":
-            for field in ("sharding_stage", "shard_modules", "mixed_precision"):
-                if getattr(config, field) != type(config).model_fields[field].get_default(call_default_factory=True):
+        """Reject options this strategy cannot honour; raise ValueError naming the field and the fix.
+
+        The default refuses a field that another registered strategy owns (``owned_fields``) when
+        it differs from its default; a strategy adds its own rules and then calls this one.
+        """
+        fields = type(config).model_fields
+        for other in registry.strategy_classes():
+            if other is cls or other.name == cls.name:
+                continue
+            for field in sorted(other.owned_fields - cls.owned_fields):
+                if getattr(config, field) != fields[field].get_default(call_default_factory=True):
                     raise ValueError(
-                        f"{field} applies to mode='sharding' only (this strategy has mode={config.mode!r})"
+                        f"{field} applies to mode={other.name!r} only (this strategy has mode={config.mode!r})"
                     )
 
     uses_servers: ClassVar[bool] = False

@@ -35,10 +35,10 @@ from fleet.collective.join import Join
 from fleet.collective.shm import LocalHost
 from fleet.collective.transport import GroupTransport, SharedMemoryTransport
 from fleet.errors import PeerError
-from fleet.runtime.optimizer import WrappedOptimizer
-from fleet.runtime.owners import model_buffers, names_of
 from fleet.sparse import backends as tables
 from fleet.strategies.base import REDUCE_OPS, Strategy, check_reduce
+from fleet.training.optimizer import WrappedOptimizer
+from fleet.training.owners import model_buffers, names_of
 
 if TYPE_CHECKING:
     from fleet.strategy import DistributedStrategy
@@ -50,9 +50,10 @@ class CollectiveStrategy(Strategy):
     name = "collective"
     supported_updates = ("sync",)
 
+    owned_fields = frozenset({"grad_compression", "local_sgd_steps", "grad_accumulation_steps"})
+
     @classmethod
     def check(cls, config: DistributedStrategy) -> None:
-        super().check(config)
         if config.backup_workers:
             raise ValueError(
                 f"backup_workers={config.backup_workers} needs mode='ps' with update='sync'; collective "
@@ -64,6 +65,7 @@ class CollectiveStrategy(Strategy):
             raise ValueError(
                 "local_sgd_steps and grad_accumulation_steps > 1 cannot be combined; choose one way to communicate less"
             )
+        super().check(config)
 
     def __init__(self, config: DistributedStrategy, runtime: Any):
         super().__init__(config, runtime)

@@ -45,9 +45,10 @@ class ParameterServerStrategy(Strategy):
                 f"backup_workers={config.backup_workers} must be below the number of workers ({role.worker_num})."
             )
 
+    owned_fields = frozenset({"backup_workers", "servers"})
+
     @classmethod
     def check(cls, config: DistributedStrategy) -> None:
-        super().check(config)
         if config.backup_workers and config.update != "sync":
             raise ValueError(
                 f"backup_workers={config.backup_workers} applies to update='sync' only (got update={config.update!r})"
@@ -60,6 +61,7 @@ class ParameterServerStrategy(Strategy):
             )
         if config.grad_accumulation_steps > 1:
             raise ValueError("grad_accumulation_steps applies to mode='collective' only")
+        super().check(config)
 
     def __init__(self, config: DistributedStrategy, runtime: Runtime):
         super().__init__(config, runtime)

@@ -41,12 +41,12 @@ from fleet.collective import lockstep, sparse_grads
 from fleet.collective.broadcast import average_tensors, broadcast_tensors, check_same_shapes
 from fleet.collective.grad_sync import ParamMap
 from fleet.errors import FleetError
-from fleet.runtime import owners
-from fleet.runtime.optimizer import WrappedOptimizer
 from fleet.sharding import autograd as sharded_autograd
 from fleet.sharding.order import ShardedOrder
 from fleet.sparse import backends as tables
 from fleet.strategies.base import Runtime, Strategy, check_reduce
+from fleet.training import owners
+from fleet.training.optimizer import WrappedOptimizer
 
 if TYPE_CHECKING:
     from fleet.strategy import DistributedStrategy
@@ -58,6 +58,8 @@ class ShardingStrategy(Strategy):
     name = "sharding"
     supported_updates = ("sync",)
     reshardable_checkpoints = True
+
+    owned_fields = frozenset({"sharding_stage", "shard_modules", "mixed_precision"})
 
     @classmethod
     def check(cls, config: DistributedStrategy) -> None:
@@ -73,6 +75,7 @@ class ShardingStrategy(Strategy):
                     f"{field}={getattr(config, field)!r} does not apply to mode='sharding' (FSDP2 reduce-scatters "
                     "every gradient; use mixed_precision to reduce what travels, mode='collective' for the rest)"
                 )
+        super().check(config)
 
     def __init__(self, config: DistributedStrategy, runtime: Runtime):
         super().__init__(config, runtime)

@@ -1,7 +1,7 @@
 """Where the time goes: per-step timing on every worker (the maths of the reports: :mod:`fleet.telemetry.step_report`).
 
 Worker side (:class:`StepMetrics`, one per process, :func:`recorder`). Every wrapped
-optimizer calls ``_end_step`` once per optimizer step (see :mod:`fleet.runtime.optimizer`),
+optimizer calls ``_end_step`` once per optimizer step (see :mod:`fleet.training.optimizer`),
 which calls :meth:`StepMetrics.end_step`. A step is the time between two consecutive
 step boundaries, so it covers the whole training-loop iteration (data, forward,
 backward, communication, update); the first boundary only starts the clock.

@@ -40,6 +40,7 @@ def _reference() -> list[torch.Tensor]:
 
 def _worker(rank: int, where: str) -> dict:
     import fleet
+    import fleet.api
 
     try:
         fleet.init()
@@ -103,6 +104,7 @@ def test_parameter_server_no_sync_accumulates_like_one_process():
 
 def test_one_process_has_the_habits_too():
     import fleet
+    import fleet.api
 
     fleet.api._reset_for_tests()
     fleet.init()

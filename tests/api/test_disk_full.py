@@ -59,6 +59,7 @@ def leftovers(path: Path | str) -> list[str]:
 
 def test_save_checkpoint_on_a_full_disk_says_so_and_keeps_the_previous_one(disk: Path) -> None:
     import fleet
+    import fleet.api
     from fleet.errors import DiskFullError
 
     fleet.api._reset_for_tests()
@@ -88,6 +89,7 @@ def test_save_checkpoint_on_a_full_disk_says_so_and_keeps_the_previous_one(disk:
 def _saves_on_a_full_disk(rank: int, disk: str) -> dict:
     """Save, train, fill the disk, fail to save a delta, load the save before, save and load again."""
     import fleet
+    import fleet.api
     from fleet.errors import DiskFullError
 
     started = _ps_worker("sgd")

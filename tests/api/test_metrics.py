@@ -16,6 +16,7 @@ import torch
 import zmq
 
 import fleet
+import fleet.api
 from fleet import metrics
 from fleet.ps.client.client import PSClient
 from fleet.ps.protocol.errors import PSRemoteError

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fleet
+import fleet.api
 from dist_harness import clean_env, fleetrun_command
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes

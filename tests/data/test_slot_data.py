@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fleet
+import fleet.api
 from dist_harness import LAUNCHER_NAMES, LAUNCHER_PREFIXES, clean_env, fleetrun_command
 from fleet.data import files as job_files
 from fleet.data.slot_dataset import SlotDataset, ctr_samples, generate

@@ -12,9 +12,9 @@ import torch
 from dist_harness import run_fleetrun as fleetrun
 from fleet.launch import timing as launch_timing
 from fleet.runtime import env, inject
-from fleet.runtime.optimizer import WrappedOptimizer
 from fleet.telemetry import step_report, timing
 from fleet.telemetry.progress import progress
+from fleet.training.optimizer import WrappedOptimizer
 
 JOB = Path(__file__).parents[1] / "scripts" / "timing_job.py"
 

@@ -27,10 +27,11 @@ from fleet.ps.worker import modes
 from fleet.ps.worker.recovery import Recovery
 from fleet.ps.worker.rows import GeoRows, RemoteRows
 from fleet.ps.worker.step_checks import GradWatch, HyperParameters
-from fleet.runtime import env, owners
-from fleet.runtime.optimizer import WrappedOptimizer
+from fleet.runtime import env
 from fleet.sparse import backends as tables
 from fleet.sparse.optim import OptimizerSpec, ServerOptimizer
+from fleet.training import owners
+from fleet.training.optimizer import WrappedOptimizer
 
 
 class PSOptimizer(WrappedOptimizer):
