@@ -14,6 +14,8 @@ See docs/scaling.md.
 
 from pathlib import Path
 
+__all__ = ["measure_path", "probe_path"]
+
 
 def probe_path() -> Path:
     """The probe script fleetrun runs for the calibration (a file: fleetrun starts scripts)."""

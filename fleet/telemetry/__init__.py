@@ -1,1 +1,5 @@
 """Where the time goes: per-step timing on every worker, the reports' maths, the progress display."""
+
+__all__: list[str] = []
+"""Internal: the modules of this package are not public API (the public names are ``fleet.__all__``,
+``fleet.nn`` and ``fleet.metrics``); they may change without notice."""

@@ -1,1 +1,5 @@
 """The worker's connection to the parameter servers: sharded tables behind futures."""
+
+__all__: list[str] = []
+"""Internal: the modules of this package are not public API (the public names are ``fleet.__all__``,
+``fleet.nn`` and ``fleet.metrics``); they may change without notice."""

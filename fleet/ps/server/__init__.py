@@ -1,1 +1,5 @@
 """The parameter-server process: its event loop and the tables it serves."""
+
+__all__: list[str] = []
+"""Internal: the modules of this package are not public API (the public names are ``fleet.__all__``,
+``fleet.nn`` and ``fleet.metrics``); they may change without notice."""

@@ -1,1 +1,5 @@
 """Parameter-server training on a worker: the wrapped optimizer, its update modes and row backends."""
+
+__all__: list[str] = []
+"""Internal: the modules of this package are not public API (the public names are ``fleet.__all__``,
+``fleet.nn`` and ``fleet.metrics``); they may change without notice."""
