@@ -41,7 +41,8 @@ RECORDS = 8  # saves a server's restart record remembers (newest last)
 
 
 def shard_dir(dirname: str, server_index: int) -> str:
-    return os.path.join(dirname, f"ps-server-{server_index}")
+    """Server ``server_index``'s part of the save in ``dirname`` (its table files are this module's format)."""
+    return layout.Save(dirname, layout.SAVES).part(f"ps-server-{server_index}")
 
 
 def save_shards(dirname: str, server_index: int, shards: Mapping[int, Any], parent: str | None = None) -> list[str]:
