@@ -37,6 +37,21 @@ from typing import Any
 from fleet.errors import FleetError
 from fleet.storage.atomic import make_dirs, save_atomic, write_text_atomic
 
+__all__ = [
+    "LATEST",
+    "MANIFEST",
+    "MAX_DEPTH",
+    "SAVES",
+    "STEPS",
+    "Layout",
+    "LayoutError",
+    "Save",
+    "SaveKind",
+    "SaveWriter",
+    "committed",
+    "follow",
+]
+
 LATEST = "latest"
 MANIFEST = "save.json"
 MAX_DEPTH = 1024
