@@ -7,30 +7,31 @@ the strategy to write the model and the optimizer in its own format
 (:meth:`~fleet.strategies.base.Strategy.save_state`: one ``state.pt`` when every worker holds
 the whole model, a sharded ``torch.distributed.checkpoint`` directory under sharding).
 
-Layout: ``<dirname>/step-<n>/`` holds the strategy's files, ``meta.pt`` (step, extras, the
-number of workers, written by worker 0) and ``worker-<i>.pt`` (each worker's RNG states and
-loader positions); ``<dirname>/latest`` names the newest complete step directory. Every file
-is written under a temporary name and renamed; ``latest`` moves only after every worker has
-written its part, so a crash at any moment leaves the previous checkpoint intact and readable.
+Layout (:mod:`fleet.storage.layout`, kind :data:`~fleet.storage.layout.STEPS`):
+``<dirname>/step-<n>/`` holds the strategy's files, ``meta.pt`` (step, extras, the number of
+workers, written by worker 0) and ``worker-<i>.pt`` (each worker's RNG states and loader
+positions); ``<dirname>/latest`` names the newest complete step directory. Every part goes
+through a :class:`~fleet.storage.layout.SaveWriter`: written under a temporary name and renamed;
+``latest`` moves only after every worker has written its part, so a crash at any moment leaves
+the previous checkpoint intact and readable, and a ``latest`` that names anything but a step
+directory right inside ``dirname`` is refused.
 A full disk raises :class:`~fleet.errors.DiskFullError` ("No space left on device" and the path)
 and leaves no temporary file behind.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 from typing import Any, NamedTuple
 
 import torch
 
 from fleet import api
 from fleet.errors import DiskFullError, FleetError
-from fleet.storage.atomic import is_disk_full, make_dirs, save_atomic, write_text_atomic
+from fleet.storage.atomic import is_disk_full
+from fleet.storage.layout import STEPS, Layout
 
-LATEST = "latest"
-KEEP = 2  # complete checkpoints kept; older step directories are removed
+META = "meta.pt"
 
 
 class Resumed(NamedTuple):
@@ -84,36 +85,26 @@ def save_checkpoint(
     job = api.current_job()
     strategy = job.implementation(None)
     rank = job.role.worker_index
-    name = f"step-{step:09d}"
-    stepdir = os.path.join(dirname, name)
-    fresh = not os.path.isdir(stepdir)
-    make_dirs(stepdir)
-    own = os.path.join(stepdir, f"worker-{rank}.pt")
+    save = Layout(dirname, STEPS).writer(step).prepare()
     try:
-        save_atomic({"rng": _rng_state(), "loaders": [loader.state_dict() for loader in job.loaders]}, own)
+        save.write(
+            f"worker-{rank}.pt", {"rng": _rng_state(), "loaders": [loader.state_dict() for loader in job.loaders]}
+        )
         try:
-            strategy.save_state(stepdir, model, optimizer)
+            strategy.save_state(save, model, optimizer)
         except Exception as error:
             if not isinstance(error, DiskFullError) and _disk_full(error):  # e.g. torch.distributed.checkpoint's
-                raise DiskFullError(stepdir, "saving the model and optimizer under", _first_line(error)) from error
+                raise DiskFullError(save.path, "saving the model and optimizer under", _first_line(error)) from error
             raise
         if rank == 0:
-            meta = {"step": int(step), "extra": extra, "workers": job.role.worker_num}
-            save_atomic(meta, os.path.join(stepdir, "meta.pt"))
+            save.write(META, {"step": int(step), "extra": extra, "workers": job.role.worker_num})
     except Exception:
         # What this save wrote goes (on a full disk it holds the space); `latest` still names the last good one.
-        if fresh and job.role.worker_num == 1:
-            shutil.rmtree(stepdir, ignore_errors=True)
-        else:
-            for path in (own, os.path.join(stepdir, "meta.pt") if rank == 0 and fresh else None):
-                if path is not None and os.path.exists(path):
-                    os.unlink(path)
+        save.abort(whole=save.fresh and job.role.worker_num == 1)
         raise
     strategy.barrier()  # every worker's part is on disk before `latest` moves
     if rank == 0:
-        write_text_atomic(os.path.join(dirname, LATEST), name)
-        for old in sorted(d for d in os.listdir(dirname) if d.startswith("step-") and d != name)[: -(KEEP - 1) or None]:
-            shutil.rmtree(os.path.join(dirname, old), ignore_errors=True)
+        save.commit()
 
 
 def _disk_full(error: BaseException) -> bool:
@@ -135,35 +126,25 @@ def load_checkpoint(dirname: str, model: torch.nn.Module, optimizer: torch.optim
     """Restore the newest complete checkpoint under ``dirname``; None when there is none yet."""
     job = api.current_job()
     strategy = job.implementation(None)
-    latest = os.path.join(dirname, LATEST)
-    if not os.path.isfile(latest):
+    save = Layout(dirname, STEPS).resolve()
+    if save is None:
         return None
-    with open(latest) as handle:
-        stepdir = os.path.join(dirname, handle.read().strip())
-    meta = _meta(stepdir)
+    meta = save.load(META) if save.has(META) else save.load("state.pt")  # "state.pt": from before meta.pt
     saved, workers = int(meta["workers"]), job.role.worker_num
     if saved != workers and not strategy.reshardable_checkpoints:
         raise FleetError(
-            f"{stepdir} was written by {saved} workers but this job has {workers}; resume with the same number "
+            f"{save.path} was written by {saved} workers but this job has {workers}; resume with the same number "
             f"of workers (mode={job.strategy.mode!r} checkpoints do not reshard; mode='sharding' ones do)."
         )
-    strategy.load_state(stepdir, model, optimizer)
-    rank = job.role.worker_index
-    own_path = os.path.join(stepdir, f"worker-{rank}.pt")
-    if os.path.isfile(own_path):
-        own = torch.load(own_path, weights_only=True)
-        _set_rng_state(own["rng"])
+    strategy.load_state(save, model, optimizer)
+    own = f"worker-{job.role.worker_index}.pt"
+    if save.has(own):
+        state = save.load(own)
+        _set_rng_state(state["rng"])
     else:  # a worker the saving job did not have: the epoch and progress of worker 0
-        own = torch.load(os.path.join(stepdir, "worker-0.pt"), weights_only=True)
-    for loader, position in zip(job.loaders, own["loaders"], strict=False):
+        state = save.load("worker-0.pt")
+    for loader, position in zip(job.loaders, state["loaders"], strict=False):
         if saved != workers:  # the same share of the epoch, cut into this job's shards
             position = {**position, "position": int(position["position"]) * saved // workers}
         loader.load_state_dict(position)
     return Resumed(int(meta["step"]), meta["extra"])
-
-
-def _meta(stepdir: str) -> dict[str, Any]:
-    path = os.path.join(stepdir, "meta.pt")
-    if os.path.isfile(path):
-        return torch.load(path, weights_only=True)
-    return torch.load(os.path.join(stepdir, "state.pt"), weights_only=True)  # checkpoints from before meta.pt

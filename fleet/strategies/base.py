@@ -15,8 +15,8 @@ methods and never branches on the mode:
 ``barrier()``               ``fleet.barrier_worker``
 ``all_reduce(values, op)``  ``fleet.metrics``: a small float64 vector summed (max, min) over the workers
 ``uneven_inputs()``         ``with fleet.join():`` for loops that end unevenly
-``save_state(dir, ...)``    ``fleet.save_checkpoint``: the model and optimizer, in its format
-``load_state(dir, ...)``    ``fleet.load_checkpoint``
+``save_state(save, ...)``   ``fleet.save_checkpoint``: the model and optimizer, as parts of a save
+``load_state(save, ...)``   ``fleet.load_checkpoint``
 ``save_persistables(dir)``  Paddle's parameter-server checkpoint (others say what to use)
 ``serve()``                 Paddle's explicit ``init_server``/``run_server`` (servers only)
 ``shutdown()``              ``fleet.stop_worker``
@@ -40,6 +40,7 @@ from fleet.errors import FleetError, PeerError
 if TYPE_CHECKING:
     from fleet.runtime.roles import RoleInfo
     from fleet.sparse.backends import TableBackend, TableModule
+    from fleet.storage.layout import Save, SaveWriter
     from fleet.strategy import DistributedStrategy
 
 REDUCE_OPS = ("sum", "max", "min")
@@ -196,18 +197,16 @@ class Strategy(ABC):
 
     # --- checkpoints ------------------------------------------------------------------------------
 
-    def save_state(self, dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Write the model's and the optimizer's state under ``dirname`` (every worker calls it).
+    def save_state(self, save: SaveWriter, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Write the model's and the optimizer's state as parts of ``save`` (every worker calls it).
 
         The default suits strategies whose workers hold the whole model: worker 0 writes it.
         """
-        from fleet.storage.atomic import save_atomic
-
         if self.runtime.role.worker_index == 0:
-            save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{dirname}/state.pt")
+            save.write("state.pt", {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
 
-    def load_state(self, dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        state = torch.load(f"{dirname}/state.pt", weights_only=True)
+    def load_state(self, save: Save, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        state = save.load("state.pt")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 

@@ -21,6 +21,7 @@ import torch
 
 from fleet.errors import DiskFullError, FleetError
 from fleet.storage import persist
+from fleet.storage.layout import SAVES, Save, SaveWriter
 from fleet.strategies.base import Runtime, Strategy, check_reduce
 
 if TYPE_CHECKING:
@@ -271,7 +272,6 @@ class ParameterServerStrategy(Strategy):
     def _save_new(self, dirname: str, mode: str, optimizers: list[Any]) -> str:
         """Worker 0's part of a save: a new directory, the servers' shards, its own file, then ``latest``."""
         from fleet.ps.protocol.errors import PSRemoteError
-        from fleet.storage.atomic import save_atomic
 
         delta = mode == "delta"
         if delta and self._save_failed:
@@ -282,43 +282,43 @@ class ParameterServerStrategy(Strategy):
                 flush=True,
             )
             delta = False
-        path = persist.begin(dirname)
+        save = persist.writer(dirname)
         try:
             try:
-                self.client().save(path, delta=delta).result()
+                self.client().save(save.path, delta=delta).result()
             except PSRemoteError as error:
                 if "No space left on device" in str(error):
-                    raise DiskFullError(path, "saving the parameter servers' shards under", str(error)) from None
+                    raise DiskFullError(save.path, "saving the parameter servers' shards under", str(error)) from None
                 raise
-            state = {"optimizers": [opt.inner.state_dict() for opt in optimizers]}
-            save_atomic(state, os.path.join(path, WORKER_FILE))
-            persist.commit(dirname, path, self._persisted if delta else None)
+            save.write(WORKER_FILE, {"optimizers": [opt.inner.state_dict() for opt in optimizers]})
+            save.commit(self._persisted if delta else None)
         except BaseException:
-            persist.abandon(path)
+            save.abort(whole=True)  # the servers' shards too: nothing reads an uncommitted save
             raise
-        return path
+        return save.path
 
     def load_persistables(self, dirname: str) -> None:
         """Restore the newest complete save under ``dirname`` (same number of servers); every worker then pulls."""
         optimizers = self._checkpointed()
         source = persist.resolve(dirname)
-        path = os.path.join(source, WORKER_FILE)
-        if not os.path.isfile(path):
+        save = Save(source, SAVES)
+        if not save.has(WORKER_FILE):
             raise FleetError(
-                f"{path} does not exist: {dirname!r} is not a checkpoint written by fleet.save_persistables."
+                f"{save.part(WORKER_FILE)} does not exist: {dirname!r} is not a checkpoint written by "
+                "fleet.save_persistables."
             )
         self.barrier()
         if self.runtime.role.is_first_worker:
             self.client().load(source).result()
             self._persisted = os.path.abspath(source)
         self.barrier()
-        state = torch.load(path, weights_only=True)
+        state = save.load(WORKER_FILE)
         for opt, saved in zip(optimizers, state["optimizers"], strict=True):
             opt.inner.load_state_dict(saved)
             opt.refresh()
             opt.last_checkpoint = os.path.abspath(source)
 
-    def save_state(self, dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def save_state(self, save: SaveWriter, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         raise FleetError(
             "In a parameter-server job the parameters and the optimizer state live on the servers: checkpoint it "
             "with fleet.save_persistables(dirname) and fleet.load_persistables(dirname), on every worker."

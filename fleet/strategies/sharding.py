@@ -28,7 +28,6 @@ writes its shards, and a checkpoint saved by N workers loads with M.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,9 +48,12 @@ from fleet.training import owners
 from fleet.training.optimizer import WrappedOptimizer
 
 if TYPE_CHECKING:
+    from fleet.storage.layout import Save, SaveWriter
     from fleet.strategy import DistributedStrategy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SHARDED = "sharded"
+"""The part of a checkpoint that holds torch.distributed.checkpoint's shards (any worker count loads it)."""
 
 
 class ShardingStrategy(Strategy):
@@ -243,23 +245,23 @@ class ShardingStrategy(Strategy):
             self._order.before_collective(lockstep.REDUCE, values.numel(), lockstep.REDUCE_OPS.index(op))
         return super().all_reduce(values, op)
 
-    def save_state(self, dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def save_state(self, save: SaveWriter, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Every worker writes its shards (torch.distributed.checkpoint), in a format any worker count loads."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(model, _inner(optimizer))
         state = {"model": model_state, "optimizer": optim_state}
-        dcp.save(state, checkpoint_id=os.path.join(dirname, "sharded"), no_dist=not dist.is_initialized())
+        dcp.save(state, checkpoint_id=save.directory(SHARDED), no_dist=not dist.is_initialized())
 
-    def load_state(self, dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def load_state(self, save: Save, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         inner = _inner(optimizer)
         model_state, optim_state = get_state_dict(model, inner)
         state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=os.path.join(dirname, "sharded"), no_dist=not dist.is_initialized())
+        dcp.load(state, checkpoint_id=save.part(SHARDED), no_dist=not dist.is_initialized())
         set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

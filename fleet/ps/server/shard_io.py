@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from fleet.storage import persist
+from fleet.storage import layout, persist
 from fleet.storage.atomic import make_dirs, save_atomic, write_text_atomic
 
 _NAME = re.compile(r"^table-(\d+)\.pt$")
@@ -41,7 +41,8 @@ RECORDS = 8  # saves a server's restart record remembers (newest last)
 
 
 def shard_dir(dirname: str, server_index: int) -> str:
-    return os.path.join(dirname, f"ps-server-{server_index}")
+    """Server ``server_index``'s part of the save in ``dirname`` (its table files are this module's format)."""
+    return layout.Save(dirname, layout.SAVES).part(f"ps-server-{server_index}")
 
 
 def save_shards(dirname: str, server_index: int, shards: Mapping[int, Any], parent: str | None = None) -> list[str]:
@@ -117,18 +118,34 @@ def load_shards(dirname: str, server_index: int) -> Iterator[tuple[int, str, dic
         match = _NAME.match(name)
         if not match:
             continue
-        chain = [_read(os.path.join(source, name))]
-        seen = {os.path.abspath(dirname)}
-        while chain[-1].get("parent"):
-            parent = chain[-1]["parent"]
-            path = os.path.join(shard_dir(parent, server_index), name)
-            if parent in seen or not os.path.isfile(path):
-                raise ValueError(
-                    f"LOAD: {os.path.join(source, name)} is a delta on the save in {parent}, "
-                    f"but {path} {'was already read (a cycle)' if parent in seen else 'does not exist'}: "
-                    "a delta loads only with the saves before it back to a base"
-                )
-            seen.add(parent)
-            chain.append(_read(path))
+        chain = _chain(os.path.join(source, name), server_index)
         chain.reverse()
         yield int(match.group(1)), chain[-1]["kind"], json.loads(chain[-1]["config"]), [c["state"] for c in chain]
+
+
+def _chain(path: str, server_index: int) -> list[dict[str, Any]]:
+    """The shard file at ``path`` and every one it is a delta on, back to its base (newest first)."""
+    records: dict[str, dict[str, Any]] = {}
+
+    def read(path: str) -> dict[str, Any]:
+        if path not in records:
+            records[path] = _read(path)
+        return records[path]
+
+    def parent_of(path: str) -> str | None:
+        parent = read(path).get("parent")
+        if not parent:
+            return None
+        before = os.path.join(shard_dir(parent, server_index), os.path.basename(path))
+        if not os.path.isfile(before):
+            raise ValueError(
+                f"LOAD: {path} is a delta on the save in {parent}, but {before} does not exist: "
+                "a delta loads only with the saves before it back to a base"
+            )
+        return before
+
+    try:
+        files = layout.follow(path, parent_of, what="shard file")
+    except layout.LayoutError as error:
+        raise ValueError(f"LOAD: {error}: a delta loads only with the saves before it back to a base") from None
+    return [read(file) for file in files]
