@@ -221,7 +221,8 @@ def record_result(
     one format. ``fleet`` is fleet's figure in ``units``; ``peer``/``peer_value`` the peer's in the
     same run, where there is one; ``ratio`` as the script defines it (``ratio_means`` says how);
     ``summary`` is the one line the README shows. ``headline=False`` keeps a secondary variant out of
-    the README. The load average is taken at import (the script's start) and now.
+    the README. The load average is taken at import (the script's start) and now. ``FLEET_BENCH_RESULTS``
+    names another directory (smoke runs that must not join the history).
     """
     from datetime import datetime
 
@@ -248,9 +249,14 @@ def record_result(
         "source": f"measured by benchmarks/{script}",
     }
     slug = re.sub(r"[^a-z0-9]+", "-", variant.lower()).strip("-") or "result"
-    path = RESULTS / benchmark / f"{now.strftime('%Y%m%dT%H%M%S')}-{slug}.json"
+    # FLEET_BENCH_RESULTS: somewhere else (a smoke run that should not join the history)
+    path = (
+        Path(os.environ.get("FLEET_BENCH_RESULTS") or RESULTS)
+        / benchmark
+        / f"{now.strftime('%Y%m%dT%H%M%S')}-{slug}.json"
+    )
     write_json(path, record)
-    print(f"recorded {path.relative_to(ROOT)}")
+    print(f"recorded {path}")
     return path
 
 

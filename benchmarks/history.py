@@ -83,7 +83,8 @@ def _number(value: Any) -> str:
     if isinstance(value, float):
         if abs(value) >= 1000:
             return f"{value:,.0f}"
-        return f"{value:.4g}"
+        text = f"{value:.4g}"
+        return text if "." in text or "e" in text else f"{value:.2f}"
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
@@ -132,6 +133,9 @@ def results_page(records: list[dict[str, Any]]) -> str:
         out.append("")
         commands = sorted({r["command"] for r in group})
         out += ["Commands: " + "; ".join(f"`{c}`" for c in commands), ""]
+        for r in reversed(group):  # the wording a transcribed run was published with, kept whole
+            if r.get("note"):
+                out += [f"> As published ({_date(r)}, {r['variant']}): {r['note']}", ""]
     return "\n".join(out)
 
 
