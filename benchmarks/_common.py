@@ -228,7 +228,8 @@ def record_result(
 
     now = datetime.now(UTC)
     args = sys.argv[1:] if argv is None else argv
-    script = Path(sys.argv[0]).name if sys.argv and sys.argv[0].endswith(".py") else f"{benchmark}.py"
+    started = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+    script = started.name if started is not None and started.parent == WORKER.parent else f"{benchmark}.py"
     record = {
         "benchmark": benchmark,
         "variant": variant,

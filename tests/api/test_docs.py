@@ -72,3 +72,32 @@ def test_readme_headline_figures_are_the_newest_results() -> None:
     assert history.readme_block(README.read_text()) == expected, (
         "README's headline figures differ from benchmarks/results/: run `python benchmarks/history.py --readme`"
     )
+
+
+def test_a_recorded_result_reaches_the_results_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location("fleet_bench_common", ROOT / "benchmarks" / "_common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    monkeypatch.setenv("FLEET_BENCH_RESULTS", str(tmp_path))
+    path = common.record_result(
+        "w1_collective",
+        variant="shared memory",
+        figure="median step time",
+        units="ms",
+        fleet=90.0,
+        peer="DistributedDataParallel",
+        peer_value=100.0,
+        ratio=0.9,
+        summary="0.900 x DDP's step time",
+        argv=["--rounds", "3"],
+    )
+    assert path.parent == tmp_path / "w1_collective"
+    history = _history()
+    (record,) = history.load(tmp_path)
+    for field in ("benchmark", "date", "command", "machine", "load", "fleet", "peer", "ratio", "units"):
+        assert field in record, field
+    assert record["command"].endswith("--rounds 3")
+    assert {"cpu", "cores", "python", "torch"} <= set(record["machine"])
+    assert set(record["load"]) == {"before", "after"}
+    page = history.results_page([record])
+    assert "0.900 x DDP's step time" in page and "{#w1-collective}" in page
