@@ -25,10 +25,12 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +89,7 @@ def fleetrun(
     with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp:
         out = Path(tmp, "results")
         out.mkdir()
-        cmd = ["fleetrun", "--workers", str(workers), "--log-dir", str(Path(tmp, "logs"))]
+        cmd = [sys.executable, "-m", "fleet.launch", "--workers", str(workers), "--log-dir", str(Path(tmp, "logs"))]
         if servers:
             cmd += ["--servers", str(servers)]
         if strategy:
@@ -154,6 +156,109 @@ def pyplot():
         print('matplotlib is not installed (pip install ".[bench]"): tables and CSV/JSON only, no PNG.')
         return None
     return plt
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def machine() -> dict[str, Any]:
+    """What ran the benchmark: CPU model, cores, Python, torch (when importable) and the OS."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        torch_version: str | None = torch.__version__
+    except ImportError:
+        torch_version = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "platform": platform.platform(),
+    }
+
+
+def loadavg() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages (None where the OS has none)."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+# Taken when this module is imported, i.e. when the benchmark script starts.
+LOAD_AT_START = loadavg()
+
+
+def record_result(
+    benchmark: str,
+    *,
+    variant: str,
+    figure: str,
+    units: str,
+    fleet: float | None,
+    summary: str,
+    peer: str | None = None,
+    peer_value: float | None = None,
+    ratio: float | None = None,
+    ratio_means: str | None = None,
+    target: str | None = None,
+    headline: bool = True,
+    details: dict[str, Any] | None = None,
+    argv: list[str] | None = None,
+) -> Path:
+    """Write one result as ``benchmarks/results/<benchmark>/<UTC time>-<variant>.json``; return its path.
+
+    Every benchmark script records through this function, so the results page of the docs
+    (generated from these files by ``benchmarks/history.py``) and the README's headline lines read
+    one format. ``fleet`` is fleet's figure in ``units``; ``peer``/``peer_value`` the peer's in the
+    same run, where there is one; ``ratio`` as the script defines it (``ratio_means`` says how);
+    ``summary`` is the one line the README shows. ``headline=False`` keeps a secondary variant out of
+    the README. The load average is taken at import (the script's start) and now. ``FLEET_BENCH_RESULTS``
+    names another directory (smoke runs that must not join the history).
+    """
+    from datetime import datetime
+
+    now = datetime.now(UTC)
+    args = sys.argv[1:] if argv is None else argv
+    started = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+    script = started.name if started is not None and started.parent == WORKER.parent else f"{benchmark}.py"
+    record = {
+        "benchmark": benchmark,
+        "variant": variant,
+        "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": " ".join(["python", f"benchmarks/{script}", *args]),
+        "machine": machine(),
+        "load": {"before": LOAD_AT_START, "after": loadavg()},
+        "figure": figure,
+        "units": units,
+        "fleet": fleet,
+        "peer": None if peer is None else {"name": peer, "value": peer_value},
+        "ratio": ratio,
+        "ratio_means": ratio_means,
+        "target": target,
+        "summary": summary,
+        "headline": headline,
+        "details": details or {},
+        "source": f"measured by benchmarks/{script}",
+    }
+    slug = re.sub(r"[^a-z0-9]+", "-", variant.lower()).strip("-") or "result"
+    # FLEET_BENCH_RESULTS: somewhere else (a smoke run that should not join the history)
+    path = (
+        Path(os.environ.get("FLEET_BENCH_RESULTS") or RESULTS)
+        / benchmark
+        / f"{now.strftime('%Y%m%dT%H%M%S')}-{slug}.json"
+    )
+    write_json(path, record)
+    print(f"recorded {path}")
+    return path
 
 
 def machine_note() -> str:

@@ -41,6 +41,7 @@ import threading
 import time
 
 import torch
+from _common import record_result
 
 from fleet.ps.client.client import PSClient
 
@@ -205,7 +206,7 @@ def _huge_pull(
         span.put(("end", time.monotonic()))
 
 
-def starve(ids: int, max_ids: int | None, compute_s: float, a_batch: int | None = None) -> None:
+def starve(ids: int, max_ids: int | None, compute_s: float, a_batch: int | None = None) -> dict[str, float]:
     options = () if max_ids is None else ("--max-request-ids", str(max_ids))
     proc, endpoint = start_server(2, *options)
     try:
@@ -251,12 +252,13 @@ def starve(ids: int, max_ids: int | None, compute_s: float, a_batch: int | None 
                 f"meanwhile ({len(during) / pull_s:.1f} steps/s; alone {alone_rate:.1f} steps/s, "
                 f"ratio {len(during) / pull_s / alone_rate:.2f})"
             )
+            return {"pace": len(during) / pull_s / alone_rate, "pull_s": pull_s, "alone_steps_per_s": alone_rate}
     finally:
         proc.kill()
         proc.wait()
 
 
-def curve(iters: int = 60) -> None:
+def curve(iters: int = 60) -> dict[str, float]:
     values = torch.randn(1 << 20)
     clients, procs = {}, []
     try:
@@ -278,6 +280,7 @@ def curve(iters: int = 60) -> None:
             f"curve: 4 MiB push then pull, median of {iters}: {rate['none']:.0f} MB/s without encryption, "
             f"{rate['curve']:.0f} MB/s with CURVE ({rate['curve'] / rate['none']:.0%})"
         )
+        return rate
     finally:
         for c in clients.values():
             c.close()
@@ -314,13 +317,42 @@ def main() -> None:
     if "hold" in parts:
         hold(args.ids)
     if "curve" in parts:
-        curve()
+        rate = curve()
+        record_result(
+            "ps_hardening",
+            variant="CURVE encryption bandwidth",
+            figure="4 MiB dense push then pull with CURVE encryption vs without",
+            units="MB/s",
+            fleet=round(rate["curve"], 1),
+            peer="the same without encryption",
+            peer_value=round(rate["none"], 1),
+            ratio=round(rate["curve"] / rate["none"], 4),
+            ratio_means="with CURVE / without (bandwidth)",
+            summary=f"CURVE: {rate['curve']:,.0f} vs {rate['none']:,.0f} MB/s without encryption",
+            headline=False,
+        )
     if "starve" in parts:
-        starve(args.ids, args.max_request_ids, args.compute_ms / 1000)
+        huge = starve(args.ids, args.max_request_ids, args.compute_ms / 1000)
         # The reference: the same ids pulled as ordinary batches, one after another. What B loses
         # beside them is sharing the cores and the server with a busy worker; what it loses beyond
         # that beside the one huge call is what the huge call itself costs the others.
-        starve(args.ids, args.max_request_ids, args.compute_ms / 1000, a_batch=1024)
+        ordinary = starve(args.ids, args.max_request_ids, args.compute_ms / 1000, a_batch=1024)
+        record_result(
+            "ps_hardening",
+            variant="huge call vs ordinary calls",
+            figure=f"a worker's pace ({args.compute_ms:g} ms compute, pull + push 1,024 ids per step) while another "
+            f"pulls {args.ids:,} fresh ids in one call, against the same ids as ordinary calls of 1,024",
+            units="fraction of its pace alone",
+            fleet=round(huge["pace"], 4),
+            peer="the same ids as ordinary calls",
+            peer_value=round(ordinary["pace"], 4),
+            ratio=round(huge["pace"] / ordinary["pace"], 4),
+            ratio_means="pace beside the huge call / pace beside ordinary calls (1.0: the huge call costs no more)",
+            target="a huge batch costs the others no more than the same ids in ordinary batches",
+            summary=f"{huge['pace']:.0%} of its pace beside a {args.ids:,}-id call, {ordinary['pace']:.0%} beside the "
+            f"same ids in ordinary calls; the huge pull {huge['pull_s']:.1f} s",
+            details={"huge": huge, "ordinary": ordinary, "max_request_ids": args.max_request_ids},
+        )
 
 
 if __name__ == "__main__":

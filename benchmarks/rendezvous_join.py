@@ -18,6 +18,7 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+from _common import record_result
 
 from fleet.runtime import rendezvous
 from fleet.runtime.roles import RoleInfo
@@ -66,14 +67,32 @@ def main() -> None:
         for _ in range(max(args.worlds))
     ]
     secret = secrets.token_bytes(32)
+    joins = {}
     for world in args.worlds:
         times = [join_once(clients, world, secret) for _ in range(args.repeats)]
+        joins[world] = round(statistics.median(times) * 1e3, 2)
         print(f"join of {world:3d} ranks: median {statistics.median(times) * 1e3:7.1f} ms (min {min(times) * 1e3:.1f})")
     raw = dist.PrefixStore("raw", clients[0])
     signed = SignedStore(dist.PrefixStore("signed", clients[0]), secrets.token_bytes(32))
     rounds = [(per_call(raw), per_call(signed)) for _ in range(args.repeats)]  # interleaved: the same noise
     print(f"set+get raw    : median {statistics.median(r for r, _ in rounds) * 1e6:7.1f} us")
     print(f"set+get signed : median {statistics.median(s for _, s in rounds) * 1e6:7.1f} us")
+    raw_us = statistics.median(r for r, _ in rounds) * 1e6
+    signed_us = statistics.median(s for _, s in rounds) * 1e6
+    record_result(
+        "rendezvous_join",
+        variant=f"join of {', '.join(map(str, args.worlds))} ranks; signed set+get",
+        figure="a value's set+get through SignedStore vs the raw store; the median join per world size",
+        units="us",
+        fleet=round(signed_us, 1),
+        peer="raw TCPStore set+get",
+        peer_value=round(raw_us, 1),
+        ratio=round(signed_us / raw_us, 3),
+        ratio_means="signed / raw per-call time (lower is better)",
+        summary=f"signed set+get {signed_us:.0f} us vs {raw_us:.0f} us raw; join "
+        + ", ".join(f"{w} ranks {ms:.0f} ms" for w, ms in joins.items()),
+        details={"join_median_ms": joins, "repeats": args.repeats},
+    )
 
 
 if __name__ == "__main__":

@@ -329,7 +329,7 @@ def _why_missed(row: dict, probe: dict, per_round: bool) -> str:
     return f"communication {row['t_sync_ms']:.0f} ms measured vs {row['predicted_t_sync_ms']:.0f} ms predicted"
 
 
-def render(saved: dict, quick: bool) -> None:
+def render(saved: dict, quick: bool, record: bool = False) -> None:
     cores = saved["cores"]
     rows = aggregate(saved, cores)
     header = [
@@ -377,6 +377,26 @@ def render(saved: dict, quick: bool) -> None:
     c.write_csv(c.FIGURES / f"scaling{suffix}.csv", header, table)
     c.write_json(c.FIGURES / f"scaling{suffix}.json", {**saved, "rows": rows})
     _plot(rows, saved, cores, suffix)
+    if record:
+        within = sum(abs(r["error"]) <= ERROR_BOUND for r in rows)
+        c.record_result(
+            "scaling",
+            variant=f"{len(rows)} points" + (" (quick)" if quick else ""),
+            figure="samples/s per point, median of interleaved rounds, against fleet.plan's prediction from a "
+            "calibration taken first",
+            units=f"points within {100 * ERROR_BOUND:.0f} %",
+            fleet=within,
+            peer="points measured",
+            peer_value=len(rows),
+            target=f"every point within {100 * ERROR_BOUND:.0f} %, or the miss explained",
+            summary=f"{within} of {len(rows)} points within {100 * ERROR_BOUND:.0f} % of the prediction; "
+            + ", ".join(f"{r['point']} {100 * r['error']:+.0f} %" for r in rows),
+            headline=not quick,
+            details={
+                r["point"]: {k: r.get(k) for k in ("samples_per_s", "predicted_samples_per_s", "error", "speedup")}
+                for r in rows
+            },
+        )
 
 
 def _plot(rows: list[dict], saved: dict, cores: int, suffix: str) -> None:
@@ -542,7 +562,7 @@ def main() -> None:
                     flush=True,
                 )
             c.write_json(c.FIGURES / f"scaling{suffix}.json", saved)  # a crash keeps the rounds so far
-    render(saved, args.quick)
+    render(saved, args.quick, record=True)
 
 
 if __name__ == "__main__":

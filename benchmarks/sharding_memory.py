@@ -35,7 +35,7 @@ import time
 
 import torch
 import torch.multiprocessing as mp
-from _common import become_local_worker
+from _common import become_local_worker, record_result
 
 
 def build_model(layers: int, width: int) -> torch.nn.Module:
@@ -145,6 +145,7 @@ def main() -> int:
         f"{'workers':>7} {'strategy':>9} {'state MiB':>10} {'of DDP':>7} {'target':>7} {'peak RSS MiB':>13} {'step ms':>8}"
     )
     ok = True
+    points = []
     for workers in args.workers:
         ddp = run("ddp", workers, args)
         sharded = run("sharding", workers, args)
@@ -158,9 +159,40 @@ def main() -> int:
                 f"{result['peak_rss_growth'] / mib:13.1f} {result['step_s'] * 1e3:8.1f}"
             )
         print(f"{'':>7} sharding / DDP step time: {sharded['step_s'] / ddp['step_s']:.2f}")
+        points.append(
+            {
+                "workers": workers,
+                "share_of_ddp_state": round(share, 4),
+                "ddp_state_mib": round(ddp["state"]["total"] / mib, 1),
+                "peak_rss_growth_mib": [
+                    round(ddp["peak_rss_growth"] / mib, 1),
+                    round(sharded["peak_rss_growth"] / mib, 1),
+                ],
+                "step_ms": [round(ddp["step_s"] * 1e3, 1), round(sharded["step_s"] * 1e3, 1)],
+            }
+        )
     print(
         f"model: {ddp['parameters'] / 1e6:.1f} M parameters, Adam; target state <= 1/N + 10 % of DDP's: "
         + ("PASS" if ok else "MISS")
+    )
+    shares = " / ".join(f"{p['share_of_ddp_state']:.3f}" for p in points)
+    steps = " / ".join(f"{p['step_ms'][1] / p['step_ms'][0]:.2f}" for p in points)
+    counts = " / ".join(str(p["workers"]) for p in points)
+    record_result(
+        "sharding_memory",
+        variant=f"stage {args.stage}, {counts} workers",
+        figure=f"per-worker parameters + gradients + Adam state of a {ddp['parameters'] / 1e6:.1f} M-parameter MLP, "
+        f'mode="sharding" stage {args.stage} / DDP',
+        units="fraction of DDP",
+        fleet=points[-1]["share_of_ddp_state"],
+        peer="DistributedDataParallel (MiB of state)",
+        peer_value=points[-1]["ddp_state_mib"],
+        ratio=points[-1]["share_of_ddp_state"],
+        ratio_means=f"per-worker state at {points[-1]['workers']} workers / DDP's",
+        target="<= 1/N + 10 %",
+        summary=f"{shares} of DDP's {points[0]['ddp_state_mib']:.1f} MiB at {counts} workers; step time {steps} x DDP",
+        headline=args.width == 2048 and args.layers == 12,
+        details={"points": points, "layers": args.layers, "width": args.width, "steps": args.steps},
     )
     return 0
 

@@ -27,6 +27,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+from _common import record_result  # noqa: E402
 
 from fleet.data.slot_dataset import SlotDataset, generate  # noqa: E402
 from fleet.data.slot_format import SlotLayout, count_records  # noqa: E402
@@ -96,6 +97,27 @@ def main() -> None:
     print(f"text / per-line Python: {results['text'][0] / peer:.1f}x; binary / text: "
           f"{results['binary'][0] / results['text'][0]:.0f}x")  # fmt: skip
     print(f"counting the text's samples (every worker, once): {size / 2**20 / count_s:,.0f} MiB/s")
+    text_rate, binary_rate = results["text"][0], results["binary"][0]
+    record_result(
+        "slot_data",
+        variant="text / binary",
+        figure=f"fleet.SlotDataset reading W2 samples in batches of {args.batch} on one core (samples per CPU second)",
+        units="samples/s",
+        fleet=round(text_rate, 1),
+        peer="per-line Python parsing",
+        peer_value=round(peer, 1),
+        ratio=round(text_rate / peer, 3),
+        ratio_means="fleet text / per-line Python (higher is better)",
+        target="> W2's training rate",
+        summary=f"{text_rate:,.0f} text / {binary_rate / 1e6:.1f} M binary samples/s "
+        f"({text_rate / W2_SAMPLES_PER_S:.1f}x / {binary_rate / W2_SAMPLES_PER_S:,.0f}x W2's {W2_SAMPLES_PER_S:,}); "
+        f"per-line Python {peer:,.0f}",
+        details={
+            "binary_samples_per_s": round(binary_rate, 1),
+            "wall": {k: round(v[1], 1) for k, v in results.items()},
+            "count_mib_per_s": round(size / 2**20 / count_s, 1),
+        },
+    )
 
 
 if __name__ == "__main__":

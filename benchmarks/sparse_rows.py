@@ -25,6 +25,7 @@ import sys
 import time
 
 import torch
+from _common import record_result
 
 from fleet.sparse.lifecycle import CountFilterEntry, LifeCycle
 from fleet.sparse.optim import OptimizerSpec
@@ -109,10 +110,12 @@ def main() -> None:
     print(f"Row memory, dim {DIM}, {args.rows:,} rows created by updates (one process each):")
     print("| optimizer | life cycle | RSS bytes/row | table tensors bytes/row | optimizer state |")
     print("|---|---|---|---|---|")
+    rows: dict[str, dict] = {}
     for kind in ("sgd", "adagrad", "adam"):
         for life in ("plain", "life"):
             cmd = [sys.executable, __file__, "--rows", str(args.rows), "--child", kind, life]
             r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+            rows[f"{kind} {life}"] = r
             print(
                 f"| {kind} | {'yes' if r['life_cycle'] else 'no'} | {r['rss_bytes_per_row']} | "
                 f"{r['tensor_bytes_per_row']} | {', '.join(r['state_tensors']) or '-'} |",
@@ -123,6 +126,25 @@ def main() -> None:
     print(f"  most rows held: {r['most_rows_held']:,} (never above max_rows); evicted {r['evicted']:,}")
     print(
         f"  per batch: median {r['median_ms']} ms, worst {r['worst_ms']} ms (an eviction pass); hot {r['hot_rows_kept']}"
+    )
+    rss = {k: rows[f"{k} plain"]["rss_bytes_per_row"] for k in ("sgd", "adagrad", "adam")}
+    tensors = {k: rows[f"{k} plain"]["tensor_bytes_per_row"] for k in ("sgd", "adagrad", "adam")}
+    life_extra = rows["sgd life"]["tensor_bytes_per_row"] - tensors["sgd"]
+    record_result(
+        "sparse_rows",
+        variant=f"dim {DIM}, {args.rows:,} rows",
+        figure=f"bytes per sparse row, dim {DIM}, {args.rows:,} rows (RSS, index and capacity slack included): "
+        "SGD / Adagrad / Adam",
+        units="B/row",
+        fleet=rss["sgd"],
+        peer="the table's own tensors",
+        peer_value=tensors["sgd"],
+        target="documented; never above max_rows",
+        summary=f"{rss['sgd']:.0f} / {rss['adagrad']:.0f} / {rss['adam']:.0f} B per row (SGD / Adagrad / Adam; the "
+        f"table's tensors {tensors['sgd']:.0f} / {tensors['adagrad']:.0f} / {tensors['adam']:.0f} B; a life cycle adds "
+        f"{life_extra:.0f} B); "
+        f"max_rows={args.max_rows:,} held at most {r['most_rows_held']:,} rows",
+        details={"rows": rows, "max_rows_stream": r},
     )
 
 

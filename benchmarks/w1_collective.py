@@ -20,7 +20,7 @@ import time
 
 import torch
 import torch.multiprocessing as mp
-from _common import become_local_worker
+from _common import become_local_worker, record_result
 
 
 def build_model() -> torch.nn.Module:
@@ -115,6 +115,22 @@ def main() -> int:
     paired = statistics.median(times["pair_ratios"])
     print(f"ratio fleet/DDP (median step time): {ratio:.3f}  (target <= 0.90) {'PASS' if ratio <= 0.90 else 'MISS'}")
     print(f"median of per-alternation ratios:   {paired:.3f}")
+    record_result(
+        "w1_collective",
+        variant="process group (gloo)" if args.no_shared_memory else "shared memory",
+        figure=f"median step time, {args.workers} workers on one host, 1 thread each, alternating every step",
+        units="ms",
+        fleet=round(fleet_ms, 2),
+        peer="DistributedDataParallel",
+        peer_value=round(ddp_ms, 2),
+        ratio=round(ratio, 4),
+        ratio_means="fleet / DDP median step time (lower is better)",
+        target="<= 0.90",
+        summary=f"{ratio:.3f} x DDP's step time (fleet {fleet_ms:.1f} ms, DDP {ddp_ms:.1f} ms; median of per-step ratios {paired:.3f})"
+        + (" through gloo" if args.no_shared_memory else ""),
+        headline=not args.no_shared_memory,
+        details={"median_of_per_step_ratios": round(paired, 4), "rounds": args.rounds, "workers": args.workers},
+    )
     return 0
 
 

@@ -35,6 +35,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from _common import record_result
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "single_to_multi", "train_ctr.py")
 PEERS = os.path.join(ROOT, "benchmarks", "peers")
@@ -73,7 +75,9 @@ def _fleetrun(mode: str, servers: int, steps: int, workers: int = 2, timeout: fl
             f.write(STRATEGIES[mode])
         report = os.path.join(tmp, "report.jsonl")
         cmd = [
-            "fleetrun",
+            sys.executable,  # fleetrun, from this interpreter: no need for its bin/ on PATH
+            "-m",
+            "fleet.launch",
             "--servers",
             str(servers),
             "--workers",
@@ -120,6 +124,19 @@ def main_fleet_only(args: argparse.Namespace) -> None:
     print("|-------|---------|-------------------|-----------------|")
     for mode, servers, total, losses in rows:
         print(f"| {mode:5s} | {servers:7d} | {total:17.0f} | {losses} |")
+    for mode, servers, total, losses in rows:
+        variant = f"PS {mode}, {servers} server{'s' if servers > 1 else ''}"
+        record_result(
+            "w2_ctr",
+            variant=variant,
+            figure=f"total samples/s over 2 workers after 10 warm-up steps; loss at step {args.steps} per worker",
+            units="samples/s",
+            fleet=round(total, 1),
+            target=">= 10,000 samples/s with 1 server; loss falls on every worker",
+            summary=f"{variant}: {total:,.0f} samples/s; loss at step {args.steps} {losses}",
+            headline=mode == "async" and servers == 1,
+            details={"loss_per_worker": losses, "servers": servers, "workers": 2, "steps": args.steps},
+        )
 
 
 # --------------------------------------------------------------------------- --peers
@@ -317,6 +334,37 @@ def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) 
         f"fleet PS async: ratio vs TorchRec best: {_ratio(a_med, t_med)} (target >= 1.0);"
         f" ratio vs Paddle: {_ratio(a_med, p_med)} (target >= 2.5)"
     )
+    if fleet_async and torchrec_best:
+        ratio_t, ratio_p = a_med / t_med, (a_med / p_med if p_med > 0 else None)
+        paddle_part = f", {ratio_p:.2f} x Paddle" if ratio_p is not None else ""
+        paddle_value = f", Paddle {p_med:,.0f}" if ratio_p is not None else ""
+        record_result(
+            "w2_peers",
+            variant=f"{fleet_async.name} vs TorchRec {torchrec_best.name}" + (" / Paddle" if paddle_best else ""),
+            figure=f"median total samples/s over {args.rounds} alternating rounds x {args.steps} steps",
+            units="samples/s",
+            fleet=round(a_med, 1),
+            peer=f"TorchRec {torchrec_best.name}",
+            peer_value=round(t_med, 1),
+            ratio=round(ratio_t, 4),
+            ratio_means="fleet PS async / TorchRec best (samples/s, higher is better); details.ratio_vs_paddle: fleet / Paddle",
+            target="async >= 1.0 x TorchRec, >= 2.5 x Paddle",
+            summary=f"{ratio_t:.2f} x TorchRec{paddle_part} (fleet {a_med:,.0f}, TorchRec {t_med:,.0f}{paddle_value} samples/s)",
+            details={
+                "ratio_vs_paddle": ratio_p,
+                "paddle": None if paddle_best is None else {"name": paddle_best.name, "samples_per_s": p_med},
+                "fleet_best": {"name": fleet_best.name, "samples_per_s": f_med} if fleet_best else None,
+                "configs": {
+                    c.label: {
+                        "median": c.median(),
+                        "rounds": [s["samples_per_s"] for s in c.samples],
+                        "loss_fell": all(loss_fell(s) for s in c.samples),
+                        "failures": len(c.failures),
+                    }
+                    for c in configs
+                },
+            },
+        )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _common import record_result
 
 from fleet.sparse.optim import OptimizerSpec
 from fleet.sparse.table import SparseTable
@@ -116,6 +117,24 @@ def main() -> None:
     print(f"pull / raw-gather floor: {med_pull / med_floor:.2f}x (same run, alternated)")
     target = BATCH / med_pull >= 10e6
     print(f"target >= 10 M rows/s for pulls of existing rows: {'met' if target else 'MISSED'}")
+    rates = {name: round(BATCH / statistics.median(times) / 1e6, 3) for name, times, _ in results}
+    pull, floor = rates["pull, existing rows"], rates["floor: raw row gather"]
+    pushes = ", ".join(f"{k.split()[-1]} {v:.1f} M" for k, v in rates.items() if k.startswith("apply_gradient"))
+    record_result(
+        "w3_sparse_table",
+        variant="pull of existing rows" if args.warm == 900_000 else f"{args.warm:,} rows in the table",
+        figure=f"sparse pull of existing rows ({BATCH:,} ids, dim {DIM}), {args.warm:,} rows warm, one process",
+        units="M rows/s",
+        fleet=pull,
+        peer="raw row gather",
+        peer_value=floor,
+        ratio=round(med_pull / med_floor, 3),
+        ratio_means="pull time / raw row gather time (the gather is the floor, not a rival)",
+        target=">= 10 M rows/s",
+        summary=f"{pull:.2f} M rows/s pulling existing rows ({med_pull / med_floor:.2f}x a raw row gather's time); "
+        f"with 10 % new rows {rates['pull, 10% new rows']:.1f} M; pushes {pushes}",
+        details={"rates_m_rows_per_s": rates, "warm_rows": args.warm, "batches": args.batches},
+    )
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _common import record_result
 
 from fleet.ps.client.client import PSClient
 
@@ -165,6 +166,34 @@ def main() -> None:
     print(f"{'16-byte round trip (us)':34}{rtt_f:12.1f}{rtt_r:12.1f}{rtt_r / rtt_f:12.1%}")
     print("target: fleet bandwidth >= 70% of raw TCP")
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    ratio = fleet_bw / raw_bw
+    record_result(
+        "w3_transport",
+        variant=f"dense {args.mb:g} MB push then pull",
+        figure=f"dense {args.mb:g} MB push then pull: bandwidth, fleet vs raw TCP echo in the same run",
+        units="MB/s",
+        fleet=round(fleet_bw, 1),
+        peer="raw TCP echo",
+        peer_value=round(raw_bw, 1),
+        ratio=round(ratio, 4),
+        ratio_means="fleet / raw TCP bandwidth",
+        target=">= 70 %",
+        summary=f"{ratio:.1%} of raw TCP ({fleet_bw:,.0f} vs {raw_bw:,.0f} MB/s; pipelined push+pull {pipe_bw / raw_bw:.1%})",
+        details={"pipelined_ratio": round(pipe_bw / raw_bw, 4), "iters": args.iters},
+    )
+    record_result(
+        "w3_transport",
+        variant="16-byte request round trip",
+        figure="16-byte request round trip",
+        units="us",
+        fleet=round(rtt_f, 1),
+        peer="raw TCP echo",
+        peer_value=round(rtt_r, 1),
+        ratio=round(rtt_f / rtt_r, 3),
+        ratio_means="fleet / raw TCP round trip (lower is better)",
+        summary=f"{rtt_f:.0f} us round trip vs {rtt_r:.0f} us for raw TCP",
+        headline=False,
+    )
 
 
 if __name__ == "__main__":

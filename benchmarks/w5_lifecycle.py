@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import machine_note
+from _common import machine_note, record_result
 
 import fleet
 from fleet.metrics import AUC
@@ -255,6 +255,41 @@ def main() -> None:
             f"{sum(tail) / len(tail):.4f} | {c.get('evicted', 0):,} | {c.get('dropped_gradients', 0):,} |"
         )
     plot(results, Path(__file__).parent.parent / "docs" / "figures" / "w5_lifecycle.png")
+    if not args.replot:
+        _record(results, args)
+
+
+def _record(results: list[dict], args: argparse.Namespace) -> None:
+    """One result per run: each configuration's rows, memory and AUC at the end, against the unbounded table."""
+    ends = {
+        r["config"]: {
+            "rows": r["points"][-1]["rows"],
+            "peak_rss_mib": round(r["peak_rss_mib"], 1),
+            "auc": r["points"][-1]["auc"],
+            "distinct_ids": r.get("distinct_ids"),
+        }
+        for r in results
+    }
+    base = ends.get("none")
+    main = ends.get("count2") or next(iter(ends.values()))
+    parts = [
+        f"{name}: {e['rows'] / 1e6:.2f} M rows / {e['peak_rss_mib'] / 1024:.1f} GiB, AUC {e['auc']:.4f}"
+        for name, e in ends.items()
+    ]
+    record_result(
+        "w5_lifecycle",
+        variant=f"{args.steps:,} steps, configurations {','.join(ends)}",
+        figure="sparse-table life cycle on a drifting stream: rows, peak RSS and AUC at the end, per configuration",
+        units="rows",
+        fleet=main["rows"],
+        peer="unbounded table" if base else None,
+        peer_value=base["rows"] if base else None,
+        ratio=round(main["rows"] / base["rows"], 4) if base else None,
+        ratio_means="rows with count filter 2 / rows of the unbounded table" if base else None,
+        target="bounded tables, AUC close",
+        summary="; ".join(parts),
+        details={"configs": ends, "width": args.width},
+    )
 
 
 if __name__ == "__main__":

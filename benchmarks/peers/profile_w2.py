@@ -85,7 +85,17 @@ def main() -> None:
         with open(strategy, "w") as f:
             f.write(f'mode = "ps"\nupdate = "{args.mode}"\n')
         script = os.path.join(ROOT, "examples", "single_to_multi", "train_ctr.py")
-        cmd = ["fleetrun", "--servers", str(args.servers), "--workers", "2", "--strategy", strategy]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fleet.launch",
+            "--servers",
+            str(args.servers),
+            "--workers",
+            "2",
+            "--strategy",
+            strategy,
+        ]
         cmd += ["--log-dir", os.path.join(work, "logs"), script, "--steps", steps]
     else:
         venvs = os.environ.get("FLEET_PEERS_VENVS") or os.path.join(HERE, ".venvs")

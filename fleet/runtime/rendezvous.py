@@ -8,7 +8,7 @@ The store itself has no access control: any process that reaches its port reads 
 writes every key. :func:`join` makes that harmless for a job with a secret: processes
 prove they hold it by challenge-response, every value written afterwards carries a MAC
 (:class:`~fleet.runtime.signed_store.SignedStore`), and what an outsider writes is refused as
-tampering, never blamed on a rank. See "Threat model" in the README for what remains.
+tampering, never blamed on a rank. See "Threat model" in docs/security.md for what remains.
 """
 
 from __future__ import annotations
