@@ -42,8 +42,8 @@ class Setup:
     timeout_s: float
     compression: str = "none"  # fleet.collective.compression's name of the wire dtype
     options: Any = None
-    _host: Any = field(default=None, repr=False)
-    _host_probed: bool = field(default=False, repr=False)
+    _host: Any = field(default=None, init=False, repr=False)
+    _host_probed: bool = field(default=False, init=False, repr=False)
 
     def allows(self, option: str | None) -> bool:
         return option is None or self.options is None or bool(getattr(self.options, option, True))
