@@ -36,10 +36,6 @@ class Bucket:
         self.device = params[0].device
         self.flat: torch.Tensor | None = None
         self.send: torch.Tensor | None = None
-        self.segment = None  # the shared-memory transport's buffers of every worker, when it sums this bucket
-        self.pending = 0
-        self.work = None
-        self.wire: torch.Tensor | None = None
 
     def attach(self, flat: torch.Tensor, send: torch.Tensor | None = None) -> None:
         values = len(self.params)

@@ -38,7 +38,6 @@ parameters this worker happened to use, so collectives cannot pair wrongly by co
 from __future__ import annotations
 
 import gc
-import hashlib
 import time
 import weakref
 from collections.abc import Callable
@@ -47,92 +46,49 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
 from fleet.collective import buckets as bucketing
 from fleet.collective import disagreement, lockstep, sparse_grads
 from fleet.collective.broadcast import all_gather_json
+from fleet.collective.layout import Layout, ParamMap
 from fleet.collective.shm import ChannelError
-from fleet.collective.transport import GroupTransport, SharedMemoryTransport
+from fleet.collective.transports.base import Transport
 from fleet.errors import FleetError, PeerError
 from fleet.training.owners import find_owners, is_sparse_embedding_weight
 
 
-class ParamMap:
-    """``param -> value`` that neither keeps parameters alive nor confuses a new one with a freed one."""
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
-
-    def get(self, param: torch.Tensor, default: Any = None) -> Any:
-        entry = self._entries.get(id(param))
-        return entry[1] if entry is not None and entry[0]() is param else default
-
-    def __contains__(self, param: torch.Tensor) -> bool:
-        entry = self._entries.get(id(param))
-        return entry is not None and entry[0]() is param
-
-    def set(self, param: torch.Tensor, value: Any) -> None:
-        self._entries[id(param)] = (weakref.ref(param), value)
-
-    def values(self) -> list[Any]:
-        return [value for ref, value in self._entries.values() if ref() is not None]
-
-
-class Layout:
-    """The registered parameters that train now, bucketed; immutable, rebuilt when they change."""
-
-    def __init__(
-        self,
-        registered: list[torch.Tensor],
-        signature: tuple,
-        sparse: set[int],
-        bucket_bytes: int,
-    ):
-        self.signature = signature
-        self.registered = len(registered)
-        trainable = [p for p in registered if p.requires_grad]
-        self.ids = {id(p) for p in trainable}
-        self.dense = [p for p in trainable if id(p) not in sparse]
-        self.sparse = [p for p in trainable if id(p) in sparse]
-        self.buckets = bucketing.build(self.dense, bucket_bytes)
-        self.where = {id(p): b for b in self.buckets for p in b.params}
-        self.nodes = {id(p): get_gradient_edge(p).node for p in self.dense}
-        position = {id(p): i for i, p in enumerate(registered)}
-        text = repr(
-            [self.registered, bucket_bytes]
-            + [(position[id(p)], tuple(p.shape), str(p.dtype), id(p) in sparse) for p in trainable]
-        )
-        # 62 bits: a fingerprint that fits an int64 header field with room to spare.
-        self.fingerprint = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
-
-
 class GradSync:
-    """Averages gradients over ``group`` (None: one worker, rounds only scale for accumulation)."""
+    """Averages gradients over ``group`` (None: one worker, rounds only scale for accumulation).
+
+    ``hooked``: False in local-SGD mode, or for one worker without accumulation: the registry
+    only, no gradient rounds. The strategy steers it with :meth:`arm` (accumulation windows),
+    :meth:`pause`/:meth:`resume` (``no_sync()``), :meth:`count_step` and :meth:`close`.
+    """
 
     def __init__(
         self,
         group: Any,
         *,
         bucket_bytes: int,
-        transport: GroupTransport | SharedMemoryTransport,
+        transport: Transport,
         timeout_s: float,
         diagnose: Callable[[], str | None] | None = None,
         accumulation: int = 1,
+        hooked: bool = True,
     ):
         self.group = group
-        channel = transport.host.lockstep if isinstance(transport, SharedMemoryTransport) else None
+        channel = transport.header_channel()
         self.lockstep = lockstep.Lockstep(group, timeout_s, diagnose, channel) if group is not None else None
         self.bucket_bytes = bucket_bytes
         self.transport = transport
         self.timeout = timedelta(seconds=timeout_s)
         self.diagnose = diagnose
         self.accumulation = accumulation
-        self.enabled = True  # False between the micro-batches of an accumulation window
-        self.paused = 0  # inside no_sync() (nested): backward accumulates locally, as between micro-batches
-        self.hooked = True  # False in local-SGD mode: the registry only, no gradient rounds
-        self.rounds = 0
-        self.comm_wait_s = 0.0
+        self._armed = True  # False between the micro-batches of an accumulation window
+        self._paused = 0  # inside no_sync() (nested): backward accumulates locally, as between micro-batches
+        self._hooked = hooked
+        self._rounds = 0
+        self._comm_wait_s = 0.0
         # Weakly held: an optimizer or model the script dropped stops training with the others.
         self._sources: list[weakref.ref] = []
         self._owners = ParamMap()  # param -> Owner (name, module)
@@ -143,8 +99,48 @@ class GradSync:
         self._idle: dict[int, tuple[Any, int]] = {}  # every registered parameter's gradient at the last round's end
         self._in_round = False
         self._next = 0
+        self._pending: list[int] = []  # this round, per bucket: gradients backward has still to produce
+        self._works: list[Any] = []  # this round, per bucket: the transport's work in flight
         self._scale = 1.0
         self._verified = ParamMap()  # parameters whose values are known to be worker 0's everywhere
+
+    # --- what the strategy steers ---------------------------------------------------------
+
+    @property
+    def hooked(self) -> bool:
+        """Whether backward runs gradient rounds (False in local-SGD mode, and after :meth:`close`)."""
+        return self._hooked
+
+    @property
+    def rounds(self) -> int:
+        """Gradient rounds run so far (catch-up rounds included)."""
+        return self._rounds
+
+    @property
+    def comm_wait_s(self) -> float:
+        """Seconds waited for gradient all-reduces since :meth:`take_comm_wait` last took them."""
+        return self._comm_wait_s
+
+    def arm(self, reduce: bool) -> None:
+        """Whether the next backward averages (False on the micro-batches before an accumulation window's last)."""
+        self._armed = reduce
+
+    def pause(self) -> None:
+        """Enter ``no_sync()`` (nests): backward accumulates locally until the matching :meth:`resume`."""
+        self._paused += 1
+
+    def resume(self) -> None:
+        self._paused -= 1
+
+    def count_step(self) -> None:
+        """An optimizer step was taken: the lockstep's headers carry the count."""
+        if self.lockstep is not None:
+            self.lockstep.count_step()
+
+    def close(self) -> None:
+        """Unhook from the parameters and stop the transport (fleet.stop_worker())."""
+        self.remove()
+        self.transport.close()
 
     # --- registry and layout ------------------------------------------------------------
 
@@ -192,7 +188,7 @@ class GradSync:
         if self._layout is not None and self._layout.signature == signature:
             return self._layout
         layout = Layout(registered, signature, sparse, self.bucket_bytes)
-        if self.hooked:
+        if self._hooked:
             for p in layout.dense + layout.sparse:
                 if p not in self._hooks:
                     self._hooks.set(p, p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -230,12 +226,12 @@ class GradSync:
         for handle in self._hooks.values():
             handle.remove()
         self._hooks = ParamMap()
-        self.hooked = False
+        self._hooked = False
 
     # --- a round during backward --------------------------------------------------------
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self.hooked:
+        if not self._hooked:
             return
         pid = id(param)
         if self._in_round and pid in self._early:
@@ -245,13 +241,13 @@ class GradSync:
                 "Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
             )
         self._changed.add(pid)
-        if not self.enabled or self.paused or (self.lockstep is not None and self.lockstep.joined):
+        if not self._armed or self._paused or (self.lockstep is not None and self.lockstep.joined):
             return
         if not self._in_round:
             self._begin(in_backward=True)
         bucket = self._layout.where.get(pid)  # type: ignore[union-attr]
         if bucket is not None:
-            bucket.pending -= 1
+            self._pending[bucket.index] -= 1
             self._launch_ready()
 
     def _begin(self, in_backward: bool) -> bool:
@@ -275,11 +271,11 @@ class GradSync:
             raise
         self._scale = 1.0 / (active * self.accumulation)
         self._early = set()
-        for bucket in layout.buckets:
-            bucket.pending = 0
+        self._pending = [0] * len(layout.buckets)
+        self._works = [None] * len(layout.buckets)
         for p in layout.dense:
             if in_backward and torch._C._will_engine_execute_node(layout.nodes[id(p)]):
-                layout.where[id(p)].pending += 1
+                self._pending[layout.where[id(p)].index] += 1
             else:
                 self._early.add(id(p))
         self._next = 0
@@ -305,12 +301,12 @@ class GradSync:
 
     def _launch_ready(self) -> None:
         buckets = self._layout.buckets  # type: ignore[union-attr]
-        while self._next < len(buckets) and buckets[self._next].pending <= 0:
+        while self._next < len(buckets) and self._pending[self._next] <= 0:
             self._launch(buckets[self._next])
             self._next += 1
 
     def _launch(self, bucket: bucketing.Bucket) -> None:
-        bucket.work = self.transport.launch(bucket, self._scale, self._changed)
+        self._works[bucket.index] = self.transport.launch(bucket, self._scale, self._changed)
 
     def _finish(self) -> None:
         """End of the round: launch what is left, exchange sparse gradients, wait, write back."""
@@ -324,26 +320,26 @@ class GradSync:
             sparse = self._start_sparse(layout)
             started = time.perf_counter()
             for bucket in layout.buckets:
-                if bucket.work is not None:
-                    work, bucket.work = bucket.work, None
+                work, self._works[bucket.index] = self._works[bucket.index], None
+                if work is not None:
                     self._wait_bucket(bucket, work, f"all-reduce of gradient bucket {bucket.index}")
                 bucket.scatter()
             for param, reduced, work in sparse:
                 if work is not None:
                     self._wait(work, f"all-reduce of the sparse gradient of {self._name(param)!r}")
                 param.grad = reduced
-            self.comm_wait_s += time.perf_counter() - started
+            self._comm_wait_s += time.perf_counter() - started
         finally:
             self._changed = set()
             self._early = set()
-            self.rounds += 1
+            self._rounds += 1
             self._remember_idle(layout)
 
     def take_comm_wait(self) -> float:
         """Seconds spent waiting for the gradient all-reduces since the last call."""
-        waited, self.comm_wait_s = self.comm_wait_s, 0.0
+        waited, self._comm_wait_s = self._comm_wait_s, 0.0
         if self.lockstep is not None:
-            waited, self.lockstep.waited_s = waited + self.lockstep.waited_s, 0.0
+            waited += self.lockstep.take_waited()
         return waited
 
     def replaced_by_hand(self) -> bool:
@@ -367,7 +363,7 @@ class GradSync:
             self._finish()
         else:
             self._changed = set()
-            self.rounds += 1
+            self._rounds += 1
 
     def shadow_round(self, agreement: lockstep.Agreement) -> None:
         """Inside fleet.join() with the loop finished: take part in the others' round, adding nothing.

@@ -14,17 +14,33 @@ of the lowest-ranked worker that trained last, so all leave the block identical.
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fleet.collective import lockstep
+from fleet.collective.grad_sync import GradSync
 from fleet.errors import PeerError
 
-if TYPE_CHECKING:
-    from fleet.strategies.collective import CollectiveStrategy
+
+class Shadowing(Protocol):
+    """What a finished worker needs from the strategy it trains with (the collective strategy)."""
+
+    def sync(self) -> GradSync:
+        """The job's gradient synchroniser, whose lockstep and layout the shadow follows."""
+        ...
+
+    def shadow(self, leader: lockstep.Header, agreement: lockstep.Agreement) -> None:
+        """Take part, contributing nothing, in the collective the workers still training announced."""
+        ...
+
+    def adopt_state(self, source: int) -> None:
+        """Take worker ``source``'s parameters, buffers and optimizer state."""
+        ...
 
 
 class Join:
-    def __init__(self, strategy: CollectiveStrategy):
+    """The context manager ``fleet.join()`` returns in collective mode."""
+
+    def __init__(self, strategy: Shadowing):
         self.strategy = strategy
 
     def __enter__(self) -> Join:
@@ -41,8 +57,7 @@ class Join:
         lock = sync.lockstep
         if lock is None:
             return
-        lock.joined = True
-        try:
+        with lock.joining():
             while True:
                 layout = sync.refresh()
                 agreement = lock.exchange(lockstep.JOINED, a=layout.fingerprint)
@@ -64,11 +79,9 @@ class Join:
                     if agreement.fingerprints_differ():
                         raise PeerError(sync.explain_layout(agreement))
                 strategy.shadow(leader, agreement)
-        finally:
-            lock.joined = False
         # Every worker saw the same last headers: whoever took the most steps trained last.
         steps = [h.steps for h in agreement.headers]
-        lock.steps = max(steps)
+        lock.adopt_steps(max(steps))
         if min(steps) != max(steps):
             strategy.adopt_state(steps.index(max(steps)))
 

@@ -23,9 +23,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from fleet.errors import StoreTamperedError
 from fleet.runtime import env
-from fleet.runtime.signed_store import SignedStore
+from fleet.runtime.signed_store import SignedStore, StoreTamperedError  # the error SignedStore raises
 
 HEARTBEAT_S = 1.0
 WATCH_S = 2.5 * HEARTBEAT_S  # how long a diagnosis samples the counters

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -126,7 +127,12 @@ class Agreement:
 
 
 class Lockstep:
-    """Announces collectives over ``group`` (rank = this worker's rank in it)."""
+    """Announces collectives over ``group`` (rank = this worker's rank in it).
+
+    Its state changes only through its methods: :meth:`count_step` after an optimizer step,
+    :meth:`joining` while shadowing inside ``fleet.join()``, :meth:`adopt_steps` after it,
+    :meth:`finish` once at the end, :meth:`take_waited` for the step's timing.
+    """
 
     def __init__(
         self,
@@ -139,38 +145,91 @@ class Lockstep:
         self.channel = channel  # the workers' shared memory on one host: no gloo round trip
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.timeout = timedelta(seconds=timeout_s)
         self.diagnose = diagnose
-        self.steps = 0  # optimizer steps taken, for messages and to catch a different number of backwards
-        self.joined = False
-        self.finished = False
-        self.waited_s = 0.0  # time spent in header exchanges: waiting for peers, reported as communication
+        self._timeout = timedelta(seconds=timeout_s)
+        self._steps = 0  # optimizer steps taken, for messages and to catch a different number of backwards
+        self._joined = False
+        self._finished = False
+        self._waited_s = 0.0  # time spent in header exchanges: waiting for peers, reported as communication
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps (sharding: backward passes after sharded forwards) this worker announced."""
+        return self._steps
+
+    @property
+    def joined(self) -> bool:
+        """Inside fleet.join() with this worker's loop finished: it shadows the others."""
+        return self._joined
+
+    @property
+    def finished(self) -> bool:
+        """This worker announced that it stops (:meth:`finish`)."""
+        return self._finished
+
+    def count_step(self) -> None:
+        self._steps += 1
+
+    def adopt_steps(self, steps: int) -> None:
+        """After fleet.join(): this worker continues from the step count of the worker that trained last."""
+        self._steps = steps
+
+    @contextmanager
+    def joining(self) -> Iterator[None]:
+        """While shadowing the others inside fleet.join(): announcements say ``JOINED``."""
+        self._joined = True
+        try:
+            yield
+        finally:
+            self._joined = False
+
+    def finish(self, within: timedelta | None = None) -> None:
+        """Announce that this worker stops, once (later calls do nothing).
+
+        ``within``: wait at most this long for the peers (a process exiting does not wait out the
+        whole job timeout for a peer that is gone).
+        """
+        if self._finished:
+            return
+        self._finished = True
+        if within is not None:
+            self._timeout = min(self._timeout, within)
+        self.announce(FINISH)
+
+    def take_waited(self) -> float:
+        """Seconds spent in header exchanges since the last call."""
+        waited, self._waited_s = self._waited_s, 0.0
+        return waited
 
     def exchange(self, kind: int, a: int = 0, b: int = 0, c: int = 0) -> Agreement:
         """All-gather the headers; raises PeerError if a peer is gone."""
         started = time.perf_counter()
         if self.channel is not None:
             try:
-                rows = self.channel.exchange([kind, a, b, c, self.steps, 0])
+                rows = self.channel.exchange([kind, a, b, c, self._steps, 0])
             except shm.ChannelError as error:
                 what = f"agreeing on the next collective ({WHAT[kind]})"
                 dead = "died" in str(error)
                 raise PeerError.from_collective(what, error, None if dead else self._diagnosis(), plain=dead) from None
             finally:
-                self.waited_s += time.perf_counter() - started
+                self._waited_s += time.perf_counter() - started
             return Agreement([Header(r, *row[:5]) for r, row in enumerate(rows)])
-        mine = torch.tensor([kind, a, b, c, self.steps, 0], dtype=torch.int64)
+        mine = torch.tensor([kind, a, b, c, self._steps, 0], dtype=torch.int64)
         gathered = torch.empty(self.world * _FIELDS, dtype=torch.int64)
         try:
             work = dist.all_gather_single(gathered, mine, group=self.group, async_op=True)
-            work.wait(self.timeout)
+            work.wait(self._timeout)
         except RuntimeError as error:
             diagnosis = self._diagnosis()
             raise PeerError.from_collective(
                 f"agreeing on the next collective ({WHAT[kind]})", error, diagnosis
             ) from None
         finally:
-            self.waited_s += time.perf_counter() - started
+            self._waited_s += time.perf_counter() - started
         rows = gathered.view(self.world, _FIELDS).tolist()
         return Agreement([Header(r, *row[:5]) for r, row in enumerate(rows)])
 

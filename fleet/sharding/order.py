@@ -85,7 +85,7 @@ class ShardedOrder:
         if self._ran_forward:
             self._ran_forward = False
             self.before_collective(lockstep.SHARD_BACKWARD, how)
-            self.lockstep.steps += 1
+            self.lockstep.count_step()
 
     def before_reduce(self, index: int, param_group: Any) -> None:
         """Agree on which parameters of the module have a gradient; zeros for those only others have."""

@@ -22,18 +22,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fleet.collective import lockstep, sparse_grads
+from fleet.collective import lockstep, sparse_grads, transports
 from fleet.collective.broadcast import (
     average_tensors,
     broadcast_optimizer_state,
     broadcast_tensors,
     check_same_shapes,
 )
-from fleet.collective.compression import make_compressor
 from fleet.collective.grad_sync import GradSync
 from fleet.collective.join import Join
-from fleet.collective.shm import LocalHost
-from fleet.collective.transport import GroupTransport, SharedMemoryTransport
 from fleet.errors import PeerError
 from fleet.sparse import backends as tables
 from fleet.strategies.base import REDUCE_OPS, Strategy, check_reduce
@@ -81,21 +78,18 @@ class CollectiveStrategy(Strategy):
         if self._sync is None:
             config = self.config
             group = self.runtime.process_group(config.timeout_s)
-            transport: Any = GroupTransport(group, make_compressor(config.grad_compression))
-            host = LocalHost.connect(group, config.timeout_s) if group is not None and config.shared_memory else None
-            if host is not None:
-                # Compressed buckets keep the process group (what they trade precision for is the wire).
-                transport = SharedMemoryTransport(host, transport, compress=config.grad_compression != "none")
+            # The config is the transports' options: each may name a field that switches it off.
+            setup = transports.Setup(group, config.timeout_s, compression=config.grad_compression, options=config)
             self._sync = GradSync(
                 group,
                 bucket_bytes=int(config.bucket_mb * (1 << 20)),
-                transport=transport,
+                transport=transports.choose(setup),
                 timeout_s=config.timeout_s,
                 diagnose=self.runtime.diagnose_peers,
                 accumulation=config.grad_accumulation_steps,
+                # Gradient rounds are needed to average over workers, or to scale accumulated micro-batches.
+                hooked=not config.local_sgd_steps and (group is not None or config.grad_accumulation_steps > 1),
             )
-            # Gradient rounds are needed to average over workers, or to scale accumulated micro-batches.
-            self._sync.hooked = not config.local_sgd_steps and (group is not None or config.grad_accumulation_steps > 1)
             if group is not None:
                 atexit.register(self._finish_at_exit)
         return self._sync
@@ -131,11 +125,11 @@ class CollectiveStrategy(Strategy):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         sync = self.sync()
-        sync.paused += 1
+        sync.pause()
         try:
             yield
         finally:
-            sync.paused -= 1
+            sync.resume()
 
     def _broadcast_buffers(self, index: int, model: torch.nn.Module) -> None:
         lock = self.sync().lockstep
@@ -177,12 +171,10 @@ class CollectiveStrategy(Strategy):
             return
         lock = sync.lockstep
         try:
-            if lock is not None and not lock.finished:
-                lock.finished = True
-                lock.announce(lockstep.FINISH)
+            if lock is not None:
+                lock.finish()
         finally:
-            sync.remove()
-            sync.transport.close()
+            sync.close()
             if lock is not None:
                 atexit.unregister(self._finish_at_exit)
 
@@ -192,10 +184,8 @@ class CollectiveStrategy(Strategy):
         lock = sync.lockstep if sync is not None else None
         if lock is None or lock.finished or not dist.is_initialized() or hasattr(sys, "last_value"):
             return  # stopped already, or ending on an uncaught exception: nothing to agree on
-        lock.finished = True
-        lock.timeout = min(lock.timeout, timedelta(seconds=EXIT_TIMEOUT_S))
         try:
-            lock.announce(lockstep.FINISH)
+            lock.finish(within=timedelta(seconds=EXIT_TIMEOUT_S))
         except PeerError as error:
             print(f"fleet: worker {lock.rank}: {error}", file=sys.stderr, flush=True)
 
@@ -288,7 +278,7 @@ class CollectiveOptimizer(WrappedOptimizer):
 
     def _arm(self) -> None:
         """Reduce gradients only on the backward that ends an accumulation window."""
-        self.sync.enabled = (self._micro_step + 1) % self._accumulation == 0
+        self.sync.arm((self._micro_step + 1) % self._accumulation == 0)
 
     @property
     def comm_wait_s(self) -> float:
@@ -320,8 +310,7 @@ class CollectiveOptimizer(WrappedOptimizer):
         self._rounds_at_step = self.sync.rounds
         self._micro_step += 1
         self.steps += 1
-        if self.sync.lockstep is not None:
-            self.sync.lockstep.steps += 1
+        self.sync.count_step()
         self._arm()
         comm_s = self.sync.take_comm_wait()
         if self.config.local_sgd_steps and self.group is not None and self.steps % self.config.local_sgd_steps == 0:

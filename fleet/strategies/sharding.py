@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from fleet.collective import lockstep, sparse_grads
 from fleet.collective.broadcast import average_tensors, broadcast_tensors, check_same_shapes
-from fleet.collective.grad_sync import ParamMap
+from fleet.collective.layout import ParamMap
 from fleet.errors import FleetError
 from fleet.sharding import autograd as sharded_autograd
 from fleet.sharding.order import ShardedOrder

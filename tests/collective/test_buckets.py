@@ -7,7 +7,7 @@ import torch
 from fleet.collective import buckets
 from fleet.collective.compression import make_compressor
 from fleet.collective.grad_sync import GradSync
-from fleet.collective.transport import GroupTransport
+from fleet.collective.transports.process_group import ProcessGroupTransport
 
 
 def _params(*sizes: int, dtype=torch.float32) -> list[torch.nn.Parameter]:
@@ -72,11 +72,15 @@ def test_accumulated_micro_batches_are_averaged_in_one_process():
     reference.load_state_dict(model.state_dict())
     x = torch.randn(8, 3)
     sync = GradSync(
-        None, bucket_bytes=1 << 20, transport=GroupTransport(None, make_compressor("none")), timeout_s=5, accumulation=2
+        None,
+        bucket_bytes=1 << 20,
+        transport=ProcessGroupTransport(None, make_compressor("none")),
+        timeout_s=5,
+        accumulation=2,
     )
     sync.register(model)
     for micro, half in enumerate((x[:4], x[4:])):
-        sync.enabled = micro == 1  # the window's last micro-batch starts the round
+        sync.arm(micro == 1)  # the window's last micro-batch starts the round
         model(half).sum().backward()
     (reference(x).sum() / 2).backward()  # the mean over the two micro-batches
     assert torch.allclose(model.weight.grad, reference.weight.grad)
@@ -87,7 +91,7 @@ def test_a_chunk_sums_a_gradient_that_lives_in_its_own_result_buffer_with_three_
     """zero_grad(set_to_none=False), or a second backward before step: the gradient is last round's
     result buffer, where the other workers' sum is written. It was read after that write (3 workers:
     1.5 + 1/3 of 1.5 instead of 1.5 + 1/3 of the gradient; 2 workers read it first by chance)."""
-    from fleet.collective.transport import _Segment, _sum_chunk
+    from fleet.collective.transports.shared_memory import _Segment, _sum_chunk
 
     for world in (2, 3, 4):
         sends = [torch.full((4,), float(k + 1)) / world for k in range(world)]

@@ -1,4 +1,4 @@
-"""Workers on one host: the shared-memory channel and transport (fleet/collective/shm.py, transport.py)."""
+"""Workers on one host: the shared-memory channel and transport (fleet/collective/shm.py, transports/shared_memory.py)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_a_segment_is_owner_only_and_fully_allocated(tmp_path):
 def fallback_worker(rank: int, fail_rank: int) -> dict:
     """One worker cannot allocate shared memory: every worker falls back to the process group together."""
     import fleet
-    from fleet.collective import transport
+    from fleet.collective.transports import shared_memory as transport
 
     if rank == fail_rank:
 
@@ -100,7 +100,7 @@ def test_no_shared_memory_on_one_worker_falls_back_together():
 def overlapped_worker(rank: int) -> dict:
     """With a core to spare, buckets are summed on a thread of their own while backward goes on."""
     import fleet
-    from fleet.collective import transport
+    from fleet.collective.transports import shared_memory as transport
 
     transport.overlap_pays = lambda workers_here: True
     fleet.init()

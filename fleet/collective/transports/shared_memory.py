@@ -1,22 +1,21 @@
-"""How a gradient bucket is summed over the workers: the process group's all-reduce, or shared memory.
+"""Shared memory between the workers of one host: CPU buckets summed without the network stack.
 
-:class:`GroupTransport` all-reduces a bucket over the job's process group (gloo for CPU
-tensors, NCCL for CUDA), optionally compressed to fp16/bf16 on the wire.
+For CPU buckets when every worker runs on one host (a common way to train on a multi-core
+machine). Each worker owns one contiguous chunk of every bucket: it copies the rest of its
+(pre-scaled) gradients into its send buffer in shared memory, then sums its chunk, reading
+its own share straight from its gradients and the others' from their send buffers, and
+writes the sum into every worker's result buffer (which ``.grad`` then points into). Per
+worker that is about three passes over the gradients, against gloo's copies in and out of
+the loopback TCP stack and its ring of messages. The two barriers around each chunk go
+through the workers' shared-memory channel (:mod:`fleet.collective.shm`), on the
+transport's thread, or on the training thread for a bucket that is still waiting when
+backward ends. Bucket segments are created ``0600`` and fully allocated (a full
+``/dev/shm`` fails at creation, never as a SIGBUS later) and unlinked once every worker has
+mapped them, so nothing is left behind whatever happens to the job; if one cannot be
+created, every worker falls back to the process group together, and says why.
 
-:class:`SharedMemoryTransport` is for CPU buckets when every worker runs on one host (a
-common way to train on a multi-core machine). Each worker owns one contiguous chunk of
-every bucket: it copies the rest of its (pre-scaled) gradients into its send buffer in
-shared memory, then sums its chunk, reading its own share straight from its gradients and
-the others' from their send buffers, and writes the sum into every worker's result buffer
-(which ``.grad`` then points into). Per worker that is about three passes over the
-gradients, against gloo's copies in and out of the loopback TCP stack and its ring of
-messages. The two barriers around each chunk go through the workers' shared-memory
-channel (:mod:`fleet.collective.shm`), on the transport's thread, or on the training
-thread for a bucket that is still waiting when backward ends. Bucket segments are created
-``0600`` and fully allocated (a full ``/dev/shm`` fails at creation, never as a SIGBUS
-later) and unlinked once every worker has mapped them, so nothing is left behind whatever
-happens to the job; if one cannot be created, every worker falls back to the process group
-together, and the strategy says why.
+Compressed gradients keep the process group (what they trade precision for is the wire),
+as do CUDA buckets; the lockstep's headers still take the shared-memory channel.
 """
 
 from __future__ import annotations
@@ -25,50 +24,15 @@ import os
 import queue
 import sys
 import threading
+import weakref
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
 from fleet.collective import shm
 from fleet.collective.buckets import Bucket
-from fleet.collective.compression import Compressor
-
-
-class GroupTransport:
-    """A bucket's all-reduce over the process group (``group`` None: one worker, nothing to send)."""
-
-    def __init__(self, group: Any, compressor: Compressor):
-        self.group = group
-        self.compressor = compressor
-
-    def bind(self, buckets: list[Bucket]) -> None:
-        for bucket in buckets:
-            if bucket.flat is None:
-                bucket.attach(torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device))
-
-    def launch(self, bucket: Bucket, scale: float, changed: set[int]) -> Any:
-        """Gather this worker's gradients into the bucket and start summing it over the workers."""
-        bucket.gather(scale, changed)
-        if self.group is None:
-            return None
-        bucket.wire = self.compressor.compress(bucket.flat)
-        return dist.all_reduce(bucket.wire, group=self.group, async_op=True)
-
-    def start_empty(self, bucket: Bucket) -> Any:
-        """Take part without contributing (a worker shadowing inside fleet.join())."""
-        zeros = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
-        return dist.all_reduce(self.compressor.compress(zeros), group=self.group, async_op=True)
-
-    def wait(self, bucket: Bucket, work: Any, timeout: timedelta) -> None:
-        work.wait(timeout)
-        if bucket.wire is not None:
-            self.compressor.decompress(bucket.wire, bucket.flat)
-            bucket.wire = None
-
-    def close(self) -> None:
-        pass
+from fleet.collective.transports.base import Setup, Transport
 
 
 class _Work:
@@ -119,7 +83,9 @@ class SharedMemoryTransport:
     header exchange); a bucket that cannot live in shared memory goes through ``fallback``.
     """
 
-    def __init__(self, host: shm.LocalHost, fallback: GroupTransport, compress: bool = False):
+    option: ClassVar[str | None] = "shared_memory"  # DistributedStrategy.shared_memory=False switches it off
+
+    def __init__(self, host: shm.LocalHost, fallback: Transport, compress: bool = False):
         self.host = host
         self.fallback = fallback
         self.rank = host.rank
@@ -129,8 +95,24 @@ class SharedMemoryTransport:
         self.overlap = overlap_pays(host.world)
         self.note: str | None = None  # why it stopped being used, for the user
         self._layouts = 0
+        # The buckets this transport sums (weakly: a bucket of an old layout takes its segment with it).
+        self._segments: weakref.WeakKeyDictionary[Bucket, _Segment] = weakref.WeakKeyDictionary()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def enabled(cls, setup: Setup) -> bool:
+        """Every worker runs on this host and maps the others' shared memory (x86-64 with /dev/shm)."""
+        return setup.group is not None and setup.local_host() is not None
+
+    @classmethod
+    def create(cls, setup: Setup, fallback: Transport | None) -> SharedMemoryTransport:
+        host = setup.local_host()
+        assert host is not None and fallback is not None, "enabled() and the process group come first"
+        return cls(host, fallback, compress=setup.compression != "none")
+
+    def header_channel(self) -> shm.Channel | None:
+        return self.host.lockstep
 
     def _all_ok(self, ok: bool) -> bool:
         return min(row[0] for row in self.channel.exchange([1 if ok else 0])) == 1
@@ -175,8 +157,8 @@ class SharedMemoryTransport:
                     pass
         for bucket, maps in zip(fresh, peers, strict=True):
             n = bucket.numel
-            bucket.segment = _Segment([m[:n] for m in maps], [m[n:] for m in maps])
-            bucket.attach(bucket.segment.results[self.rank], send=bucket.segment.sends[self.rank])
+            segment = self._segments[bucket] = _Segment([m[:n] for m in maps], [m[n:] for m in maps])
+            bucket.attach(segment.results[self.rank], send=segment.sends[self.rank])
         if self._thread is None and self.overlap:
             self._thread = threading.Thread(target=self._run, name="fleet-shm-reduce", daemon=True)
             self._thread.start()
@@ -197,19 +179,21 @@ class SharedMemoryTransport:
         return work  # without the thread, the training thread sums it when backward ends
 
     def launch(self, bucket: Bucket, scale: float, changed: set[int]) -> Any:
-        if bucket.segment is None:
+        segment = self._segments.get(bucket)
+        if segment is None:
             return self.fallback.launch(bucket, scale, changed)
         lo, hi = self._chunk(bucket)
         # This worker's own share of its chunk is read straight from its gradients: never copied.
         sources = bucket.gather(scale, changed, keep=(lo, hi))
-        return self._submit(bucket.segment, lo, hi, bucket.own(sources, lo, hi, scale), bucket.index)
+        return self._submit(segment, lo, hi, bucket.own(sources, lo, hi, scale), bucket.index)
 
     def start_empty(self, bucket: Bucket) -> Any:
-        if bucket.segment is None:
+        segment = self._segments.get(bucket)
+        if segment is None:
             return self.fallback.start_empty(bucket)
         bucket.send.zero_()
         lo, hi = self._chunk(bucket)
-        return self._submit(bucket.segment, lo, hi, [(lo, hi, None, 1.0)], bucket.index)
+        return self._submit(segment, lo, hi, [(lo, hi, None, 1.0)], bucket.index)
 
     def wait(self, bucket: Bucket, work: Any, timeout: timedelta) -> None:
         if isinstance(work, _Work):
