@@ -42,7 +42,7 @@ class StoreTamperedError(PeerError):
         super().__init__(
             f"the rendezvous store was tampered with by a process without the job's secret ({what}); no process of "
             "this job is at fault. Something on this host or network wrote into the store: keep its port "
-            "unreachable to others (see 'Threat model' in the README)."
+            "unreachable to others (see 'Threat model' in docs/security.md)."
         )
 
     def __reduce__(self):
