@@ -192,7 +192,7 @@ class TableOps:
         if msg.arg == DENSE_STATE_SET_VALUES:
             values = self._expect(msg, "values")[0]
             shard.check_values("values", values)
-            if shard.mode == "sync" and msg.step < shard.version:
+            if shard.stale_write(msg.step):
                 # Written on values of a step that has closed since (a backup worker, late): applying
                 # them would undo that step. Dropped like its late gradient; it takes the new values.
                 self._counts["stale_dropped"] += 1
