@@ -54,7 +54,7 @@ from fleet.ps.protocol.wire import (
 from fleet.ps.server import aggregator as agg
 from fleet.ps.server.inbox import FairInbox
 from fleet.ps.server.reduce import ReduceOps, against_barrier
-from fleet.ps.server.table_ops import TableOps
+from fleet.ps.server.table_ops import Replies, TableRequests
 from fleet.ps.server.waitlist import Parked, Waitlist
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def zmq_address(endpoint: str) -> str:
     return f"tcp://{host}:{'*' if int(port) == 0 else port}"
 
 
-class ParameterServer(TableOps, ReduceOps):
+class ParameterServer(ReduceOps):
     """Holds table shards and answers workers until every worker has sent STOP.
 
     ``endpoint`` is bound at construction (so a port clash surfaces at once and
@@ -104,7 +104,6 @@ class ParameterServer(TableOps, ReduceOps):
         self.torch_threads = torch_threads
         self.limits = limits if limits is not None else RequestLimits()
         self._request_budget = self.limits.budget()
-        self.checkpoint_record_dir = checkpoint_record_dir  # where each SAVE is recorded for a restart
         auth.check_secret(secret)
         self.encryption = auth.check_encryption(encryption)
         self._ctx = zmq.Context(io_threads=1)
@@ -140,25 +139,39 @@ class ParameterServer(TableOps, ReduceOps):
         self._ops: dict[str, int] = defaultdict(int)
         self._table_ops: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._counts: dict[str, int] = defaultdict(int)
+        self.tables = TableRequests(
+            self._shards,
+            self._waiting,
+            Replies(
+                ok=self._ok, send=self._send, reply_error=self._reply_error, park=self._park, failure=self._failure
+            ),
+            self._counts,
+            self._maybe_step,
+            server_index=server_index,
+            num_workers=num_workers,
+            limits=self.limits,
+            checkpoint_record_dir=checkpoint_record_dir,
+        )
+        tables = self.tables
         self._handlers = {
             Op.HELLO: self._hello,
-            Op.CREATE_DENSE: self._create,
-            Op.CREATE_SPARSE: self._create,
-            Op.PULL_DENSE: self._pull,
-            Op.PULL_SPARSE: self._pull,
-            Op.PUSH_DENSE_GRAD: self._push,
-            Op.PUSH_SPARSE_GRAD: self._push,
-            Op.PUSH_DENSE_DELTA: self._push,
-            Op.PUSH_SPARSE_DELTA: self._push,
+            Op.CREATE_DENSE: tables.create,
+            Op.CREATE_SPARSE: tables.create,
+            Op.PULL_DENSE: tables.pull,
+            Op.PULL_SPARSE: tables.pull,
+            Op.PUSH_DENSE_GRAD: tables.push,
+            Op.PUSH_SPARSE_GRAD: tables.push,
+            Op.PUSH_DENSE_DELTA: tables.push,
+            Op.PUSH_SPARSE_DELTA: tables.push,
             Op.BARRIER: self._barrier_op,
-            Op.SAVE: self._save,
-            Op.LOAD: self._load,
+            Op.SAVE: tables.save,
+            Op.LOAD: tables.load,
             Op.STATS: lambda ident, msg: self._ok(msg, blob=json.dumps(self.stats()).encode()),
             Op.STOP: self._stop,
             Op.ALL_REDUCE: self._all_reduce_op,
-            Op.SHRINK: self._shrink,
-            Op.EXPORT_SPARSE: self._export_sparse,
-            Op.DENSE_STATE: self._dense_state,
+            Op.SHRINK: tables.shrink,
+            Op.EXPORT_SPARSE: tables.export_sparse,
+            Op.DENSE_STATE: tables.dense_state,
         }
 
     # ------------------------------------------------------------------ loop
@@ -388,7 +401,7 @@ class ParameterServer(TableOps, ReduceOps):
         """After workers stopped or reached a barrier: sync steps waiting only for them may complete."""
         for table, shard in self._shards.items():
             if self._maybe_step(shard):
-                self._answer_pulls(table)
+                self.tables.answer_pulls(table)
 
     # ------------------------------------------------------------------ ops
     def _hello(self, ident: bytes, msg: Message) -> Message:
@@ -444,6 +457,10 @@ class ParameterServer(TableOps, ReduceOps):
             text = f"barrier timed out after {now - parked.since:.2f} s waiting for workers {missing}"
             self._reply_error(parked.ident, parked.msg, text)
         self._expire_reduce(now)
+
+    def restore(self, dirname: str) -> list[int]:
+        """Load this server's shards saved under ``dirname`` (see :meth:`TableRequests.restore`)."""
+        return self.tables.restore(dirname)
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:

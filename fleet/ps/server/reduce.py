@@ -8,8 +8,7 @@ each with the reduction, summed in worker order (the same bits for everyone). Th
 agree in length and reduction; otherwise every parked worker, and the one that disagrees, gets
 an error naming who sent what, and so do workers reducing while others wait in the barrier.
 
-:class:`ReduceOps` is a mixin of :class:`~fleet.ps.server.loop.ParameterServer` (like
-:class:`~fleet.ps.server.table_ops.TableOps`): its host provides ``_waiting``, ``_active``,
+:class:`ReduceOps` is a mixin of :class:`~fleet.ps.server.loop.ParameterServer`: its host provides ``_waiting``, ``_active``,
 ``server_index`` and the reply helpers ``_ok`` / ``_send`` / ``_reply_error`` / ``_park``.
 """
 
