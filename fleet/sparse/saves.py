@@ -10,24 +10,55 @@ the table as it was.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from fleet.sparse.id_index import as_ids
-from fleet.sparse.optim import check_saved_optimizer, optimizer_config_json
-
-if TYPE_CHECKING:
-    from fleet.sparse.table import SparseTable
+from fleet.sparse.optim import InitializerSpec, OptimizerSpec, check_saved_optimizer, optimizer_config_json
 
 # Evicted ids are remembered for the next delta save; past this many (and 4x the table) a delta is refused.
 MAX_REMEMBERED_DELETIONS = 1 << 22
 
 
+class StoredTable(Protocol):
+    """What saves use of a :class:`~fleet.sparse.table.SparseTable`: its settings and storage methods."""
+
+    dim: int
+    seed: int
+    optimizer: OptimizerSpec
+    initializer: InitializerSpec
+    lifecycle: Any
+    clock: int
+
+    @property
+    def state_names(self) -> tuple[str, ...]: ...
+
+    def stat_dtypes(self) -> dict[str, torch.dtype]: ...
+
+    def check_rows(self, name: str, values: torch.Tensor, n: int) -> torch.Tensor: ...
+
+    def slot_ids(self) -> torch.Tensor: ...
+
+    def copy_rows(self, pick: slice | torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def changed_slots(self) -> torch.Tensor: ...
+
+    def evicted_since_save(self) -> torch.Tensor | None: ...
+
+    def header(self) -> dict[str, Any]: ...
+
+    def replace_rows(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], header: dict[str, Any]) -> None: ...
+
+    def merge_rows(
+        self, deleted: torch.Tensor, ids: torch.Tensor, fields: dict[str, torch.Tensor], header: dict[str, Any]
+    ) -> None: ...
+
+
 class TableSaves:
     """The checkpoint format of one :class:`~fleet.sparse.table.SparseTable`."""
 
-    def __init__(self, table: SparseTable):
+    def __init__(self, table: StoredTable):
         self.table = table
 
     def state_dict(self, delta: bool = False) -> dict[str, Any]:

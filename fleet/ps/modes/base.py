@@ -110,6 +110,10 @@ class UpdateMode:
                 f"backup_workers={config.backup_workers} applies to update='sync' only (got update={cls.name!r})"
             )
 
+    def table_config(self, config: Any) -> dict[str, Any]:
+        """The update-mode keys of a create-table config (the wire format the server reads with ``of_config``)."""
+        return {"update": self.name, "backup_workers": int(config.backup_workers)}
+
     # ------------------------------------------------------------------ worker side
     def worker(self, host: WorkerHost, config: Any) -> WorkerPolicy:
         """The policy that runs one step of ``host`` (``config``: the job's ``DistributedStrategy``)."""

@@ -203,7 +203,7 @@ class ParameterServer(ReduceOps):
                         self._handle(frames)
                 self._expire(time.monotonic())
         finally:
-            self._close()
+            self.close()
         return self.stats()
 
     def shutdown(self) -> None:
@@ -215,7 +215,8 @@ class ParameterServer(ReduceOps):
         nearest = self._waiting.next_deadline(now + _IDLE_POLL_MS / 1000)
         return max(0, int((nearest - now) * 1000) + 1)
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Answer parked requests with an error and release the socket (idempotent; :meth:`serve` ends with it)."""
         if self._closed:
             return
         self._closed = True

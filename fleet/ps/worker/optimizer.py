@@ -52,7 +52,7 @@ class PSOptimizer(WrappedOptimizer):
         self._model = model
         self._new_table = new_table
         self.mode = mode_for(config.update)
-        self._base = {"update": self.mode.name, "backup_workers": int(config.backup_workers)}
+        self._base = self.mode.table_config(config)
         self.tables = DenseTables(client, optimizer, self._base, self.is_first, new_table)
         self.sparse: list[tuple[Any, int, Any]] = []  # (table module, param group index, rows)
         self._sparse_creates: list[Callable[[], Future]] = []
