@@ -53,8 +53,9 @@ from fleet.ps.protocol.wire import (
 )
 from fleet.ps.server import aggregator as agg
 from fleet.ps.server.inbox import FairInbox
-from fleet.ps.server.reduce import ReduceOps, against_barrier
-from fleet.ps.server.table_ops import Replies, TableRequests
+from fleet.ps.server.reduce import Reductions, against_barrier
+from fleet.ps.server.replies import Replies
+from fleet.ps.server.table_ops import TableRequests
 from fleet.ps.server.waitlist import Parked, Waitlist
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def zmq_address(endpoint: str) -> str:
     return f"tcp://{host}:{'*' if int(port) == 0 else port}"
 
 
-class ParameterServer(ReduceOps):
+class ParameterServer:
     """Holds table shards and answers workers until every worker has sent STOP.
 
     ``endpoint`` is bound at construction (so a port clash surfaces at once and
@@ -139,12 +140,14 @@ class ParameterServer(ReduceOps):
         self._ops: dict[str, int] = defaultdict(int)
         self._table_ops: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._counts: dict[str, int] = defaultdict(int)
+        replies = Replies(
+            ok=self._ok, send=self._send, reply_error=self._reply_error, park=self._park, failure=self._failure
+        )
+        self.reductions = Reductions(self._waiting, replies, lambda: self._active, server_index)
         self.tables = TableRequests(
             self._shards,
             self._waiting,
-            Replies(
-                ok=self._ok, send=self._send, reply_error=self._reply_error, park=self._park, failure=self._failure
-            ),
+            replies,
             self._counts,
             self._maybe_step,
             server_index=server_index,
@@ -168,7 +171,7 @@ class ParameterServer(ReduceOps):
             Op.LOAD: tables.load,
             Op.STATS: lambda ident, msg: self._ok(msg, blob=json.dumps(self.stats()).encode()),
             Op.STOP: self._stop,
-            Op.ALL_REDUCE: self._all_reduce_op,
+            Op.ALL_REDUCE: self.reductions.all_reduce,
             Op.SHRINK: tables.shrink,
             Op.EXPORT_SPARSE: tables.export_sparse,
             Op.DENSE_STATE: tables.dense_state,
@@ -380,7 +383,7 @@ class ParameterServer(ReduceOps):
             if self.rejoin:
                 self._close_ready_steps()
                 self._release_barrier()
-                self._release_reduce()
+                self.reductions.release()
 
     def _maybe_step(self, shard: agg.Shard) -> bool:
         """Close the shard's sync step if it is complete (see Shard.maybe_step); never raises.
@@ -414,7 +417,7 @@ class ParameterServer(ReduceOps):
             raise agg.ShardError(f"worker {msg.peer} entered the barrier twice")
         if self._waiting.reduce:  # the others all-reduce a metric: nobody may wait here for them
             waiting = [msg.peer, *self._waiting.barrier]
-            raise ValueError(self._fail_collectives(against_barrier(list(self._waiting.reduce), waiting)))
+            raise ValueError(self.reductions.fail_collectives(against_barrier(list(self._waiting.reduce), waiting)))
         self._waiting.barrier[msg.peer] = self._park(ident, msg)
         self._close_ready_steps()
         self._release_barrier()
@@ -432,7 +435,7 @@ class ParameterServer(ReduceOps):
         # fewer workers now: sync steps, barriers and all-reduces waiting for the stopped one may complete
         self._close_ready_steps()
         self._release_barrier()
-        self._release_reduce()
+        self.reductions.release()
         return self._ok(msg)
 
     # ------------------------------------------------------------- deadlines
@@ -457,7 +460,7 @@ class ParameterServer(ReduceOps):
             missing = sorted(self._active - set(self._waiting.barrier) - {parked.msg.peer})
             text = f"barrier timed out after {now - parked.since:.2f} s waiting for workers {missing}"
             self._reply_error(parked.ident, parked.msg, text)
-        self._expire_reduce(now)
+        self.reductions.expire(now)
 
     def restore(self, dirname: str) -> list[int]:
         """Load this server's shards saved under ``dirname`` (see :meth:`TableRequests.restore`)."""

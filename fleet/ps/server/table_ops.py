@@ -2,7 +2,7 @@
 
 :class:`TableRequests` is an object the server composes: it is given, through its
 constructor, the shards it serves (the server's table map), the waitlist for parked
-requests, the server's reply helpers (:class:`Replies`), the counters it adds to, and the
+requests, the server's reply helpers (:class:`~fleet.ps.server.replies.Replies`), the counters it adds to, and the
 one server decision it needs (``close_step``: close a shard's sync step if complete). The
 server loop dispatches to its public handlers, which return the reply, or None when the
 request was parked to be answered later.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass
 from typing import Any
 
 from fleet.ps.protocol.limits import RequestLimits
@@ -33,20 +32,10 @@ from fleet.ps.protocol.wire import (
 )
 from fleet.ps.server import aggregator as agg
 from fleet.ps.server import shard_io
-from fleet.ps.server.waitlist import Parked, Waitlist
+from fleet.ps.server.replies import Replies
+from fleet.ps.server.waitlist import Waitlist
 
 Shards = MutableMapping[int, "agg.DenseShard | agg.SparseShard"]
-
-
-@dataclass(frozen=True)
-class Replies:
-    """How the server answers: build a reply, send it, send an error, park a request, explain a failure."""
-
-    ok: Callable[..., Message]
-    send: Callable[[bytes, Message], None]
-    reply_error: Callable[..., None]
-    park: Callable[[bytes, Message], Parked]
-    failure: Callable[[BaseException, str, int | None], str]
 
 
 class TableRequests:
