@@ -36,9 +36,7 @@ from typing import Any
 import torch
 
 from fleet.ps.modes import Admit, UpdateMode, of_config
-from fleet.ps.protocol.errors import ShardError
-
-__all__ = ["ShardError", "Shard", "DenseShard", "SparseShard", "canonical", "pieces_of"]
+from fleet.ps.protocol.errors import ShardError  # raised here, caught by the server loop as agg.ShardError
 
 #: keys of a shard config that belong to the table itself (the rest is update-mode bookkeeping)
 _DENSE_TABLE_KEYS = ("size", "optimizer")
