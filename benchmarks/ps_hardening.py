@@ -171,7 +171,7 @@ def hold(max_rows: int) -> None:
             )
         finally:
             server.shutdown()
-            server._close()
+            server.close()
 
 
 def _handled_in(server, encode, msg) -> float:

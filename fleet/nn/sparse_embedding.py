@@ -3,11 +3,12 @@
 One module serves every mode. Each forward looks up the batch's unique ids, as a
 leaf tensor that collects the per-row gradients, and expands them to the batch
 through the inverse index. Where the rows live is the active strategy's choice
-(:mod:`fleet.sparse.backends`): a local table in a single process (updated whenever the
-optimizer that holds this module's parameters steps, through a torch optimizer step
-hook, so even an unwrapped ``torch.optim.SGD`` trains it), the same table with each
-step's row gradients merged over the workers in collective mode, rows on the servers
-in parameter-server mode (the wrapped optimizer pushes the row gradients).
+(:mod:`fleet.sparse.backends`): a local table in a single process, the same table with
+each step's row gradients merged over the workers in collective mode, rows on the
+servers in parameter-server mode. Whatever the backend, its ``step`` is the one place
+that applies the row gradients, run when the optimizer holding this module's placeholder
+steps (a torch optimizer step hook, so even an unwrapped ``torch.optim.SGD`` trains it);
+rows on the servers are applied there, from the pushes of the wrapped optimizer.
 
 The module owns a zero-size placeholder ``nn.Parameter`` so that it appears in
 ``model.parameters()``: the optimizer holding the placeholder is the one that
@@ -27,7 +28,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fleet.runtime import context
 from fleet.sparse import backends as tables
@@ -183,14 +183,3 @@ class SparseEmbedding(nn.Module):
         if any(c is not None for *_, c in pending):
             clicks = torch.cat([c if c is not None else torch.zeros(u.numel()) for u, _, _, c in pending])
         return ids, grads.detach(), clicks
-
-
-def _on_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Global step hook: an optimizer holding a SparseEmbedding's placeholder steps its table."""
-    if not tables.any_registered():  # every optimizer step of the process passes here
-        return
-    for module, group in tables.modules_in(optimizer):
-        module.backend().step(type(optimizer), group)
-
-
-register_optimizer_step_post_hook(_on_optimizer_step)

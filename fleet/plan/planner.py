@@ -240,9 +240,8 @@ def _mode_of(strategy_path: Path | None) -> str | None:
         return "collective"
     if s.mode != "ps":
         return None
-    if s.update == "sync":
-        return "ps_backup" if s.backup_workers else "ps_sync"
-    return f"ps_{s.update}"
+    # the planner's labels are "ps_" + the update mode's name; backup workers (sync only) are their own
+    return "ps_backup" if s.backup_workers else f"ps_{s.update}"
 
 
 def recommend(preds: list[Prediction]) -> tuple[str, int, str]:

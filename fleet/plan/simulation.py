@@ -3,7 +3,7 @@
 The closed-form model (:mod:`fleet.plan.model`) gives mean step times; this follows every
 worker and every request, so it captures what means cannot: a straggler that is late in some
 steps only, which gradients a backup-worker step drops, how stale an async update is, and a
-server that becomes a queue. Its protocol is fleet's (:mod:`fleet.ps.worker.modes`):
+server that becomes a queue. Its protocol is fleet's (:mod:`fleet.ps.modes`):
 
 - A worker computes a step (log-normal time from the calibration, plus an injected straggler
   delay on chosen ranks), pushes its gradient (``push_s`` on the wire), and the server

@@ -8,8 +8,14 @@ back to the module's :class:`LocalRows`:
 - single process: :class:`LocalRows`, a table in this process;
 - collective: the same local table, with each step's row gradients merged over the workers
   first (:class:`LocalRows` with an ``exchange``), so every worker's copy stays identical;
-- parameter server: rows pulled from the servers (:mod:`fleet.ps.worker.rows`); the wrapped
-  optimizer pushes their gradients.
+- parameter server: rows pulled from the servers (:mod:`fleet.ps.modes.rows`), whose update
+  mode picks them.
+
+**One owner applies row gradients:** the backend's :meth:`TableBackend.step`, run by one torch
+optimizer step hook (:func:`step_tables`) when the optimizer holding a module's placeholder steps.
+A local table (single process, collective, and geo's cache of the servers' rows) applies them
+there; rows the servers update have no local step (theirs refuses): the parameter-server update
+mode sends their gradients and the servers apply them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fleet.sparse.optim import OptimizerSpec, initial_rows
 from fleet.sparse.table import SparseTable
@@ -41,6 +48,8 @@ class TableModule(Protocol):
 
     def table_config(self, spec: OptimizerSpec) -> dict[str, Any]: ...
 
+    def backend(self) -> TableBackend: ...
+
     def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
@@ -49,7 +58,7 @@ class TableBackend(Protocol):
         """Rows for unique int64 ``ids``."""
 
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
-        """The optimizer holding the table stepped: apply the pending row gradients (if this backend does)."""
+        """The optimizer holding the table stepped: apply the pending row gradients (the one place they are)."""
 
     def num_rows(self) -> int:
         """The rows the table holds now (all of its shards)."""
@@ -97,6 +106,17 @@ def modules_in(
             if module is not None:
                 found.append((module, group))
     return found
+
+
+def step_tables(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
+    """Global step hook: an optimizer holding a table module's placeholder steps the module's backend."""
+    if not _BY_PLACEHOLDER:  # every optimizer step of the process passes here
+        return
+    for module, group in modules_in(optimizer):
+        module.backend().step(type(optimizer), group)
+
+
+register_optimizer_step_post_hook(step_tables)
 
 
 class LocalRows:

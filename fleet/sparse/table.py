@@ -20,8 +20,10 @@ With a life cycle (:mod:`fleet.sparse.lifecycle`: admission, TTL, ``max_rows``) 
 created by updates only, once admitted; a pull of an id without a row returns its
 initial value (zeros while an entry has not admitted it) and stores nothing. Every
 table remembers which rows changed since the last save and which ids it evicted, so a
-save can be a delta (:meth:`state_dict` with ``delta=True``, :meth:`apply_delta`; in
-:mod:`fleet.sparse.saves`).
+save can be a delta (:meth:`state_dict` with ``delta=True``, :meth:`apply_delta`). What a save
+holds and how it is checked is :mod:`fleet.sparse.saves` (a :class:`~fleet.sparse.saves.TableSaves`
+the table composes), working through the table's storage methods (:meth:`slot_ids`,
+:meth:`copy_rows`, :meth:`header`, :meth:`replace_rows`, :meth:`merge_rows`, ...).
 
 Every operation is all-or-nothing (:meth:`transaction`, :mod:`fleet.sparse.undo`): if any step
 fails -- an allocation when memory runs out, above all -- the table is rolled back to what
@@ -49,13 +51,13 @@ from fleet.sparse.optim import (
 )
 from fleet.sparse.pages import prefault
 from fleet.sparse.recent_slots import RecentSlots
-from fleet.sparse.saves import MAX_REMEMBERED_DELETIONS, SparseTableSaves
+from fleet.sparse.saves import MAX_REMEMBERED_DELETIONS, TableSaves
 from fleet.sparse.undo import Getter, UndoLog
 
 _REQUIRED_KEYS = ("dim", "optimizer")
 
 
-class SparseTable(SparseTableSaves):
+class SparseTable:
     """Rows of width ``dim`` keyed by int64 id, updated by a row-wise server optimizer."""
 
     #: what a table config may hold (a shard's config has more: the update mode, backup workers)
@@ -93,6 +95,7 @@ class SparseTable(SparseTableSaves):
         self._undo: UndoLog | None = None  # the open transaction's log
         self._recent = RecentSlots()  # slots of recent pulls, for the pushes of the same ids
         self._reset(capacity=1024)
+        self._saves = TableSaves(self)
 
     def _reset(self, capacity: int) -> None:
         self._recent.forget()
@@ -195,6 +198,120 @@ class SparseTable(SparseTableSaves):
             return lambda: self._stats[key]
         attr = f"_{kind}"
         return lambda: getattr(self, attr)
+
+    # ------------------------------------------------------------------ saves
+    def state_dict(self, delta: bool = False) -> dict[str, Any]:
+        """See :meth:`fleet.sparse.saves.TableSaves.state_dict`."""
+        return self._saves.state_dict(delta)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """See :meth:`fleet.sparse.saves.TableSaves.load_state_dict`."""
+        self._saves.load_state_dict(state)
+
+    def apply_delta(self, state: dict[str, Any]) -> None:
+        """See :meth:`fleet.sparse.saves.TableSaves.apply_delta`."""
+        self._saves.apply_delta(state)
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, rows) of every row the table holds, for serving (no optimizer state, no statistics)."""
+        return self.slot_ids(), self._rows[: len(self)].clone()
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The optimizer's per-row state tensors (``state.<name>`` in a save)."""
+        return tuple(self._opt.state_names)
+
+    def stat_dtypes(self) -> dict[str, torch.dtype]:
+        """The life cycle's per-row statistics (``stats.<name>`` in a save) and their dtypes."""
+        return {name: t.dtype for name, t in self._stats.items()}
+
+    def slot_ids(self) -> torch.Tensor:
+        """The ids of the rows, in slot order (row ``i`` of :meth:`copy_rows` belongs to ``slot_ids()[i]``)."""
+        return self._index.ids_by_slot()
+
+    def _saved_fields(self) -> dict[str, torch.Tensor]:
+        out = {"rows": self._rows, "steps": self._steps}
+        out.update({f"state.{k}": t for k, t in self._state.items()})
+        out.update({f"stats.{k}": t for k, t in self._stats.items()})
+        return out
+
+    def copy_rows(self, pick: slice | torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of the per-row fields (``rows``, ``steps``, ``state.*``, ``stats.*``) of the slots ``pick``."""
+        n = len(self)
+        return {name: t[:n][pick].clone() for name, t in self._saved_fields().items()}
+
+    def changed_slots(self) -> torch.Tensor:
+        """The slots of rows created or changed since :meth:`mark_saved`."""
+        return self._dirty[: len(self)].nonzero().squeeze(1)
+
+    def evicted_since_save(self) -> torch.Tensor | None:
+        """The ids evicted since :meth:`mark_saved`; None when too many to remember (the next save is a base)."""
+        if self._deleted is None:
+            return None
+        return torch.cat(self._deleted) if self._deleted else torch.empty(0, dtype=torch.int64)
+
+    def header(self) -> dict[str, Any]:
+        """The table-wide state a save holds besides the rows: clock, next expiry, counts, admission."""
+        return {
+            "clock": self.clock,
+            "next_expiry": self._next_expiry,
+            "counts": dict(self.counts),
+            "admission": self._admission.state_dict(),
+        }
+
+    def mark_saved(self) -> None:
+        """The last :meth:`state_dict` is on disk: the next delta starts from here."""
+        with self.transaction() as undo:
+            undo.span(self._getter("dirty"), 0, len(self))
+            self._dirty.zero_()
+            self._deleted, self._deleted_count = [], 0
+            self.saved = True
+
+    def _set_header(self, header: dict[str, Any]) -> None:
+        self.clock = int(header["clock"])
+        self._next_expiry = int(header["next_expiry"])
+        self.counts.update(header["counts"])
+        if self._admission.sketch is not None:
+            self._log().attrs(self._admission.sketch, "counters", "added")
+        self._admission.load_state_dict(header["admission"])
+
+    def replace_rows(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], header: dict[str, Any]) -> None:
+        """Replace every row with ``ids`` and their checked ``fields`` (as :meth:`copy_rows` names them); saved."""
+        n = ids.numel()
+        cap = 1024
+        while cap < n:
+            cap *= 2
+        with self.transaction() as undo:
+            # everything is replaced by new tensors: the undo keeps the old ones
+            undo.attrs(self, "_index", "_capacity", "_rows", "_steps", "_state", "_scratch", "_dirty", "_stats")
+            self._reset(cap)
+            self._index.insert_new(ids)
+            for name, t in self._saved_fields().items():
+                t[:n] = fields[name]
+            self._set_header(header)
+            self.mark_saved()
+
+    def merge_rows(
+        self, deleted: torch.Tensor, ids: torch.Tensor, fields: dict[str, torch.Tensor], header: dict[str, Any]
+    ) -> None:
+        """Evict ``deleted``, then write ``ids``' checked ``fields`` (creating rows as needed); saved."""
+        with self.transaction() as undo:
+            if deleted.numel():
+                slots = self._index.lookup(deleted)
+                gone = torch.zeros(len(self), dtype=torch.bool)
+                gone[slots[slots >= 0]] = True
+                self._remove(gone)
+            first = len(self)
+            slots = self._index.lookup(ids)
+            new = (slots < 0).nonzero().squeeze(1)
+            if new.numel():
+                self._grow_to(first + new.numel(), used=first)
+                slots.index_copy_(0, new, self._index.insert_new(ids.index_select(0, new), undo))
+            for name, t in self._saved_fields().items():
+                undo.rows(self._getter(name), slots)
+                t.index_copy_(0, slots, fields[name])
+            self._set_header(header)
+            self.mark_saved()
 
     # ------------------------------------------------------------------ storage
     def _grow_to(self, needed: int, used: int) -> None:
@@ -405,7 +522,8 @@ class SparseTable(SparseTableSaves):
         undo.rows(self._getter("stats.last_seen"), slots, seen)
         last_seen.index_fill_(0, slots, self.clock)
 
-    def _check_rows(self, name: str, values: torch.Tensor, n: int) -> torch.Tensor:
+    def check_rows(self, name: str, values: torch.Tensor, n: int) -> torch.Tensor:
+        """``values`` as float32 ``[n, dim]`` rows, or an error naming ``name``."""
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
         if tuple(values.shape) != (n, self.dim):
@@ -492,7 +610,7 @@ class SparseTable(SparseTableSaves):
         rows' click counts.
         """
         ids = as_ids(ids)
-        grads = self._check_rows("grads", grads, ids.numel())
+        grads = self.check_rows("grads", grads, ids.numel())
         clicks = self._check_clicks(clicks, ids.numel())
         with self.transaction() as undo:
             self.tick(step)
@@ -524,7 +642,7 @@ class SparseTable(SparseTableSaves):
     def add_delta(self, ids: torch.Tensor, deltas: torch.Tensor, step: int | None = None) -> None:
         """Geo mode: add per-row parameter changes (duplicates add up); optimizer state untouched."""
         ids = as_ids(ids)
-        deltas = self._check_rows("deltas", deltas, ids.numel())
+        deltas = self.check_rows("deltas", deltas, ids.numel())
         with self.transaction() as undo:
             self.tick(step)
             if ids.numel():

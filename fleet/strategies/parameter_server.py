@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fleet.errors import DiskFullError, FleetError
+from fleet.ps import modes
 from fleet.storage import persist
 from fleet.storage.layout import SAVES, Save, SaveWriter
 from fleet.strategies.base import Runtime, Strategy, check_reduce
@@ -36,7 +37,7 @@ WORKER_FILE = "worker-0.pt"
 
 class ParameterServerStrategy(Strategy):
     name = "ps"
-    supported_updates = ("sync", "async", "geo")
+    supported_updates = modes.names()
     uses_servers = True
 
     @classmethod
@@ -50,10 +51,7 @@ class ParameterServerStrategy(Strategy):
 
     @classmethod
     def check(cls, config: DistributedStrategy) -> None:
-        if config.backup_workers and config.update != "sync":
-            raise ValueError(
-                f"backup_workers={config.backup_workers} applies to update='sync' only (got update={config.update!r})"
-            )
+        modes.mode_for(config.update).check(config)
         if config.grad_compression != "none":
             raise ValueError("grad_compression applies to mode='collective' only")
         if config.local_sgd_steps:
@@ -196,12 +194,12 @@ class ParameterServerStrategy(Strategy):
     def inference_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The servers' values: geo workers push what they have not synced, then every worker pulls."""
         for opt in self.optimizers:
-            if self.config.update == "geo":
+            if opt.mode.steps_locally:
                 opt.geo_sync()
         self.barrier()
         for opt in self.optimizers:
             opt.refresh()
-            if self.config.update == "geo":
+            if opt.mode.steps_locally:
                 for _, _, rows in opt.sparse:
                     rows.forget()  # cached rows are fetched again: this worker goes on from the servers' values
         return model.state_dict()

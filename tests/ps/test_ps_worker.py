@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fleet.nn.sparse_embedding import SparseEmbedding
-from fleet.ps.worker.rows import GeoRows, RemoteRows
+from fleet.ps.modes.rows import GeoRows, RemoteRows
 from fleet.sparse.optim import OptimizerSpec
 
 

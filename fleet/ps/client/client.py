@@ -41,6 +41,7 @@ import torch
 from fleet.data.files import share_bounds
 from fleet.ps.client.io import IOThread, Job
 from fleet.ps.client.split import pull_pieces, push_pieces
+from fleet.ps.modes import UpdateMode, of_config
 from fleet.ps.protocol import auth
 from fleet.ps.protocol.errors import PSAuthError, PSError, PSServerUnavailable
 from fleet.ps.protocol.limits import RequestLimits
@@ -122,7 +123,7 @@ class PSClient:
         self.timeout_s = float(timeout_s)
         self.limits = limits if limits is not None else RequestLimits()
         self._dense: dict[int, tuple[int, list[tuple[int, int]]]] = {}  # table -> (size, ranges)
-        self._sparse: dict[int, tuple[int, str]] = {}  # table -> (dim, update mode)
+        self._sparse: dict[int, tuple[int, UpdateMode]] = {}  # table -> (dim, update mode)
         self._closed = False
         self._io = IOThread(self.endpoints, secret, worker_index, max_in_flight, auth.check_encryption(encryption))
         self._io.start(timeout_s=10.0)
@@ -166,7 +167,7 @@ class PSClient:
         except KeyError:
             raise PSError(f"dense table {table_id} is unknown to this client: call create_dense first") from None
 
-    def _sparse_info(self, table_id: int) -> tuple[int, str]:
+    def _sparse_info(self, table_id: int) -> tuple[int, UpdateMode]:
         try:
             return self._sparse[table_id]
         except KeyError:
@@ -371,7 +372,7 @@ class PSClient:
         if config.get("max_rows") is not None:
             config = {**config, "servers": self.num_servers}  # each server keeps max_rows // servers
         blob = json.dumps(config, sort_keys=True).encode()
-        self._sparse[table_id] = (int(config["dim"]), config.get("update", "async"))
+        self._sparse[table_id] = (int(config["dim"]), of_config(config))
         return self._submit(self._all(Op.CREATE_SPARSE, table_id, blob), timeout_s=timeout_s)
 
     def _split(self, ids: torch.Tensor, every_server: bool) -> list[tuple[int, torch.Tensor]]:
@@ -429,7 +430,7 @@ class PSClient:
         lr: float,
         clicks: torch.Tensor | None = None,
     ) -> Future:
-        dim, mode = self._sparse_info(table_id)
+        dim, mode = self._sparse_info(table_id)  # the table's update mode
         ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
         rows = rows.detach().to(torch.float32).contiguous()
         if list(rows.shape) != [ids.numel(), dim]:
@@ -442,7 +443,7 @@ class PSClient:
                 raise ValueError(f"sparse table {table_id}: {clicks.numel()} clicks for {ids.numel()} ids")
         parts = []
         most = self.limits.ids_per_request(dim)
-        for s, pos in self._split(ids, every_server=mode == "sync"):
+        for s, pos in self._split(ids, every_server=mode.pushes_to_every_server):
             tensors = [ids, rows] if clicks is None else [ids, rows, clicks]
             if pos is not None:
                 tensors = [t[pos] for t in tensors]

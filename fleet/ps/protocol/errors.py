@@ -30,6 +30,18 @@ class WireError(ValueError):
         self.op = op
 
 
+class ShardError(ValueError):
+    """A request that does not fit a server's table shard (wrong mode, step, shape): sent back as an error reply.
+
+    ``details``: machine-readable facts for the worker (a ``code`` and its fields), sent with the
+    message so that the worker can explain the error in its own terms (parameter names).
+    """
+
+    def __init__(self, message: str, details: dict | None = None):
+        super().__init__(message)
+        self.details = details or {}
+
+
 class PSServerUnavailable(PSError, PeerError):
     """A server did not answer within the deadline, or its connection was lost (a dead peer)."""
 

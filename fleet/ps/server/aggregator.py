@@ -1,9 +1,11 @@
-"""Server-side table shards and their update modes (sync / async / geo).
+"""Server-side table shards: when pushes reach a table, under its update mode's server policy.
 
 A shard wraps one table (dense or sparse) held by one server and decides
-*when* pushes reach it; the table decides *how* (its optimizer). Keeping the
-update-mode bookkeeping here lets the server loop stay a dispatcher and lets
-the tables stay ignorant of workers and steps.
+*when* pushes reach it; the table decides *how* (its optimizer). Whether a push
+is applied now, accumulated for a step or dropped as stale is the update mode's
+verdict (:mod:`fleet.ps.modes`, e.g. :meth:`~fleet.ps.modes.base.UpdateMode.admit_gradient`);
+the shard keeps the bookkeeping (version, accumulator, stale counts), so the server
+loop stays a dispatcher and the tables stay ignorant of workers and steps.
 
 Sync semantics (the Parameter Server contract): a shard's ``version`` counts
 applied updates. A push for ``step == version`` is accumulated; when
@@ -33,22 +35,11 @@ from typing import Any
 
 import torch
 
-UPDATE_MODES = ("sync", "async", "geo")
+from fleet.ps.modes import Admit, UpdateMode, of_config
+from fleet.ps.protocol.errors import ShardError  # raised here, caught by the server loop as agg.ShardError
 
 #: keys of a shard config that belong to the table itself (the rest is update-mode bookkeeping)
 _DENSE_TABLE_KEYS = ("size", "optimizer")
-
-
-class ShardError(ValueError):
-    """A request that does not fit the shard (wrong mode, step, shape): sent back as an error reply.
-
-    ``details``: machine-readable facts for the worker (a ``code`` and its fields), sent with the
-    message so that the worker can explain the error in its own terms (parameter names).
-    """
-
-    def __init__(self, message: str, details: dict[str, Any] | None = None):
-        super().__init__(message)
-        self.details = details or {}
 
 
 # Presence flags of a dense push, one per parameter of the table.
@@ -102,9 +93,10 @@ class Shard:
     kind = ""
 
     def __init__(self, table_id: int, config: dict[str, Any], num_workers: int, table: Any):
-        mode = config.get("update", "async")
-        if mode not in UPDATE_MODES:
-            raise ShardError(f"table {table_id}: update={mode!r}; expected one of {', '.join(UPDATE_MODES)}")
+        try:
+            mode = of_config(config)
+        except KeyError as exc:
+            raise ShardError(f"table {table_id}: {exc.args[0]}") from None
         backup = int(config.get("backup_workers", 0))
         if not 0 <= backup < num_workers:
             raise ShardError(
@@ -114,7 +106,7 @@ class Shard:
         self.table_id = table_id
         self.config = config
         self.key = canonical(config)
-        self.mode: str = mode
+        self.mode: UpdateMode = mode
         self.backup_workers = backup
         self.num_workers = num_workers
         self.table = table
@@ -132,31 +124,17 @@ class Shard:
         """Workers whose push for the current step is missing (for timeout messages)."""
         return sorted(active - self._pushed)
 
-    def _check_grad_push(self, worker: int, step: int, last: bool = True) -> bool:
-        """Validate a gradient push (or a piece of one); return False when it is stale (dropped).
+    def _admit_grad_push(self, worker: int, step: int, last: bool = True) -> Admit:
+        """The mode's verdict on a gradient push (or a piece of one); a stale one is counted once, with its
+        ``last`` piece."""
+        verdict = self.mode.admit_gradient(self.table_id, self.version, worker, step, worker in self._pushed)
+        if verdict is Admit.STALE and last:
+            self.stale_dropped[worker] = self.stale_dropped.get(worker, 0) + 1
+        return verdict
 
-        A stale push is counted once, with its ``last`` piece.
-        """
-        if self.mode == "geo":
-            raise ShardError(f"table {self.table_id} is in geo mode: push deltas, not gradients")
-        if self.mode == "async":
-            return True
-        if step < self.version:
-            if last:
-                self.stale_dropped[worker] = self.stale_dropped.get(worker, 0) + 1
-            return False
-        if step > self.version:
-            raise ShardError(
-                f"table {self.table_id}: push for step {step} but the shard is at version {self.version}; "
-                f"pull with min_version={step} before pushing step {step}"
-            )
-        if worker in self._pushed:
-            raise ShardError(f"table {self.table_id}: worker {worker} already pushed step {step}")
-        return True
-
-    def _check_delta_push(self) -> None:
-        if self.mode != "geo":
-            raise ShardError(f"table {self.table_id} is in {self.mode} mode: push gradients, not deltas")
+    def stale_write(self, step: int) -> bool:
+        """Whether values a worker wrote at ``step`` would undo steps closed since (dropped then)."""
+        return self.mode.stale_write(step, self.version)
 
     def maybe_step(self, active: set[int], at_barrier: set[int]) -> bool:
         """Apply the accumulated sync step if complete; True when the version advanced.
@@ -167,7 +145,7 @@ class Shard:
         step does not wait for them; but a barrier is no reason to close a step early:
         a gradient already on its way from a training worker must still count.
         """
-        if self.mode != "sync" or not self._pushed:
+        if not self.mode.closes_steps or not self._pushed:
             return False
         if len(self._pushed) < self.required(len(active)) and not (active - at_barrier) <= self._pushed:
             return False
@@ -184,7 +162,7 @@ class Shard:
     def info(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
-            "update": self.mode,
+            "update": self.mode.name,
             "version": self.version,
             "stale_dropped": {str(w): n for w, n in sorted(self.stale_dropped.items())},
         }
@@ -265,10 +243,11 @@ class DenseShard(Shard):
         self.check_present(present)
         if self.broken is not None:
             raise ShardError(*self.broken)
-        if not self._check_grad_push(worker, step):
+        verdict = self._admit_grad_push(worker, step)
+        if verdict is Admit.STALE:
             return False
         has_grad = present == HAS_GRAD if present is not None else None
-        if self.mode == "async":
+        if verdict is Admit.APPLY:
             self.table.apply_gradient(grad, lr, self._piece_flags(has_grad))
             self.version += 1
             return True
@@ -322,7 +301,7 @@ class DenseShard(Shard):
         raise ShardError(*self.broken)
 
     def push_delta(self, delta: torch.Tensor) -> None:
-        self._check_delta_push()
+        self.mode.admit_delta(self.table_id)
         self.check_values("delta", delta)
         self.table.add_delta(delta)
         self.version += 1
@@ -445,10 +424,11 @@ class SparseShard(Shard):
         """
         self.check_rows("gradients", ids, grads)
         self.check_clicks(ids, clicks)
-        if not self._check_grad_push(worker, step, last=not more):
+        verdict = self._admit_grad_push(worker, step, last=not more)
+        if verdict is Admit.STALE:
             self._partial.pop(worker, None)
             return False
-        if self.mode == "async":
+        if verdict is Admit.APPLY:
             self.table.apply_gradient(ids, grads, lr, clicks, step=step)
             if not more:
                 self.version += 1
@@ -470,7 +450,7 @@ class SparseShard(Shard):
 
     def push_delta(self, ids: torch.Tensor, deltas: torch.Tensor, step: int = 0, more: bool = False) -> None:
         """Geo mode; ``step`` is the worker's own step (the table's clock); ``more`` as for :meth:`push_grad`."""
-        self._check_delta_push()
+        self.mode.admit_delta(self.table_id)
         self.check_rows("deltas", ids, deltas)
         self.table.add_delta(ids, deltas, step=step)
         if not more:

@@ -100,7 +100,7 @@ def _restore_after_restart(server: Any, record_dir: str | None) -> None:
         tables = server.restore(dirname)
     except Exception:
         server.shutdown()
-        server._close()
+        server.close()
         raise
     print(
         f"fleet: parameter server {server.server_index} restarted from the checkpoint in {dirname} (tables {tables})",

@@ -53,8 +53,9 @@ from fleet.ps.protocol.wire import (
 )
 from fleet.ps.server import aggregator as agg
 from fleet.ps.server.inbox import FairInbox
-from fleet.ps.server.reduce import ReduceOps, against_barrier
-from fleet.ps.server.table_ops import TableOps
+from fleet.ps.server.reduce import Reductions, against_barrier
+from fleet.ps.server.replies import Replies
+from fleet.ps.server.table_ops import TableRequests
 from fleet.ps.server.waitlist import Parked, Waitlist
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def zmq_address(endpoint: str) -> str:
     return f"tcp://{host}:{'*' if int(port) == 0 else port}"
 
 
-class ParameterServer(TableOps, ReduceOps):
+class ParameterServer:
     """Holds table shards and answers workers until every worker has sent STOP.
 
     ``endpoint`` is bound at construction (so a port clash surfaces at once and
@@ -104,7 +105,6 @@ class ParameterServer(TableOps, ReduceOps):
         self.torch_threads = torch_threads
         self.limits = limits if limits is not None else RequestLimits()
         self._request_budget = self.limits.budget()
-        self.checkpoint_record_dir = checkpoint_record_dir  # where each SAVE is recorded for a restart
         auth.check_secret(secret)
         self.encryption = auth.check_encryption(encryption)
         self._ctx = zmq.Context(io_threads=1)
@@ -140,25 +140,41 @@ class ParameterServer(TableOps, ReduceOps):
         self._ops: dict[str, int] = defaultdict(int)
         self._table_ops: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._counts: dict[str, int] = defaultdict(int)
+        replies = Replies(
+            ok=self._ok, send=self._send, reply_error=self._reply_error, park=self._park, failure=self._failure
+        )
+        self.reductions = Reductions(self._waiting, replies, lambda: self._active, server_index)
+        self.tables = TableRequests(
+            self._shards,
+            self._waiting,
+            replies,
+            self._counts,
+            self._maybe_step,
+            server_index=server_index,
+            num_workers=num_workers,
+            limits=self.limits,
+            checkpoint_record_dir=checkpoint_record_dir,
+        )
+        tables = self.tables
         self._handlers = {
             Op.HELLO: self._hello,
-            Op.CREATE_DENSE: self._create,
-            Op.CREATE_SPARSE: self._create,
-            Op.PULL_DENSE: self._pull,
-            Op.PULL_SPARSE: self._pull,
-            Op.PUSH_DENSE_GRAD: self._push,
-            Op.PUSH_SPARSE_GRAD: self._push,
-            Op.PUSH_DENSE_DELTA: self._push,
-            Op.PUSH_SPARSE_DELTA: self._push,
+            Op.CREATE_DENSE: tables.create,
+            Op.CREATE_SPARSE: tables.create,
+            Op.PULL_DENSE: tables.pull,
+            Op.PULL_SPARSE: tables.pull,
+            Op.PUSH_DENSE_GRAD: tables.push,
+            Op.PUSH_SPARSE_GRAD: tables.push,
+            Op.PUSH_DENSE_DELTA: tables.push,
+            Op.PUSH_SPARSE_DELTA: tables.push,
             Op.BARRIER: self._barrier_op,
-            Op.SAVE: self._save,
-            Op.LOAD: self._load,
+            Op.SAVE: tables.save,
+            Op.LOAD: tables.load,
             Op.STATS: lambda ident, msg: self._ok(msg, blob=json.dumps(self.stats()).encode()),
             Op.STOP: self._stop,
-            Op.ALL_REDUCE: self._all_reduce_op,
-            Op.SHRINK: self._shrink,
-            Op.EXPORT_SPARSE: self._export_sparse,
-            Op.DENSE_STATE: self._dense_state,
+            Op.ALL_REDUCE: self.reductions.all_reduce,
+            Op.SHRINK: tables.shrink,
+            Op.EXPORT_SPARSE: tables.export_sparse,
+            Op.DENSE_STATE: tables.dense_state,
         }
 
     # ------------------------------------------------------------------ loop
@@ -190,7 +206,7 @@ class ParameterServer(TableOps, ReduceOps):
                         self._handle(frames)
                 self._expire(time.monotonic())
         finally:
-            self._close()
+            self.close()
         return self.stats()
 
     def shutdown(self) -> None:
@@ -202,7 +218,8 @@ class ParameterServer(TableOps, ReduceOps):
         nearest = self._waiting.next_deadline(now + _IDLE_POLL_MS / 1000)
         return max(0, int((nearest - now) * 1000) + 1)
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Answer parked requests with an error and release the socket (idempotent; :meth:`serve` ends with it)."""
         if self._closed:
             return
         self._closed = True
@@ -366,7 +383,7 @@ class ParameterServer(TableOps, ReduceOps):
             if self.rejoin:
                 self._close_ready_steps()
                 self._release_barrier()
-                self._release_reduce()
+                self.reductions.release()
 
     def _maybe_step(self, shard: agg.Shard) -> bool:
         """Close the shard's sync step if it is complete (see Shard.maybe_step); never raises.
@@ -388,7 +405,7 @@ class ParameterServer(TableOps, ReduceOps):
         """After workers stopped or reached a barrier: sync steps waiting only for them may complete."""
         for table, shard in self._shards.items():
             if self._maybe_step(shard):
-                self._answer_pulls(table)
+                self.tables.answer_pulls(table)
 
     # ------------------------------------------------------------------ ops
     def _hello(self, ident: bytes, msg: Message) -> Message:
@@ -400,7 +417,7 @@ class ParameterServer(TableOps, ReduceOps):
             raise agg.ShardError(f"worker {msg.peer} entered the barrier twice")
         if self._waiting.reduce:  # the others all-reduce a metric: nobody may wait here for them
             waiting = [msg.peer, *self._waiting.barrier]
-            raise ValueError(self._fail_collectives(against_barrier(list(self._waiting.reduce), waiting)))
+            raise ValueError(self.reductions.fail_collectives(against_barrier(list(self._waiting.reduce), waiting)))
         self._waiting.barrier[msg.peer] = self._park(ident, msg)
         self._close_ready_steps()
         self._release_barrier()
@@ -418,7 +435,7 @@ class ParameterServer(TableOps, ReduceOps):
         # fewer workers now: sync steps, barriers and all-reduces waiting for the stopped one may complete
         self._close_ready_steps()
         self._release_barrier()
-        self._release_reduce()
+        self.reductions.release()
         return self._ok(msg)
 
     # ------------------------------------------------------------- deadlines
@@ -433,7 +450,7 @@ class ParameterServer(TableOps, ReduceOps):
                 f"{op_name(parked.msg.op)} of table {table} waited {now - parked.since:.2f} s for version "
                 f"{parked.msg.arg}, but the shard is at version {shard.version}; missing pushes for step "
                 f"{shard.version} from workers {shard.waiting_for(self._active)} "
-                f"({shard.mode} needs {shard.required(len(self._active))})",
+                f"({shard.mode.name} needs {shard.required(len(self._active))})",
             )
         for table, parked in creates:
             waited = now - parked.since
@@ -443,7 +460,11 @@ class ParameterServer(TableOps, ReduceOps):
             missing = sorted(self._active - set(self._waiting.barrier) - {parked.msg.peer})
             text = f"barrier timed out after {now - parked.since:.2f} s waiting for workers {missing}"
             self._reply_error(parked.ident, parked.msg, text)
-        self._expire_reduce(now)
+        self.reductions.expire(now)
+
+    def restore(self, dirname: str) -> list[int]:
+        """Load this server's shards saved under ``dirname`` (see :meth:`TableRequests.restore`)."""
+        return self.tables.restore(dirname)
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:

@@ -8,33 +8,31 @@ each with the reduction, summed in worker order (the same bits for everyone). Th
 agree in length and reduction; otherwise every parked worker, and the one that disagrees, gets
 an error naming who sent what, and so do workers reducing while others wait in the barrier.
 
-:class:`ReduceOps` is a mixin of :class:`~fleet.ps.server.loop.ParameterServer` (like
-:class:`~fleet.ps.server.table_ops.TableOps`): its host provides ``_waiting``, ``_active``,
-``server_index`` and the reply helpers ``_ok`` / ``_send`` / ``_reply_error`` / ``_park``.
+:class:`Reductions` is an object the server composes, given the waitlist, the reply helpers,
+the workers a collective waits for (``active``) and the server's index through its constructor.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from fleet.ps.protocol.wire import REDUCE_OPS, Message
+from fleet.ps.server.replies import Replies
 from fleet.ps.server.waitlist import Parked, Waitlist
 
 
-class ReduceOps:
-    """The ALL_REDUCE handler, its release and its deadline; mixed into the server class."""
+class Reductions:
+    """The ALL_REDUCE handler, its release and its deadline, and failing the parked collectives."""
 
-    _waiting: Waitlist
-    server_index: int
-    _active: Any  # set[int], a property of the host
-    _ok: Any
-    _send: Any
-    _park: Any
-    _reply_error: Any
+    def __init__(self, waiting: Waitlist, replies: Replies, active: Callable[[], set[int]], server_index: int):
+        self._waiting = waiting
+        self._replies = replies
+        self._active = active
+        self.server_index = server_index
 
-    def _all_reduce_op(self, ident: bytes, msg: Message) -> None:
+    def all_reduce(self, ident: bytes, msg: Message) -> None:
         check(msg)
         if self.server_index != 0:
             raise ValueError(f"ALL_REDUCE goes to parameter server 0; this is server {self.server_index}")
@@ -45,36 +43,36 @@ class ReduceOps:
         else:
             text = disagreement(self._waiting.reduce, msg)
         if text is not None:
-            raise ValueError(self._fail_collectives(text))
-        self._waiting.reduce[msg.peer] = self._park(ident, msg)
-        self._release_reduce()
+            raise ValueError(self.fail_collectives(text))
+        self._waiting.reduce[msg.peer] = self._replies.park(ident, msg)
+        self.release()
         return None
 
-    def _release_reduce(self) -> None:
+    def release(self) -> None:
         """Answer every parked ALL_REDUCE once every active worker sent one (after arrivals and stops)."""
-        parked = self._waiting.release_reduce(self._active)
+        parked = self._waiting.release_reduce(self._active())
         if parked:
             reduced = combine(parked)
             for entry in parked:
-                self._send(entry.ident, self._ok(entry.msg, tensors=[reduced]))
+                self._replies.send(entry.ident, self._replies.ok(entry.msg, tensors=[reduced]))
 
-    def _fail_collectives(self, text: str) -> str:
+    def fail_collectives(self, text: str) -> str:
         """Every parked ALL_REDUCE and BARRIER gets ``text`` as its error; returns it for the newcomer's."""
         for parked in (self._waiting.reduce, self._waiting.barrier):
             for entry in parked.values():
-                self._reply_error(entry.ident, entry.msg, text)
+                self._replies.reply_error(entry.ident, entry.msg, text)
             parked.clear()
         return text
 
-    def _expire_reduce(self, now: float) -> None:
+    def expire(self, now: float) -> None:
         expired = self._waiting.expired_reduce(now)
         sent = set(self._waiting.reduce) | {parked.msg.peer for parked in expired}
         for parked in expired:
             text = (
                 f"all-reduce of a global metric (fleet.metrics compute()) timed out after {now - parked.since:.2f} s "
-                f"waiting for workers {sorted(self._active - sent)}"
+                f"waiting for workers {sorted(self._active() - sent)}"
             )
-            self._reply_error(parked.ident, parked.msg, text)
+            self._replies.reply_error(parked.ident, parked.msg, text)
 
 
 def check(msg: Message) -> None:

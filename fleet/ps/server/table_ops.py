@@ -1,10 +1,11 @@
 """The table requests of :class:`~fleet.ps.server.loop.ParameterServer`: create, pull, push, save, load.
 
-Split out of the server loop module to keep both small; :class:`TableOps` is
-a mixin whose host (the server) provides ``_shards``, ``_waiting``,
-``_active``, ``_maybe_step``, ``num_workers``, ``server_index`` and the reply helpers
-``_ok`` / ``_send`` / ``_reply_error`` / ``_park`` / ``_failure``, and ``limits``.
-Handlers return the reply, or None when the request was parked to be answered later.
+:class:`TableRequests` is an object the server composes: it is given, through its
+constructor, the shards it serves (the server's table map), the waitlist for parked
+requests, the server's reply helpers (:class:`~fleet.ps.server.replies.Replies`), the counters it adds to, and the
+one server decision it needs (``close_step``: close a shard's sync step if complete). The
+server loop dispatches to its public handlers, which return the reply, or None when the
+request was parked to be answered later.
 
 A sparse request carries at most the ids of the server's :class:`~fleet.ps.protocol.limits.RequestLimits`
 (the client splits bigger batches); a piece of a split push says so with ``arg`` =
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from fleet.ps.protocol.limits import RequestLimits
@@ -30,13 +32,38 @@ from fleet.ps.protocol.wire import (
 )
 from fleet.ps.server import aggregator as agg
 from fleet.ps.server import shard_io
+from fleet.ps.server.replies import Replies
+from fleet.ps.server.waitlist import Waitlist
+
+Shards = MutableMapping[int, "agg.DenseShard | agg.SparseShard"]
 
 
-class TableOps:
-    """Handlers for the table ops; mixed into the server class."""
+class TableRequests:
+    """Handlers for the table ops of one server, over the shards it is given."""
 
-    _shards: dict[int, agg.DenseShard | agg.SparseShard]
-    limits: RequestLimits
+    def __init__(
+        self,
+        shards: Shards,
+        waiting: Waitlist,
+        replies: Replies,
+        counts: MutableMapping[str, int],
+        close_step: Callable[[agg.Shard], bool],
+        *,
+        server_index: int,
+        num_workers: int,
+        limits: RequestLimits,
+        checkpoint_record_dir: str | None = None,
+    ):
+        self._shards = shards
+        self._waiting = waiting
+        self._replies = replies
+        self._counts = counts
+        self._close_step = close_step
+        self.server_index = server_index
+        self.num_workers = num_workers
+        self.limits = limits
+        self.checkpoint_record_dir = checkpoint_record_dir  # where each SAVE is recorded for a restart
+        self.last_save: str | None = None  # the directory of this server's last save or load
 
     def _shard(self, msg: Message, kind: str) -> agg.DenseShard | agg.SparseShard:
         shard = self._shards.get(msg.table)
@@ -54,7 +81,7 @@ class TableOps:
             )
         return msg.tensors
 
-    def _create(self, ident: bytes, msg: Message) -> Message | None:
+    def create(self, ident: bytes, msg: Message) -> Message | None:
         dense = msg.op == Op.CREATE_DENSE
         try:
             config = json.loads(bytes(msg.blob).decode("utf-8"))
@@ -65,13 +92,13 @@ class TableOps:
         existing = self._shards.get(msg.table)
         if existing is not None:
             self._check_same(existing, "dense" if dense else "sparse", config)
-            return self._ok(msg, version=existing.version)
+            return self._replies.ok(msg, version=existing.version)
         if dense:
             init = msg.tensors[0] if len(msg.tensors) == 1 else None
             if len(msg.tensors) > 1:
                 raise agg.ShardError(f"CREATE_DENSE carries {len(msg.tensors)} tensors, expected 0 or 1 (init)")
             if init is None:  # not the creator: wait until the creator's initial values arrive
-                self._waiting.creates[msg.table].append(self._park(ident, msg))
+                self._waiting.creates[msg.table].append(self._replies.park(ident, msg))
                 return None
             shard = agg.DenseShard(msg.table, config, self.num_workers)
             shard.set(init)
@@ -79,8 +106,8 @@ class TableOps:
             self._expect(msg)
             shard = agg.SparseShard(msg.table, config, self.num_workers)
         self._shards[msg.table] = shard
-        self._answer_creates(msg.table)
-        return self._ok(msg)
+        self.answer_creates(msg.table)
+        return self._replies.ok(msg)
 
     def _check_same(self, shard: agg.Shard, kind: str, config: dict[str, Any]) -> None:
         if shard.kind != kind or shard.key != agg.canonical(config):
@@ -96,20 +123,22 @@ class TableOps:
                 details,
             )
 
-    def _answer_creates(self, table: int) -> None:
+    def answer_creates(self, table: int) -> None:
         shard = self._shards[table]
         for parked in self._waiting.take_creates(table):
             try:
                 self._check_same(shard, "dense", json.loads(bytes(parked.msg.blob).decode("utf-8")))
-                self._send(parked.ident, self._ok(parked.msg, version=shard.version))
+                self._replies.send(parked.ident, self._replies.ok(parked.msg, version=shard.version))
             except agg.ShardError as exc:
-                self._reply_error(parked.ident, parked.msg, str(exc), exc.details)
+                self._replies.reply_error(parked.ident, parked.msg, str(exc), exc.details)
             except ValueError as exc:
-                self._reply_error(parked.ident, parked.msg, str(exc))
+                self._replies.reply_error(parked.ident, parked.msg, str(exc))
             except Exception as exc:  # noqa: BLE001 - answered, and the next parked request still is
-                self._reply_error(parked.ident, parked.msg, self._failure(exc, op_name(parked.msg.op), table))
+                self._replies.reply_error(
+                    parked.ident, parked.msg, self._replies.failure(exc, op_name(parked.msg.op), table)
+                )
 
-    def _pull(self, ident: bytes, msg: Message) -> Message | None:
+    def pull(self, ident: bytes, msg: Message) -> Message | None:
         if msg.op == Op.PULL_DENSE:
             shard = self._shard(msg, "dense")
             self._expect(msg)
@@ -123,16 +152,16 @@ class TableOps:
         if msg.arg > shard.version and shard.step_error is not None:
             raise agg.ShardError(shard.step_error)
         if msg.arg > shard.version:
-            self._waiting.pulls[msg.table].append(self._park(ident, msg))
+            self._waiting.pulls[msg.table].append(self._replies.park(ident, msg))
             return None
         return self._pull_reply(shard, msg)
 
     def _pull_reply(self, shard: agg.Shard, msg: Message) -> Message:
         if isinstance(shard, agg.DenseShard):
-            return self._ok(msg, tensors=[shard.snapshot()], version=shard.version)
-        return self._ok(msg, tensors=[shard.pull(msg.tensors[0])], version=shard.version)
+            return self._replies.ok(msg, tensors=[shard.snapshot()], version=shard.version)
+        return self._replies.ok(msg, tensors=[shard.pull(msg.tensors[0])], version=shard.version)
 
-    def _push(self, ident: bytes, msg: Message) -> Message:
+    def push(self, ident: bytes, msg: Message) -> Message:
         status = Status.OK
         more = msg.arg == MORE_FOLLOWS
         if msg.op == Op.PUSH_DENSE_GRAD:
@@ -145,7 +174,7 @@ class TableOps:
             except agg.ShardError as exc:
                 if shard.broken is not None:  # the workers waiting for this step learn why it never comes
                     for parked in self._waiting.ready_pulls(msg.table, 1 << 62):
-                        self._reply_error(parked.ident, parked.msg, str(exc), exc.details)
+                        self._replies.reply_error(parked.ident, parked.msg, str(exc), exc.details)
                 raise
         elif msg.op == Op.PUSH_SPARSE_GRAD:
             shard = self._shard(msg, "sparse")
@@ -164,23 +193,25 @@ class TableOps:
             shard.push_delta(ids, deltas, step=msg.step, more=more)
         if status == Status.STALE and not more:
             self._counts["stale_dropped"] += 1
-        self._maybe_step(shard)
+        self._close_step(shard)
         if shard.step_error is not None:  # this push completed a step that could not be applied
             raise agg.ShardError(shard.step_error)
-        self._answer_pulls(msg.table)
-        return self._ok(msg, version=shard.version, status=status)
+        self.answer_pulls(msg.table)
+        return self._replies.ok(msg, version=shard.version, status=status)
 
-    def _answer_pulls(self, table: int) -> None:
+    def answer_pulls(self, table: int) -> None:
         shard = self._shards[table]
         for parked in self._waiting.ready_pulls(table, shard.version):
             try:
-                self._send(parked.ident, self._pull_reply(shard, parked.msg))
+                self._replies.send(parked.ident, self._pull_reply(shard, parked.msg))
             except (agg.ShardError, ValueError) as exc:
-                self._reply_error(parked.ident, parked.msg, str(exc))
+                self._replies.reply_error(parked.ident, parked.msg, str(exc))
             except Exception as exc:  # noqa: BLE001 - answered, and the next parked pull still is
-                self._reply_error(parked.ident, parked.msg, self._failure(exc, op_name(parked.msg.op), table))
+                self._replies.reply_error(
+                    parked.ident, parked.msg, self._replies.failure(exc, op_name(parked.msg.op), table)
+                )
 
-    def _dense_state(self, ident: bytes, msg: Message) -> Message:
+    def dense_state(self, ident: bytes, msg: Message) -> Message:
         """A dense shard's values and optimizer state, read or replaced (see wire.DENSE_STATE_GET)."""
         shard = self._shard(msg, "dense")
         assert isinstance(shard, agg.DenseShard)
@@ -188,17 +219,19 @@ class TableOps:
             self._expect(msg)
             values, param_steps, named, step = shard.optimizer_state()
             blob = json.dumps({"names": list(named), "step": step}).encode()
-            return self._ok(msg, tensors=[values, param_steps, *named.values()], blob=blob, version=shard.version)
+            return self._replies.ok(
+                msg, tensors=[values, param_steps, *named.values()], blob=blob, version=shard.version
+            )
         if msg.arg == DENSE_STATE_SET_VALUES:
             values = self._expect(msg, "values")[0]
             shard.check_values("values", values)
-            if shard.mode == "sync" and msg.step < shard.version:
+            if shard.stale_write(msg.step):
                 # Written on values of a step that has closed since (a backup worker, late): applying
                 # them would undo that step. Dropped like its late gradient; it takes the new values.
                 self._counts["stale_dropped"] += 1
-                return self._ok(msg, version=shard.version, status=Status.STALE)
+                return self._replies.ok(msg, version=shard.version, status=Status.STALE)
             shard.set(values)
-            return self._ok(msg, version=shard.version)
+            return self._replies.ok(msg, version=shard.version)
         if msg.arg != DENSE_STATE_SET_OPTIMIZER:
             raise agg.ShardError(f"DENSE_STATE arg {msg.arg} is none of get (0), set optimizer (1), set values (2)")
         try:
@@ -213,9 +246,9 @@ class TableOps:
                 f"DENSE_STATE set carries {len(msg.tensors)} tensors for {len(names)} state names + steps"
             )
         shard.set_optimizer_state(msg.tensors[0], dict(zip(names, msg.tensors[1:], strict=True)), step)
-        return self._ok(msg, version=shard.version)
+        return self._replies.ok(msg, version=shard.version)
 
-    def _shrink(self, ident: bytes, msg: Message) -> Message:
+    def shrink(self, ident: bytes, msg: Message) -> Message:
         """Evict, in sparse table ``msg.table``, rows past their TTL and (with a threshold) rows scoring below it."""
         try:
             threshold = json.loads(msg.text() or "{}").get("threshold")
@@ -224,17 +257,17 @@ class TableOps:
         if threshold is not None and not isinstance(threshold, int | float):
             raise agg.ShardError(f"SHRINK threshold must be a number or null, got {threshold!r}")
         shard = self._shard(msg, "sparse")
-        return self._ok(msg, blob=json.dumps({"removed": shard.table.shrink(threshold)}).encode())
+        return self._replies.ok(msg, blob=json.dumps({"removed": shard.table.shrink(threshold)}).encode())
 
-    def _export_sparse(self, ident: bytes, msg: Message) -> Message:
+    def export_sparse(self, ident: bytes, msg: Message) -> Message:
         """Every (id, row) of sparse table ``msg.table`` on this server, for ``fleet.export_for_inference``."""
         shard = self._shard(msg, "sparse")
         self._expect(msg)
-        return self._ok(msg, tensors=list(shard.table.export()), version=shard.version)
+        return self._replies.ok(msg, tensors=list(shard.table.export()), version=shard.version)
 
-    def _save(self, ident: bytes, msg: Message) -> Message:
+    def save(self, ident: bytes, msg: Message) -> Message:
         """``arg`` 1: a delta on the last save (or load) of this server; 0: a base."""
-        last = getattr(self, "last_save", None)
+        last = self.last_save
         if msg.arg == 1 and last is None:
             raise agg.ShardError(
                 f"a delta save needs an earlier save (or load) of parameter server {self.server_index} to build "
@@ -244,14 +277,14 @@ class TableOps:
             raise agg.ShardError(f"a delta save cannot overwrite the save it builds on ({last}): use a new directory")
         files = shard_io.save_shards(msg.text(), self.server_index, self._shards, last if msg.arg == 1 else None)
         self.last_save = os.path.abspath(msg.text())
-        record_dir = getattr(self, "checkpoint_record_dir", None)
+        record_dir = self.checkpoint_record_dir
         if record_dir:  # a restarted server loads its shards from here (fleetrun --max-restarts)
             shard_io.record_checkpoint(record_dir, self.server_index, msg.text())
-        return self._ok(msg, blob=json.dumps({"files": files}).encode())
+        return self._replies.ok(msg, blob=json.dumps({"files": files}).encode())
 
-    def _load(self, ident: bytes, msg: Message) -> Message:
+    def load(self, ident: bytes, msg: Message) -> Message:
         loaded = self.restore(msg.text())
-        return self._ok(msg, blob=json.dumps({"tables": loaded}).encode())
+        return self._replies.ok(msg, blob=json.dumps({"tables": loaded}).encode())
 
     def restore(self, dirname: str) -> list[int]:
         """Load this server's shards saved under ``dirname`` (tables, values, optimizer state, versions)."""
@@ -267,6 +300,6 @@ class TableOps:
             loaded.append(table)
         self.last_save = os.path.abspath(dirname)
         for table in loaded:
-            self._answer_creates(table)
-            self._answer_pulls(table)
+            self.answer_creates(table)
+            self.answer_pulls(table)
         return loaded

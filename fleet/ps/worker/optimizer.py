@@ -2,8 +2,8 @@
 
 Each param group becomes one flat dense table (:mod:`fleet.ps.client.dense`) and each
 ``fleet.nn.SparseEmbedding`` the optimizer holds one sparse table, whose rows the strategy
-serves to the module (:mod:`fleet.ps.worker.rows`). ``step()`` runs the update mode's policy
-(:mod:`fleet.ps.worker.modes`) under :class:`~fleet.ps.worker.recovery.Recovery`, which rides out server
+serves to the module (:mod:`fleet.ps.modes.rows`, chosen by the update mode). ``step()`` runs the
+update mode's worker policy (:mod:`fleet.ps.modes`) under :class:`~fleet.ps.worker.recovery.Recovery`, which rides out server
 restarts. Param groups added later (``add_param_group`` on this optimizer, or found at
 ``step()`` when added to the unwrapped one) get their tables the same way.
 """
@@ -22,10 +22,9 @@ import torch
 from fleet.errors import FleetError, ModelMismatchError
 from fleet.ps.client.client import PSClient
 from fleet.ps.client.dense import DenseTables
+from fleet.ps.modes import mode_for
 from fleet.ps.protocol.errors import PSRemoteError
-from fleet.ps.worker import modes
 from fleet.ps.worker.recovery import Recovery
-from fleet.ps.worker.rows import GeoRows, RemoteRows
 from fleet.ps.worker.step_checks import GradWatch, HyperParameters
 from fleet.runtime import env
 from fleet.sparse import backends as tables
@@ -53,14 +52,15 @@ class PSOptimizer(WrappedOptimizer):
         self._worker = role.worker_index
         self._model = model
         self._new_table = new_table
-        self._base = {"update": config.update, "backup_workers": int(config.backup_workers)}
+        self.mode = mode_for(config.update)
+        self._base = self.mode.table_config(config)
         self.tables = DenseTables(client, optimizer, self._base, self.is_first, new_table)
         self.sparse: list[tuple[Any, int, Any]] = []  # (table module, param group index, rows)
         self._sparse_creates: list[Callable[[], Future]] = []
         self._groups: list[list[int]] = []  # the parameters of each param group with a table, by id
         self._hyper = HyperParameters(optimizer)  # what the servers step with: changing it is refused
-        self._grad_watch = GradWatch() if config.update == "sync" else None  # gradients written after backward
-        self.update = modes.for_config(self, config.update, max(1, int(getattr(config, "k_steps", 1) or 1)))
+        self._grad_watch = GradWatch() if self.mode.watches_grads else None  # gradients written after backward
+        self.update = self.mode.worker(self, config)
         self.recovery = Recovery(self, (env.current().int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0)
         self._add_groups(range(len(optimizer.param_groups)), check_values=False)
         self._share_buffers()
@@ -149,7 +149,7 @@ class PSOptimizer(WrappedOptimizer):
 
     def _check_step(self) -> None:
         """Refuse what the servers cannot do as one process would (:mod:`fleet.ps.worker.step_checks`)."""
-        served = set() if isinstance(self.update, modes.GeoMode) else {e.index for e in self.tables.entries}
+        served = set() if self.mode.steps_locally else {e.index for e in self.tables.entries}
         served |= {index for module, index, _ in self.sparse if module.optimizer_override is None}
         self._hyper.check(sorted(served))
         if self._grad_watch is not None:
@@ -165,10 +165,7 @@ class PSOptimizer(WrappedOptimizer):
             sparse_cfg = {**self._base, **module.table_config(spec)}
             self._sparse_creates.append(lambda t=table_id, c=sparse_cfg: self.client.create_sparse(t, c))
             futures.append(self._sparse_creates[-1]())
-            if self.config.update == "geo":
-                rows: Any = GeoRows(self.client, table_id, module, module.optimizer_override or spec)
-            else:
-                rows = RemoteRows(self.client, table_id, sync=self.config.update == "sync")
+            rows = self.mode.rows(self.client, table_id, module, spec)
             rows.guard = self.recovery.guard
             self.sparse.append((module, index, rows))
         return futures
@@ -220,7 +217,6 @@ class PSOptimizer(WrappedOptimizer):
 
     def geo_sync(self) -> None:
         """Geo mode: push the changes since the last sync now, then take the servers' values."""
-        assert isinstance(self.update, modes.GeoMode), "geo_sync applies to update='geo'"
         self.update.sync()
 
     def flush(self) -> None:
@@ -240,7 +236,7 @@ class PSOptimizer(WrappedOptimizer):
             future.result()
         for entry in written:
             entry.mark_clean()
-            if isinstance(self.update, modes.GeoMode):
+            if self.mode.steps_locally:
                 entry.base = entry.values()  # the write is the servers' value now, not a delta to add
 
     # ------------------------------------------------------------------ state dicts
@@ -249,7 +245,7 @@ class PSOptimizer(WrappedOptimizer):
 
         Sparse tables' rows and their optimizer state are not in it: save them with fleet.save_persistables.
         """
-        if isinstance(self.update, modes.GeoMode) or not self.tables.entries:
+        if self.mode.steps_locally or not self.tables.entries:
             return self._inner.state_dict()
         self.flush()
         futures = [self.client.dense_state(entry.table_id) for entry in self.tables.entries]
@@ -278,7 +274,7 @@ class PSOptimizer(WrappedOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the user's optimizer (param groups, lr, ...) and send the dense optimizer state to the servers."""
         self._inner.load_state_dict(state_dict)
-        if isinstance(self.update, modes.GeoMode) or not self.tables.entries:
+        if self.mode.steps_locally or not self.tables.entries:
             return  # geo steps with the local optimizer: its state is where it belongs
         self.flush()
         futures = []
@@ -308,8 +304,8 @@ class PSOptimizer(WrappedOptimizer):
     def refresh(self) -> None:
         """Pull the servers' current dense values into the parameters (after a load or a restart)."""
         self.tables.refresh()
-        for _, _, rows in self.sparse:
-            if isinstance(rows, RemoteRows) and self.tables.entries:
+        if not self.mode.steps_locally and self.tables.entries:
+            for _, _, rows in self.sparse:
                 rows.version = self.tables.entries[0].version  # sync: every table advances once per step
 
     # ------------------------------------------------------------------ errors

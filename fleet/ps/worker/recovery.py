@@ -20,16 +20,27 @@ failure raises, naming the server index and endpoint.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 from fleet.ps.protocol.errors import PSAuthError, PSServerUnavailable
 
-if TYPE_CHECKING:
-    from fleet.ps.worker.optimizer import PSOptimizer
+
+class Recoverable(Protocol):
+    """What recovery uses of the wrapped optimizer (``fleet.ps.worker.optimizer.PSOptimizer``)."""
+
+    client: Any  # fleet.ps.client.client.PSClient
+    mode: Any  # fleet.ps.modes.UpdateMode
+    update: Any  # its fleet.ps.modes.WorkerPolicy
+    is_first: bool
+
+    def creates(self) -> list[Callable[[], Future]]: ...
+
+    def refresh(self) -> None: ...
 
 
 class Recovery:
-    def __init__(self, opt: PSOptimizer, restartable: bool):
+    def __init__(self, opt: Recoverable, restartable: bool):
         self.opt = opt
         self.restartable = restartable
         self.last_checkpoint: str | None = None  # set by fleet.save_persistables / load_persistables
@@ -62,7 +73,7 @@ class Recovery:
         self._say(f"{exc}; waiting up to {timeout_s:.0f} s for its restart")
         opt.update.drop_in_flight()
         opt.client.wait_for_servers(timeout_s, cause=exc)
-        if opt.config.update == "sync":
+        if opt.mode.rolls_back_on_restart:
             self._roll_back(exc)
             return
         for future in [create() for create in opt.creates()]:

@@ -1,9 +1,11 @@
 """Where a ``fleet.nn.SparseEmbedding``'s rows live in a parameter-server job (its table backends).
 
-:class:`RemoteRows` (sync and async): each forward pulls the batch's unique ids from the
-servers; the wrapped optimizer pushes the row gradients. :class:`GeoRows` (geo): rows are
-cached here, trained by the local optimizer and synced every ``k_steps``. Both take a
-``guard`` from the optimizer, which waits out a server restart.
+The update mode (:mod:`fleet.ps.modes`) picks one. :class:`RemoteRows` (sync and async): each
+forward pulls the batch's unique ids from the servers; the servers apply the row gradients,
+which the mode's step sends with :meth:`RemoteRows.push`. :class:`GeoRows` (geo): rows are
+cached here, trained when the optimizer holding them steps (:meth:`GeoRows.step`, like a local
+table) and synced every ``k_steps``. Both take a ``guard`` from the optimizer, which waits out
+a server restart.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ from typing import Any
 
 import torch
 
-from fleet.ps.client.client import PSClient
+from fleet.errors import FleetError
 from fleet.sparse.backends import TableModule
 from fleet.sparse.id_index import IdIndex
 from fleet.sparse.optim import OptimizerSpec
 from fleet.sparse.table import SparseTable
 
 Guard = Callable[[Callable[[], Any]], Any]
+PSClient = (
+    Any  # fleet.ps.client.client.PSClient: the sparse-table requests (not imported: the client imports the modes)
+)
 
 
 def _unguarded(fn: Callable[[], Any]) -> Any:
@@ -45,10 +50,11 @@ class _ServerTable:
 
 
 class RemoteRows(_ServerTable):
-    def __init__(self, client: PSClient, table_id: int, sync: bool = True):
+    def __init__(self, client: PSClient, table_id: int, sync: bool = True, module: TableModule | None = None):
         self.client = client
         self.table_id = table_id
         self.sync = sync
+        self.module = module
         self.version = 0
         self.guard: Guard = _unguarded
 
@@ -60,8 +66,18 @@ class RemoteRows(_ServerTable):
             self.version = max(self.version, int(getattr(rows, "ps_version", 0)))
         return rows
 
+    def push(self, step: int, lr: float) -> Future:
+        """Send the module's row gradients since the last push (the servers apply them; ``step`` as for the
+        client's ``push_sparse_grad``: the sync step, or this worker's step count in async mode)."""
+        ids, grads, clicks = self.module.take_gradients()
+        return self.client.push_sparse_grad(self.table_id, ids, grads, step, lr, clicks)
+
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
-        """The wrapped optimizer pushes the gradients itself."""
+        """Refused: the servers apply these rows' gradients, sent by the optimizer fleet wrapped."""
+        raise FleetError(
+            f"sparse table {self.table_id} lives on the parameter servers, which update its rows: step the optimizer "
+            "returned by fleet.distributed_optimizer, not the torch optimizer it wraps"
+        )
 
     def prefetch(self, ids: torch.Tensor) -> Future | None:
         """Async mode: pull ``ids`` in the background (rows may be a step old there anyway)."""
@@ -81,6 +97,7 @@ class GeoRows(_ServerTable):
     def __init__(self, client: PSClient, table_id: int, module: TableModule, spec: OptimizerSpec):
         self.client = client
         self.table_id = table_id
+        self.module = module
         self.local = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
         self.base = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
         self.known = IdIndex()  # ids whose rows came from the servers: O(batch) per check, not O(seen)
@@ -108,7 +125,10 @@ class GeoRows(_ServerTable):
         return self.local.pull(ids)
 
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
-        """The wrapped optimizer applies the gradients itself (:meth:`apply`)."""
+        """The optimizer holding the module stepped (geo steps the user's optimizer locally): apply the rows'
+        gradients to the cached rows. Clicks stay here: geo pushes deltas, not gradients."""
+        ids, grads, _ = self.module.take_gradients()
+        self.apply(ids, grads, float(group["lr"]))
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         if ids.numel():

@@ -1,0 +1,63 @@
+"""``update="geo"``: workers train locally and push deltas every ``k_steps`` (Paddle's GEO-SGD).
+
+Worker: the user's optimizer steps locally (dense values and, through its step hook, the
+SparseEmbedding rows cached in :class:`~fleet.ps.modes.rows.GeoRows`); every ``k_steps`` the
+changes since the last sync are pushed and the values rebased on the servers'.
+
+Server: a delta is added on arrival; gradients are refused.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fleet.ps.modes.base import UpdateMode, WorkerHost, WorkerPolicy
+from fleet.ps.modes.rows import GeoRows
+
+
+class GeoStep(WorkerPolicy):
+    def __init__(self, host: WorkerHost, k_steps: int):
+        super().__init__(host)
+        self.k_steps = k_steps
+
+    def step(self) -> float:
+        host = self.host
+        started = time.perf_counter()
+        host.inner.step()  # the rows too: GeoRows.step, run by the step hook of the optimizer holding them
+        for entry in host.tables.entries:
+            entry.mark_clean()  # geo's own local step: its change reaches the servers as the next delta
+        self.steps += 1
+        local_s = time.perf_counter() - started
+        if self.steps % self.k_steps == 0:
+            self.sync()
+        return local_s
+
+    def sync(self) -> None:
+        host = self.host
+        tables = host.tables
+        futures = [host.client.push_dense_delta(e.table_id, e.values() - e.base) for e in tables.entries]
+        for future in futures:
+            future.result()
+        for _, _, rows in host.sparse:
+            rows.sync(self.steps)
+        tables.adopt(tables.pull(), version=False, base=True)
+
+    def drop_in_flight(self) -> None:
+        for _, _, rows in self.host.sparse:
+            rows.forget()
+
+
+class GeoMode(UpdateMode):
+    name = "geo"
+    options = ("k_steps",)
+    steps_locally = True
+
+    def worker(self, host: Any, config: Any) -> WorkerPolicy:
+        return GeoStep(host, max(1, int(getattr(config, "k_steps", 1) or 1)))
+
+    def rows(self, client: Any, table_id: int, module: Any, spec: Any) -> GeoRows:
+        return GeoRows(client, table_id, module, module.optimizer_override or spec)
+
+    def admit_delta(self, table_id: int) -> None:
+        """Deltas are what geo workers push."""
