@@ -93,7 +93,7 @@ def load_for_inference(dirname: str, model: torch.nn.Module) -> torch.nn.Module:
         config = json.loads(saved["config"])
         if config["dim"] != module.embedding_dim:
             raise ValueError(f"{path}: table {name!r} has dim {config['dim']}, the model's has {module.embedding_dim}")
-        module.local.table = _serving_table(module, saved)
+        module.local.adopt(_serving_table(module, saved))
     return model.eval()
 
 

@@ -130,7 +130,7 @@ class ShardedLoader:
             _set_generator_states(resume_rng, self._generator)
         self._epoch_rng = _generator_states(self._generator)
         if order is not None:
-            order.skip = skip * (loader.batch_size or 1)
+            order.skip_next(skip * (loader.batch_size or 1))
             batches: Iterator[Any] = iter(loader)
         else:
             mine = _even_share(iter(loader), self.num_shards, self.shard, loader.drop_last)
@@ -226,23 +226,31 @@ def _skipping(indices: Iterator[Any], skip: int) -> Iterator[Any]:
 class _ResumableSampler(DistributedSampler):
     """DistributedSampler that can start an epoch part-way, after ``skip`` indices."""
 
-    skip = 0
+    _skip = 0
+
+    def skip_next(self, indices: int) -> None:
+        """The next epoch starts after ``indices`` indices (a resumed position)."""
+        self._skip = indices
 
     def __iter__(self) -> Iterator[Any]:
-        skip, self.skip = self.skip, 0
+        skip, self._skip = self._skip, 0
         return _skipping(super().__iter__(), skip)
 
 
 class _SkippingSampler(Sampler):
     """The user's own sampler, able to start an epoch part-way, after ``skip`` indices."""
 
-    skip = 0
+    _skip = 0
 
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
 
+    def skip_next(self, indices: int) -> None:
+        """The next epoch starts after ``indices`` indices (a resumed position)."""
+        self._skip = indices
+
     def __iter__(self) -> Iterator[Any]:
-        skip, self.skip = self.skip, 0
+        skip, self._skip = self._skip, 0
         return _skipping(iter(self.sampler), skip)
 
     def __len__(self) -> int:

@@ -126,6 +126,10 @@ class LocalRows:
         self._module = weakref.ref(module)
         self.table: SparseTable | None = None
 
+    def adopt(self, table: SparseTable) -> None:
+        """Serve from ``table`` from now on (``fleet.load_for_inference``: the rows of an exported model)."""
+        self.table = table
+
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return self.table.pull(ids)

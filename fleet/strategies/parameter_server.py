@@ -265,7 +265,7 @@ class ParameterServerStrategy(Strategy):
             )
         latest = persist.resolve(dirname)
         for opt in optimizers:
-            opt.last_checkpoint = os.path.abspath(latest)  # where a sync job rolls back after a server restart
+            opt.remember_checkpoint(os.path.abspath(latest))  # where a sync job rolls back after a server restart
 
     def _save_new(self, dirname: str, mode: str, optimizers: list[Any]) -> str:
         """Worker 0's part of a save: a new directory, the servers' shards, its own file, then ``latest``."""
@@ -314,7 +314,7 @@ class ParameterServerStrategy(Strategy):
         for opt, saved in zip(optimizers, state["optimizers"], strict=True):
             opt.inner.load_state_dict(saved)
             opt.refresh()
-            opt.last_checkpoint = os.path.abspath(source)
+            opt.remember_checkpoint(os.path.abspath(source))
 
     def save_state(self, save: SaveWriter, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         raise FleetError(

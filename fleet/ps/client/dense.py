@@ -46,6 +46,14 @@ class GroupTable:
     def values(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params]) if self.params else torch.zeros(0)
 
+    def rebase(self, values: torch.Tensor | None = None) -> None:
+        """Geo: ``values`` (default: the parameters now) are the servers' values, not a delta to add."""
+        self.base = self.values() if values is None else values.clone()
+
+    def at_version(self, version: int) -> None:
+        """The servers' version these parameters hold."""
+        self.version = version
+
     def grads(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The flat gradient, and (only when some parameter has none) a uint8 flag per parameter:
         HAS_GRAD, NO_GRAD (trainable, no gradient here) or FROZEN (``requires_grad=False``).
@@ -145,9 +153,9 @@ class DenseTables:
                 check(entry, values)
             entry.assign(values)
             if version:
-                entry.version = int(values.ps_version)
+                entry.at_version(int(values.ps_version))
             if base:
-                entry.base = values.clone()
+                entry.rebase(values)
 
     def refresh(self, entries: Sequence[GroupTable] | None = None) -> None:
         """Every value, version and base from the servers (after a create, a load or a server restart)."""

@@ -48,6 +48,10 @@ class _ServerTable:
     def export(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.guard(lambda: self.client.export_sparse(self.table_id).result())
 
+    def guard_with(self, guard: Guard) -> None:
+        """Run every request to the servers through ``guard`` (a worker riding out server restarts)."""
+        self.guard = guard
+
 
 class RemoteRows(_ServerTable):
     def __init__(self, client: PSClient, table_id: int, sync: bool = True, module: TableModule | None = None):
@@ -65,6 +69,10 @@ class RemoteRows(_ServerTable):
             # with min_version > 0 is every server asked, so that ps_version is the oldest shard's.)
             self.version = max(self.version, int(getattr(rows, "ps_version", 0)))
         return rows
+
+    def advance(self, version: int | None = None) -> None:
+        """Sync: the servers' tables moved one step on (or to ``version``, after a load or a restart)."""
+        self.version = self.version + 1 if version is None else version
 
     def push(self, step: int, lr: float) -> Future:
         """Send the module's row gradients since the last push (the servers apply them; ``step`` as for the

@@ -27,7 +27,7 @@ class SyncStep(WorkerPolicy):
             future.result()
         tables.adopt(tables.pull(min_versions=[e.version + 1 for e in tables.entries]))
         for _, _, rows in self.host.sparse:
-            rows.version += 1
+            rows.advance()
         return 0.0
 
 

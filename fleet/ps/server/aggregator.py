@@ -132,6 +132,11 @@ class Shard:
             self.stale_dropped[worker] = self.stale_dropped.get(worker, 0) + 1
         return verdict
 
+    def fail_step(self, reason: str) -> None:
+        """The complete sync step could not be applied: the workers waiting for it, and later pushes
+        for it, hear ``reason`` (cleared by the next step that applies)."""
+        self.step_error = reason
+
     def stale_write(self, step: int) -> bool:
         """Whether values a worker wrote at ``step`` would undo steps closed since (dropped then)."""
         return self.mode.stale_write(step, self.version)

@@ -396,7 +396,7 @@ class ParameterServer:
             return shard.maybe_step(self._active, set(self._waiting.barrier))
         except Exception as exc:
             what = f"applying sync step {shard.version}"
-            shard.step_error = self._failure(exc, what, shard.table_id)
+            shard.fail_step(self._failure(exc, what, shard.table_id))
             for parked in self._waiting.ready_pulls(shard.table_id, 1 << 62):
                 self._reply_error(parked.ident, parked.msg, shard.step_error)
             return False

@@ -99,9 +99,9 @@ class PSOptimizer(WrappedOptimizer):
     def last_checkpoint(self) -> str | None:
         return self.recovery.last_checkpoint
 
-    @last_checkpoint.setter
-    def last_checkpoint(self, dirname: str | None) -> None:
-        self.recovery.last_checkpoint = dirname
+    def remember_checkpoint(self, dirname: str) -> None:
+        """fleet.save_persistables / load_persistables: where a sync job rolls back after a server restart."""
+        self.recovery.remember_checkpoint(dirname)
 
     @property
     def server_restarts(self) -> int:
@@ -166,7 +166,7 @@ class PSOptimizer(WrappedOptimizer):
             self._sparse_creates.append(lambda t=table_id, c=sparse_cfg: self.client.create_sparse(t, c))
             futures.append(self._sparse_creates[-1]())
             rows = self.mode.rows(self.client, table_id, module, spec)
-            rows.guard = self.recovery.guard
+            rows.guard_with(self.recovery.guard)
             self.sparse.append((module, index, rows))
         return futures
 
@@ -237,7 +237,7 @@ class PSOptimizer(WrappedOptimizer):
         for entry in written:
             entry.mark_clean()
             if self.mode.steps_locally:
-                entry.base = entry.values()  # the write is the servers' value now, not a delta to add
+                entry.rebase()  # the write is the servers' value now, not a delta to add
 
     # ------------------------------------------------------------------ state dicts
     def state_dict(self) -> dict[str, Any]:
@@ -306,7 +306,7 @@ class PSOptimizer(WrappedOptimizer):
         self.tables.refresh()
         if not self.mode.steps_locally and self.tables.entries:
             for _, _, rows in self.sparse:
-                rows.version = self.tables.entries[0].version  # sync: every table advances once per step
+                rows.advance(self.tables.entries[0].version)  # sync: every table advances once per step
 
     # ------------------------------------------------------------------ errors
     def _name(self, param: torch.Tensor) -> str:

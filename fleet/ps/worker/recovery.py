@@ -43,8 +43,16 @@ class Recovery:
     def __init__(self, opt: Recoverable, restartable: bool):
         self.opt = opt
         self.restartable = restartable
-        self.last_checkpoint: str | None = None  # set by fleet.save_persistables / load_persistables
+        self._last_checkpoint: str | None = None  # set by fleet.save_persistables / load_persistables
         self.server_restarts = 0  # server restarts this worker recovered from
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """Where a sync job rolls back after a server restart: the last save written or loaded."""
+        return self._last_checkpoint
+
+    def remember_checkpoint(self, dirname: str) -> None:
+        self._last_checkpoint = dirname
 
     def guard(self, fn: Callable[[], Any], lossy: bool = False) -> Any:
         """Run ``fn``; with restarts, a lost server is waited for and resynchronised with.
@@ -87,7 +95,7 @@ class Recovery:
     def _roll_back(self, exc: PSServerUnavailable) -> None:
         """Sync: every worker and every server go back to the last checkpoint together."""
         opt = self.opt
-        if self.last_checkpoint is None:
+        if self._last_checkpoint is None:
             raise PSServerUnavailable(
                 f"{exc} The server was restarted, but a sync job can only resume from a checkpoint that every "
                 "server loads together, and none was saved yet: call fleet.save_persistables(dirname) periodically.",
@@ -97,11 +105,11 @@ class Recovery:
             ) from exc
         opt.client.barrier().result()  # nobody pushes while the servers reload
         if opt.is_first:
-            opt.client.load(self.last_checkpoint).result()
+            opt.client.load(self._last_checkpoint).result()
         opt.client.barrier().result()
         opt.refresh()
         self.server_restarts += 1
         self._say(
-            f"parameter server {exc.server_index} is back; every server rolled back to {self.last_checkpoint} "
+            f"parameter server {exc.server_index} is back; every server rolled back to {self._last_checkpoint} "
             f"(server restart {self.server_restarts})"
         )
