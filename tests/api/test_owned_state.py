@@ -13,9 +13,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import fleet
+from ast_checks import foreign_writes
 
 ROOT = Path(fleet.__file__).parent
-TORCH_FIELDS = {"grad", "data", "weight", "bias"}  # a tensor's gradient or data, a module's parameters
 TORCH_PRIVATE = {"_values", "_indices", "_version", "_parameters", "_modules"}  # torch's own, same names as ours
 
 # module -> the names (roots of the assigned expression) it may assign attributes of, and why.
@@ -63,23 +63,12 @@ def _root(node: ast.expr) -> str:
 
 
 def test_no_module_assigns_another_objects_attributes():
-    offenders = []
-    for module, tree in _modules().items():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Assign):
-                targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
-            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-                targets = [node.target]
-            else:
-                continue
-            for target in targets:
-                if not isinstance(target, ast.Attribute) or target.attr in TORCH_FIELDS:
-                    continue
-                if isinstance(target.value, ast.Name) and target.value.id in ("self", "cls"):
-                    continue
-                if _root(target) in ALLOWED_WRITES.get(module, set()) or "environ" in ast.unparse(target):
-                    continue
-                offenders.append(f"{module}:{node.lineno}: {ast.unparse(target)} = ...")
+    offenders = [
+        f"{module}:{line}: {ast.unparse(target)} = ..."
+        for module, tree in _modules().items()
+        for line, target in foreign_writes(tree)
+        if _root(target) not in ALLOWED_WRITES.get(module, set())
+    ]
     assert not offenders, "give the object a method instead:\n" + "\n".join(offenders)
 
 

@@ -7,32 +7,16 @@ import ast
 import pathlib
 
 import fleet
+from ast_checks import foreign_writes
 
 ROOT = pathlib.Path(fleet.__file__).parent
 AREA = ["collective", "sharding", "strategies/collective.py", "strategies/sharding.py"]
-TORCH_FIELDS = {"grad", "data", "weight", "bias"}  # a tensor's gradient or data, a module's parameters
 # FSDP2 has no public hook before a reduce-scatter: fleet.sharding.order wraps its parameter group's.
 ALLOWED = {("sharding/order.py", "param_group.post_backward")}
 
 
 def _writes(path: pathlib.Path) -> list[str]:
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Assign):
-            targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
-        else:
-            continue
-        for target in targets:
-            if not isinstance(target, ast.Attribute) or target.attr in TORCH_FIELDS:
-                continue
-            if isinstance(target.value, ast.Name) and target.value.id in ("self", "cls"):
-                continue
-            if isinstance(target.value, ast.Attribute) and target.value.attr == "environ":
-                continue
-            found.append(ast.unparse(target))
-    return found
+    return [ast.unparse(target) for _, target in foreign_writes(ast.parse(path.read_text()))]
 
 
 def test_no_module_assigns_another_objects_attributes():
