@@ -6,6 +6,7 @@ One context per process, created by ``fleet.init``. Module-level functions in
 
 from __future__ import annotations
 
+import atexit
 import sys
 from datetime import timedelta
 from typing import Any
@@ -152,6 +153,10 @@ class FleetContext:
         """fleet.stop_worker: the strategy lets go, then the group and the heartbeats."""
         if self._impl is not None:
             self._impl.shutdown()
+        self.release()
+
+    def release(self) -> None:
+        """Let go of the heartbeats, the process group and the store (local: no peer is asked)."""
         if self.liveness is not None:
             self.liveness.close()
         if dist.is_initialized() and not self.role.server_num:
@@ -213,6 +218,7 @@ def init(
         return
     job = FleetContext(role, config, secret)
     context.set_current(job)
+    atexit.register(_release_at_exit, job)
     _mark_joined(role)
     try:
         job.implementation(None)  # the strategy joins the job (a server serves here, then exits)
@@ -275,6 +281,15 @@ def _check_same_init(context: FleetContext, role: RoleInfo, config: DistributedS
             f"{_describe(config)}. A process joins one job under one strategy: call fleet.init once, or "
             "fleet.stop_worker() before starting another."
         )
+
+
+def _release_at_exit(job: FleetContext) -> None:
+    """A script that ends without fleet.stop_worker(): once the strategy's own exit handlers agreed
+    with the peers that the job is over (atexit runs them first: they were registered later), the
+    group and the store go while Python still runs. Left to C++ static destruction, gloo has aborted
+    a finished process with "terminate called without an active exception"."""
+    if context.current() is job and not hasattr(sys, "last_value"):
+        job.release()
 
 
 def _mark_joined(role: RoleInfo) -> None:
