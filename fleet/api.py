@@ -26,6 +26,7 @@ from fleet.strategies.base import Strategy
 from fleet.strategy import DistributedStrategy, StrategyError
 
 DEFAULT_PS_UPDATE = "async"  # Paddle's parameter-server default (a_sync=True)
+DEFAULT_MODE, SERVER_MODE = "collective", "ps"  # what a job runs when nothing chose: without servers, with them
 _JOINS = 0  # FleetContexts made in this process: an external store (torchrun's) outlives each of them
 
 
@@ -208,8 +209,8 @@ def init(
     role = role_maker.role_info(servers=servers) if role_maker is not None else detect(servers=servers)
     if is_collective is not None:
         config = _check_is_collective(config, is_collective, role)
-    if role.server_num and strategy is None and config.mode == "collective" and "mode" not in config.model_fields_set:
-        config = DistributedStrategy(mode="ps", update=DEFAULT_PS_UPDATE, timeout_s=config.timeout_s)
+    if role.server_num and strategy is None and config.mode == DEFAULT_MODE and "mode" not in config.model_fields_set:
+        config = DistributedStrategy(mode=SERVER_MODE, update=DEFAULT_PS_UPDATE, timeout_s=config.timeout_s)
     _check_against_role(config, role)
     secret = job_secret.from_environment()
     existing = context.current()
@@ -231,14 +232,15 @@ def init(
 
 def _honour_is_collective(config: DistributedStrategy, is_collective: bool) -> DistributedStrategy:
     """Paddle's is_collective against the strategy: the mode it implies, or an error if the strategy says otherwise."""
+    serves = registry.get(config.mode).uses_servers
     if is_collective:
-        if config.mode == "ps":
+        if serves:
             raise StrategyError(
-                "fleet.init(is_collective=True) asks for collective training, but the strategy has mode='ps'. "
+                f"fleet.init(is_collective=True) asks for collective training, but the strategy has mode={config.mode!r}. "
                 "Use is_collective=False for a parameter-server job, or a collective strategy."
             )
         return config
-    if config.mode == "ps":
+    if serves:
         return config
     if "mode" in config.model_fields_set:
         raise StrategyError(
@@ -246,7 +248,7 @@ def _honour_is_collective(config: DistributedStrategy, is_collective: bool) -> D
             f"mode={config.mode!r}. Use is_collective=True, or a strategy with mode='ps'."
         )
     chosen = config.model_dump(exclude_unset=True)
-    return DistributedStrategy(**{"update": DEFAULT_PS_UPDATE, **chosen, "mode": "ps"})
+    return DistributedStrategy(**{"update": DEFAULT_PS_UPDATE, **chosen, "mode": SERVER_MODE})
 
 
 def _check_is_collective(config: DistributedStrategy, is_collective: bool, role: RoleInfo) -> DistributedStrategy:
