@@ -165,6 +165,19 @@ def test_gradient_reaches_the_table_once_per_unique_id() -> None:
     close(grads, torch.tensor([3.0, 2.0, 1.0]).unsqueeze(1).expand(3, DIM), "row gradients")
 
 
+def test_prefetch_and_no_grad_forwards_change_nothing() -> None:
+    bag = fleet.nn.SparseEmbeddingBag(DIM, mode="mean", padding_idx=PAD, seed=SEED)
+    ids, offsets = torch.tensor([5, PAD, 9, 5]), torch.tensor([0, 2])
+    want = bag(ids, offsets)
+    bag.take_gradients()
+    bag.prefetch(ids)  # in one process the rows are here already: nothing to fetch
+    close(bag(ids, offsets), want, "after prefetch")
+    with torch.no_grad():
+        close(bag(ids, offsets), want, "under no_grad")
+    got_ids, _, _ = bag.take_gradients()
+    assert got_ids.tolist() == [5, 9], "one training forward's ids, the padding id left out"
+
+
 def test_record_clicks_gives_each_id_its_bags_label() -> None:
     bag = fleet.nn.SparseEmbeddingBag(DIM, mode="sum", padding_idx=PAD, include_last_offset=True)
     bag(torch.tensor([5, PAD, 9, 5, 11, 12]), torch.tensor([0, 2, 2, 5]))  # entry 12 is past the last bag
