@@ -37,6 +37,7 @@ TITLES = {
     "w3_sparse_table": "W3: sparse table pulls and pushes",
     "ps_hardening": "PS fairness: a huge batch beside a normal worker",
     "sparse_rows": "Bytes per sparse row",
+    "bag_pooling": "Multi-hot pooling: SparseEmbeddingBag vs rows per looked-up id",
     "w5_lifecycle": "W5: sparse-table life cycle on a drifting stream",
     "stragglers": "W4: stragglers, sync + backup worker vs sync",
     "scaling": "Scaling: measured vs fleet.plan's prediction",

@@ -35,7 +35,7 @@ from fleet.sparse.lifecycle import Entry, LifeCycle
 from fleet.sparse.optim import InitializerSpec, OptimizerSpec
 
 
-def _initializer(value: Any) -> InitializerSpec:
+def _initializer(value: Any, owner: str = "SparseEmbedding") -> InitializerSpec:
     if value is None:
         return InitializerSpec()
     if isinstance(value, InitializerSpec):
@@ -44,7 +44,42 @@ def _initializer(value: Any) -> InitializerSpec:
         return InitializerSpec.from_config(value)
     if isinstance(value, str):
         return InitializerSpec(kind=value)  # type: ignore[arg-type]
+    if isinstance(value, int) and not isinstance(value, bool):  # SparseEmbedding(num_embeddings, dim), as nn.Embedding
+        raise TypeError(
+            f"{owner} takes no vocabulary size (rows are keyed by any int64 id, created on first touch): "
+            f"write {owner}({value}) for rows of {value} values; its second argument is the initializer, got {value}"
+        )
     raise TypeError(f"initializer must be an InitializerSpec, a dict or a kind name, got {type(value).__name__}")
+
+
+# nn.Embedding / nn.EmbeddingBag arguments a sparse table has no use for, and what to do instead.
+_TORCH_ONLY = {
+    "num_embeddings": "rows are keyed by any int64 id, created on first touch: drop it",
+    "sparse": "the rows' gradients are always sparse (one per looked-up id): drop it",
+    "max_norm": "not supported on sparse tables",
+    "norm_type": "not supported on sparse tables",
+    "scale_grad_by_freq": "not supported on sparse tables",
+    "_weight": "the rows come from the initializer",
+    "_freeze": "not supported on sparse tables",
+    "device": "the rows live on the CPU (or the servers)",
+    "dtype": "the rows are float32",
+}
+_BAG_ONLY = {
+    "mode": "pooling ids into bags (sum, mean, max) is fleet.nn.SparseEmbeddingBag's",
+    "include_last_offset": "bags of ids are fleet.nn.SparseEmbeddingBag's",
+    "padding_idx": "fleet.nn.SparseEmbeddingBag has one (an id that contributes nothing); here, mask the rows",
+}
+
+
+def _refuse(owner: str, unknown: dict[str, Any]) -> None:
+    """Raise a TypeError naming ``unknown`` keyword arguments of ``owner`` and what to write instead."""
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        hint = _TORCH_ONLY.get(name) or _BAG_ONLY.get(name)
+        hints.append(f"{name!r} ({hint})" if hint else repr(name))
+    raise TypeError(f"{owner} got unexpected keyword arguments: {'; '.join(hints)}")
 
 
 def _optimizer(value: Any) -> OptimizerSpec | None:
@@ -72,12 +107,14 @@ class SparseEmbedding(nn.Module):
         max_rows: int | None = None,
         ttl_steps: int | None = None,
         decay: float = 0.999,
+        **unknown: Any,
     ):
         super().__init__()
+        _refuse(type(self).__name__, unknown)
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
             raise ValueError(f"embedding_dim must be an int > 0, got {embedding_dim!r}")
         self.embedding_dim = embedding_dim
-        self.initializer = _initializer(initializer)
+        self.initializer = _initializer(initializer, type(self).__name__)
         self.optimizer_override = _optimizer(optimizer)
         self.seed = 0 if seed is None else int(seed)
         self.lifecycle = LifeCycle.from_config(
@@ -147,13 +184,25 @@ class SparseEmbedding(nn.Module):
         unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
         return unique, self.backend().pull(unique), inverse
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = self._check_ids(ids)
+    def _gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of ``ids``' unique ids, inverse index shaped as ``ids``); when training, the rows are a
+        leaf whose gradient (one per unique id) the next optimizer step takes to the table."""
         unique, rows, inverse = self._lookup(ids)
+        inverse = inverse.view(ids.shape)
         if torch.is_grad_enabled() and self.training:
             rows = rows.detach().requires_grad_(True)
-            self._pending.append([unique, rows, inverse.view(ids.shape), None])
-        return rows.index_select(0, inverse).reshape(*ids.shape, self.embedding_dim)
+            self._pending.append([unique, rows, inverse, None])
+        return rows, inverse
+
+    def forward(self, ids: torch.Tensor, *unexpected: Any) -> torch.Tensor:
+        if unexpected:  # (ids, offsets), as nn.EmbeddingBag
+            raise TypeError(
+                f"{type(self).__name__} takes the ids only, got {1 + len(unexpected)} arguments; "
+                "for bags of ids (ids, offsets, per_sample_weights) use fleet.nn.SparseEmbeddingBag"
+            )
+        ids = self._check_ids(ids)
+        rows, inverse = self._gather(ids)
+        return rows.index_select(0, inverse.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
 
     def record_clicks(self, labels: torch.Tensor) -> None:
         """Feed the clicks of the last forward's samples (``labels``: one per sample, the ids' first dim).

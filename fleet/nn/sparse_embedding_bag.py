@@ -1,0 +1,179 @@
+"""SparseEmbeddingBag: ``nn.EmbeddingBag`` over a sparse table, for multi-hot features.
+
+A multi-hot feature (a user's last clicked items, a document's words) is a bag of ids per
+sample, pooled into one vector: the sum, mean or max of its rows, optionally weighted per id.
+The module takes ``nn.EmbeddingBag``'s inputs (``input`` + ``offsets``, or a 2-D ``input`` whose
+rows are the bags; ``per_sample_weights``; ``include_last_offset``) and returns its outputs on the
+rows of a fleet table, keyed by arbitrary int64 ids.
+
+It is a :class:`~fleet.nn.SparseEmbedding` (same table, initializer, optimizer, life cycle and
+backend in every mode); only the forward differs. The batch's unique ids are pulled once and
+pooled with ``torch.nn.functional.embedding_bag`` over those unique rows through the inverse
+index, so no tensor of one row per looked-up id is built, and the gradient the table receives is
+one row per unique id, as from ``SparseEmbedding``.
+
+``padding_idx`` is an **id** (any int64, not a position): its entries are left out of every bag
+(they count for neither the sum nor a mean's divisor, as in torch), and the id is never looked up,
+so it gets no row and no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fleet.nn.sparse_embedding import SparseEmbedding
+
+MODES = ("sum", "mean", "max")
+
+
+class SparseEmbeddingBag(SparseEmbedding):
+    """``SparseEmbeddingBag(16, mode="sum")(ids, offsets)`` -> ``[bags, 16]``; rows are created on first touch.
+
+    ``mode``, ``padding_idx`` and ``include_last_offset`` are ``nn.EmbeddingBag``'s (there is no
+    vocabulary size: rows are keyed by any int64 id, and ``padding_idx`` is such an id); every other
+    keyword argument is :class:`~fleet.nn.SparseEmbedding`'s (``initializer``, ``optimizer``,
+    ``seed``, ``entry``, ``max_rows``, ``ttl_steps``, ``decay``).
+    """
+
+    def __init__(
+        self,
+        embedding_dim: int,
+        mode: str = "mean",
+        *,
+        padding_idx: int | None = None,
+        include_last_offset: bool = False,
+        **table: Any,
+    ):
+        if isinstance(mode, int) and not isinstance(mode, bool):  # SparseEmbeddingBag(num_embeddings, dim)
+            raise TypeError(
+                f"SparseEmbeddingBag takes no vocabulary size (rows are keyed by any int64 id, created on first "
+                f"touch): write SparseEmbeddingBag({mode}, mode=...) for rows of {mode} values; its second "
+                f"argument is the mode, got {mode}"
+            )
+        if mode not in MODES:
+            raise ValueError(f"SparseEmbeddingBag mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)):
+            raise TypeError(f"padding_idx must be an int id (or None), got {type(padding_idx).__name__}")
+        super().__init__(embedding_dim, **table)
+        self.mode = mode
+        self.padding_idx = padding_idx
+        self.include_last_offset = bool(include_last_offset)
+        # The last training forward's bag layout (input shape, offsets, kept entries), for record_clicks.
+        self._layout: tuple[torch.Size, torch.Tensor | None, torch.Tensor | None] | None = None
+
+    def extra_repr(self) -> str:
+        bag = f", mode={self.mode!r}"
+        if self.padding_idx is not None:
+            bag += f", padding_idx={self.padding_idx}"
+        if self.include_last_offset:
+            bag += ", include_last_offset=True"
+        return super().extra_repr() + bag
+
+    # ------------------------------------------------------------------ lookup
+    def _kept(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the flat ids but the padding id's, the mask of kept entries or None when all are kept)."""
+        flat = ids.reshape(-1)
+        if self.padding_idx is None:
+            return flat, None
+        keep = flat != self.padding_idx
+        if bool(keep.all()):
+            return flat, None
+        return flat[keep], keep
+
+    def prefetch(self, input: torch.Tensor) -> None:  # noqa: A002 - nn.EmbeddingBag's name
+        """Start fetching the rows of a coming batch's ``input`` (see :meth:`SparseEmbedding.prefetch`)."""
+        super().prefetch(self._kept(self._check_ids(input))[0])
+
+    def _check_bags(
+        self, ids: torch.Tensor, offsets: torch.Tensor | None, weights: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        if ids.dim() == 2:
+            if offsets is not None:
+                raise ValueError(
+                    "SparseEmbeddingBag: offsets must be None for a 2-D input (each row is a bag of "
+                    f"{ids.shape[1]} ids), got offsets of shape {list(offsets.shape)}"
+                )
+        elif ids.dim() == 1:
+            if offsets is None:
+                raise ValueError(
+                    "SparseEmbeddingBag: a 1-D input needs offsets (where each bag starts in it), or pass a 2-D "
+                    "input whose rows are the bags"
+                )
+            if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.is_floating_point():
+                shape = list(offsets.shape) if isinstance(offsets, torch.Tensor) else type(offsets).__name__
+                raise ValueError(f"SparseEmbeddingBag: offsets must be a 1-D integer tensor, got {shape}")
+            offsets = offsets.to(torch.int64)
+        else:
+            raise ValueError(
+                f"SparseEmbeddingBag takes a 1-D input with offsets or a 2-D input of bags, got {ids.dim()}-D"
+            )
+        if weights is not None:
+            if self.mode != "sum":
+                raise ValueError(
+                    f"SparseEmbeddingBag: per_sample_weights need mode='sum' (as torch), got {self.mode!r}"
+                )
+            if weights.shape != ids.shape:
+                raise ValueError(
+                    f"SparseEmbeddingBag: per_sample_weights of shape {list(weights.shape)} for an input of "
+                    f"shape {list(ids.shape)}: one weight per id"
+                )
+        return offsets
+
+    def forward(  # type: ignore[override]  # nn.EmbeddingBag's signature, not SparseEmbedding's
+        self,
+        input: torch.Tensor,  # noqa: A002 - nn.EmbeddingBag's name
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ids = self._check_ids(input)
+        offsets = self._check_bags(ids, offsets, per_sample_weights)
+        kept, keep = self._kept(ids)
+        rows, inverse = self._gather(kept)
+        if torch.is_grad_enabled() and self.training:
+            self._layout = (ids.shape, offsets, keep)
+        padding = None
+        if keep is not None:
+            # The padding id's entries point at one zero row past the unique rows, which
+            # embedding_bag's padding_idx leaves out of every bag (and of a mean's divisor).
+            padding = rows.shape[0]
+            rows = torch.cat([rows, rows.new_zeros(1, self.embedding_dim)])
+            inverse = torch.full(keep.shape, padding, dtype=torch.int64).masked_scatter_(keep, inverse)
+        return F.embedding_bag(
+            inverse.view(ids.shape),
+            rows,
+            offsets,
+            mode=self.mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
+            padding_idx=padding,
+        )
+
+    def record_clicks(self, labels: torch.Tensor) -> None:
+        """Feed the clicks of the last forward's bags (``labels``: one per bag); each id of a bag gets its label."""
+        if not self._pending or self._layout is None:
+            raise RuntimeError("record_clicks follows a training forward of this SparseEmbeddingBag")
+        shape, offsets, keep = self._layout
+        bag_of, bags = _bag_of_entries(shape, offsets, self.include_last_offset)
+        labels = torch.as_tensor(labels).detach().to(torch.float32).reshape(-1)
+        if labels.numel() != bags:
+            raise ValueError(f"record_clicks got {labels.numel()} labels for {bags} bags: one per bag")
+        per_entry = torch.where(bag_of >= 0, labels[bag_of.clamp(min=0)], 0.0)
+        if keep is not None:
+            per_entry = per_entry[keep]
+        unique, _, inverse, _ = self._pending[-1]
+        self._pending[-1][3] = torch.zeros(unique.numel()).index_add_(0, inverse.reshape(-1), per_entry)
+
+
+def _bag_of_entries(shape: torch.Size, offsets: torch.Tensor | None, include_last: bool) -> tuple[torch.Tensor, int]:
+    """(the bag of each entry of a flat input, -1 for entries past the last bag; the number of bags)."""
+    if offsets is None:  # 2-D: each row is a bag
+        return torch.arange(shape[0]).repeat_interleave(shape[1]), shape[0]
+    starts = offsets[:-1] if include_last else offsets
+    position = torch.arange(shape[0])
+    bag_of = torch.bucketize(position, starts, right=True) - 1
+    if include_last and offsets.numel():
+        bag_of = torch.where(position < offsets[-1], bag_of, -1)
+    return bag_of, starts.numel()
