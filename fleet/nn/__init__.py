@@ -1,5 +1,6 @@
-"""fleet.nn: modules that work in every fleet mode."""
+"""fleet.nn: modules that work in every fleet mode, and the row-wise Adagrad their tables may train with."""
 
 from fleet.nn.sparse_embedding import SparseEmbedding
+from fleet.sparse.rowwise_adagrad import RowWiseAdagrad
 
-__all__ = ["SparseEmbedding"]
+__all__ = ["RowWiseAdagrad", "SparseEmbedding"]
