@@ -130,15 +130,26 @@ def test_unsupported_optimizer_names_one_process() -> None:
     assert "parameter server" not in str(err.value) and "fleet.nn.RowWiseAdagrad" in str(err.value)
 
 
+def _assert_matches(results: list, want: dict) -> None:
+    for worker, result in enumerate(results):
+        for name, value in want.items():
+            got = result["snapshot"][name]
+            assert torch.allclose(got, value, atol=1e-6, rtol=0), f"worker {worker} {name}: {(got - value).abs().max()}"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_ps_sync_equals_single_process_on_union() -> None:
     """1 server, 2 workers: the sparse rows (row-wise) and the MLP (Adagrad on the servers) as one process."""
     from ps_jobs import reference, run_job, train
 
-    results = run_job(train, 1, 2, {"update": "sync"}, "rwsadagrad", 6)
-    want = reference("rwsadagrad", 6, 2)
-    for worker, result in enumerate(results):
-        for name, value in want.items():
-            got = result["snapshot"][name]
-            assert torch.allclose(got, value, atol=1e-6, rtol=0), f"worker {worker} {name}: {(got - value).abs().max()}"
+    _assert_matches(run_job(train, 1, 2, {"update": "sync"}, "rwsadagrad", 6), reference("rwsadagrad", 6, 2))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_collective_replicas_equal_single_process_on_union() -> None:
+    from dist_harness import run_workers
+    from ps_jobs import reference, train_collective
+
+    _assert_matches(run_workers(train_collective, 2, "rwsadagrad", 5), reference("rwsadagrad", 5, 2))
