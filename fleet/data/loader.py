@@ -38,7 +38,7 @@ class ShardedLoader:
         self._generator = loader.generator
         # Items that may be whole batches (fleet.data.whole_batches): samples/s counts each batch's samples.
         self._count_samples = whole_batches.may_hold_batches(loader)
-        self._always_whole = loader.batch_size is None
+        self._always_whole = self._count_samples and loader.batch_size is None
         self._whole: bool | None = True if self._always_whole else None  # None: decided at the first item
         if isinstance(loader.batch_size, int) and loader.batch_size > 0 and not self._count_samples:
             timing.recorder().set_batch_size(loader.batch_size, inferred=True)  # for samples/s

@@ -28,7 +28,9 @@ _END = object()
 
 def may_hold_batches(loader: DataLoader) -> bool:
     """Whether the loader's items may be whole batches: ``batch_size=None``, or 1 with a custom ``collate_fn``."""
-    return loader.batch_size is None or (loader.batch_size == 1 and loader.collate_fn is not default_collate)
+    if loader.batch_size is None:
+        return loader.batch_sampler is None  # a batch_sampler batches samples itself (batch_size is None then too)
+    return loader.batch_size == 1 and loader.collate_fn is not default_collate
 
 
 def _leaves(batch: Any, path: str = "") -> Iterator[tuple[str, Any]]:

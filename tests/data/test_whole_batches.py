@@ -151,3 +151,29 @@ def test_two_workers_equal_one_process_on_the_same_batches():
             assert result[how]["sizes"] == [SAMPLES // 2] * ITEMS, how
             assert torch.allclose(result[how]["weight"], want, atol=1e-6), (how, result[how]["weight"], want)
         assert result["samples"] == (2 * ITEMS - 1) * SAMPLES // 2  # per worker; the first step starts the clock
+
+
+@pytest.mark.parametrize("how", ["none", "collate", "stream"])
+def test_a_split_loader_resumes_mid_epoch(how):
+    whole = [batch[0] for batch in shard_loader(_loader(how), 2, 1)]
+    loader = shard_loader(_loader(how), 2, 1)
+    taken = []
+    for batch in loader:
+        taken.append(batch[0])
+        if len(taken) == 2:
+            break
+    resumed = shard_loader(_loader(how), 2, 1)
+    resumed.load_state_dict(loader.state_dict())
+    rest = [batch[0] for batch in resumed]
+    assert len(rest) == ITEMS - 2 and all(torch.equal(a, b) for a, b in zip(taken + rest, whole, strict=True))
+
+
+def test_a_batch_sampler_is_not_taken_for_whole_batches(recorder):
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from fleet.data.whole_batches import may_hold_batches
+
+    data = list(range(10))
+    assert not may_hold_batches(DataLoader(data, batch_sampler=BatchSampler(SequentialSampler(data), 3, False)))
+    assert may_hold_batches(DataLoader(data, batch_size=None))
+    assert not may_hold_batches(DataLoader(data, batch_size=1))
