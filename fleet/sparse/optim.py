@@ -31,7 +31,7 @@ from typing import Any, Literal
 import pydantic
 import torch
 
-from fleet.sparse.rowwise_adagrad import RowWiseAdagrad
+from fleet.sparse.rowwise_adagrad import RowWiseAdagrad, rowwise_update
 
 Kind = Literal["sgd", "adam", "adamw", "adagrad", "rowwise_adagrad"]
 
@@ -338,7 +338,7 @@ class ServerOptimizer:
         elif s.kind == "adagrad":
             self._adagrad(param, g, state, step, lr)
         elif s.kind == "rowwise_adagrad":
-            self._rowwise_adagrad(param, g, state, step, lr)
+            rowwise_update(param, g, state["sum"], step, lr, s.lr_decay, s.eps)
         else:
             self._adam(param, g, state, step, lr)
 
@@ -388,27 +388,6 @@ class ServerOptimizer:
             n = step if isinstance(step, int) else 1
             clr = lr / (1 + (n - 1) * s.lr_decay)
             param.addcdiv_(g, std, value=-clr)
-            return
-        neg_clr = (-lr / (1 + (step.to(torch.float64) - 1) * s.lr_decay)).to(torch.float32).unsqueeze(1)
-        param.add_(neg_clr * g / std)
-
-    def _rowwise_adagrad(
-        self, param: torch.Tensor, g: torch.Tensor, state: dict, step: int | torch.Tensor, lr: float
-    ) -> None:
-        """One accumulator per row (``state["sum"]``: ``[rows, 1]``) adds the mean of the row's squared gradient.
-
-        DLRM's ``RWSAdagrad`` and FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (caffe2's ``RowWiseSparseAdagrad``)
-        alike: ``sum += mean(g * g)``, ``row -= clr * g / (sqrt(sum) + eps)``.
-        """
-        if param.dim() != 2:  # a dense table's flat block has no rows
-            raise ValueError("optimizer kind 'rowwise_adagrad' updates a sparse table's rows, not a dense block")
-        s = self.spec
-        state_sum = state["sum"]
-        state_sum.add_(g.square().mean(dim=1, keepdim=True))
-        std = state_sum.sqrt().add_(s.eps)
-        if isinstance(step, int) or s.lr_decay == 0:
-            n = step if isinstance(step, int) else 1
-            param.addcdiv_(g, std, value=-lr / (1 + (n - 1) * s.lr_decay))
             return
         neg_clr = (-lr / (1 + (step.to(torch.float64) - 1) * s.lr_decay)).to(torch.float32).unsqueeze(1)
         param.add_(neg_clr * g / std)

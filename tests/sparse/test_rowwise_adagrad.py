@@ -99,6 +99,8 @@ def test_spec_mapping_and_overrides() -> None:
     assert OptimizerSpec.from_torch(fleet.nn.RowWiseAdagrad, group).kind == "adagrad"  # dense parameters
     emb = fleet.nn.SparseEmbedding(DIM, optimizer=(fleet.nn.RowWiseAdagrad, {"lr": 0.05}))
     assert emb.optimizer_override.kind == "rowwise_adagrad"
+    with pytest.raises(ValueError, match="optimizer RMSprop is not supported as a SparseEmbedding's optimizer"):
+        fleet.nn.SparseEmbedding(DIM, optimizer=(torch.optim.RMSprop, {"lr": 0.1}))
     spec = OptimizerSpec.from_config({"kind": "rowwise_adagrad", "lr": 0.1})
     assert spec.eps == 1e-10 and ServerOptimizer(spec).state_width == 1
     with pytest.raises(ValueError, match="not a dense block"):
