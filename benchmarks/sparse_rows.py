@@ -2,7 +2,7 @@
 
     python benchmarks/sparse_rows.py [--rows 2000000] [--stream 20000000] [--max-rows 1000000]
 
-Memory: for SGD, Adagrad and Adam rows of dim 16, without and with a life cycle, one
+Memory: for SGD, Adagrad, row-wise Adagrad (one accumulator per row) and Adam rows of dim 16, without and with a life cycle, one
 process per table creates ``--rows`` rows through updates (as training does) and reports
 (RSS after - RSS before) / rows, next to the bytes the table's own tensors hold per row
 (rows, optimizer state, per-row step, statistics, id index) at that fill. Capacity grows
@@ -32,6 +32,7 @@ from fleet.sparse.optim import OptimizerSpec
 from fleet.sparse.table import SparseTable
 
 DIM, BATCH, NEW_PER_BATCH = 16, 512 * 26, 3_000
+KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 
 
 def _rss() -> int:
@@ -111,7 +112,7 @@ def main() -> None:
     print("| optimizer | life cycle | RSS bytes/row | table tensors bytes/row | optimizer state |")
     print("|---|---|---|---|---|")
     rows: dict[str, dict] = {}
-    for kind in ("sgd", "adagrad", "adam"):
+    for kind in KINDS:
         for life in ("plain", "life"):
             cmd = [sys.executable, __file__, "--rows", str(args.rows), "--child", kind, life]
             r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
@@ -127,21 +128,22 @@ def main() -> None:
     print(
         f"  per batch: median {r['median_ms']} ms, worst {r['worst_ms']} ms (an eviction pass); hot {r['hot_rows_kept']}"
     )
-    rss = {k: rows[f"{k} plain"]["rss_bytes_per_row"] for k in ("sgd", "adagrad", "adam")}
-    tensors = {k: rows[f"{k} plain"]["tensor_bytes_per_row"] for k in ("sgd", "adagrad", "adam")}
+    rss = {k: rows[f"{k} plain"]["rss_bytes_per_row"] for k in KINDS}
+    tensors = {k: rows[f"{k} plain"]["tensor_bytes_per_row"] for k in KINDS}
     life_extra = rows["sgd life"]["tensor_bytes_per_row"] - tensors["sgd"]
     record_result(
         "sparse_rows",
         variant=f"dim {DIM}, {args.rows:,} rows",
         figure=f"bytes per sparse row, dim {DIM}, {args.rows:,} rows (RSS, index and capacity slack included): "
-        "SGD / Adagrad / Adam",
+        "SGD / Adagrad / row-wise Adagrad / Adam",
         units="B/row",
         fleet=rss["sgd"],
         peer="the table's own tensors",
         peer_value=tensors["sgd"],
         target="documented; never above max_rows",
-        summary=f"{rss['sgd']:.0f} / {rss['adagrad']:.0f} / {rss['adam']:.0f} B per row (SGD / Adagrad / Adam; the "
-        f"table's tensors {tensors['sgd']:.0f} / {tensors['adagrad']:.0f} / {tensors['adam']:.0f} B; a life cycle adds "
+        summary=f"{rss['sgd']:.0f} / {rss['adagrad']:.0f} / {rss['rowwise_adagrad']:.0f} / {rss['adam']:.0f} B per row "
+        f"(SGD / Adagrad / row-wise Adagrad / Adam; the table's tensors {tensors['sgd']:.0f} / {tensors['adagrad']:.0f} "
+        f"/ {tensors['rowwise_adagrad']:.0f} / {tensors['adam']:.0f} B; a life cycle adds "
         f"{life_extra:.0f} B); "
         f"max_rows={args.max_rows:,} held at most {r['most_rows_held']:,} rows",
         details={"rows": rows, "max_rows_stream": r},

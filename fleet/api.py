@@ -354,7 +354,12 @@ def _with_ddp_habits(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def distributed_loader(loader: Any) -> Any:
-    """This worker's shard of ``loader``; call ``set_epoch(epoch)`` on it to reshuffle each epoch."""
+    """This worker's shard of ``loader``; call ``set_epoch(epoch)`` on it to reshuffle each epoch.
+
+    A loader whose items are whole batches (``batch_size=None``, or 1 with a ``collate_fn`` that
+    returns a mini-batch) is split: each worker keeps its equal slice of every batch, so the global
+    batch stays the item (:mod:`fleet.data.whole_batches`; docs/data.md).
+    """
     job = current_job()
     sharded = shard_loader(loader, job.role.worker_num, job.role.worker_index, seed=job.strategy.seed)
     job.loaders.append(sharded)

@@ -66,6 +66,10 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
     if name == "adam":
         return torch.optim.Adam(params, lr=0.01)
+    if name == "rwsadagrad":  # row-wise on the sparse table, torch's Adagrad on the MLP
+        import fleet
+
+        return fleet.nn.RowWiseAdagrad(params, lr=0.1, lr_decay=0.01)
     return torch.optim.SGD(params, lr=0.3)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from fleet.data import whole_batches
 from fleet.telemetry import timing
 
 _END = object()
@@ -35,7 +36,11 @@ class ShardedLoader:
         self._epoch_rng: dict[str, Any] | None = None  # generators' states when this epoch's pass began
         self._resume_rng: dict[str, Any] | None = None
         self._generator = loader.generator
-        if isinstance(loader.batch_size, int) and loader.batch_size > 0:
+        # Items that may be whole batches (fleet.data.whole_batches): samples/s counts each batch's samples.
+        self._count_samples = whole_batches.may_hold_batches(loader)
+        self._always_whole = self._count_samples and loader.batch_size is None
+        self._whole: bool | None = True if self._always_whole else None  # None: decided at the first item
+        if isinstance(loader.batch_size, int) and loader.batch_size > 0 and not self._count_samples:
             timing.recorder().set_batch_size(loader.batch_size, inferred=True)  # for samples/s
         self.map_style = not isinstance(loader.dataset, IterableDataset)
         self.sampler: _ResumableSampler | None = None
@@ -44,7 +49,10 @@ class ShardedLoader:
             self.loader = loader
             if getattr(loader.dataset, "shards_itself", False):  # fleet.SlotDataset: already this worker's share
                 self.num_shards, self.shard = 1, 0
+            self._split = self._count_samples and self.num_shards > 1
             return
+        # Every worker reads every item of a loader of whole batches, in one order, and splits each.
+        self._split = self._count_samples and num_shards > 1
         if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
             raise TypeError(
                 f"fleet.distributed_loader can shard a DataLoader built with shuffle=True or False, but this one uses "
@@ -57,8 +65,8 @@ class ShardedLoader:
             )
         self.sampler = _ResumableSampler(
             loader.dataset,
-            num_replicas=num_shards,
-            rank=shard,
+            num_replicas=1 if self._split else num_shards,
+            rank=0 if self._split else shard,
             shuffle=isinstance(loader.sampler, RandomSampler),
             seed=seed,
             drop_last=loader.drop_last,
@@ -129,12 +137,21 @@ class ShardedLoader:
             # loader's own generator (not in the checkpoint) is right where those draws left it.
             _set_generator_states(resume_rng, self._generator)
         self._epoch_rng = _generator_states(self._generator)
-        if order is not None:
+        if order is not None and not self._split:
             order.skip_next(skip * (loader.batch_size or 1))
             batches: Iterator[Any] = iter(loader)
         else:
-            mine = _even_share(iter(loader), self.num_shards, self.shard, loader.drop_last)
+            workers, drop_last = self.num_shards, loader.drop_last
+            if self._split:
+                mine = whole_batches.share(
+                    iter(loader), workers, self.shard, self._always_whole,
+                    lambda items: _even_share(items, workers, self.shard, drop_last), self._decided,
+                )  # fmt: skip
+            else:
+                mine = _even_share(iter(loader), workers, self.shard, drop_last)
             batches = (batch for i, batch in enumerate(mine) if i >= skip)
+        if self._count_samples:
+            batches = _counting_samples(batches)
         first = next(batches, _END)  # the samplers draw their seeds lazily, at the first batch
         if resume_rng is not None or (skip and order is not None):
             # (Checkpoints from before epoch_rng: at least leave the checkpoint's state untouched.)
@@ -149,6 +166,9 @@ class ShardedLoader:
             yield batch
         self._finished = True
 
+    def _decided(self, whole: bool) -> None:
+        self._whole = whole
+
     def _length(self) -> int | None:
         try:
             return len(self)
@@ -156,9 +176,11 @@ class ShardedLoader:
             return None
 
     def __len__(self) -> int:
-        if self.map_style:
+        if self.map_style and not self._split:
             return len(self.loader)
-        total = len(self.loader)  # raises TypeError for an iterable dataset without __len__, as DataLoader does
+        total = len(self.loader)  # every item, when they are whole batches each worker splits
+        if self._split and self._whole is not False:
+            return total  # raises TypeError for an iterable dataset without __len__, as DataLoader does
         return total // self.num_shards if self.loader.drop_last else -(-total // self.num_shards)
 
     def __getattr__(self, name: str) -> Any:
@@ -215,6 +237,16 @@ def _even_share(batches: Iterator[Any], num_shards: int, shard: int, drop_last: 
     if round_ and not drop_last:
         round_ += (first * num_shards)[: num_shards - len(round_)]
         yield round_[shard]
+
+
+def _counting_samples(batches: Iterator[Any]) -> Iterator[Any]:
+    """Tell the step timing each batch's samples (its first tensor's first dimension), not one per item."""
+    recorder = timing.recorder()
+    for batch in batches:
+        n = whole_batches.samples_in(batch)
+        if n:
+            recorder.set_batch_size(n, inferred=True)
+        yield batch
 
 
 def _skipping(indices: Iterator[Any], skip: int) -> Iterator[Any]:

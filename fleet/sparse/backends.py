@@ -138,7 +138,14 @@ class LocalRows:
             return torch.zeros(ids.numel(), module.embedding_dim)
         return initial_rows(ids, module.embedding_dim, module.initializer, module.seed)
 
-    def step(self, optimizer_class: type, group: dict[str, Any], exchange: Exchange | None = None) -> None:
+    def step(
+        self,
+        optimizer_class: type,
+        group: dict[str, Any],
+        exchange: Exchange | None = None,
+        where: str = "in collective mode",
+    ) -> None:
+        """Apply the pending row gradients (merged over the workers first with an ``exchange``, named ``where``)."""
         module = self._module()
         ids, grads, clicks = module.take_gradients()
         lr = float(group["lr"])
@@ -148,7 +155,7 @@ class LocalRows:
                 grads = torch.cat([grads, column.unsqueeze(1)], 1)
             ids, grads = exchange(module, ids, grads, lr)
             clicks = None
-        self.apply(optimizer_class, group, ids, grads, lr, clicks)
+        self.apply(optimizer_class, group, ids, grads, lr, clicks, where if exchange is not None else "in one process")
 
     def apply(
         self,
@@ -158,11 +165,17 @@ class LocalRows:
         grads: torch.Tensor,
         lr: float,
         clicks: torch.Tensor | None = None,
+        where: str = "in one process",
     ) -> None:
-        """One step of the table; ``grads`` may carry the clicks as a last column (exchanged rows)."""
+        """One step of the table; ``grads`` may carry the clicks as a last column (exchanged rows).
+
+        ``where`` (the mode, for errors): "in one process", "in collective mode", ...
+        """
         module = self._module()
         if self.table is None:
-            spec = module.optimizer_override or OptimizerSpec.from_torch(optimizer_class, group)
+            spec = module.optimizer_override or OptimizerSpec.from_torch(
+                optimizer_class, group, rows=True, where=f"for a fleet.nn.SparseEmbedding {where}"
+            )
             self.table = SparseTable(module.embedding_dim, spec, module.initializer, module.seed, module.lifecycle)
         if grads.shape[1] == module.embedding_dim + 1:
             grads, clicks = grads[:, :-1], grads[:, -1]
@@ -183,15 +196,16 @@ class LocalRows:
 class ExchangedRows:
     """Collective mode: the module's local table, each step's row gradients merged over the workers first."""
 
-    def __init__(self, local: LocalRows, exchange: Exchange):
+    def __init__(self, local: LocalRows, exchange: Exchange, where: str = "in collective mode"):
         self.local = local
         self.exchange = exchange
+        self.where = where
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
         return self.local.pull(ids)
 
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
-        self.local.step(optimizer_class, group, self.exchange)
+        self.local.step(optimizer_class, group, self.exchange, self.where)
 
     def num_rows(self) -> int:
         return self.local.num_rows()

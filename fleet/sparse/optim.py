@@ -31,7 +31,9 @@ from typing import Any, Literal
 import pydantic
 import torch
 
-Kind = Literal["sgd", "adam", "adamw", "adagrad"]
+from fleet.sparse.rowwise_adagrad import RowWiseAdagrad, rowwise_update
+
+Kind = Literal["sgd", "adam", "adamw", "adagrad", "rowwise_adagrad"]
 
 # Fields each optimizer kind reads; setting any other hyper-parameter is a mistake we report.
 _FIELDS_FOR: dict[str, frozenset[str]] = {
@@ -39,6 +41,7 @@ _FIELDS_FOR: dict[str, frozenset[str]] = {
     "adam": frozenset({"betas", "eps"}),
     "adamw": frozenset({"betas", "eps"}),
     "adagrad": frozenset({"eps", "lr_decay", "initial_accumulator_value"}),
+    "rowwise_adagrad": frozenset({"eps", "lr_decay", "initial_accumulator_value"}),
 }
 _COMMON = frozenset({"kind", "lr", "weight_decay", "maximize"})
 _ADAGRAD_EPS = 1e-10  # torch.optim.Adagrad's default, unlike Adam's 1e-8
@@ -66,7 +69,8 @@ class OptimizerSpec(pydantic.BaseModel, frozen=True, extra="forbid"):
     """A ``torch.optim`` optimizer's rule and hyper-parameters, as plain data for the wire."""
 
     kind: Kind
-    """Update rule: torch.optim.SGD, Adam, AdamW (decoupled weight decay) or Adagrad."""
+    """Update rule: torch.optim.SGD, Adam, AdamW (decoupled weight decay), Adagrad, or row-wise Adagrad
+    (``fleet.nn.RowWiseAdagrad`` on a sparse table: one accumulator per row, see :mod:`fleet.sparse.rowwise_adagrad`)."""
     lr: float
     """Default learning rate; each update passes its own (the worker's current one)."""
     momentum: float = 0.0
@@ -84,7 +88,7 @@ class OptimizerSpec(pydantic.BaseModel, frozen=True, extra="forbid"):
     @pydantic.model_validator(mode="before")
     @classmethod
     def _kind_defaults(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("kind") == "adagrad" and "eps" not in data:
+        if isinstance(data, dict) and data.get("kind") in ("adagrad", "rowwise_adagrad") and "eps" not in data:
             data = {**data, "eps": _ADAGRAD_EPS}
         return data
 
@@ -110,13 +114,18 @@ class OptimizerSpec(pydantic.BaseModel, frozen=True, extra="forbid"):
         return self
 
     @classmethod
-    def from_torch(cls, optimizer_class: type, param_group: dict) -> OptimizerSpec:
+    def from_torch(
+        cls, optimizer_class: type, param_group: dict, *, rows: bool = False, where: str = "by fleet's sparse tables"
+    ) -> OptimizerSpec:
         """Spec for a ``torch.optim`` class and one of its ``param_groups``.
 
-        Supported: SGD, Adam, AdamW, Adagrad (subclasses resolve to their base).
+        Supported: SGD, Adam, AdamW, Adagrad (subclasses resolve to their base) and
+        ``fleet.nn.RowWiseAdagrad``, which is ``rowwise_adagrad`` for a sparse table's rows
+        (``rows=True``) and torch's Adagrad for dense parameters, as its dense path is.
         Options that change the math but are not implemented (``amsgrad``) raise
         rather than being silently dropped; device/implementation switches
         (``foreach``, ``fused``, ``capturable``, ``differentiable``) are ignored.
+        ``where`` names the context in errors ("in one process", "by the parameter server").
         """
         g = param_group
 
@@ -137,23 +146,24 @@ class OptimizerSpec(pydantic.BaseModel, frozen=True, extra="forbid"):
             )
         if issubclass(optimizer_class, torch.optim.Adam | torch.optim.AdamW):
             if g.get("amsgrad"):
-                raise ValueError(f"{optimizer_class.__name__}(amsgrad=True) is not supported on the parameter server")
+                raise ValueError(f"{optimizer_class.__name__}(amsgrad=True) is not supported {where}")
             decoupled = issubclass(optimizer_class, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay"))
             betas = tuple(
                 float(b.item()) if isinstance(b, torch.Tensor) else float(b) for b in g.get("betas", (0.9, 0.999))
             )
             return cls(kind="adamw" if decoupled else "adam", betas=betas, eps=num("eps", 1e-8), **common)
-        if issubclass(optimizer_class, torch.optim.Adagrad):
+        rowwise = issubclass(optimizer_class, RowWiseAdagrad)
+        if issubclass(optimizer_class, torch.optim.Adagrad) or rowwise:
             return cls(
-                kind="adagrad",
+                kind="rowwise_adagrad" if rowwise and rows else "adagrad",
                 eps=num("eps", _ADAGRAD_EPS),
                 lr_decay=num("lr_decay", 0.0),
                 initial_accumulator_value=num("initial_accumulator_value", 0.0),
                 **common,
             )
         raise ValueError(
-            f"optimizer {optimizer_class.__name__} is not supported by the parameter server; "
-            "supported: torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad"
+            f"optimizer {optimizer_class.__name__} is not supported {where}; supported: torch.optim.SGD, "
+            "torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, fleet.nn.RowWiseAdagrad"
         )
 
     def to_config(self) -> dict[str, Any]:
@@ -299,6 +309,8 @@ class ServerOptimizer:
             self.state_names = ("exp_avg", "exp_avg_sq")
         else:
             self.state_names = ("sum",)
+        # Row-wise Adagrad keeps one accumulator per row, not one per element.
+        self.state_width = 1 if spec.kind == "rowwise_adagrad" else None
         # Whether updates read the step count (momentum's first step, Adam's bias correction, Adagrad's
         # lr decay). When False, ``update`` accepts any step value, so callers may skip counting.
         self.needs_step = spec.kind in ("adam", "adamw") or spec.momentum != 0 or spec.lr_decay != 0
@@ -325,6 +337,8 @@ class ServerOptimizer:
             self._sgd(param, g, state, step, lr)
         elif s.kind == "adagrad":
             self._adagrad(param, g, state, step, lr)
+        elif s.kind == "rowwise_adagrad":
+            rowwise_update(param, g, state["sum"], step, lr, s.lr_decay, s.eps)
         else:
             self._adam(param, g, state, step, lr)
 

@@ -34,9 +34,12 @@ class StoredTable(Protocol):
     @property
     def state_names(self) -> tuple[str, ...]: ...
 
+    @property
+    def state_width(self) -> int: ...
+
     def stat_dtypes(self) -> dict[str, torch.dtype]: ...
 
-    def check_rows(self, name: str, values: torch.Tensor, n: int) -> torch.Tensor: ...
+    def check_rows(self, name: str, values: torch.Tensor, n: int, width: int | None = None) -> torch.Tensor: ...
 
     def slot_ids(self) -> torch.Tensor: ...
 
@@ -119,7 +122,8 @@ class TableSaves:
         for name in table.state_names:
             if f"state.{name}" not in state:
                 raise ValueError(f"sparse table state_dict: missing optimizer state 'state.{name}'")
-            fields[f"state.{name}"] = table.check_rows(f"state.{name}", state[f"state.{name}"], n)
+            value = state[f"state.{name}"]
+            fields[f"state.{name}"] = table.check_rows(f"state.{name}", value, n, table.state_width)
         for name, dtype in table.stat_dtypes().items():
             value = state.get(f"stats.{name}")
             if value is None:  # saved without a life cycle: rows count as seen now, never shown

@@ -104,7 +104,7 @@ class SparseTable:
         # Per-row tensors over reserved address space: growing them is a longer view, not a copy.
         self._rows = row_tensor(capacity, (self.dim,), torch.float32)
         self._steps = row_tensor(capacity, (), torch.int64)
-        self._state = {n: row_tensor(capacity, (self.dim,), torch.float32) for n in self._opt.state_names}
+        self._state = {n: row_tensor(capacity, (self.state_width,), torch.float32) for n in self._opt.state_names}
         self._scratch = row_tensor(capacity, (), torch.int64)  # per-slot scratch for de-duplication
         self._prefaulted = 0  # rows whose pages were handed to fleet.sparse.pages.prefault (a hint)
         self._dirty = row_tensor(capacity, (), torch.bool).zero_()  # changed since the last save
@@ -215,6 +215,11 @@ class SparseTable:
     def export(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, rows) of every row the table holds, for serving (no optimizer state, no statistics)."""
         return self.slot_ids(), self._rows[: len(self)].clone()
+
+    @property
+    def state_width(self) -> int:
+        """Columns of each per-row optimizer state tensor: ``dim``, or 1 for row-wise Adagrad."""
+        return self._opt.state_width or self.dim
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -522,12 +527,13 @@ class SparseTable:
         undo.rows(self._getter("stats.last_seen"), slots, seen)
         last_seen.index_fill_(0, slots, self.clock)
 
-    def check_rows(self, name: str, values: torch.Tensor, n: int) -> torch.Tensor:
-        """``values`` as float32 ``[n, dim]`` rows, or an error naming ``name``."""
+    def check_rows(self, name: str, values: torch.Tensor, n: int, width: int | None = None) -> torch.Tensor:
+        """``values`` as float32 ``[n, width]`` rows (``width``: ``dim`` unless given), or an error naming ``name``."""
+        width = self.dim if width is None else width
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
-        if tuple(values.shape) != (n, self.dim):
-            raise ValueError(f"{name} has shape {tuple(values.shape)}, expected ({n}, {self.dim}) for {n} ids")
+        if tuple(values.shape) != (n, width):
+            raise ValueError(f"{name} has shape {tuple(values.shape)}, expected ({n}, {width}) for {n} ids")
         if not values.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor, got {values.dtype}")
         return values.to(torch.float32)

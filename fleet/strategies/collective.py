@@ -235,7 +235,8 @@ class CollectiveStrategy(Strategy):
                 (opt, g) for opt in sync.sources if isinstance(opt, torch.optim.Optimizer)
                 for g in opt.param_groups if any(p is param for p in g["params"])
             )  # fmt: skip
-            module.local.apply(type(optimizer), group, ids, grads, lockstep.bits_float(leader.c))
+            lr = lockstep.bits_float(leader.c)
+            module.local.apply(type(optimizer), group, ids, grads, lr, where="in collective mode")
         elif leader.kind == lockstep.AVERAGE:
             params = self._optimizers[leader.a]().parameters()
             average_tensors(params, self.group, len(agreement.active), contribute=False)

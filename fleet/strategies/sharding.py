@@ -218,7 +218,9 @@ class ShardingStrategy(Strategy):
             return None
         world = dist.get_world_size(group)
         return tables.ExchangedRows(
-            module.local, lambda m, ids, grads, lr: sparse_grads.gather_rows(ids, grads, group, world, m.embedding_dim)
+            module.local,
+            lambda m, ids, grads, lr: sparse_grads.gather_rows(ids, grads, group, world, m.embedding_dim),
+            where="in sharding mode",
         )
 
     def inference_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -13,7 +13,8 @@ backward, communication, update); the first boundary only starts the clock.
   as computation: it is this worker's own slowness.
 - samples: ``batch_size x micro-batches`` per step. The batch size is the one given to
   :func:`set_batch_size`, otherwise the ``batch_size`` of the DataLoader passed to
-  ``fleet.distributed_loader``; unknown (samples/s reported as null) without either.
+  ``fleet.distributed_loader`` (for items that are whole batches: each batch's first
+  dimension, :mod:`fleet.data.whole_batches`); unknown (samples/s reported as null) without either.
 - stale gradients dropped: :meth:`StepMetrics.add_dropped` / :meth:`StepMetrics.set_dropped`.
 - restarts: ``FLEET_RESTART_COUNT``.
 

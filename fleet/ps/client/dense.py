@@ -20,6 +20,7 @@ from fleet.ps.client.client import PSClient
 from fleet.ps.protocol.errors import PSRemoteError
 from fleet.ps.server.aggregator import FROZEN, HAS_GRAD, NO_GRAD
 from fleet.sparse.optim import OptimizerSpec
+from fleet.sparse.rowwise_adagrad import RowWiseAdagrad
 
 
 class GroupTable:
@@ -70,6 +71,13 @@ class GroupTable:
                 parts.append(torch.zeros(p.numel(), dtype=torch.float32))
                 flags.append(NO_GRAD if p.requires_grad else FROZEN)
             else:
+                if grad.is_sparse and isinstance(self.optimizer, RowWiseAdagrad):
+                    raise FleetError(
+                        f"a parameter of shape {tuple(p.shape)} has a sparse gradient (nn.Embedding(sparse=True)) "
+                        "and RowWiseAdagrad would step its rows row-wise, but the parameter servers hold dense "
+                        "parameters as flat blocks and step them element-wise: use fleet.nn.SparseEmbedding for a "
+                        "row-wise table in a parameter-server job (or torch.optim.Adagrad for this parameter)."
+                    )
                 parts.append((grad.to_dense() if grad.is_sparse else grad).detach().reshape(-1))
                 flags.append(HAS_GRAD)
         flat = torch.cat(parts) if parts else torch.zeros(0)
@@ -123,7 +131,7 @@ class DenseTables:
         entry = GroupTable(self.new_table(), self.optimizer, index)
         if entry.size == 0:
             return []
-        spec = OptimizerSpec.from_torch(type(self.optimizer), entry.group)
+        spec = OptimizerSpec.from_torch(type(self.optimizer), entry.group, where="by the parameter server")
         # The shapes travel in the config: a worker whose model differs gets a conflicting create.
         cfg = {**self.base_config, "optimizer": spec.to_config(), "shapes": [list(p.shape) for p in entry.params]}
         cfg = cfg if self.is_first else {**cfg, "size": entry.size}

@@ -160,7 +160,7 @@ class PSOptimizer(WrappedOptimizer):
         futures = []
         group = self._inner.param_groups[index]
         for module, _ in tables.modules_in(self._inner, [group]):
-            spec = OptimizerSpec.from_torch(type(self._inner), group)
+            spec = OptimizerSpec.from_torch(type(self._inner), group, rows=True, where="by the parameter server")
             table_id = self._new_table()
             sparse_cfg = {**self._base, **module.table_config(spec)}
             self._sparse_creates.append(lambda t=table_id, c=sparse_cfg: self.client.create_sparse(t, c))
@@ -252,7 +252,7 @@ class PSOptimizer(WrappedOptimizer):
         server_state: dict[Any, dict[str, Any]] = {}
         for entry, future in zip(self.tables.entries, futures, strict=True):
             read = self.recovery.guard(future.result)
-            spec = OptimizerSpec.from_torch(type(self._inner), entry.group)
+            spec = OptimizerSpec.from_torch(type(self._inner), entry.group, where="by the parameter server")
             offset = 0
             for index, p in enumerate(entry.params):
                 n = p.numel()
@@ -279,7 +279,7 @@ class PSOptimizer(WrappedOptimizer):
         self.flush()
         futures = []
         for entry in self.tables.entries:
-            spec = OptimizerSpec.from_torch(type(self._inner), entry.group)
+            spec = OptimizerSpec.from_torch(type(self._inner), entry.group, where="by the parameter server")
             names = ServerOptimizer(spec).state_names
             flat = {name: torch.zeros(entry.size) for name in names}
             if "sum" in flat:

@@ -42,7 +42,9 @@ class HyperParameters:
         self.created[index] = self._spec(index)
 
     def _spec(self, index: int) -> OptimizerSpec:
-        spec = OptimizerSpec.from_torch(type(self.optimizer), self.optimizer.param_groups[index])
+        spec = OptimizerSpec.from_torch(
+            type(self.optimizer), self.optimizer.param_groups[index], where="by the parameter server"
+        )
         return spec.model_copy(update={"lr": 0.0})
 
     def check(self, indices: list[int]) -> None:
