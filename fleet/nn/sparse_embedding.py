@@ -24,15 +24,17 @@ that, with the show counts, rank rows for eviction.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from fleet.nn import rows_state
 from fleet.runtime import context
 from fleet.sparse import backends as tables
 from fleet.sparse.lifecycle import Entry, LifeCycle
-from fleet.sparse.optim import InitializerSpec, OptimizerSpec
+from fleet.sparse.optim import InitializerSpec, OptimizerSpec, initial_rows
 
 
 def _initializer(value: Any) -> InitializerSpec:
@@ -72,6 +74,7 @@ class SparseEmbedding(nn.Module):
         max_rows: int | None = None,
         ttl_steps: int | None = None,
         decay: float = 0.999,
+        state_dict_rows: bool = True,
     ):
         super().__init__()
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
@@ -84,6 +87,8 @@ class SparseEmbedding(nn.Module):
             {"entry": entry.to_config() if entry is not None else None, "max_rows": max_rows,
              "ttl_steps": ttl_steps, "decay": decay}
         )  # fmt: skip
+        self.state_dict_rows = bool(state_dict_rows)
+        """Whether ``state_dict()`` holds the rows (False: a marker that refuses to load; see rows_state)."""
         self.placeholder = nn.Parameter(torch.empty(0))
         tables.register(self.placeholder, self)
         self.local = tables.LocalRows(self)
@@ -114,6 +119,88 @@ class SparseEmbedding(nn.Module):
         strategy = context.strategy()
         chosen = strategy.table_backend(self) if strategy is not None else None
         return chosen if chosen is not None else self.local
+
+    # ------------------------------------------------------------------ rows in and out
+    @classmethod
+    def from_pretrained(
+        cls, embeddings: torch.Tensor, ids: torch.Tensor | None = None, **kwargs: Any
+    ) -> SparseEmbedding:
+        """A table starting from given rows: ``embeddings[i]`` is the row of ``ids[i]`` (default: id ``i``).
+
+        ``kwargs`` go to the constructor (``optimizer``, ``seed``, ...); see :meth:`load_rows`.
+        """
+        if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
+            raise ValueError("SparseEmbedding.from_pretrained takes a 2-D tensor of rows [num_rows, embedding_dim]")
+        module = cls(int(embeddings.shape[1]), **kwargs)
+        module.load_rows(torch.arange(embeddings.shape[0]) if ids is None else ids, embeddings)
+        return module
+
+    def load_rows(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Set the rows of ``ids`` (unique) to ``values`` ``[len(ids), embedding_dim]``, in any mode.
+
+        The rows are created if missing (whatever an ``entry`` would admit) and their optimizer
+        state starts fresh; other rows stay. In a parameter-server job they go to the servers in
+        requests under the request limits; called before ``fleet.distributed_optimizer``, worker 0
+        sends them when the table is created there. Every worker calls it with the same rows.
+        """
+        ids = self._check_ids(torch.as_tensor(ids)).reshape(-1)
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError("SparseEmbedding.load_rows: ids must be unique")
+        if not isinstance(values, torch.Tensor) or not values.dtype.is_floating_point:
+            raise ValueError("SparseEmbedding.load_rows: values must be a floating-point tensor")
+        if tuple(values.shape) != (ids.numel(), self.embedding_dim):
+            raise ValueError(
+                f"SparseEmbedding.load_rows: values have shape {tuple(values.shape)}, expected "
+                f"({ids.numel()}, {self.embedding_dim})"
+            )
+        rows = values.detach().to(torch.float32)
+        self.backend().load_rows_state({"ids": ids, "rows": rows}, replace=False)
+
+    def dense_weight(self, num_ids: int) -> torch.Tensor:
+        """A copy of the rows of ids ``0 .. num_ids-1`` as a ``[num_ids, embedding_dim]`` tensor (``.weight``).
+
+        Row ``i`` is id ``i``'s row: the table's value where it holds one, else what a lookup
+        returns (the initial value, or zeros while an ``entry`` has not admitted the id). For
+        ``nn.Embedding``-style inference tools; ids outside the range are not in it.
+        """
+        if isinstance(num_ids, bool) or not isinstance(num_ids, int) or num_ids < 0:
+            raise ValueError(f"dense_weight(num_ids) takes an int >= 0, got {num_ids!r}")
+        state = self.backend().rows_state()
+        ids = torch.arange(num_ids)
+        if self.lifecycle.entry is not None:
+            out = torch.zeros(num_ids, self.embedding_dim)
+        else:
+            out = initial_rows(ids, self.embedding_dim, self.initializer, self.seed)
+        held = (state["ids"] >= 0) & (state["ids"] < num_ids)
+        out[state["ids"][held]] = state["rows"][held]
+        return out
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The table's rows for ``state_dict()`` (:mod:`fleet.nn.rows_state`)."""
+        return rows_state.capture(self)
+
+    def set_extra_state(self, state: Any) -> None:
+        rows_state.restore(self, state, getattr(self, "_loading_as", ""))
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):  # noqa: D102, E501
+        self._loading_as = prefix[:-1]
+        try:
+            super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+            )
+        finally:
+            del self._loading_as
+        key = prefix + rows_state.KEY
+        if key not in state_dict and prefix + "placeholder" in state_dict:
+            if key in missing_keys:
+                missing_keys.remove(key)
+            warnings.warn(
+                f"SparseEmbedding {prefix[:-1]!r}: the state dict has no rows (saved before fleet kept a table's "
+                "rows in state_dict); the table keeps the rows it has",
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------ lookup
     def prefetch(self, ids: torch.Tensor) -> None:
