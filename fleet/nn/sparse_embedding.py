@@ -14,6 +14,12 @@ The module owns a zero-size placeholder ``nn.Parameter`` so that it appears in
 ``model.parameters()``: the optimizer holding the placeholder is the one that
 updates the rows, with its class and hyper-parameters unless ``optimizer`` overrides them.
 
+The rows are in ``state_dict()`` as the module's extra state (:mod:`fleet.nn.rows_state`: ids,
+rows, per-row optimizer state and statistics; read from the servers in bounded pages in a
+parameter-server job), unless ``state_dict_rows=False``; :meth:`SparseEmbedding.from_pretrained`
+and :meth:`SparseEmbedding.load_rows` give rows, :meth:`SparseEmbedding.dense_weight` copies an
+id range out as an ``nn.Embedding``-style weight.
+
 A long-running CTR job bounds its table with a life cycle (:mod:`fleet.sparse.lifecycle`):
 ``entry`` (``fleet.CountFilterEntry(n)`` / ``fleet.ProbabilityEntry(p)``) admits new ids,
 ``ttl_steps`` and ``max_rows`` evict rows, ``fleet.shrink()`` evicts on demand. The
@@ -62,7 +68,11 @@ def _optimizer(value: Any) -> OptimizerSpec | None:
 
 
 class SparseEmbedding(nn.Module):
-    """``SparseEmbedding(16)(ids)`` -> ``[*ids.shape, 16]``; rows are created on first touch."""
+    """``SparseEmbedding(16)(ids)`` -> ``[*ids.shape, 16]``; rows are created on first touch.
+
+    ``state_dict_rows=False`` leaves the rows out of ``state_dict()`` (a marker that refuses to
+    load) for a table too big to copy; ``fleet.save_checkpoint`` / ``save_persistables`` keep them.
+    """
 
     def __init__(
         self,
@@ -184,7 +194,8 @@ class SparseEmbedding(nn.Module):
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):  # noqa: D102, E501
+    ):
+        # the name this module has in the model, for set_extra_state's errors; and older state dicts' rule
         self._loading_as = prefix[:-1]
         try:
             super()._load_from_state_dict(
