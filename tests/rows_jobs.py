@@ -57,6 +57,7 @@ def _scenario(model, wrap, ranks: list[int], barrier) -> dict[str, Any]:
         _step(model, opt, step, ranks)
     barrier()  # every step applied before the rows are read
     saved = _through_torch_save(model.emb.state_dict())
+    barrier()
     for step in range(3, 5):
         _step(model, opt, step, ranks)
     barrier()
@@ -95,5 +96,36 @@ def worker(rank: int) -> dict[str, Any]:
         return {"served": stop.code}
     torch.manual_seed(100)
     out = _scenario(make_model(OPT), fleet.distributed_optimizer, [fleet.worker_index()], fleet.barrier_worker)
+    fleet.stop_worker()
+    return out
+
+
+def reload_worker(rank: int) -> dict[str, Any]:
+    """Any update mode: the state dict taken at a barrier, loaded back later, is what the servers then hold
+    and what this worker's lookups return (geo: its cached rows are fetched again)."""
+    import fleet
+
+    try:
+        fleet.init()
+    except SystemExit as stop:
+        return {"served": stop.code}
+    torch.manual_seed(100)
+    model = make_model(OPT)
+    opt = fleet.distributed_optimizer(make_optimizer(OPT, model.parameters()))
+    for step in range(3):
+        _step(model, opt, step, [fleet.worker_index()])
+    fleet.barrier_worker()
+    saved = _through_torch_save(model.emb.state_dict())
+    fleet.barrier_worker()  # async: nobody steps on while another worker still reads the rows
+    for step in range(3, 6):
+        _step(model, opt, step, [fleet.worker_index()])
+    fleet.barrier_worker()
+    model.emb.load_state_dict(saved)
+    fleet.barrier_worker()
+    model.eval()
+    with torch.no_grad():
+        looked_up = model.emb(saved["_extra_state"]["ids"]).clone()
+    out = {"saved": _sorted(saved["_extra_state"]), "after": _sorted(model.emb.state_dict()["_extra_state"])}
+    out["looked_up"], out["want"] = looked_up, saved["_extra_state"]["rows"]
     fleet.stop_worker()
     return out

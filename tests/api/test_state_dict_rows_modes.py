@@ -41,3 +41,13 @@ def test_parameter_server_state_dict_round_trip_in_bounded_pieces_matches_one_pr
     results = run_job(rows_jobs.worker, 1, 2, {"update": "sync", "max_request_ids": 4}, timeout=120)
     for result in results:
         _check(result, want)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", [{"update": "geo", "k_steps": 2}, {"update": "async"}])
+def test_parameter_server_load_state_dict_restores_the_servers_rows(strategy: dict) -> None:
+    for result in run_job(rows_jobs.reload_worker, 2, 2, strategy, timeout=120):
+        saved, after = result["saved"], result["after"]
+        assert saved["ids"].numel() > 0 and saved.keys() == after.keys()
+        assert all(torch.equal(saved[k], after[k]) for k in saved)
+        assert torch.allclose(result["looked_up"], result["want"], atol=1e-6)
