@@ -39,9 +39,11 @@ def _table_modules(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def _placeholder_keys(model: torch.nn.Module) -> set[str]:
-    """A table's state-dict keys (its placeholder, its rows' entry): the file keeps the rows in "tables"."""
-    names = _table_modules(model)
-    return {f"{name}.{key}" if name else key for name in names for key in ("placeholder", rows_state.KEY)}
+    """A table's state-dict keys (its placeholder, its rows' entries): the file keeps the rows in "tables"."""
+    with rows_state.rows_in_state_dict(False):
+        keys = model.state_dict().keys()
+    names = [f"{name}." if name else "" for name in _table_modules(model)]
+    return {k for k in keys for n in names if k == n + "placeholder" or k.startswith(n + rows_state.PREFIX)}
 
 
 def export_for_inference(dirname: str, model: torch.nn.Module) -> str:

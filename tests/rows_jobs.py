@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fleet.nn.rows_state import table_rows
 from ps_jobs import all_ids, batch, make_model, make_optimizer
 
 OPT = "plain+adagrad_rows"  # dense: plain SGD; rows: Adagrad, whose per-row state must round-trip
@@ -68,8 +69,8 @@ def _scenario(model, wrap, ranks: list[int], barrier) -> dict[str, Any]:
     barrier()
     out = {
         "first": first,
-        "saved": _sorted(saved["_extra_state"]),
-        "after": _sorted(model.emb.state_dict()["_extra_state"]),
+        "saved": _sorted(table_rows(saved)),
+        "after": _sorted(table_rows(model.emb.state_dict())),
     }
     out["weight"] = model.emb.dense_weight(3)
     model.emb.load_rows(LATE_IDS, given(3, 2))
@@ -124,8 +125,8 @@ def reload_worker(rank: int) -> dict[str, Any]:
     fleet.barrier_worker()
     model.eval()
     with torch.no_grad():
-        looked_up = model.emb(saved["_extra_state"]["ids"]).clone()
-    out = {"saved": _sorted(saved["_extra_state"]), "after": _sorted(model.emb.state_dict()["_extra_state"])}
-    out["looked_up"], out["want"] = looked_up, saved["_extra_state"]["rows"]
+        looked_up = model.emb(table_rows(saved)["ids"]).clone()
+    out = {"saved": _sorted(table_rows(saved)), "after": _sorted(table_rows(model.emb.state_dict()))}
+    out["looked_up"], out["want"] = looked_up, table_rows(saved)["rows"]
     fleet.stop_worker()
     return out

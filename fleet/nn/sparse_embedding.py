@@ -185,28 +185,23 @@ class SparseEmbedding(nn.Module):
         out[state["ids"][held]] = state["rows"][held]
         return out
 
-    def get_extra_state(self) -> dict[str, Any]:
-        """The table's rows for ``state_dict()`` (:mod:`fleet.nn.rows_state`)."""
-        return rows_state.capture(self)
-
-    def set_extra_state(self, state: Any) -> None:
-        rows_state.restore(self, state, getattr(self, "_loading_as", ""))
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for key, value in rows_state.capture(self).items():  # the rows (fleet.nn.rows_state)
+            destination[prefix + key] = value
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
-        # the name this module has in the model, for set_extra_state's errors; and older state dicts' rule
-        self._loading_as = prefix[:-1]
-        try:
-            super()._load_from_state_dict(
-                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-            )
-        finally:
-            del self._loading_as
-        key = prefix + rows_state.KEY
-        if key not in state_dict and prefix + "placeholder" in state_dict:
-            if key in missing_keys:
-                missing_keys.remove(key)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        ours = prefix + rows_state.PREFIX
+        for key in [k for k in unexpected_keys if k.startswith(ours)]:
+            unexpected_keys.remove(key)
+        if ours + "meta" in state_dict:
+            rows_state.restore(self, rows_state.table_rows(state_dict, prefix[:-1]), prefix[:-1])
+        elif prefix + "placeholder" in state_dict and rows_state.expected():
             warnings.warn(
                 f"SparseEmbedding {prefix[:-1]!r}: the state dict has no rows (saved before fleet kept a table's "
                 "rows in state_dict); the table keeps the rows it has",

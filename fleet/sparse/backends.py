@@ -195,6 +195,7 @@ class LocalRows:
     def rows_state(self) -> dict[str, Any]:
         if self.table is None:
             return {"ids": torch.empty(0, dtype=torch.int64), "rows": torch.empty(0, self._module().embedding_dim)}
+        self.table.sort_by_id()  # a table loaded from the state dict then holds its rows in the same slots
         return self.table.state_dict()
 
     def load_rows_state(self, state: dict[str, Any], replace: bool) -> None:

@@ -319,6 +319,25 @@ class SparseTable:
         pick = slice(min(max(0, start), end), end)
         return self.slot_ids()[pick].clone(), self.copy_rows(pick)
 
+    def sort_by_id(self) -> None:
+        """Put the rows in ascending id order (a state dict's order), so that a table loaded from one holds
+        its rows in the same slots as this one: where slots break ties (evicting equal scores), both agree."""
+        n = len(self)
+        ids = self.slot_ids()
+        if n < 2 or bool((ids[1:] > ids[:-1]).all()):
+            return
+        order = torch.argsort(ids)
+        new_slot = torch.empty(n, dtype=torch.int64)
+        new_slot[order] = torch.arange(n)
+        with self.transaction() as undo:
+            self._recent.forget()  # slots move
+            for name in self._row_names():
+                get = self._getter(name)
+                undo.span(get, 0, n)
+                t = get()
+                t[:n] = t[:n].index_select(0, order)
+            self._index.renumber(new_slot, undo)
+
     def write_rows(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], replace: bool = False) -> None:
         """Set rows ``ids`` to ``fields`` (``rows`` required; ``steps``, ``state.*``, ``stats.*`` optional).
 

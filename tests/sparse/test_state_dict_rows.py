@@ -11,6 +11,7 @@ import torch
 import fleet
 import fleet.api
 from fleet.nn import SparseEmbedding
+from fleet.nn.rows_state import table_rows
 from fleet.sparse.optim import OptimizerSpec
 from fleet.sparse.table import SparseTable
 from ps_jobs import all_ids, batch, make_model, make_optimizer
@@ -54,7 +55,8 @@ def test_torch_save_round_trip_trains_identically(opt_name: str) -> None:
     for step in range(4):
         _step(model, opt, step)
     saved = _saved({"model": model.state_dict(), "opt": opt.state_dict()})
-    rows = saved["model"]["emb._extra_state"]
+    rows = table_rows(saved["model"], "emb")
+    assert all(isinstance(v, torch.Tensor) for v in saved["model"].values())  # as code walking it expects
     assert rows["ids"].numel() == model.emb.num_rows() > 0
     held = model.emb.local.table
     order = torch.argsort(rows["ids"])
@@ -71,13 +73,13 @@ def test_torch_save_round_trip_trains_identically(opt_name: str) -> None:
     for step in range(4, 9):
         assert _step(fresh, fresh_opt, step) == _step(model, opt, step)
     assert torch.equal(fresh.emb.dense_weight(10), model.emb.dense_weight(10))
-    assert _same(fresh.state_dict()["emb._extra_state"], model.state_dict()["emb._extra_state"])
+    assert _same(fresh.state_dict(), model.state_dict())
 
 
 def test_a_state_dict_before_any_step_round_trips_to_no_rows() -> None:
     model = make_model("adam")
     state = _saved(model.state_dict())
-    assert state["emb._extra_state"]["ids"].numel() == 0
+    assert table_rows(state, "emb")["ids"].numel() == 0
     fresh = make_model("adam")
     fresh.emb.load_rows(torch.tensor([3]), torch.ones(1, 4))
     fresh.load_state_dict(state)  # replaces: the given row goes
@@ -90,7 +92,7 @@ def test_opting_out_leaves_a_marker_that_refuses_to_load() -> None:
     model(torch.tensor([1, 2])).sum().backward()
     opt.step()
     state = _saved(model.state_dict())
-    assert set(state["0._extra_state"]) == {"format", "dim", "rows_left_out"}
+    assert set(state) == {"0.placeholder", "0.rows.meta"} and table_rows(state, "0")["rows_left_out"]
     with pytest.raises(fleet.FleetError, match=r"'0'.*state_dict_rows=False.*save_persistables.*save_checkpoint"):
         torch.nn.Sequential(SparseEmbedding(4)).load_state_dict(state)
 
@@ -117,7 +119,7 @@ def test_save_checkpoint_keeps_the_rows_of_a_table_that_opted_out(tmp_path, monk
 
 def test_a_state_dict_from_before_rows_were_saved_loads_with_a_warning() -> None:
     model = make_model("adam")
-    old = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    old = {k: v for k, v in model.state_dict().items() if ".rows." not in k}
     assert "emb.placeholder" in old
     fresh = make_model("adam")
     fresh.emb.load_rows(torch.tensor([7]), torch.full((1, 4), 2.0))
@@ -186,6 +188,11 @@ def test_written_rows_are_in_the_next_delta_save_and_pages_are_bounded() -> None
     pages = [table.rows_page(start, 4) for start in range(0, 12, 4)]
     assert [p[0].numel() for p in pages] == [4, 4, 2]
     assert torch.equal(torch.cat([p[0] for p in pages]), table.slot_ids())
+    table.write_rows(torch.tensor([50, -3]), {"rows": torch.full((2, 2), 7.0)})
+    before = table.pull(torch.tensor([50, -3, 4]))
+    table.sort_by_id()  # what a state dict does first: rows move with their ids
+    assert table.slot_ids().tolist() == [-3, *range(10), 50]
+    assert torch.equal(table.pull(torch.tensor([50, -3, 4])), before)
     with pytest.raises(ValueError, match="duplicates"):
         table.write_rows(torch.tensor([1, 1]), {"rows": torch.zeros(2, 2)})
     with pytest.raises(ValueError, match="write_rows takes 'rows'"):
