@@ -59,6 +59,8 @@ def _scenario(model, wrap, ranks: list[int], barrier) -> dict[str, Any]:
     barrier()  # every step applied before the rows are read
     saved = _through_torch_save(model.emb.state_dict())
     barrier()
+    elsewhere = make_model(OPT).emb  # held by no optimizer: a table in this process, whatever the mode
+    elsewhere.load_state_dict(saved)
     for step in range(3, 5):
         _step(model, opt, step, ranks)
     barrier()
@@ -73,6 +75,7 @@ def _scenario(model, wrap, ranks: list[int], barrier) -> dict[str, Any]:
         "after": _sorted(table_rows(model.emb.state_dict())),
     }
     out["weight"] = model.emb.dense_weight(3)
+    out["elsewhere"] = _sorted(table_rows(elsewhere.state_dict()))
     model.emb.load_rows(LATE_IDS, given(3, 2))
     barrier()
     model.eval()

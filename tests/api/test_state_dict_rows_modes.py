@@ -15,7 +15,11 @@ pytestmark = pytest.mark.multiprocess
 
 def _check(result: dict, want: dict) -> None:
     assert torch.equal(result["first"], rows_jobs.given(10, 1))  # given before the optimizer, then trained
-    for key in ("saved", "after"):  # the state dict's rows, optimizer state included, as in one process
+    for key in ("saved", "after"):
+        assert result["elsewhere"].keys() == result["saved"].keys()  # the rows loaded in a process of their own
+        assert all(
+            torch.equal(result["elsewhere"][k], v) for k, v in result["saved"].items()
+        )  # the state dict's rows, optimizer state included, as in one process
         assert result[key].keys() == want[key].keys() and "state.sum" in want[key]
         assert torch.equal(result[key]["ids"], want[key]["ids"])
         for name in want[key]:

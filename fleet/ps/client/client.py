@@ -491,7 +491,8 @@ class PSClient:
         return self._submit(self._all(Op.EXPORT_SPARSE, table_id), gather)
 
     def read_sparse_page(self, table_id: int, server: int, start: int) -> Future:
-        """Future[(ids, {field: tensor}, total)]: one bounded page of server ``server``'s rows from slot ``start``.
+        """Future[(ids, {field: tensor}, total, optimizer config)]: one bounded page of server ``server``'s rows
+        from slot ``start`` (the first page, ``start=0``, puts the shard's rows in id order first).
 
         Fields are every per-row tensor of a save (rows, steps, optimizer state, statistics); the
         server gives at most one request's worth (:mod:`fleet.ps.protocol.limits`) of ``total`` rows.
@@ -499,10 +500,11 @@ class PSClient:
         dim, _ = self._sparse_info(table_id)
         msg = self._msg(Op.EXPORT_SPARSE, table_id, arg=int(start), step=self.limits.ids_per_request(dim))
 
-        def unpack(replies: list[Message]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        def unpack(replies: list[Message]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int, dict[str, Any]]:
             info = self._json_list(replies)[0]
             tensors = replies[0].tensors
-            return tensors[0], dict(zip(info["names"], tensors[1:], strict=True)), int(info["total"])
+            fields = dict(zip(info["names"], tensors[1:], strict=True))
+            return tensors[0], fields, int(info["total"]), info["optimizer"]
 
         return self._submit([(server, msg)], unpack)
 

@@ -10,6 +10,7 @@ a server restart.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -53,11 +54,13 @@ class _ServerTable:
         """Every row of the servers' table with its per-row fields, read in bounded pages (``state_dict``)."""
 
         def read() -> dict[str, Any]:
-            ids, fields = [], []
+            ids, fields, optimizer = [], [], None
             for server in range(self.client.num_servers):
                 start, total = 0, 1
                 while start < total:
-                    page_ids, page, total = self.client.read_sparse_page(self.table_id, server, start).result()
+                    page_ids, page, total, optimizer = self.client.read_sparse_page(
+                        self.table_id, server, start
+                    ).result()
                     if not page_ids.numel():
                         break  # rows evicted meanwhile: the page past the end is empty
                     ids.append(page_ids)
@@ -66,7 +69,9 @@ class _ServerTable:
             dim = self.module.embedding_dim if self.module is not None else 0
             if not ids:
                 return {"ids": torch.empty(0, dtype=torch.int64), "rows": torch.empty(0, dim)}
-            return {"ids": torch.cat(ids), **{k: torch.cat([f[k] for f in fields]) for k in fields[0]}}
+            out = {"ids": torch.cat(ids), **{k: torch.cat([f[k] for f in fields]) for k in fields[0]}}
+            out["optimizer"] = json.dumps(optimizer, sort_keys=True)  # as a table's save says it
+            return out
 
         return self.guard(read)
 

@@ -273,7 +273,9 @@ class TableRequests:
             table.sort_by_id()
         count = min(int(msg.step), self.limits.rows_per_request(_width(table.copy_rows(slice(0, 0)))))
         ids, fields = table.rows_page(int(msg.arg), count)
-        blob = json.dumps({"names": list(fields), "total": len(table)}).encode()
+        blob = json.dumps(
+            {"names": list(fields), "total": len(table), "optimizer": table.optimizer.to_config()}
+        ).encode()
         return self._replies.ok(msg, tensors=[ids, *fields.values()], blob=blob, version=shard.version)
 
     def write_sparse_rows(self, ident: bytes, msg: Message) -> Message:
