@@ -131,5 +131,9 @@ def reload_worker(rank: int) -> dict[str, Any]:
         looked_up = model.emb(table_rows(saved)["ids"]).clone()
     out = {"saved": _sorted(table_rows(saved)), "after": _sorted(table_rows(model.emb.state_dict()))}
     out["looked_up"], out["want"] = looked_up, table_rows(saved)["rows"]
+    second = make_model(OPT)
+    second.emb.load_state_dict(saved)  # before its optimizer: worker 0 sends the rows when the table is created
+    fleet.distributed_optimizer(make_optimizer(OPT, second.parameters()))
+    out["second"] = _sorted(table_rows(second.emb.state_dict()))
     fleet.stop_worker()
     return out

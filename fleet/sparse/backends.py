@@ -218,11 +218,15 @@ class LocalRows:
             fields = {k: v for k, v in fields.items() if k == "rows" or k.startswith("stats.")}
         self.table.write_rows(state["ids"], fields, replace)
 
-    def given_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(ids, rows) given to this table before its first step (``load_rows``, ``from_pretrained``), else None."""
+    def pending_rows(self) -> dict[str, Any] | None:
+        """Rows this table took before its first step, for a backend that takes over (the servers), else None:
+        given rows (``load_rows``, ``from_pretrained``: ids and rows) or a loaded state dict (every per-row field)."""
         if self.table is None or self._provisional is None:
             return None
-        return self.table.export()
+        state = self.table.state_dict()
+        if self._provisional == "given":
+            return {"ids": state["ids"], "rows": state["rows"]}
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "deleted"}
 
     def num_rows(self) -> int:
         return len(self.table) if self.table is not None else 0

@@ -55,3 +55,5 @@ def test_parameter_server_load_state_dict_restores_the_servers_rows(strategy: di
         assert saved["ids"].numel() > 0 and saved.keys() == after.keys()
         assert all(torch.equal(saved[k], after[k]) for k in saved)
         assert torch.allclose(result["looked_up"], result["want"], atol=1e-6)
+        assert result["second"].keys() == saved.keys()  # loaded before the table went to the servers
+        assert all(torch.equal(result["second"][k], saved[k]) for k in saved)

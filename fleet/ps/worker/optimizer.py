@@ -133,15 +133,15 @@ class PSOptimizer(WrappedOptimizer):
         self._watch_grads()
 
     def _send_given_rows(self, added: list[tuple[Any, int, Any]]) -> None:
-        """Rows given to a table before it went to the servers (``load_rows``, ``from_pretrained``): worker 0
-        writes them, and nobody pulls before they are there (every worker wraps, so all reach the barrier)."""
-        given = [(rows, module.local.given_rows()) for module, _, rows in added]
+        """Rows a table took before it went to the servers (``load_rows``, ``from_pretrained``, ``load_state_dict``):
+        worker 0 writes them, and nobody pulls before they are there (every worker wraps: all reach the barrier)."""
+        given = [(rows, module.local.pending_rows()) for module, _, rows in added]
         given = [(rows, held) for rows, held in given if held is not None]
         if not given:
             return
         if self.is_first:
-            for rows, (ids, values) in given:
-                rows.load_rows_state({"ids": ids, "rows": values}, replace=False)
+            for rows, held in given:
+                rows.load_rows_state(held, replace=False)
         self.client.barrier().result()
 
     def _check_dtypes(self, indices: range) -> None:
