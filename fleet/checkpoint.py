@@ -28,6 +28,7 @@ import torch
 
 from fleet import api
 from fleet.errors import DiskFullError, FleetError
+from fleet.nn import rows_state
 from fleet.storage.atomic import is_disk_full
 from fleet.storage.layout import STEPS, Layout
 
@@ -91,7 +92,8 @@ def save_checkpoint(
             f"worker-{rank}.pt", {"rng": _rng_state(), "loaders": [loader.state_dict() for loader in job.loaders]}
         )
         try:
-            strategy.save_state(save, model, optimizer)
+            with rows_state.rows_in_state_dict(True):  # a table's rows are checkpointed even if it opted out
+                strategy.save_state(save, model, optimizer)
         except Exception as error:
             if not isinstance(error, DiskFullError) and _disk_full(error):  # e.g. torch.distributed.checkpoint's
                 raise DiskFullError(save.path, "saving the model and optimizer under", _first_line(error)) from error

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fleet.nn import rows_state
 from fleet.runtime import context
 from fleet.sparse import backends as tables
 from fleet.sparse.table import SparseTable
@@ -38,13 +39,18 @@ def _table_modules(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def _placeholder_keys(model: torch.nn.Module) -> set[str]:
-    return {f"{name}.placeholder" if name else "placeholder" for name in _table_modules(model)}
+    """A table's state-dict keys (its placeholder, its rows' entries): the file keeps the rows in "tables"."""
+    with rows_state.rows_in_state_dict(False):
+        keys = model.state_dict().keys()
+    names = [f"{name}." if name else "" for name in _table_modules(model)]
+    return {k for k in keys for n in names if k == n + "placeholder" or k.startswith(n + rows_state.PREFIX)}
 
 
 def export_for_inference(dirname: str, model: torch.nn.Module) -> str:
     """Write ``<dirname>/inference.pt`` for serving; call on every worker (worker 0 writes). Returns the path."""
     strategy = context.strategy()
-    dense = strategy.inference_state(model) if strategy is not None else model.state_dict()
+    with rows_state.rows_in_state_dict(False):  # the tables' rows are exported below, once
+        dense = strategy.inference_state(model) if strategy is not None else model.state_dict()
     skip = _placeholder_keys(model)
     payload: dict[str, Any] = {
         "format": FORMAT,
@@ -83,7 +89,8 @@ def load_for_inference(dirname: str, model: torch.nn.Module) -> torch.nn.Module:
             "build the model as it was trained"
         )
     skip = _placeholder_keys(model)
-    wanted = {k for k in model.state_dict() if k not in skip}
+    with rows_state.rows_in_state_dict(False):
+        wanted = {k for k in model.state_dict() if k not in skip}
     if wanted != set(payload["dense"]):
         missing, extra = sorted(wanted - set(payload["dense"])), sorted(set(payload["dense"]) - wanted)
         raise ValueError(f"{path} does not fit the model: missing {missing}, unexpected {extra}")

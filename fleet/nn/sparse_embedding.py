@@ -14,6 +14,12 @@ The module owns a zero-size placeholder ``nn.Parameter`` so that it appears in
 ``model.parameters()``: the optimizer holding the placeholder is the one that
 updates the rows, with its class and hyper-parameters unless ``optimizer`` overrides them.
 
+The rows are in ``state_dict()`` as the module's extra state (:mod:`fleet.nn.rows_state`: ids,
+rows, per-row optimizer state and statistics; read from the servers in bounded pages in a
+parameter-server job), unless ``state_dict_rows=False``; :meth:`SparseEmbedding.from_pretrained`
+and :meth:`SparseEmbedding.load_rows` give rows, :meth:`SparseEmbedding.dense_weight` copies an
+id range out as an ``nn.Embedding``-style weight.
+
 A long-running CTR job bounds its table with a life cycle (:mod:`fleet.sparse.lifecycle`):
 ``entry`` (``fleet.CountFilterEntry(n)`` / ``fleet.ProbabilityEntry(p)``) admits new ids,
 ``ttl_steps`` and ``max_rows`` evict rows, ``fleet.shrink()`` evicts on demand. The
@@ -24,15 +30,17 @@ that, with the show counts, rank rows for eviction.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from fleet.nn import rows_state
 from fleet.runtime import context
 from fleet.sparse import backends as tables
 from fleet.sparse.lifecycle import Entry, LifeCycle
-from fleet.sparse.optim import InitializerSpec, OptimizerSpec
+from fleet.sparse.optim import InitializerSpec, OptimizerSpec, initial_rows
 
 
 def _initializer(value: Any, owner: str = "SparseEmbedding") -> InitializerSpec:
@@ -97,7 +105,11 @@ def _optimizer(value: Any) -> OptimizerSpec | None:
 
 
 class SparseEmbedding(nn.Module):
-    """``SparseEmbedding(16)(ids)`` -> ``[*ids.shape, 16]``; rows are created on first touch."""
+    """``SparseEmbedding(16)(ids)`` -> ``[*ids.shape, 16]``; rows are created on first touch.
+
+    ``state_dict_rows=False`` leaves the rows out of ``state_dict()`` (a marker that refuses to
+    load) for a table too big to copy; ``fleet.save_checkpoint`` / ``save_persistables`` keep them.
+    """
 
     def __init__(
         self,
@@ -109,6 +121,7 @@ class SparseEmbedding(nn.Module):
         max_rows: int | None = None,
         ttl_steps: int | None = None,
         decay: float = 0.999,
+        state_dict_rows: bool = True,
         **unknown: Any,
     ):
         super().__init__()
@@ -123,6 +136,8 @@ class SparseEmbedding(nn.Module):
             {"entry": entry.to_config() if entry is not None else None, "max_rows": max_rows,
              "ttl_steps": ttl_steps, "decay": decay}
         )  # fmt: skip
+        self.state_dict_rows = bool(state_dict_rows)
+        """Whether ``state_dict()`` holds the rows (False: a marker that refuses to load; see rows_state)."""
         self.placeholder = nn.Parameter(torch.empty(0))
         tables.register(self.placeholder, self)
         self.local = tables.LocalRows(self)
@@ -153,6 +168,84 @@ class SparseEmbedding(nn.Module):
         strategy = context.strategy()
         chosen = strategy.table_backend(self) if strategy is not None else None
         return chosen if chosen is not None else self.local
+
+    # ------------------------------------------------------------------ rows in and out
+    @classmethod
+    def from_pretrained(
+        cls, embeddings: torch.Tensor, ids: torch.Tensor | None = None, **kwargs: Any
+    ) -> SparseEmbedding:
+        """A table starting from given rows: ``embeddings[i]`` is the row of ``ids[i]`` (default: id ``i``).
+
+        ``kwargs`` go to the constructor (``optimizer``, ``seed``, ...); see :meth:`load_rows`.
+        """
+        if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
+            raise ValueError("SparseEmbedding.from_pretrained takes a 2-D tensor of rows [num_rows, embedding_dim]")
+        module = cls(int(embeddings.shape[1]), **kwargs)
+        module.load_rows(torch.arange(embeddings.shape[0]) if ids is None else ids, embeddings)
+        return module
+
+    def load_rows(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Set the rows of ``ids`` (unique) to ``values`` ``[len(ids), embedding_dim]``, in any mode.
+
+        The rows are created if missing (whatever an ``entry`` would admit) and their optimizer
+        state starts fresh; other rows stay. In a parameter-server job they go to the servers in
+        requests under the request limits; called before ``fleet.distributed_optimizer``, worker 0
+        sends them when the table is created there. Every worker calls it with the same rows.
+        """
+        ids = self._check_ids(torch.as_tensor(ids)).reshape(-1)
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError("SparseEmbedding.load_rows: ids must be unique")
+        if not isinstance(values, torch.Tensor) or not values.dtype.is_floating_point:
+            raise ValueError("SparseEmbedding.load_rows: values must be a floating-point tensor")
+        if tuple(values.shape) != (ids.numel(), self.embedding_dim):
+            raise ValueError(
+                f"SparseEmbedding.load_rows: values have shape {tuple(values.shape)}, expected "
+                f"({ids.numel()}, {self.embedding_dim})"
+            )
+        rows = values.detach().to(torch.float32)
+        self.backend().load_rows_state({"ids": ids, "rows": rows}, replace=False)
+
+    def dense_weight(self, num_ids: int) -> torch.Tensor:
+        """A copy of the rows of ids ``0 .. num_ids-1`` as a ``[num_ids, embedding_dim]`` tensor (``.weight``).
+
+        Row ``i`` is id ``i``'s row: the table's value where it holds one, else what a lookup
+        returns (the initial value, or zeros while an ``entry`` has not admitted the id). For
+        ``nn.Embedding``-style inference tools; ids outside the range are not in it.
+        """
+        if isinstance(num_ids, bool) or not isinstance(num_ids, int) or num_ids < 0:
+            raise ValueError(f"dense_weight(num_ids) takes an int >= 0, got {num_ids!r}")
+        state = self.backend().rows_state()
+        ids = torch.arange(num_ids)
+        if self.lifecycle.entry is not None:
+            out = torch.zeros(num_ids, self.embedding_dim)
+        else:
+            out = initial_rows(ids, self.embedding_dim, self.initializer, self.seed)
+        held = (state["ids"] >= 0) & (state["ids"] < num_ids)
+        out[state["ids"][held]] = state["rows"][held]
+        return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for key, value in rows_state.capture(self).items():  # the rows (fleet.nn.rows_state)
+            destination[prefix + key] = value
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        ours = prefix + rows_state.PREFIX
+        for key in [k for k in unexpected_keys if k.startswith(ours)]:
+            unexpected_keys.remove(key)
+        if ours + "meta" in state_dict:
+            rows_state.restore(self, rows_state.table_rows(state_dict, prefix[:-1]), prefix[:-1])
+        elif prefix + "placeholder" in state_dict and rows_state.expected():
+            warnings.warn(
+                f"SparseEmbedding {prefix[:-1]!r}: the state dict has no rows (saved before fleet kept a table's "
+                "rows in state_dict); the table keeps the rows it has",
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------ lookup
     def prefetch(self, ids: torch.Tensor) -> None:

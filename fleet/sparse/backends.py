@@ -20,6 +20,7 @@ mode sends their gradients and the servers apply them.
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -68,6 +69,12 @@ class TableBackend(Protocol):
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, rows) of every row the table holds (all shards), for serving."""
+
+    def rows_state(self) -> dict[str, Any]:
+        """Every row with its per-row fields (``ids``, ``rows``, ``steps``, ``state.*``, ``stats.*``), for state_dict."""
+
+    def load_rows_state(self, state: dict[str, Any], replace: bool) -> None:
+        """Put rows back (``ids`` and ``rows``, optional per-row fields); ``replace``: drop every other row."""
 
 
 def register(placeholder: torch.nn.Parameter, module: TableModule) -> None:
@@ -125,6 +132,8 @@ class LocalRows:
     def __init__(self, module: TableModule):
         self._module = weakref.ref(module)
         self.table: SparseTable | None = None
+        # "given": rows given before the first step (optimizer not known yet); "saved": a loaded save
+        self._provisional: str | None = None
 
     def adopt(self, table: SparseTable) -> None:
         """Serve from ``table`` from now on (``fleet.load_for_inference``: the rows of an exported model)."""
@@ -172,14 +181,65 @@ class LocalRows:
         ``where`` (the mode, for errors): "in one process", "in collective mode", ...
         """
         module = self._module()
-        if self.table is None:
+        if self.table is None or self._provisional:
             spec = module.optimizer_override or OptimizerSpec.from_torch(
                 optimizer_class, group, rows=True, where=f"for a fleet.nn.SparseEmbedding {where}"
             )
-            self.table = SparseTable(module.embedding_dim, spec, module.initializer, module.seed, module.lifecycle)
+            if self.table is None or self.table.optimizer != spec:
+                self.table = self._new_table(spec, self.table)
+            self._provisional = None
         if grads.shape[1] == module.embedding_dim + 1:
             grads, clicks = grads[:, :-1], grads[:, -1]
         self.table.apply_gradient(ids, grads, lr, clicks)
+
+    def _new_table(self, spec: OptimizerSpec, rows: SparseTable | None = None) -> SparseTable:
+        """A table for ``spec``, holding ``rows``' rows (their optimizer state too when it is a loaded save)."""
+        module = self._module()
+        table = SparseTable(module.embedding_dim, spec, module.initializer, module.seed, module.lifecycle)
+        if rows is not None:
+            state = rows.state_dict()
+            if self._provisional == "saved":  # the optimizer must be the saved one's kind (else a clear error)
+                table.load_state_dict(state)
+            else:  # given rows: values (and statistics) only; the optimizer state starts fresh
+                keep = {k: v for k, v in state.items() if k == "rows" or k.startswith("stats.")}
+                table.write_rows(state["ids"], keep)
+        return table
+
+    def rows_state(self) -> dict[str, Any]:
+        if self.table is None:
+            return {"ids": torch.empty(0, dtype=torch.int64), "rows": torch.empty(0, self._module().embedding_dim)}
+        self.table.sort_by_id()  # a table loaded from the state dict then holds its rows in the same slots
+        return self.table.state_dict()
+
+    def load_rows_state(self, state: dict[str, Any], replace: bool) -> None:
+        module = self._module()
+        if replace and "optimizer" in state:  # a whole table's save: exact, table-wide header included
+            spec = OptimizerSpec.from_config(json.loads(state["optimizer"]))
+            self.table = SparseTable(module.embedding_dim, spec, module.initializer, module.seed, module.lifecycle)
+            self.table.load_state_dict(state)
+            self._provisional = "saved"
+            return
+        if replace and not state["ids"].numel():
+            self.table, self._provisional = None, None
+            return
+        if self.table is None:  # rows before the first step: kept under a stand-in optimizer until it
+            spec = module.optimizer_override or OptimizerSpec(kind="sgd", lr=0.0)
+            self.table = SparseTable(module.embedding_dim, spec, module.initializer, module.seed, module.lifecycle)
+            self._provisional = "given"
+        fields = {k: v for k, v in state.items() if k in ("rows", "steps") or k.startswith(("state.", "stats."))}
+        if not set(fields) <= {"rows", *self.table.copy_rows(slice(0, 0))}:
+            fields = {k: v for k, v in fields.items() if k == "rows" or k.startswith("stats.")}
+        self.table.write_rows(state["ids"], fields, replace)
+
+    def pending_rows(self) -> dict[str, Any] | None:
+        """Rows this table took before its first step, for a backend that takes over (the servers), else None:
+        given rows (``load_rows``, ``from_pretrained``: ids and rows) or a loaded state dict (every per-row field)."""
+        if self.table is None or self._provisional is None:
+            return None
+        state = self.table.state_dict()
+        if self._provisional == "given":
+            return {"ids": state["ids"], "rows": state["rows"]}
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "deleted"}
 
     def num_rows(self) -> int:
         return len(self.table) if self.table is not None else 0
@@ -215,3 +275,9 @@ class ExchangedRows:
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.local.export()
+
+    def rows_state(self) -> dict[str, Any]:
+        return self.local.rows_state()
+
+    def load_rows_state(self, state: dict[str, Any], replace: bool) -> None:
+        self.local.load_rows_state(state, replace)

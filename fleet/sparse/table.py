@@ -318,6 +318,76 @@ class SparseTable:
             self._set_header(header)
             self.mark_saved()
 
+    def rows_page(self, start: int, count: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(ids, copies of the per-row fields) of the rows in slots ``start .. start+count`` (a bounded read)."""
+        end = min(len(self), max(0, start) + max(0, count))
+        pick = slice(min(max(0, start), end), end)
+        return self.slot_ids()[pick].clone(), self.copy_rows(pick)
+
+    def sort_by_id(self) -> None:
+        """Put the rows in ascending id order (a state dict's order), so that a table loaded from one holds
+        its rows in the same slots as this one: where slots break ties (evicting equal scores), both agree."""
+        n = len(self)
+        ids = self.slot_ids()
+        if n < 2 or bool((ids[1:] > ids[:-1]).all()):
+            return
+        order = torch.argsort(ids)
+        new_slot = torch.empty(n, dtype=torch.int64)
+        new_slot[order] = torch.arange(n)
+        with self.transaction() as undo:
+            self._recent.forget()  # slots move
+            for name in self._row_names():
+                get = self._getter(name)
+                undo.span(get, 0, n)
+                t = get()
+                t[:n] = t[:n].index_select(0, order)
+            self._index.renumber(new_slot, undo)
+
+    def write_rows(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], replace: bool = False) -> None:
+        """Set rows ``ids`` to ``fields`` (``rows`` required; ``steps``, ``state.*``, ``stats.*`` optional).
+
+        Given rows: a row without the optional fields starts fresh (optimizer state and statistics as
+        for a new row). Rows are created as needed whatever the life cycle's admission says;
+        ``replace`` evicts every other row first. Written rows count as changed for the next delta save.
+        """
+        ids = as_ids(ids)
+        n = ids.numel()
+        if torch.unique(ids).numel() != n:
+            raise ValueError("write_rows: 'ids' contains duplicates")
+        names = self._saved_fields()
+        unknown = sorted(set(fields) - set(names))
+        if unknown or "rows" not in fields:
+            raise ValueError(f"write_rows takes 'rows' and optionally {sorted(set(names) - {'rows'})}, got {unknown}")
+        given = {}
+        for name, value in fields.items():
+            if name == "rows" or name.startswith("state."):
+                given[name] = self.check_rows(name, value, n)
+            elif tuple(value.shape) != (n,):
+                raise ValueError(f"write_rows: '{name}' has shape {tuple(value.shape)}, expected ({n},)")
+            else:
+                given[name] = value.to(names[name].dtype)
+        with self.transaction() as undo:
+            if replace and len(self):
+                self._remove(torch.ones(len(self), dtype=torch.bool))
+            first = len(self)
+            slots = self._index.lookup(ids)
+            new = (slots < 0).nonzero().squeeze(1)
+            if new.numel():
+                self._grow_to(first + new.numel(), used=first)
+                slots.index_copy_(0, new, self._index.insert_new(ids.index_select(0, new), undo))
+            fresh = {f"state.{k}": torch.empty(n, self.dim) for k in self._state}
+            self._opt.fill_new_state({k[len("state.") :]: t for k, t in fresh.items()})
+            fresh["steps"] = torch.zeros(n, dtype=torch.int64)
+            fresh.update({f"stats.{k}": torch.zeros(n, dtype=t.dtype) for k, t in self._stats.items()})
+            if "stats.last_seen" in fresh:
+                fresh["stats.last_seen"].fill_(self.clock)
+            for name, t in self._saved_fields().items():
+                undo.rows(self._getter(name), slots)
+                t.index_copy_(0, slots, given.get(name, fresh.get(name)))
+            undo.rows(self._getter("dirty"), slots)
+            self._dirty.index_fill_(0, slots, True)
+            self._recent.forget()
+
     # ------------------------------------------------------------------ storage
     def _grow_to(self, needed: int, used: int) -> None:
         """Make room for ``needed`` rows (keeping the first ``used``), doubling so growth is amortised.

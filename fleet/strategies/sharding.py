@@ -40,6 +40,7 @@ from fleet.collective import lockstep, sparse_grads
 from fleet.collective.broadcast import average_tensors, broadcast_tensors, check_same_shapes
 from fleet.collective.layout import ParamMap
 from fleet.errors import FleetError
+from fleet.nn.rows_state import rows_in_state_dict
 from fleet.sharding import autograd as sharded_autograd
 from fleet.sharding.order import ShardedOrder
 from fleet.sparse import backends as tables
@@ -227,7 +228,8 @@ class ShardingStrategy(Strategy):
         """Whole tensors gathered from the shards (every worker takes part)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        with rows_in_state_dict(False):  # the caller exports the tables' rows itself
+            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
     def shutdown(self) -> None:
         if self._order is not None:
@@ -252,7 +254,9 @@ class ShardingStrategy(Strategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(model, _inner(optimizer))
+        # torch.distributed.checkpoint takes state-dict keys for attributes: a table's rows are not in it
+        with rows_in_state_dict(False):
+            model_state, optim_state = get_state_dict(model, _inner(optimizer))
         state = {"model": model_state, "optimizer": optim_state}
         dcp.save(state, checkpoint_id=save.directory(SHARDED), no_dist=not dist.is_initialized())
 
@@ -261,10 +265,11 @@ class ShardingStrategy(Strategy):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         inner = _inner(optimizer)
-        model_state, optim_state = get_state_dict(model, inner)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=save.part(SHARDED), no_dist=not dist.is_initialized())
-        set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        with rows_in_state_dict(False):
+            model_state, optim_state = get_state_dict(model, inner)
+            state = {"model": model_state, "optimizer": optim_state}
+            dcp.load(state, checkpoint_id=save.part(SHARDED), no_dist=not dist.is_initialized())
+            set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 class ShardingOptimizer(WrappedOptimizer):

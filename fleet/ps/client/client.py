@@ -52,6 +52,7 @@ from fleet.ps.protocol.wire import (
     DENSE_STATE_SET_VALUES,
     MORE_FOLLOWS,
     REDUCE_OPS,
+    WRITE_REPLACE,
     Message,
     Op,
 )
@@ -488,6 +489,45 @@ class PSClient:
             return torch.cat([r.tensors[0] for r in replies]), torch.cat([r.tensors[1] for r in replies])
 
         return self._submit(self._all(Op.EXPORT_SPARSE, table_id), gather)
+
+    def read_sparse_page(self, table_id: int, server: int, start: int) -> Future:
+        """Future[(ids, {field: tensor}, total, optimizer config)]: one bounded page of server ``server``'s rows
+        from slot ``start`` (the first page, ``start=0``, puts the shard's rows in id order first).
+
+        Fields are every per-row tensor of a save (rows, steps, optimizer state, statistics); the
+        server gives at most one request's worth (:mod:`fleet.ps.protocol.limits`) of ``total`` rows.
+        """
+        dim, _ = self._sparse_info(table_id)
+        msg = self._msg(Op.EXPORT_SPARSE, table_id, arg=int(start), step=self.limits.ids_per_request(dim))
+
+        def unpack(replies: list[Message]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int, dict[str, Any]]:
+            info = self._json_list(replies)[0]
+            tensors = replies[0].tensors
+            fields = dict(zip(info["names"], tensors[1:], strict=True))
+            return tensors[0], fields, int(info["total"]), info["optimizer"]
+
+        return self._submit([(server, msg)], unpack)
+
+    def write_sparse_rows(
+        self, table_id: int, ids: torch.Tensor, fields: dict[str, torch.Tensor], replace: bool = False
+    ) -> Future:
+        """Future[None]: set rows ``ids`` (unique) to ``fields`` ({"rows": [n, dim], optional per-row fields}),
+        in requests under the limits; ``replace`` clears every server's shard first."""
+        self._sparse_info(table_id)
+        ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
+        fields = {k: v.detach().contiguous() for k, v in fields.items()}
+        width = max(1, sum(int(torch.Size(t.shape[1:]).numel()) for t in fields.values()))
+        most = self.limits.ids_per_request(width)
+        blob = json.dumps({"names": list(fields)}).encode()
+        parts = []
+        for s, pos in self._split(ids, every_server=replace):
+            mine = [ids, *fields.values()] if pos is None else [t[pos] for t in (ids, *fields.values())]
+            n = mine[0].numel()
+            for k, lo in enumerate(range(0, max(n, 1), most)):
+                arg = WRITE_REPLACE if replace and k == 0 else 0
+                piece = [t[lo : lo + most] for t in mine]
+                parts.append((s, self._msg(Op.WRITE_SPARSE_ROWS, table_id, arg=arg, blob=blob, tensors=piece)))
+        return self._submit(parts)
 
     def sparse_rows(self, table_id: int) -> Future:
         """Future[int]: the rows sparse table ``table_id`` holds now, over all servers."""

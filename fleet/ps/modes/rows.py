@@ -10,6 +10,7 @@ a server restart.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -38,6 +39,7 @@ class _ServerTable:
     client: PSClient
     table_id: int
     guard: Guard
+    module: TableModule | None
 
     def num_rows(self) -> int:
         return self.guard(lambda: self.client.sparse_rows(self.table_id).result())
@@ -47,6 +49,36 @@ class _ServerTable:
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.guard(lambda: self.client.export_sparse(self.table_id).result())
+
+    def rows_state(self) -> dict[str, Any]:
+        """Every row of the servers' table with its per-row fields, read in bounded pages (``state_dict``)."""
+
+        def read() -> dict[str, Any]:
+            ids, fields, optimizer = [], [], None
+            for server in range(self.client.num_servers):
+                start, total = 0, 1
+                while start < total:
+                    page_ids, page, total, optimizer = self.client.read_sparse_page(
+                        self.table_id, server, start
+                    ).result()
+                    if not page_ids.numel():
+                        break  # rows evicted meanwhile: the page past the end is empty
+                    ids.append(page_ids)
+                    fields.append(page)
+                    start += page_ids.numel()
+            dim = self.module.embedding_dim if self.module is not None else 0
+            if not ids:
+                return {"ids": torch.empty(0, dtype=torch.int64), "rows": torch.empty(0, dim)}
+            out = {"ids": torch.cat(ids), **{k: torch.cat([f[k] for f in fields]) for k in fields[0]}}
+            out["optimizer"] = json.dumps(optimizer, sort_keys=True)  # as a table's save says it
+            return out
+
+        return self.guard(read)
+
+    def load_rows_state(self, state: dict[str, Any], replace: bool) -> None:
+        """Write ``state``'s rows (and the per-row fields it has) to the servers, in bounded requests."""
+        fields = {k: v for k, v in state.items() if k in ("rows", "steps") or k.startswith(("state.", "stats."))}
+        self.guard(lambda: self.client.write_sparse_rows(self.table_id, state["ids"], fields, replace).result())
 
     def guard_with(self, guard: Guard) -> None:
         """Run every request to the servers through ``guard`` (a worker riding out server restarts)."""
@@ -111,6 +143,11 @@ class GeoRows(_ServerTable):
         self.known = IdIndex()  # ids whose rows came from the servers: O(batch) per check, not O(seen)
         self.touched: list[torch.Tensor] = []
         self.guard: Guard = _unguarded
+
+    def load_rows_state(self, state: dict[str, Any], replace: bool) -> None:
+        """Write rows to the servers; the rows cached here are fetched again."""
+        super().load_rows_state(state, replace)
+        self.forget()
 
     def forget(self) -> None:
         """After a server restart: every row is fetched from the servers again; unsynced changes are dropped."""

@@ -87,6 +87,10 @@ class RequestLimits:
         """How many ids of rows of width ``dim`` one request carries (at least one)."""
         return max(1, min(self.max_ids, self.max_bytes // (ID_BYTES + 4 * int(dim))))
 
+    def rows_per_request(self, width: int) -> int:
+        """How many whole rows of ``width`` float32 values (all of a row's fields) one request or reply carries."""
+        return self.ids_per_request(width)
+
     def piece_ids(self, dim: int) -> int:
         """How many ids each piece of a call over :meth:`ids_per_request` carries."""
         return max(1, self.ids_per_request(dim) // HUGE_BATCH_PIECE_FRACTION)

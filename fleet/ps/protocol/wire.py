@@ -78,6 +78,7 @@ class Op(enum.IntEnum):
     SHRINK = 16
     EXPORT_SPARSE = 17
     DENSE_STATE = 18
+    WRITE_SPARSE_ROWS = 19
 
 
 #: DENSE_STATE (a user's own optimizer/model state_dict round trips): ``arg`` says what.
@@ -87,6 +88,11 @@ class Op(enum.IntEnum):
 #: SET_VALUES: request [values] (parameters the user wrote: model.load_state_dict, clamping).
 DENSE_STATE_GET, DENSE_STATE_SET_OPTIMIZER, DENSE_STATE_SET_VALUES = 0, 1, 2
 
+
+#: EXPORT_SPARSE with ``step`` > 0 reads one bounded page: ``arg`` = first slot, ``step`` = rows asked for
+#: (the server gives at most what fits one request); reply [ids, *fields] with blob {"names": [...], "total": n}.
+#: WRITE_SPARSE_ROWS: request [ids, *fields] with blob {"names": [...]}; ``arg`` = WRITE_REPLACE clears the shard first.
+WRITE_REPLACE = 1
 
 #: ``arg`` of a sparse push that is a piece of a bigger one, when more pieces of it follow
 #: (the client splits pushes over the request limits, :mod:`fleet.ps.protocol.limits`)

@@ -175,6 +175,7 @@ class ParameterServer:
             Op.SHRINK: tables.shrink,
             Op.EXPORT_SPARSE: tables.export_sparse,
             Op.DENSE_STATE: tables.dense_state,
+            Op.WRITE_SPARSE_ROWS: tables.write_sparse_rows,
         }
 
     # ------------------------------------------------------------------ loop

@@ -15,6 +15,7 @@ A sparse request carries at most the ids of the server's :class:`~fleet.ps.proto
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -25,6 +26,7 @@ from fleet.ps.protocol.wire import (
     DENSE_STATE_SET_OPTIMIZER,
     DENSE_STATE_SET_VALUES,
     MORE_FOLLOWS,
+    WRITE_REPLACE,
     Message,
     Op,
     Status,
@@ -260,10 +262,36 @@ class TableRequests:
         return self._replies.ok(msg, blob=json.dumps({"removed": shard.table.shrink(threshold)}).encode())
 
     def export_sparse(self, ident: bytes, msg: Message) -> Message:
-        """Every (id, row) of sparse table ``msg.table`` on this server, for ``fleet.export_for_inference``."""
+        """Every (id, row) of sparse table ``msg.table`` on this server, for ``fleet.export_for_inference``;
+        with ``step`` > 0 one bounded page of every per-row field from slot ``arg`` (``state_dict``)."""
         shard = self._shard(msg, "sparse")
         self._expect(msg)
-        return self._replies.ok(msg, tensors=list(shard.table.export()), version=shard.version)
+        if msg.step <= 0:
+            return self._replies.ok(msg, tensors=list(shard.table.export()), version=shard.version)
+        table = shard.table
+        if msg.arg == 0:  # a read starts: rows in id order, as a load writes them (see SparseTable.sort_by_id)
+            table.sort_by_id()
+        count = min(int(msg.step), self.limits.rows_per_request(_width(table.copy_rows(slice(0, 0)))))
+        ids, fields = table.rows_page(int(msg.arg), count)
+        blob = json.dumps(
+            {"names": list(fields), "total": len(table), "optimizer": table.optimizer.to_config()}
+        ).encode()
+        return self._replies.ok(msg, tensors=[ids, *fields.values()], blob=blob, version=shard.version)
+
+    def write_sparse_rows(self, ident: bytes, msg: Message) -> Message:
+        """Set rows of sparse table ``msg.table`` (``load_state_dict``, ``load_rows``); ``arg`` 1: clear it first."""
+        shard = self._shard(msg, "sparse")
+        try:
+            names = list(json.loads(msg.text())["names"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise agg.ShardError('WRITE_SPARSE_ROWS carries a JSON object such as {"names": ["rows"]}') from None
+        if len(msg.tensors) != 1 + len(names):
+            raise agg.ShardError(f"WRITE_SPARSE_ROWS carries {len(msg.tensors)} tensors for ids + {len(names)} fields")
+        ids, values = msg.tensors[0], dict(zip(names, msg.tensors[1:], strict=True))
+        shard.check_ids(ids)
+        self.limits.check_ids("WRITE_SPARSE_ROWS", msg.table, ids.numel(), _width(values) if ids.numel() else 1)
+        shard.table.write_rows(ids, values, replace=msg.arg == WRITE_REPLACE)
+        return self._replies.ok(msg, version=shard.version)
 
     def save(self, ident: bytes, msg: Message) -> Message:
         """``arg`` 1: a delta on the last save (or load) of this server; 0: a base."""
@@ -303,3 +331,8 @@ class TableRequests:
             self.answer_creates(table)
             self.answer_pulls(table)
         return loaded
+
+
+def _width(fields: Any) -> int:
+    """Values per row over a row's fields (``[n, dim]`` tensors count dim, ``[n]`` ones one)."""
+    return max(1, sum(math.prod(t.shape[1:]) for t in fields.values()))

@@ -125,10 +125,24 @@ class PSOptimizer(WrappedOptimizer):
             self._groups.append([id(p) for p in self._inner.param_groups[index]["params"]])
             self._hyper.record(index)
             created += self.tables.create(index)
+        first_sparse = len(self.sparse)
         for index in indices:
             created += self._add_sparse(index)
         self.tables.settle(created, self.tables.entries[first:], self._explain, self._worker, check_values)
+        self._send_given_rows(self.sparse[first_sparse:])
         self._watch_grads()
+
+    def _send_given_rows(self, added: list[tuple[Any, int, Any]]) -> None:
+        """Rows a table took before it went to the servers (``load_rows``, ``from_pretrained``, ``load_state_dict``):
+        worker 0 writes them, and nobody pulls before they are there (every worker wraps: all reach the barrier)."""
+        given = [(rows, module.local.pending_rows()) for module, _, rows in added]
+        given = [(rows, held) for rows, held in given if held is not None]
+        if not given:
+            return
+        if self.is_first:
+            for rows, held in given:
+                rows.load_rows_state(held, replace=False)
+        self.client.barrier().result()
 
     def _check_dtypes(self, indices: range) -> None:
         """The servers keep dense values, gradients and optimizer state in float32: refuse any other dtype
