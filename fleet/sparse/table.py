@@ -306,12 +306,7 @@ class SparseTable:
                 gone = torch.zeros(len(self), dtype=torch.bool)
                 gone[slots[slots >= 0]] = True
                 self._remove(gone)
-            first = len(self)
-            slots = self._index.lookup(ids)
-            new = (slots < 0).nonzero().squeeze(1)
-            if new.numel():
-                self._grow_to(first + new.numel(), used=first)
-                slots.index_copy_(0, new, self._index.insert_new(ids.index_select(0, new), undo))
+            slots = self._slots_creating(ids, undo)
             for name, t in self._saved_fields().items():
                 undo.rows(self._getter(name), slots)
                 t.index_copy_(0, slots, fields[name])
@@ -343,6 +338,16 @@ class SparseTable:
                 t[:n] = t[:n].index_select(0, order)
             self._index.renumber(new_slot, undo)
 
+    def _slots_creating(self, ids: torch.Tensor, undo: Any) -> torch.Tensor:
+        """``ids``' slots, appending a row for each id not in the table yet (undone with ``undo``)."""
+        first = len(self)
+        slots = self._index.lookup(ids)
+        new = (slots < 0).nonzero().squeeze(1)
+        if new.numel():
+            self._grow_to(first + new.numel(), used=first)
+            slots.index_copy_(0, new, self._index.insert_new(ids.index_select(0, new), undo))
+        return slots
+
     def write_rows(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], replace: bool = False) -> None:
         """Set rows ``ids`` to ``fields`` (``rows`` required; ``steps``, ``state.*``, ``stats.*`` optional).
 
@@ -369,12 +374,7 @@ class SparseTable:
         with self.transaction() as undo:
             if replace and len(self):
                 self._remove(torch.ones(len(self), dtype=torch.bool))
-            first = len(self)
-            slots = self._index.lookup(ids)
-            new = (slots < 0).nonzero().squeeze(1)
-            if new.numel():
-                self._grow_to(first + new.numel(), used=first)
-                slots.index_copy_(0, new, self._index.insert_new(ids.index_select(0, new), undo))
+            slots = self._slots_creating(ids, undo)
             fresh = {f"state.{k}": torch.empty(n, self.dim) for k in self._state}
             self._opt.fill_new_state({k[len("state.") :]: t for k, t in fresh.items()})
             fresh["steps"] = torch.zeros(n, dtype=torch.int64)
