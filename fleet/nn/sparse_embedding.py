@@ -13,6 +13,8 @@ rows on the servers are applied there, from the pushes of the wrapped optimizer.
 The module owns a zero-size placeholder ``nn.Parameter`` so that it appears in
 ``model.parameters()``: the optimizer holding the placeholder is the one that
 updates the rows, with its class and hyper-parameters unless ``optimizer`` overrides them.
+The rows always step with that optimizer's current learning rate (so LR schedulers apply to
+them): an override's ``lr`` is not used; give the module its own param group for another rate.
 
 The rows are in ``state_dict()`` as the module's extra state (:mod:`fleet.nn.rows_state`: ids,
 rows, per-row optimizer state and statistics; read from the servers in bounded pages in a
