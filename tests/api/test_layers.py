@@ -6,12 +6,12 @@ circle is still a circle a reader must untangle). See docs/architecture.md for t
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
 import fleet
+from ast_checks import import_cycle, import_graph
 
 ROOT = Path(fleet.__file__).parent
 
@@ -40,35 +40,8 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 
-def _modules() -> dict[str, Path]:
-    modules = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return modules
-
-
 def _graph() -> dict[str, set[str]]:
-    modules = _modules()
-    graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(parent + ([node.module] if node.module else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            for target in targets:
-                while target and target not in modules:
-                    target = target.rpartition(".")[0]
-                if target and target != name:
-                    graph[name].add(target)
-    return graph
+    return import_graph(ROOT)
 
 
 def _layer(module: str) -> int:
@@ -81,24 +54,8 @@ def _layer(module: str) -> int:
 
 
 def test_no_import_circle_counting_every_import():
-    graph = _graph()
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(module: str) -> None:
-        state[module] = 1
-        path.append(module)
-        for dep in sorted(graph[module]):
-            if state.get(dep) == 1:
-                raise AssertionError("import circle: " + " -> ".join(path[path.index(dep) :] + [dep]))
-            if dep not in state:
-                visit(dep)
-        path.pop()
-        state[module] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module)
+    circle = import_cycle(_graph())
+    assert circle is None, "import circle: " + " -> ".join(circle or [])
 
 
 def test_every_module_belongs_to_a_layer():

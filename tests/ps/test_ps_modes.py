@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
+from ast_checks import import_cycle, import_graph
 from fleet.ps import modes
 from fleet.ps.modes import Admit
 from fleet.ps.protocol.errors import ShardError
@@ -49,39 +49,10 @@ def test_server_policies() -> None:
     assert sync.stale_write(2, 3) and not sync.stale_write(3, 3) and not async_.stale_write(2, 3)
 
 
-def _imports(path: Path, module: str) -> set[str]:
-    """Every fleet module ``path`` imports: at the top, inside functions and under TYPE_CHECKING."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*parts, base] if base else parts)
-            found |= {base, *(f"{base}.{a.name}" for a in node.names)}
-    return found
-
-
 @pytest.mark.parametrize("package", ["ps", "sparse"])
 def test_no_import_cycles_in(package: str) -> None:
-    paths = {}
-    for path in (FLEET / package).rglob("*.py"):
-        name = ".".join(path.relative_to(FLEET.parent).with_suffix("").parts).removesuffix(".__init__")
-        paths[name] = path
-    graph = {m: {d for d in _imports(p, m) if d in paths and d != m} for m, p in paths.items()}
-    done: set[str] = set()
-
-    def visit(module: str, trail: list[str]) -> None:
-        if module in trail:
-            raise AssertionError(f"import cycle: {' -> '.join([*trail[trail.index(module) :], module])}")
-        if module in done:
-            return
-        for dep in sorted(graph[module]):
-            visit(dep, [*trail, module])
-        done.add(module)
-
-    for module in sorted(graph):
-        visit(module, [])
+    prefix = f"fleet.{package}"
+    inside = {m for m in import_graph(FLEET) if m == prefix or m.startswith(prefix + ".")}
+    graph = {m: deps & inside for m, deps in import_graph(FLEET).items() if m in inside}
+    circle = import_cycle(graph)
+    assert circle is None, f"import cycle: {' -> '.join(circle or [])}"
