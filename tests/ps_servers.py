@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -77,3 +80,23 @@ def ask(sock: zmq.Socket, frames: list) -> Message:
     sock.send_multipart(frames, copy=False)
     assert sock.poll(3000), "the server did not answer"
     return decode(sock.recv_multipart(copy=False))
+
+
+@contextlib.contextmanager
+def server_process(*options: str, index: int = 0) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A parameter server in a process of its own (``options``: its command line), and its endpoint."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleet.ps.server.loop", "--endpoint", "127.0.0.1:0", "--index", str(index), *options],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "FLEET_SECRET": SECRET.hex(), "OMP_NUM_THREADS": "1"},
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "listening on" in line, line
+        yield proc, line.split()[-1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)

@@ -10,15 +10,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -30,29 +25,10 @@ from fleet.ps.protocol.limits import RequestLimits
 from fleet.ps.protocol.wire import FRAME_BYTES, MAX_WIRE_FRAME, Message, Op, Status, encode
 from fleet.ps.server import aggregator as agg
 from fleet.ps.server.loop import ParameterServer
-from ps_servers import SECRET, ask, raw_socket, servers
+from ps_servers import SECRET, ask, raw_socket, server_process, servers
 
 MiB = 1 << 20
 ADAGRAD = {"kind": "adagrad", "lr": 0.1}
-
-
-@contextlib.contextmanager
-def server_process(*options: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fleet.ps.server.loop", "--endpoint", "127.0.0.1:0", "--index", "0", *options],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "FLEET_SECRET": SECRET.hex(), "OMP_NUM_THREADS": "1"},
-        text=True,
-    )
-    try:
-        line = proc.stdout.readline()
-        assert "listening on" in line, line
-        yield proc, line.split()[-1]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
 
 
 def rss_mib(pid: int) -> float:

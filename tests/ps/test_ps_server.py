@@ -6,15 +6,11 @@ with ephemeral ports; simulated workers are PSClients in threads.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,7 +19,7 @@ import zmq
 from fleet.ps.client.client import PSClient, shard_ranges, sparse_owner
 from fleet.ps.protocol.errors import PSAuthError, PSRemoteError, PSServerUnavailable
 from fleet.ps.protocol.wire import Message, Op, Status, encode
-from ps_servers import SECRET, SGD, ask, client, raw_socket, run_workers, servers
+from ps_servers import SECRET, SGD, ask, client, raw_socket, run_workers, server_process, servers
 
 
 @pytest.mark.timeout(60)
@@ -201,32 +197,11 @@ def test_wrong_secret_is_refused_and_others_are_served() -> None:
         assert good.stats().result()[0]["auth_rejected"] >= 1
 
 
-@contextlib.contextmanager
-def server_process(index: int = 1, workers: int = 1) -> Iterator[tuple[subprocess.Popen, str]]:
-    env = {**os.environ, "FLEET_SECRET": SECRET.hex()}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fleet.ps.server.loop", "--endpoint", "127.0.0.1:0", "--index", str(index)]
-        + ["--workers", str(workers), "--timeout", "5"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        text=True,
-    )
-    try:
-        line = proc.stdout.readline()
-        assert "listening on" in line, line
-        yield proc, line.split()[-1]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["kill", "freeze"])
 def test_a_dead_or_frozen_server_becomes_an_error_naming_it(how: str) -> None:
-    with servers(1, 1) as srvs, server_process(index=1) as (proc, endpoint):
+    with servers(1, 1) as srvs, server_process("--workers", "1", "--timeout", "5", index=1) as (proc, endpoint):
         c = PSClient([srvs[0].endpoint, endpoint], SECRET, 0, timeout_s=2.0)
         c.create_dense(1, torch.zeros(10), {"optimizer": SGD, "update": "async"}).result()
         os.kill(proc.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
@@ -248,7 +223,7 @@ def test_a_dead_or_frozen_server_becomes_an_error_naming_it(how: str) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_server_process_exits_after_every_worker_stopped() -> None:
-    with server_process(index=0, workers=2) as (proc, endpoint):
+    with server_process("--workers", "2", "--timeout", "5") as (proc, endpoint):
         clients = [PSClient([endpoint], SECRET, w, timeout_s=3.0) for w in range(2)]
         clients[0].create_sparse(1, {"dim": 4, "optimizer": SGD}).result()
         clients[0].close()
