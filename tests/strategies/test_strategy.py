@@ -109,3 +109,31 @@ def test_from_environment(tmp_path):
     assert DistributedStrategy.from_env(EnvReader({"FLEET_STRATEGY_FILE": str(path)})).mode == "ps"
     with pytest.raises(StrategyError, match="FLEET_STRATEGY"):
         DistributedStrategy.from_env(EnvReader({"FLEET_STRATEGY": "{not json"}))
+
+
+def test_a_strategy_owns_its_fields_and_the_core_names_none(monkeypatch):
+    """A registered strategy's owned fields are refused under every other mode, by the generic check
+    in strategies/base.py, which names no strategy itself."""
+    import ast
+    from pathlib import Path
+
+    import torch
+
+    from fleet import registry
+    from fleet.strategies import Strategy
+
+    class Stepper(Strategy):
+        name = "stepper"
+        owned_fields = frozenset({"bucket_mb"})
+
+        def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+            return optimizer
+
+    monkeypatch.setitem(registry._registered, "stepper", Stepper)
+    assert DistributedStrategy(mode="stepper", bucket_mb=8.0).bucket_mb == 8.0
+    for mode in ("collective", "ps", "sharding"):
+        with pytest.raises(StrategyError, match=rf"bucket_mb applies to mode='stepper' only .*mode='{mode}'"):
+            DistributedStrategy(mode=mode, bucket_mb=8.0)
+    base = Path(registry.__file__).parent / "strategies" / "base.py"
+    literals = {n.value for n in ast.walk(ast.parse(base.read_text())) if isinstance(n, ast.Constant)}
+    assert not literals & set(registry.names()), "strategies/base.py names a strategy"
