@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -224,8 +224,6 @@ def record_result(
     the README. The load average is taken at import (the script's start) and now. ``FLEET_BENCH_RESULTS``
     names another directory (smoke runs that must not join the history).
     """
-    from datetime import datetime
-
     now = datetime.now(UTC)
     args = sys.argv[1:] if argv is None else argv
     started = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None

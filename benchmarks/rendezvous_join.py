@@ -75,10 +75,10 @@ def main() -> None:
     raw = dist.PrefixStore("raw", clients[0])
     signed = SignedStore(dist.PrefixStore("signed", clients[0]), secrets.token_bytes(32))
     rounds = [(per_call(raw), per_call(signed)) for _ in range(args.repeats)]  # interleaved: the same noise
-    print(f"set+get raw    : median {statistics.median(r for r, _ in rounds) * 1e6:7.1f} us")
-    print(f"set+get signed : median {statistics.median(s for _, s in rounds) * 1e6:7.1f} us")
     raw_us = statistics.median(r for r, _ in rounds) * 1e6
     signed_us = statistics.median(s for _, s in rounds) * 1e6
+    print(f"set+get raw    : median {raw_us:7.1f} us")
+    print(f"set+get signed : median {signed_us:7.1f} us")
     record_result(
         "rendezvous_join",
         variant=f"join of {', '.join(map(str, args.worlds))} ranks; signed set+get",

@@ -147,19 +147,12 @@ class Lockstep:
         self.world = dist.get_world_size(group)
         self.diagnose = diagnose
         self._timeout = timedelta(seconds=timeout_s)
-        self._steps = 0  # optimizer steps taken, for messages and to catch a different number of backwards
+        # Optimizer steps taken (sharding: backward passes after sharded forwards), carried in every header:
+        # for messages and to catch a different number of backwards.
+        self._steps = 0
         self._joined = False
         self._finished = False
         self._waited_s = 0.0  # time spent in header exchanges: waiting for peers, reported as communication
-
-    @property
-    def timeout(self) -> timedelta:
-        return self._timeout
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps (sharding: backward passes after sharded forwards) this worker announced."""
-        return self._steps
 
     @property
     def joined(self) -> bool:

@@ -309,14 +309,18 @@ class SparseEmbedding(nn.Module):
         """
         if not self._pending:
             raise RuntimeError("record_clicks follows a training forward of this SparseEmbedding")
-        unique, _, inverse, _ = self._pending[-1]
+        inverse = self._pending[-1][2]
         labels = torch.as_tensor(labels).detach().to(torch.float32).reshape(-1)
         if inverse.dim() == 0 or labels.numel() != inverse.shape[0]:
             raise ValueError(
                 f"record_clicks got {labels.numel()} labels for ids of shape {list(inverse.shape)}: one per sample"
             )
-        per_id = labels.view(-1, *([1] * (inverse.dim() - 1))).expand(inverse.shape).reshape(-1)
-        self._pending[-1][3] = torch.zeros(unique.numel()).index_add_(0, inverse.reshape(-1), per_id)
+        self._add_clicks(labels.view(-1, *([1] * (inverse.dim() - 1))).expand(inverse.shape).reshape(-1))
+
+    def _add_clicks(self, per_entry: torch.Tensor) -> None:
+        """The last forward's clicks: ``per_entry`` (one per entry of its inverse index) summed per unique id."""
+        unique, _, inverse, _ = self._pending[-1]
+        self._pending[-1][3] = torch.zeros(unique.numel()).index_add_(0, inverse.reshape(-1), per_entry)
 
     def take_gradients(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(ids, row gradients, clicks or None) of every forward since the last call; ids may repeat."""

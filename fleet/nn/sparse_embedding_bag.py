@@ -163,8 +163,7 @@ class SparseEmbeddingBag(SparseEmbedding):
         per_entry = torch.where(bag_of >= 0, labels[bag_of.clamp(min=0)], 0.0)
         if keep is not None:
             per_entry = per_entry[keep]
-        unique, _, inverse, _ = self._pending[-1]
-        self._pending[-1][3] = torch.zeros(unique.numel()).index_add_(0, inverse.reshape(-1), per_entry)
+        self._add_clicks(per_entry)
 
 
 def _bag_of_entries(shape: torch.Size, offsets: torch.Tensor | None, include_last: bool) -> tuple[torch.Tensor, int]:
