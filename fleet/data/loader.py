@@ -45,14 +45,13 @@ class ShardedLoader:
         self.map_style = not isinstance(loader.dataset, IterableDataset)
         self.sampler: _ResumableSampler | None = None
         self._own_order: _SkippingSampler | None = None
+        if not self.map_style and getattr(loader.dataset, "shards_itself", False):
+            self.num_shards, self.shard = 1, 0  # fleet.SlotDataset: already this worker's share
+        # Every worker reads every item of a loader of whole batches, in one order, and splits each.
+        self._split = self._count_samples and self.num_shards > 1
         if not self.map_style:
             self.loader = loader
-            if getattr(loader.dataset, "shards_itself", False):  # fleet.SlotDataset: already this worker's share
-                self.num_shards, self.shard = 1, 0
-            self._split = self._count_samples and self.num_shards > 1
             return
-        # Every worker reads every item of a loader of whole batches, in one order, and splits each.
-        self._split = self._count_samples and num_shards > 1
         if not isinstance(loader.sampler, RandomSampler | SequentialSampler):
             raise TypeError(
                 f"fleet.distributed_loader can shard a DataLoader built with shuffle=True or False, but this one uses "

@@ -127,8 +127,7 @@ def share(
         yield from deal(_chain(first, items))
         return
     why = "batch_size=None" if always else f"batch_size=1 with a collate_fn that returns {n} samples"
-    yield split(first, num_shards, shard, why)
-    for item in items:
+    for item in _chain(first, items):
         yield split(item, num_shards, shard, why)
 
 

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import pydantic
 import torch
 
-from fleet.sparse.rowwise_adagrad import RowWiseAdagrad, rowwise_update
+from fleet.sparse.rowwise_adagrad import RowWiseAdagrad, accumulate_rows
 
 Kind = Literal["sgd", "adam", "adamw", "adagrad", "rowwise_adagrad"]
 
@@ -335,10 +335,8 @@ class ServerOptimizer:
             g = g.add(param, alpha=s.weight_decay)
         if s.kind == "sgd":
             self._sgd(param, g, state, step, lr)
-        elif s.kind == "adagrad":
+        elif s.kind in ("adagrad", "rowwise_adagrad"):
             self._adagrad(param, g, state, step, lr)
-        elif s.kind == "rowwise_adagrad":
-            rowwise_update(param, g, state["sum"], step, lr, s.lr_decay, s.eps)
         else:
             self._adam(param, g, state, step, lr)
 
@@ -382,7 +380,10 @@ class ServerOptimizer:
     def _adagrad(self, param: torch.Tensor, g: torch.Tensor, state: dict, step: int | torch.Tensor, lr: float) -> None:
         s = self.spec
         state_sum = state["sum"]
-        state_sum.addcmul_(g, g, value=1)
+        if s.kind == "rowwise_adagrad":
+            accumulate_rows(param, g, state_sum)  # one accumulator per row
+        else:
+            state_sum.addcmul_(g, g, value=1)
         std = state_sum.sqrt().add_(s.eps)
         if isinstance(step, int) or s.lr_decay == 0:
             n = step if isinstance(step, int) else 1

@@ -15,7 +15,8 @@ The math follows DLRM's ``RWSAdagrad`` (``dlrm/optim/rwsadagrad.py``), which FBG
 It applies to *rows*: fleet's sparse tables and sparse gradients (``nn.Embedding(sparse=True)``,
 rows = the first dimension). A dense gradient gets ``torch.optim.Adagrad``'s element-wise rule,
 as in DLRM's ``RWSAdagrad`` (a model's MLPs train with Adagrad beside row-wise tables).
-:func:`rowwise_update` is the same rule on a sparse table's rows (fleet's row optimizer).
+:func:`accumulate_rows` is its accumulation on a sparse table's rows (fleet's row optimizer, whose
+update is otherwise Adagrad's).
 """
 
 from __future__ import annotations
@@ -116,21 +117,12 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         flat.index_add_(0, rows, values / std, alpha=-clr)
 
 
-def rowwise_update(
-    rows: torch.Tensor, g: torch.Tensor, state_sum: torch.Tensor, step: int | torch.Tensor, lr: float,
-    lr_decay: float, eps: float,
-) -> None:  # fmt: skip
-    """A table's row update in place: ``rows``/``g`` ``[n, dim]``, ``state_sum`` ``[n, 1]``, ``step`` per row or 1.
+def accumulate_rows(rows: torch.Tensor, g: torch.Tensor, state_sum: torch.Tensor) -> None:
+    """A table's row-wise accumulation in place: ``rows``/``g`` ``[n, dim]``, ``state_sum`` ``[n, 1]``.
 
-    ``g`` already carries weight decay and ``maximize`` (:class:`fleet.sparse.optim.ServerOptimizer`).
+    The rest of the row update (``lr_decay``, ``eps``, per-row steps) is Adagrad's, in
+    :class:`fleet.sparse.optim.ServerOptimizer`; ``g`` already carries weight decay and ``maximize``.
     """
     if rows.dim() != 2:  # a dense table's flat block has no rows
         raise ValueError("optimizer kind 'rowwise_adagrad' updates a sparse table's rows, not a dense block")
     state_sum.add_(g.square().mean(dim=1, keepdim=True))
-    std = state_sum.sqrt().add_(eps)
-    if isinstance(step, int) or lr_decay == 0:
-        n = step if isinstance(step, int) else 1
-        rows.addcdiv_(g, std, value=-lr / (1 + (n - 1) * lr_decay))
-        return
-    neg_clr = (-lr / (1 + (step.to(torch.float64) - 1) * lr_decay)).to(torch.float32).unsqueeze(1)
-    rows.add_(neg_clr * g / std)

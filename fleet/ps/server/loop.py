@@ -393,6 +393,8 @@ class ParameterServer:
         its version, records why in ``step_error``, and the workers waiting for the step hear
         it now rather than at their timeout; the next push, stop or barrier tries again.
         """
+        if not shard.mode.closes_steps:
+            return False  # applied on arrival (async, geo): no step to close, no worker sets to build per push
         try:
             return shard.maybe_step(self._active, set(self._waiting.barrier))
         except Exception as exc:
