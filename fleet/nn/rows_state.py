@@ -101,8 +101,10 @@ def capture(module: Any) -> dict[str, torch.Tensor]:
         return _flatten({"format": FORMAT, "dim": module.embedding_dim, "rows_left_out": True})
     state = module.backend().rows_state()
     # by id: replicas that hold the same rows in another order (created in another order) save alike
-    order = torch.argsort(state["ids"])
-    state = {k: v.index_select(0, order) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    ids = state["ids"]
+    if not bool((ids[1:] > ids[:-1]).all()):  # a local table sorted itself already; the servers' pages are not
+        order = torch.argsort(ids)
+        state = {k: v.index_select(0, order) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     return _flatten({**state, "format": FORMAT, "dim": module.embedding_dim})
 
 

@@ -77,6 +77,11 @@ class TableBackend(Protocol):
         """Put rows back (``ids`` and ``rows``, optional per-row fields); ``replace``: drop every other row."""
 
 
+def per_row_fields(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A rows state's per-row fields (``rows``, ``steps``, ``state.*``, ``stats.*``): what a table's rows are set to."""
+    return {k: v for k, v in state.items() if k in ("rows", "steps") or k.startswith(("state.", "stats."))}
+
+
 def register(placeholder: torch.nn.Parameter, module: TableModule) -> None:
     _BY_PLACEHOLDER[id(placeholder)] = module
     _ORDER[id(placeholder)] = len(_ORDER)
@@ -226,8 +231,8 @@ class LocalRows:
             spec = module.optimizer_override or OptimizerSpec(kind="sgd", lr=0.0)
             self.table = SparseTable(module.embedding_dim, spec, module.initializer, module.seed, module.lifecycle)
             self._provisional = "given"
-        fields = {k: v for k, v in state.items() if k in ("rows", "steps") or k.startswith(("state.", "stats."))}
-        if not set(fields) <= {"rows", *self.table.copy_rows(slice(0, 0))}:
+        fields = per_row_fields(state)
+        if not set(fields) <= set(self.table.copy_rows(slice(0, 0))):
             fields = {k: v for k, v in fields.items() if k == "rows" or k.startswith("stats.")}
         self.table.write_rows(state["ids"], fields, replace)
 

@@ -366,7 +366,7 @@ class SparseTable:
         given = {}
         for name, value in fields.items():
             if name == "rows" or name.startswith("state."):
-                given[name] = self.check_rows(name, value, n)
+                given[name] = self.check_rows(name, value, n, names[name].shape[1])
             elif tuple(value.shape) != (n,):
                 raise ValueError(f"write_rows: '{name}' has shape {tuple(value.shape)}, expected ({n},)")
             else:
@@ -375,15 +375,11 @@ class SparseTable:
             if replace and len(self):
                 self._remove(torch.ones(len(self), dtype=torch.bool))
             slots = self._slots_creating(ids, undo)
-            fresh = {f"state.{k}": torch.empty(n, self.dim) for k in self._state}
-            self._opt.fill_new_state({k[len("state.") :]: t for k, t in fresh.items()})
-            fresh["steps"] = torch.zeros(n, dtype=torch.int64)
-            fresh.update({f"stats.{k}": torch.zeros(n, dtype=t.dtype) for k, t in self._stats.items()})
-            if "stats.last_seen" in fresh:
-                fresh["stats.last_seen"].fill_(self.clock)
+            fresh = {k: t.new_empty((n, *t.shape[1:])) for k, t in names.items() if k not in given}
+            self._start_fresh(fresh)
             for name, t in self._saved_fields().items():
                 undo.rows(self._getter(name), slots)
-                t.index_copy_(0, slots, given.get(name, fresh.get(name)))
+                t.index_copy_(0, slots, given[name] if name in given else fresh[name])
             undo.rows(self._getter("dirty"), slots)
             self._dirty.index_fill_(0, slots, True)
             self._recent.forget()
@@ -435,14 +431,22 @@ class SparseTable:
         end = first + new_ids.numel()
         self._grow_to(end, used=first)
         self._rows[first:end] = initial_rows(new_ids, self.dim, self.initializer, self.seed)
-        self._steps[first:end] = 0
-        self._opt.fill_new_state({name: t[first:end] for name, t in self._state.items()})
+        self._start_fresh({name: t[first:end] for name, t in self._saved_fields().items() if name != "rows"})
         self._dirty[first:end] = True
-        if self._stats:
-            self._stats["last_seen"][first:end] = self.clock
-            self._stats["show"][first:end] = 0.0
-            self._stats["click"][first:end] = 0.0
         self._prefault_ahead(end)
+
+    def _start_fresh(self, fields: dict[str, torch.Tensor]) -> None:
+        """Set per-row ``fields`` (named as :meth:`copy_rows` names them, any but ``rows``) as a new row starts:
+        no steps, the optimizer's initial state, statistics counted from now."""
+        state = {}
+        for name, t in fields.items():
+            if name.startswith("state."):
+                state[name[len("state.") :]] = t
+            elif name == "stats.last_seen":
+                t.fill_(self.clock)
+            else:  # steps, stats.show, stats.click
+                t.zero_()
+        self._opt.fill_new_state(state)
 
     def _prefault_ahead(self, end: int) -> None:
         """Have the pages of the rows after ``end`` made present off the loop, a few MiB ahead (fleet.sparse.pages)."""

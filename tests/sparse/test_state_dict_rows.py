@@ -197,3 +197,19 @@ def test_written_rows_are_in_the_next_delta_save_and_pages_are_bounded() -> None
         table.write_rows(torch.tensor([1, 1]), {"rows": torch.zeros(2, 2)})
     with pytest.raises(ValueError, match="write_rows takes 'rows'"):
         table.write_rows(torch.tensor([1]), {"bogus": torch.zeros(1, 2)})
+
+
+def test_given_rows_of_a_rowwise_adagrad_table_start_with_one_accumulator_each() -> None:
+    table = SparseTable(4, OptimizerSpec(kind="rowwise_adagrad", lr=0.1, initial_accumulator_value=0.5))
+    table.write_rows(torch.tensor([3, 1]), {"rows": torch.ones(2, 4)})
+    assert torch.equal(table.state_dict()["state.sum"], torch.full((2, 1), 0.5))
+    table.write_rows(torch.tensor([1]), {"rows": torch.zeros(1, 4), "state.sum": torch.full((1, 1), 2.0)})
+    state = table.state_dict()
+    assert state["state.sum"][state["ids"] == 1].item() == 2.0
+    with pytest.raises(ValueError, match=r"expected \(1, 1\)"):
+        table.write_rows(torch.tensor([1]), {"rows": torch.zeros(1, 4), "state.sum": torch.zeros(1, 4)})
+    module = SparseEmbedding.from_pretrained(torch.randn(5, 4))
+    opt = fleet.nn.RowWiseAdagrad(module.parameters(), lr=0.1)
+    module(torch.tensor([1, 2])).sum().backward()
+    opt.step()  # the given rows move under row-wise Adagrad
+    assert module.backend().table.state_dict()["state.sum"].shape == (5, 1)

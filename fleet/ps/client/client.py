@@ -55,6 +55,7 @@ from fleet.ps.protocol.wire import (
     WRITE_REPLACE,
     Message,
     Op,
+    row_width,
 )
 
 log = logging.getLogger(__name__)
@@ -516,8 +517,7 @@ class PSClient:
         self._sparse_info(table_id)
         ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
         fields = {k: v.detach().contiguous() for k, v in fields.items()}
-        width = max(1, sum(int(torch.Size(t.shape[1:]).numel()) for t in fields.values()))
-        most = self.limits.ids_per_request(width)
+        most = self.limits.ids_per_request(row_width(fields))
         blob = json.dumps({"names": list(fields)}).encode()
         parts = []
         for s, pos in self._split(ids, every_server=replace):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fleet.errors import FleetError
-from fleet.sparse.backends import TableModule
+from fleet.sparse.backends import TableModule, per_row_fields
 from fleet.sparse.id_index import IdIndex
 from fleet.sparse.optim import OptimizerSpec
 from fleet.sparse.table import SparseTable
@@ -77,7 +77,7 @@ class _ServerTable:
 
     def load_rows_state(self, state: dict[str, Any], replace: bool) -> None:
         """Write ``state``'s rows (and the per-row fields it has) to the servers, in bounded requests."""
-        fields = {k: v for k, v in state.items() if k in ("rows", "steps") or k.startswith(("state.", "stats."))}
+        fields = per_row_fields(state)
         self.guard(lambda: self.client.write_sparse_rows(self.table_id, state["ids"], fields, replace).result())
 
     def guard_with(self, guard: Guard) -> None:

@@ -30,6 +30,7 @@ except one copy on receipt for a tensor spread over several frames.
 from __future__ import annotations
 
 import enum
+import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,13 @@ DENSE_STATE_GET, DENSE_STATE_SET_OPTIMIZER, DENSE_STATE_SET_VALUES = 0, 1, 2
 #: (the server gives at most what fits one request); reply [ids, *fields] with blob {"names": [...], "total": n}.
 #: WRITE_SPARSE_ROWS: request [ids, *fields] with blob {"names": [...]}; ``arg`` = WRITE_REPLACE clears the shard first.
 WRITE_REPLACE = 1
+
+
+def row_width(fields: dict[str, torch.Tensor]) -> int:
+    """Values per row over the per-row ``fields`` of such a page or write (``[n, dim]`` count dim, ``[n]`` one):
+    what the request limits size it by."""
+    return max(1, sum(math.prod(t.shape[1:]) for t in fields.values()))
+
 
 #: ``arg`` of a sparse push that is a piece of a bigger one, when more pieces of it follow
 #: (the client splits pushes over the request limits, :mod:`fleet.ps.protocol.limits`)

@@ -15,7 +15,6 @@ A sparse request carries at most the ids of the server's :class:`~fleet.ps.proto
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -31,6 +30,7 @@ from fleet.ps.protocol.wire import (
     Op,
     Status,
     op_name,
+    row_width,
 )
 from fleet.ps.server import aggregator as agg
 from fleet.ps.server import shard_io
@@ -271,7 +271,7 @@ class TableRequests:
         table = shard.table
         if msg.arg == 0:  # a read starts: rows in id order, as a load writes them (see SparseTable.sort_by_id)
             table.sort_by_id()
-        count = min(int(msg.step), self.limits.rows_per_request(_width(table.copy_rows(slice(0, 0)))))
+        count = min(int(msg.step), self.limits.rows_per_request(row_width(table.copy_rows(slice(0, 0)))))
         ids, fields = table.rows_page(int(msg.arg), count)
         blob = json.dumps(
             {"names": list(fields), "total": len(table), "optimizer": table.optimizer.to_config()}
@@ -289,7 +289,7 @@ class TableRequests:
             raise agg.ShardError(f"WRITE_SPARSE_ROWS carries {len(msg.tensors)} tensors for ids + {len(names)} fields")
         ids, values = msg.tensors[0], dict(zip(names, msg.tensors[1:], strict=True))
         shard.check_ids(ids)
-        self.limits.check_ids("WRITE_SPARSE_ROWS", msg.table, ids.numel(), _width(values) if ids.numel() else 1)
+        self.limits.check_ids("WRITE_SPARSE_ROWS", msg.table, ids.numel(), row_width(values) if ids.numel() else 1)
         shard.table.write_rows(ids, values, replace=msg.arg == WRITE_REPLACE)
         return self._replies.ok(msg, version=shard.version)
 
@@ -331,8 +331,3 @@ class TableRequests:
             self.answer_creates(table)
             self.answer_pulls(table)
         return loaded
-
-
-def _width(fields: Any) -> int:
-    """Values per row over a row's fields (``[n, dim]`` tensors count dim, ``[n]`` ones one)."""
-    return max(1, sum(math.prod(t.shape[1:]) for t in fields.values()))
