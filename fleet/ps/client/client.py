@@ -39,8 +39,10 @@ from typing import Any
 import torch
 
 from fleet.data.files import share_bounds
+from fleet.ps.client import many
 from fleet.ps.client.io import IOThread, Job
-from fleet.ps.client.split import pull_pieces, push_pieces
+from fleet.ps.client.many import SparsePush
+from fleet.ps.client.split import push_pieces
 from fleet.ps.modes import UpdateMode, of_config
 from fleet.ps.protocol import auth
 from fleet.ps.protocol.errors import PSAuthError, PSError, PSServerUnavailable
@@ -81,15 +83,6 @@ class DenseState:
     named: dict[str, torch.Tensor]
     param_steps: torch.Tensor
     step: int
-
-
-def _by_server(split: Sequence[tuple[int, Any]], replies: Sequence[Message]) -> list[Message]:
-    """One reply per server (its oldest version) of a request split into pieces."""
-    oldest: dict[int, Message] = {}
-    for (server, _), reply in zip(split, replies, strict=True):
-        if server not in oldest or reply.arg < oldest[server].arg:
-            oldest[server] = reply
-    return [oldest[server] for server in sorted(oldest)]
 
 
 def _versioned(t: torch.Tensor, replies: Sequence[Message]) -> torch.Tensor:
@@ -395,32 +388,66 @@ class PSClient:
         With ``min_version`` every server is asked (empty id lists included), so
         that every shard has reached the version before this worker pushes.
         """
-        dim, _ = self._sparse_info(table_id)
-        ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
-        most = self.limits.ids_per_request(dim)
-        split: list[tuple[int, torch.Tensor | None]] = []  # (server, positions in ids) per request
-        for server, pos in self._split(ids, every_server=min_version > 0):
-            mine = ids if pos is None else ids[pos]
-            pieces = pull_pieces(mine, most, self.limits.piece_ids(dim))
-            if pieces is None:
-                split.append((server, pos))
-            else:
-                split.extend((server, piece if pos is None else pos[piece]) for piece in pieces)
-        parts = [
-            (s, self._msg(Op.PULL_SPARSE, table_id, arg=min_version, tensors=[ids if pos is None else ids[pos]]))
-            for s, pos in split
-        ]
+        return self._pull_sparse([(table_id, ids, min_version)], one=True)
 
-        def assemble(replies: list[Message]) -> torch.Tensor:
-            if len(replies) == 1 and split[0][1] is None:
-                return _versioned(replies[0].tensors[0], replies)
-            out = torch.empty(ids.numel(), dim, dtype=torch.float32)
-            for (_, pos), reply in zip(split, replies, strict=True):
-                if pos.numel():
-                    out.index_copy_(0, pos, reply.tensors[0])
-            return _versioned(out, _by_server(split, replies))
+    def pull_sparse_many(self, requests: Sequence[tuple[int, torch.Tensor, int]]) -> Future:
+        """Future[list[Tensor]]: the rows of each ``(table_id, unique ids, min_version)``, as :meth:`pull_sparse`
+        gives them, in one request per server for all the tables (:mod:`fleet.ps.client.many`)."""
+        return self._pull_sparse(requests, one=False)
+
+    def _pull_sparse(self, requests: Sequence[tuple[int, torch.Tensor, int]], one: bool) -> Future:
+        tables = [int(t) for t, _, _ in requests]
+        dims = [self._sparse_info(t)[0] for t in tables]
+        ids = [x.detach().reshape(-1).to(torch.int64).contiguous() for _, x, _ in requests]
+        versions = [int(v) for _, _, v in requests]
+        per_server = many.split_by_server(ids, tables, dims, self.num_servers, every_server=any(versions))
+        plan = many.pack(per_server, self.limits, many.pull_pieces_of(ids, self.limits))
+        parts = [(r.server, many.pull_message(r, ids, versions, self._msg)) for r in plan]
+
+        def assemble(replies: list[Message]) -> list[torch.Tensor]:
+            out = [torch.empty(x.numel(), d, dtype=torch.float32) for x, d in zip(ids, dims, strict=True)]
+            seen: list[dict[int, int]] = [{} for _ in ids]  # per entry: server -> its oldest shard version
+            for request, reply in zip(plan, replies, strict=True):
+                for part, rows, version in many.pull_rows(request, reply):
+                    if part.positions is None:
+                        out[part.item] = rows
+                    elif part.count:
+                        out[part.item].index_copy_(0, part.positions, rows)
+                    oldest = seen[part.item].get(request.server, version)
+                    seen[part.item][request.server] = min(oldest, version)
+            for t, by_server in zip(out, seen, strict=True):
+                versions = tuple(by_server[s] for s in sorted(by_server))
+                t.ps_versions = versions  # type: ignore[attr-defined]
+                t.ps_version = min(versions) if versions else 0  # type: ignore[attr-defined]
+            return out[0] if one else out
 
         return self._submit(parts, assemble)
+
+    def push_sparse_grads_many(self, pushes: Sequence[SparsePush]) -> Future:
+        """Future[None]: every table's row gradients (as :meth:`push_sparse_grad`), in one request per server
+        for all the tables (:mod:`fleet.ps.client.many`); a table's stale push is counted as one."""
+        pushes = [self._checked_push(p) for p in pushes]
+        tables = [p.table for p in pushes]
+        dims = [self._sparse_info(t)[0] for t in tables]
+        every = any(self._sparse_info(t)[1].pushes_to_every_server for t in tables)
+        per_server = many.split_by_server([p.ids for p in pushes], tables, dims, self.num_servers, every)
+        plan = many.pack(per_server, self.limits, many.push_pieces_of(pushes, self.limits))
+        return self._submit([(r.server, many.push_message(r, pushes, self._msg)) for r in plan])
+
+    def _checked_push(self, push: SparsePush) -> SparsePush:
+        dim, _ = self._sparse_info(push.table)
+        ids = push.ids.detach().reshape(-1).to(torch.int64).contiguous()
+        grads = push.grads.detach().to(torch.float32).contiguous()
+        if list(grads.shape) != [ids.numel(), dim]:
+            raise ValueError(
+                f"sparse table {push.table}: rows of shape {list(grads.shape)} for {ids.numel()} ids, dim {dim}"
+            )
+        clicks = push.clicks
+        if clicks is not None:
+            clicks = clicks.detach().reshape(-1).to(torch.float32).contiguous()
+            if clicks.numel() != ids.numel():
+                raise ValueError(f"sparse table {push.table}: {clicks.numel()} clicks for {ids.numel()} ids")
+        return SparsePush(push.table, ids, grads, int(push.step), float(push.lr), clicks)
 
     def _sparse_push(
         self,
@@ -468,7 +495,7 @@ class PSClient:
 
         ``step``: the sync step (sync mode), else this worker's step count (the tables' clock).
         """
-        return self._sparse_push(Op.PUSH_SPARSE_GRAD, table_id, ids, grads, step, lr, clicks)
+        return self.push_sparse_grads_many([SparsePush(table_id, ids, grads, step, lr, clicks)])
 
     def push_sparse_delta(self, table_id: int, ids: torch.Tensor, deltas: torch.Tensor, step: int = 0) -> Future:
         """Future[None]: geo mode, add ``deltas`` to rows ``ids``; ``step`` is this worker's step count."""

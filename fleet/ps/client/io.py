@@ -315,6 +315,8 @@ class IOThread:
                 continue
             if reply.status == Status.STALE and not _more_follows(job.parts[part][1]):
                 self.stale_pushes += 1  # once per push, with its last piece
+            elif reply.op == Op.PUSH_SPARSE_GRAD_MANY and reply.tensors:  # once per table part found stale
+                self.stale_pushes += int((reply.tensors[0] == Status.STALE).sum())
             job.pending.discard(reply.request_id)
             job.replies[part] = reply
             if not job.pending and not job.done:

@@ -53,6 +53,7 @@ from fleet.ps.protocol.wire import (
 )
 from fleet.ps.server import aggregator as agg
 from fleet.ps.server.inbox import FairInbox
+from fleet.ps.server.many import ManyRequests, Part, deliver
 from fleet.ps.server.reduce import Reductions, against_barrier
 from fleet.ps.server.replies import Replies
 from fleet.ps.server.table_ops import TableRequests
@@ -62,6 +63,11 @@ log = logging.getLogger(__name__)
 
 _MAX_BATCH = 256  # messages handled per poll wake-up before deadlines are checked again
 _IDLE_POLL_MS = 100  # upper bound on a poll, so shutdown() is noticed promptly
+# Ops that concern no one table (a composite request counts under each table it names, part by part).
+_NOT_ON_A_TABLE = frozenset(
+    (Op.HELLO, Op.BARRIER, Op.SAVE, Op.LOAD, Op.STATS, Op.STOP, Op.ALL_REDUCE, Op.SHRINK,
+     Op.PULL_SPARSE_MANY, Op.PUSH_SPARSE_GRAD_MANY)
+)  # fmt: skip
 
 
 def zmq_address(endpoint: str) -> str:
@@ -156,6 +162,7 @@ class ParameterServer:
             checkpoint_record_dir=checkpoint_record_dir,
         )
         tables = self.tables
+        many = ManyRequests(self._shards, self._dispatch, self._ok)
         self._handlers = {
             Op.HELLO: self._hello,
             Op.CREATE_DENSE: tables.create,
@@ -176,6 +183,8 @@ class ParameterServer:
             Op.EXPORT_SPARSE: tables.export_sparse,
             Op.DENSE_STATE: tables.dense_state,
             Op.WRITE_SPARSE_ROWS: tables.write_sparse_rows,
+            Op.PULL_SPARSE_MANY: many.pull,
+            Op.PUSH_SPARSE_GRAD_MANY: many.push,
         }
 
     # ------------------------------------------------------------------ loop
@@ -278,19 +287,24 @@ class ParameterServer:
             return
         if msg.peer not in self._stopped and self._liveness.seen(msg.peer, time.monotonic()):
             log.warning("parameter server %d: worker %d is back", self.server_index, msg.peer)
-        on_table = msg.op not in (Op.HELLO, Op.BARRIER, Op.SAVE, Op.LOAD, Op.STATS, Op.STOP, Op.ALL_REDUCE, Op.SHRINK)
+        reply = self._dispatch(ident, msg)
+        if reply is not None:
+            self._send(ident, reply)
+
+    def _dispatch(self, ident: Any, msg: Message) -> Message | None:
+        """Serve one request: its reply, or None when it was parked (answered later, through ``ident``)."""
+        name = op_name(msg.op)
+        on_table = msg.op not in _NOT_ON_A_TABLE
         if on_table:
             self._table_ops[msg.table][name] += 1
         try:
-            reply = self._handlers[Op(msg.op)](ident, msg)
+            return self._handlers[Op(msg.op)](ident, msg)
         except agg.ShardError as exc:
-            reply = self._error(msg, str(exc), exc.details)
+            return self._error(msg, str(exc), exc.details)
         except (ValueError, KeyError, TypeError) as exc:
-            reply = self._error(msg, str(exc) or type(exc).__name__)
+            return self._error(msg, str(exc) or type(exc).__name__)
         except Exception as exc:  # out of memory, or a bug in a table: either must not take the server down
-            reply = self._error(msg, self._failure(exc, name, msg.table if on_table else None))
-        if reply is not None:
-            self._send(ident, reply)
+            return self._error(msg, self._failure(exc, name, msg.table if on_table else None))
 
     def _failure(self, exc: BaseException, what: str, table: int | None) -> str:
         """The error text for an unexpected failure; logged (with the traceback unless out of memory)."""
@@ -311,7 +325,12 @@ class ParameterServer:
         log.error("parameter server %d failed on %s:\n%s", self.server_index, where, traceback.format_exc())
         return f"internal error in {where} on parameter server {self.server_index}: {type(exc).__name__}: {exc}"
 
-    def _send(self, ident: bytes, reply: Message) -> None:
+    def _send(self, ident: bytes | Part, reply: Message) -> None:
+        if isinstance(ident, Part):  # one table's part of a composite request (fleet.ps.server.many)
+            due = deliver(ident, reply)
+            if due is None:
+                return
+            ident, reply = due
         try:
             frames = encode(reply)
         except WireError as exc:  # e.g. a table answered with a tensor the wire cannot carry
