@@ -81,7 +81,7 @@ _BAG_ONLY = {
 }
 
 
-def _refuse(owner: str, unknown: dict[str, Any]) -> None:
+def refuse_unknown(owner: str, unknown: dict[str, Any]) -> None:
     """Raise a TypeError naming ``unknown`` keyword arguments of ``owner`` and what to write instead."""
     if not unknown:
         return
@@ -127,7 +127,7 @@ class SparseEmbedding(nn.Module):
         **unknown: Any,
     ):
         super().__init__()
-        _refuse(type(self).__name__, unknown)
+        refuse_unknown(type(self).__name__, unknown)
         if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
             raise ValueError(f"embedding_dim must be an int > 0, got {embedding_dim!r}")
         self.embedding_dim = embedding_dim
@@ -286,10 +286,16 @@ class SparseEmbedding(nn.Module):
         leaf whose gradient (one per unique id) the next optimizer step takes to the table."""
         unique, rows, inverse = self._lookup(ids)
         inverse = inverse.view(ids.shape)
+        return self.track(unique, rows, inverse), inverse
+
+    def track(self, unique: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        """``rows`` of the ``unique`` ids a forward looked up (``inverse``: each entry's row), as the leaf whose
+        gradient the next optimizer step takes to the table, when training; else ``rows``. For modules that
+        pull several tables' rows at once (``fleet.nn.SparseFeatureCollection``)."""
         if torch.is_grad_enabled() and self.training:
             rows = rows.detach().requires_grad_(True)
             self._pending.append([unique, rows, inverse, None])
-        return rows, inverse
+        return rows
 
     def forward(self, ids: torch.Tensor, *unexpected: Any) -> torch.Tensor:
         if unexpected:  # (ids, offsets), as nn.EmbeddingBag
@@ -315,9 +321,9 @@ class SparseEmbedding(nn.Module):
             raise ValueError(
                 f"record_clicks got {labels.numel()} labels for ids of shape {list(inverse.shape)}: one per sample"
             )
-        self._add_clicks(labels.view(-1, *([1] * (inverse.dim() - 1))).expand(inverse.shape).reshape(-1))
+        self.add_clicks(labels.view(-1, *([1] * (inverse.dim() - 1))).expand(inverse.shape).reshape(-1))
 
-    def _add_clicks(self, per_entry: torch.Tensor) -> None:
+    def add_clicks(self, per_entry: torch.Tensor) -> None:
         """The last forward's clicks: ``per_entry`` (one per entry of its inverse index) summed per unique id."""
         unique, _, inverse, _ = self._pending[-1]
         self._pending[-1][3] = torch.zeros(unique.numel()).index_add_(0, inverse.reshape(-1), per_entry)

@@ -73,7 +73,7 @@ class SparseEmbeddingBag(SparseEmbedding):
         return super().extra_repr() + bag
 
     # ------------------------------------------------------------------ lookup
-    def _kept(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def kept_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the flat ids but the padding id's, the mask of kept entries or None when all are kept)."""
         flat = ids.reshape(-1)
         if self.padding_idx is None:
@@ -85,7 +85,7 @@ class SparseEmbeddingBag(SparseEmbedding):
 
     def prefetch(self, input: torch.Tensor) -> None:  # noqa: A002 - nn.EmbeddingBag's name
         """Start fetching the rows of a coming batch's ``input`` (see :meth:`SparseEmbedding.prefetch`)."""
-        super().prefetch(self._kept(self._check_ids(input))[0])
+        super().prefetch(self.kept_ids(self._check_ids(input))[0])
 
     def _check_bags(
         self, ids: torch.Tensor, offsets: torch.Tensor | None, weights: torch.Tensor | None
@@ -130,43 +130,58 @@ class SparseEmbeddingBag(SparseEmbedding):
     ) -> torch.Tensor:
         ids = self._check_ids(input)
         offsets = self._check_bags(ids, offsets, per_sample_weights)
-        kept, keep = self._kept(ids)
+        kept, keep = self.kept_ids(ids)
         rows, inverse = self._gather(kept)
         if torch.is_grad_enabled() and self.training:
             self._layout = (ids.shape, offsets, keep)
-        padding = None
-        if keep is not None:
-            # The padding id's entries point at one zero row past the unique rows, which
-            # embedding_bag's padding_idx leaves out of every bag (and of a mean's divisor).
-            padding = rows.shape[0]
-            rows = torch.cat([rows, rows.new_zeros(1, self.embedding_dim)])
-            inverse = torch.full(keep.shape, padding, dtype=torch.int64).masked_scatter_(keep, inverse)
-        return F.embedding_bag(
-            inverse.view(ids.shape),
-            rows,
-            offsets,
-            mode=self.mode,
-            per_sample_weights=per_sample_weights,
-            include_last_offset=self.include_last_offset,
-            padding_idx=padding,
-        )
+        return pool(rows, inverse, keep, ids.shape, offsets, self.mode, per_sample_weights, self.include_last_offset)
 
     def record_clicks(self, labels: torch.Tensor) -> None:
         """Feed the clicks of the last forward's bags (``labels``: one per bag); each id of a bag gets its label."""
         if not self._pending or self._layout is None:
             raise RuntimeError("record_clicks follows a training forward of this SparseEmbeddingBag")
         shape, offsets, keep = self._layout
-        bag_of, bags = _bag_of_entries(shape, offsets, self.include_last_offset)
+        bag_of, bags = bag_of_entries(shape, offsets, self.include_last_offset)
         labels = torch.as_tensor(labels).detach().to(torch.float32).reshape(-1)
         if labels.numel() != bags:
             raise ValueError(f"record_clicks got {labels.numel()} labels for {bags} bags: one per bag")
         per_entry = torch.where(bag_of >= 0, labels[bag_of.clamp(min=0)], 0.0)
         if keep is not None:
             per_entry = per_entry[keep]
-        self._add_clicks(per_entry)
+        self.add_clicks(per_entry)
 
 
-def _bag_of_entries(shape: torch.Size, offsets: torch.Tensor | None, include_last: bool) -> tuple[torch.Tensor, int]:
+def pool(
+    rows: torch.Tensor,
+    inverse: torch.Tensor,
+    keep: torch.Tensor | None,
+    shape: torch.Size,
+    offsets: torch.Tensor | None,
+    mode: str,
+    weights: torch.Tensor | None,
+    include_last_offset: bool,
+) -> torch.Tensor:
+    """Bags of ``rows`` (unique rows; ``inverse``: the row of each kept entry of an input of ``shape``; ``keep``:
+    which entries are kept, None for all) pooled as ``nn.EmbeddingBag`` pools them."""
+    padding = None
+    if keep is not None:
+        # The padding id's entries point at one zero row past the unique rows, which
+        # embedding_bag's padding_idx leaves out of every bag (and of a mean's divisor).
+        padding = rows.shape[0]
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+        inverse = torch.full(keep.shape, padding, dtype=torch.int64).masked_scatter_(keep, inverse)
+    return F.embedding_bag(
+        inverse.view(shape),
+        rows,
+        offsets,
+        mode=mode,
+        per_sample_weights=weights,
+        include_last_offset=include_last_offset,
+        padding_idx=padding,
+    )
+
+
+def bag_of_entries(shape: torch.Size, offsets: torch.Tensor | None, include_last: bool) -> tuple[torch.Tensor, int]:
     """(the bag of each entry of a flat input, -1 for entries past the last bag; the number of bags)."""
     if offsets is None:  # 2-D: each row is a bag
         return torch.arange(shape[0]).repeat_interleave(shape[1]), shape[0]

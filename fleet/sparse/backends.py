@@ -120,6 +120,24 @@ def modules_in(
     return found
 
 
+def pull_many(requests: list[tuple[TableBackend, torch.Tensor]]) -> list[torch.Tensor]:
+    """Rows for each ``(backend, unique ids)``. Backends that can pull together (one client's tables on the
+    parameter servers: the same ``batch_key()``) do, in one request per server; the others pull alone."""
+    out: list[torch.Tensor | None] = [None] * len(requests)
+    together: dict[tuple[type, int], list[int]] = {}
+    for i, (backend, ids) in enumerate(requests):
+        key = getattr(backend, "batch_key", None)
+        if key is None:
+            out[i] = backend.pull(ids)
+        else:
+            together.setdefault((type(backend), id(key())), []).append(i)
+    for (kind, _), members in together.items():
+        rows = kind.pull_together([requests[i][0] for i in members], [requests[i][1] for i in members])
+        for i, got in zip(members, rows, strict=True):
+            out[i] = got
+    return out  # type: ignore[return-value]
+
+
 def step_tables(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
     """Global step hook: an optimizer holding a table module's placeholder steps the module's backend."""
     if not _BY_PLACEHOLDER:  # every optimizer step of the process passes here

@@ -41,7 +41,6 @@ import torch
 from fleet.data.files import share_bounds
 from fleet.ps.client import many
 from fleet.ps.client.io import IOThread, Job
-from fleet.ps.client.many import SparsePush
 from fleet.ps.client.split import push_pieces
 from fleet.ps.modes import UpdateMode, of_config
 from fleet.ps.protocol import auth
@@ -57,6 +56,7 @@ from fleet.ps.protocol.wire import (
     WRITE_REPLACE,
     Message,
     Op,
+    SparsePush,
     row_width,
 )
 

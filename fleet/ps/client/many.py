@@ -19,7 +19,7 @@ import torch
 
 from fleet.ps.client.split import pull_pieces, push_pieces
 from fleet.ps.protocol.limits import ID_BYTES, RequestLimits
-from fleet.ps.protocol.wire import MAX_MANY_TABLES, MORE_FOLLOWS, Message, Op
+from fleet.ps.protocol.wire import MAX_MANY_TABLES, MORE_FOLLOWS, Message, Op, SparsePush
 
 
 @dataclass
@@ -45,18 +45,6 @@ class Request:
     @property
     def composite(self) -> bool:
         return len(self.parts) > 1
-
-
-@dataclass
-class SparsePush:
-    """One table's row gradients for a step: ids may repeat (the server sums them); clicks optional."""
-
-    table: int
-    ids: torch.Tensor
-    grads: torch.Tensor
-    step: int
-    lr: float
-    clicks: torch.Tensor | None = None
 
 
 def pack(

@@ -70,9 +70,12 @@ class WorkerPolicy:
             grad, present = entry.grads()
             step = entry.version if versioned else 0
             futures.append(host.client.push_dense_grad(entry.table_id, grad, step, entry.lr, present))
-        for _, index, rows in host.sparse:
-            lr = float(host.inner.param_groups[index]["lr"])
-            futures.append(rows.push(rows.version if versioned else self.steps, lr))
+        pushes = [
+            rows.take_push(rows.version if versioned else self.steps, float(host.inner.param_groups[index]["lr"]))
+            for _, index, rows in host.sparse
+        ]
+        if pushes:  # every table's rows in one request per server (fleet.ps.client.many)
+            futures.append(host.client.push_sparse_grads_many(pushes))
         return futures
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fleet.errors import FleetError
+from fleet.ps.protocol.wire import SparsePush
 from fleet.sparse.backends import TableModule, per_row_fields
 from fleet.sparse.id_index import IdIndex
 from fleet.sparse.optim import OptimizerSpec
@@ -96,21 +97,38 @@ class RemoteRows(_ServerTable):
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.guard(lambda: self.client.pull_sparse(self.table_id, ids, self.version).result())
-        if self.sync and self.version:
-            # backup workers: a late worker finds the shards ahead and pushes for their version. (Only
-            # with min_version > 0 is every server asked, so that ps_version is the oldest shard's.)
-            self.version = max(self.version, int(getattr(rows, "ps_version", 0)))
+        self.adopt_version(rows)
         return rows
 
     def advance(self, version: int | None = None) -> None:
         """Sync: the servers' tables moved one step on (or to ``version``, after a load or a restart)."""
         self.version = self.version + 1 if version is None else version
 
-    def push(self, step: int, lr: float) -> Future:
-        """Send the module's row gradients since the last push (the servers apply them; ``step`` as for the
-        client's ``push_sparse_grad``: the sync step, or this worker's step count in async mode)."""
+    def take_push(self, step: int, lr: float) -> Any:
+        """The module's row gradients since the last push, as the client's ``SparsePush`` (``step`` as for
+        ``push_sparse_grad``: the sync step, or this worker's step count in async mode); the servers apply them."""
         ids, grads, clicks = self.module.take_gradients()
-        return self.client.push_sparse_grad(self.table_id, ids, grads, step, lr, clicks)
+        return SparsePush(self.table_id, ids, grads, step, lr, clicks)
+
+    def batch_key(self) -> Any:
+        """Backends with the same key pull together (:func:`pull_together`): those of one client."""
+        return self.client
+
+    @staticmethod
+    def pull_together(backends: list[RemoteRows], ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Rows of each backend's unique ``ids``, in one request per server for all their tables."""
+        first = backends[0]
+        requests = [(b.table_id, x, b.version if b.sync else 0) for b, x in zip(backends, ids, strict=True)]
+        rows = first.guard(lambda: first.client.pull_sparse_many(requests).result())
+        for backend, got in zip(backends, rows, strict=True):
+            backend.adopt_version(got)
+        return rows
+
+    def adopt_version(self, rows: torch.Tensor) -> None:
+        if self.sync and self.version:
+            # backup workers: a late worker finds the shards ahead and pushes for their version. (Only
+            # with min_version > 0 is every server asked, so that ps_version is the oldest shard's.)
+            self.version = max(self.version, int(getattr(rows, "ps_version", 0)))
 
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
         """Refused: the servers apply these rows' gradients, sent by the optimizer fleet wrapped."""

@@ -116,6 +116,19 @@ MANY_PUSH_META = ("table", "step", "ids", "has_clicks")
 #: tables one such request may name (a bound on the work of splitting it, not on any model)
 MAX_MANY_TABLES = 4096
 
+
+@dataclass
+class SparsePush:
+    """One table's row gradients for a step (an entry of a push of several tables): ids may repeat (the server sums them); clicks optional."""
+
+    table: int
+    ids: torch.Tensor
+    grads: torch.Tensor
+    step: int
+    lr: float
+    clicks: torch.Tensor | None = None
+
+
 #: ``arg`` of a sparse push that is a piece of a bigger one, when more pieces of it follow
 #: (the client splits pushes over the request limits, :mod:`fleet.ps.protocol.limits`)
 MORE_FOLLOWS = 1

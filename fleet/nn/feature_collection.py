@@ -1,0 +1,301 @@
+"""SparseFeatureCollection: many sparse features in one module, their tables pulled and pushed together.
+
+A CTR model has tens of sparse features (DLRM: 8 to 26), each a bag of ids per sample pooled into
+one vector. As separate :class:`~fleet.nn.SparseEmbeddingBag` modules, each feature costs its own
+pull and push per server per step; here every table of the collection is pulled in **one request
+per server** per forward, and (in a parameter-server job) every sparse table of the optimizer is
+pushed in one request per server per step. This is the role of TorchRec's
+``EmbeddingBagCollection`` with a ``KeyedJaggedTensor``, in fleet's style:
+
+- each :class:`FeatureTable` is a table with its own dimension, pooling mode, ``padding_idx``,
+  optimizer, initializer and life cycle (any :class:`~fleet.nn.SparseEmbedding` argument);
+  several features may share one table (``features=[...]``), pulled once for all of them;
+- the input is jagged: a :class:`JaggedFeatures` (keys, values, lengths or offsets, optional
+  per-id weights: the layout of TorchRec's ``KeyedJaggedTensor``, which is accepted as it is when
+  TorchRec is installed; fleet does not depend on it), or a dict ``{feature: 2-D tensor of bags}``
+  / ``{feature: (values, lengths)}`` / ``{feature: (values, lengths, weights)}``;
+- the output is a dict ``{feature: [batch, dim]}`` in the collection's feature order
+  (``torch.cat(list(out.values()), 1)`` is TorchRec's ``KeyedTensor.values()``).
+
+Each table is a :class:`~fleet.nn.SparseEmbeddingBag` child (``collection.tables[name]``), so its
+rows, ``state_dict`` entries, optimizer and backend are those of a bag module in every mode;
+only the pull is shared.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fleet.nn.sparse_embedding import SparseEmbedding, refuse_unknown
+from fleet.nn.sparse_embedding_bag import MODES, SparseEmbeddingBag, bag_of_entries, pool
+from fleet.sparse import backends
+
+
+# What a FeatureTable passes on to its table: SparseEmbedding's keyword arguments.
+_TABLE_ARGUMENTS = set(inspect.signature(SparseEmbedding.__init__).parameters) - {"self", "embedding_dim", "unknown"}
+
+
+class FeatureTable:
+    """One table of a :class:`SparseFeatureCollection`: ``FeatureTable("user", 32, features=["user_id"])``.
+
+    ``features`` (default: ``[name]``) are the input features looked up in it; ``mode`` is the
+    pooling of each bag (sum, mean, max); ``padding_idx`` an id that contributes nothing; every other
+    keyword argument is :class:`~fleet.nn.SparseEmbedding`'s (``initializer``, ``optimizer``,
+    ``seed``, ``entry``, ``max_rows``, ``ttl_steps``, ``decay``, ``state_dict_rows``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        dim: int,
+        features: Sequence[str] | None = None,
+        mode: str = "sum",
+        padding_idx: int | None = None,
+        **table: Any,
+    ):
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(f"FeatureTable name must be a non-empty string without '.', got {name!r}")
+        if isinstance(features, str):
+            raise TypeError(f"FeatureTable {name!r}: features is a list of feature names, got the string {features!r}")
+        self.name = name
+        self.dim = dim
+        self.features = tuple(features) if features is not None else (name,)
+        if not self.features or not all(isinstance(f, str) and f for f in self.features):
+            raise ValueError(f"FeatureTable {name!r}: features must be non-empty strings, got {list(self.features)}")
+        if mode not in MODES:
+            raise ValueError(f"FeatureTable {name!r}: mode must be one of {', '.join(MODES)}; got {mode!r}")
+        unknown = sorted(set(table) - _TABLE_ARGUMENTS)
+        if unknown:
+            refuse_unknown(f"FeatureTable {name!r}", {k: table[k] for k in unknown})
+        self.mode = mode
+        self.padding_idx = padding_idx
+        self.table = table
+
+    def __repr__(self) -> str:
+        return f"FeatureTable({self.name!r}, {self.dim}, features={list(self.features)}, mode={self.mode!r})"
+
+
+class JaggedFeatures:
+    """Bags of ids for several features: TorchRec's ``KeyedJaggedTensor`` layout, without TorchRec.
+
+    ``values`` holds every feature's ids, feature after feature (each feature's bags in batch
+    order); ``lengths`` (``[features * batch]``) the ids per bag, or ``offsets``
+    (``[features * batch + 1]``) where each bag starts; ``weights`` one per id (``mode="sum"``).
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+    ):
+        if (lengths is None) == (offsets is None):
+            raise ValueError("JaggedFeatures takes lengths or offsets (one of the two)")
+        if lengths is None:
+            offsets = torch.as_tensor(offsets).to(torch.int64)
+            if offsets.dim() != 1 or offsets.numel() < 1 or int(offsets[0]) != 0:
+                raise ValueError("JaggedFeatures: offsets must be 1-D and start at 0")
+            lengths = offsets.diff()
+        self._keys = list(keys)
+        self._values = values
+        self._lengths = torch.as_tensor(lengths).to(torch.int64)
+        self._weights = weights
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        return self._weights
+
+
+# One feature's bags: (ids, offsets [bags + 1], per-id weights or None).
+Bags = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+
+
+def _check_ids(feature: str, values: torch.Tensor) -> torch.Tensor:
+    if not isinstance(values, torch.Tensor) or values.dtype.is_floating_point or values.dtype == torch.bool:
+        got = values.dtype if isinstance(values, torch.Tensor) else type(values).__name__
+        raise TypeError(f"feature {feature!r}: ids must be an integer tensor, got {got}")
+    return values.to(torch.int64)
+
+
+def _from_jagged(features: Any) -> dict[str, Bags]:
+    """Each feature's bags from a KeyedJaggedTensor-like object (keys(), values(), lengths(), weights_or_none())."""
+    keys = list(features.keys())
+    values, lengths = features.values(), features.lengths().to(torch.int64)
+    weights = features.weights_or_none() if hasattr(features, "weights_or_none") else None
+    if not keys:
+        raise ValueError("the jagged features have no keys")
+    if lengths.dim() != 1 or lengths.numel() % len(keys):
+        raise ValueError(
+            f"the jagged features' lengths ({lengths.numel()}) are not one per bag of each of {len(keys)} keys"
+        )
+    if bool((lengths < 0).any()) or int(lengths.sum()) != values.numel():
+        raise ValueError(
+            f"the jagged features' lengths add up to {int(lengths.sum())}, not to the {values.numel()} ids"
+        )
+    if weights is not None and weights.numel() != values.numel():
+        raise ValueError(f"the jagged features carry {weights.numel()} weights for {values.numel()} ids")
+    batch = lengths.numel() // len(keys)
+    per_key = lengths.view(len(keys), batch)
+    ends = _lengths_to_offsets(per_key.sum(1)).tolist()
+    out = {}
+    for k, key in enumerate(keys):
+        lo, hi = ends[k], ends[k + 1]
+        ids = _check_ids(key, values[lo:hi])
+        out[key] = (ids, _lengths_to_offsets(per_key[k]), None if weights is None else weights[lo:hi])
+    return out
+
+
+def _from_dict(features: Mapping[str, Any]) -> dict[str, Bags]:
+    out = {}
+    for name, given in features.items():
+        if isinstance(given, torch.Tensor):
+            ids = _check_ids(name, given)
+            if ids.dim() != 2:
+                raise ValueError(
+                    f"feature {name!r}: a tensor is a 2-D batch of bags, got {ids.dim()}-D; pass (values, lengths) "
+                    "for bags of varied length"
+                )
+            batch, width = ids.shape
+            out[name] = (ids.reshape(-1), torch.arange(batch + 1) * width, None)
+        elif isinstance(given, tuple | list) and len(given) in (2, 3):
+            ids = _check_ids(name, given[0]).reshape(-1)
+            lengths = torch.as_tensor(given[1]).to(torch.int64)
+            if lengths.dim() != 1 or bool((lengths < 0).any()) or int(lengths.sum()) != ids.numel():
+                raise ValueError(f"feature {name!r}: lengths must be 1-D, >= 0, adding up to the {ids.numel()} ids")
+            weights = given[2] if len(given) == 3 else None
+            if weights is not None and weights.numel() != ids.numel():
+                raise ValueError(f"feature {name!r}: {weights.numel()} weights for {ids.numel()} ids")
+            out[name] = (ids, _lengths_to_offsets(lengths), None if weights is None else weights.reshape(-1))
+        else:
+            raise TypeError(
+                f"feature {name!r}: expected a 2-D tensor of bags, (values, lengths) or (values, lengths, weights); "
+                f"got {type(given).__name__}"
+            )
+    return out
+
+
+class SparseFeatureCollection(nn.Module):
+    """``SparseFeatureCollection([FeatureTable("t0", 16, ["f0", "f1"]), ...])(features)`` -> ``{feature: [B, dim]}``."""
+
+    def __init__(self, tables: Sequence[FeatureTable]):
+        super().__init__()
+        tables = list(tables)
+        if not tables or not all(isinstance(t, FeatureTable) for t in tables):
+            raise TypeError("SparseFeatureCollection takes a non-empty list of fleet.nn.FeatureTable")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"SparseFeatureCollection: table names repeat: {names}")
+        self.feature_names: list[str] = [f for t in tables for f in t.features]
+        repeated = sorted({f for f in self.feature_names if self.feature_names.count(f) > 1})
+        if repeated:
+            raise ValueError(f"SparseFeatureCollection: features {repeated} are looked up in more than one table")
+        self.tables = nn.ModuleDict(
+            {
+                t.name: SparseEmbeddingBag(
+                    t.dim, t.mode, padding_idx=t.padding_idx, include_last_offset=True, **t.table
+                )
+                for t in tables
+            }
+        )
+        self._features = {t.name: t.features for t in tables}
+        # The last training forward's per-table layout (each feature's offsets and kept entries), for record_clicks.
+        self._layout: dict[str, list[tuple[torch.Tensor, torch.Tensor | None, int]]] = {}
+
+    def extra_repr(self) -> str:
+        return f"features={self.feature_names}"
+
+    def _bags(self, features: Any) -> dict[str, Bags]:
+        if isinstance(features, Mapping):
+            bags = _from_dict(features)
+        elif all(hasattr(features, m) for m in ("keys", "values", "lengths")):
+            bags = _from_jagged(features)
+        else:
+            raise TypeError(
+                "SparseFeatureCollection takes fleet.nn.JaggedFeatures, a torchrec KeyedJaggedTensor, or a dict "
+                f"{{feature: bags}}; got {type(features).__name__}"
+            )
+        missing = [f for f in self.feature_names if f not in bags]
+        unknown = [f for f in bags if f not in self._features_set()]
+        if missing or unknown:
+            raise ValueError(
+                f"SparseFeatureCollection: features missing from the input: {missing}; not in the collection: "
+                f"{unknown} (its features: {self.feature_names})"
+            )
+        sizes = {f: b[1].numel() - 1 for f, b in bags.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"SparseFeatureCollection: the features' batch sizes differ: {sizes}")
+        for name, table in self.tables.items():
+            for feature in self._features[name]:
+                if bags[feature][2] is not None and table.mode != "sum":
+                    raise ValueError(
+                        f"feature {feature!r}: per-id weights need mode='sum' (as torch); table {name!r} is "
+                        f"mode={table.mode!r}"
+                    )
+        return bags
+
+    def _features_set(self) -> set[str]:
+        return set(self.feature_names)
+
+    def forward(self, features: Any) -> dict[str, torch.Tensor]:
+        bags = self._bags(features)
+        plans = []  # per table: (table, its features' kept ids, keep masks, unique ids, inverse)
+        for name, table in self.tables.items():
+            kept, keeps = [], []
+            for feature in self._features[name]:
+                ids, keep = table.kept_ids(bags[feature][0])
+                kept.append(ids)
+                keeps.append(keep)
+            unique, inverse = torch.unique(torch.cat(kept), return_inverse=True)
+            plans.append((name, table, kept, keeps, unique, inverse))
+        pulled = backends.pull_many([(table.backend(), unique) for _, table, _, _, unique, _ in plans])
+        out: dict[str, torch.Tensor] = {}
+        training = torch.is_grad_enabled() and self.training
+        for (name, table, kept, keeps, unique, inverse), rows in zip(plans, pulled, strict=True):
+            rows = table.track(unique, rows, inverse)
+            at = 0
+            layout = []
+            for feature, ids, keep in zip(self._features[name], kept, keeps, strict=True):
+                values, offsets, weights = bags[feature]
+                mine = inverse[at : at + ids.numel()]
+                at += ids.numel()
+                out[feature] = pool(rows, mine, keep, values.shape, offsets, table.mode, weights, True)
+                layout.append((offsets, keep, values.numel()))
+            if training:
+                self._layout[name] = layout
+        return {f: out[f] for f in self.feature_names}
+
+    def record_clicks(self, labels: torch.Tensor) -> None:
+        """Feed the clicks of the last training forward's samples (``labels``: one per sample): every id of a
+        sample's bags, in every feature, gets its label (the tables' show/click statistics)."""
+        if not self._layout:
+            raise RuntimeError("record_clicks follows a training forward of this SparseFeatureCollection")
+        labels = torch.as_tensor(labels).detach().to(torch.float32).reshape(-1)
+        for name, layout in self._layout.items():
+            per_feature = []
+            for offsets, keep, size in layout:
+                bag_of, bags = bag_of_entries(torch.Size([size]), offsets, True)
+                if labels.numel() != bags:
+                    raise ValueError(f"record_clicks got {labels.numel()} labels for {bags} samples: one per sample")
+                per_entry = torch.where(bag_of >= 0, labels[bag_of.clamp(min=0)], 0.0)
+                per_feature.append(per_entry if keep is None else per_entry[keep])
+            self.tables[name].add_clicks(torch.cat(per_feature))
+        self._layout = {}
