@@ -35,7 +35,6 @@ from fleet.nn.sparse_embedding import SparseEmbedding, refuse_unknown
 from fleet.nn.sparse_embedding_bag import MODES, SparseEmbeddingBag, bag_of_entries, pool
 from fleet.sparse import backends
 
-
 # What a FeatureTable passes on to its table: SparseEmbedding's keyword arguments.
 _TABLE_ARGUMENTS = set(inspect.signature(SparseEmbedding.__init__).parameters) - {"self", "embedding_dim", "unknown"}
 
