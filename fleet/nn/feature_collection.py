@@ -218,6 +218,7 @@ class SparseFeatureCollection(nn.Module):
         self._features = {t.name: t.features for t in tables}
         # The last training forward's per-table layout (each feature's offsets and kept entries), for record_clicks.
         self._layout: dict[str, list[tuple[torch.Tensor, torch.Tensor | None, int]]] = {}
+        self._prefetched: tuple[list[torch.Tensor], Any] | None = None  # (each table's unique ids, their future)
 
     def extra_repr(self) -> str:
         return f"features={self.feature_names}"
@@ -254,9 +255,9 @@ class SparseFeatureCollection(nn.Module):
     def _features_set(self) -> set[str]:
         return set(self.feature_names)
 
-    def forward(self, features: Any) -> dict[str, torch.Tensor]:
-        bags = self._bags(features)
-        plans = []  # per table: (table, its features' kept ids, keep masks, unique ids, inverse)
+    def _plan(self, bags: dict[str, Bags]) -> list[tuple]:
+        """Per table: (name, module, its features' kept ids, keep masks, the unique ids, the inverse index)."""
+        plans = []
         for name, table in self.tables.items():
             kept, keeps = [], []
             for feature in self._features[name]:
@@ -265,7 +266,35 @@ class SparseFeatureCollection(nn.Module):
                 keeps.append(keep)
             unique, inverse = torch.unique(torch.cat(kept), return_inverse=True)
             plans.append((name, table, kept, keeps, unique, inverse))
-        pulled = backends.pull_many([(table.backend(), unique) for _, table, _, _, unique, _ in plans])
+        return plans
+
+    def prefetch(self, features: Any) -> None:
+        """Start pulling a coming batch's rows now, so that its forward need not wait for them.
+
+        Where rows may be a step old anyway (parameter server, ``update="async"``) every table's rows
+        are pulled in the background, one request per server, while this step computes; elsewhere
+        it does nothing. Call it with the next batch before this step's ``optimizer.step()``; the
+        forward whose batch has the same ids uses it.
+        """
+        plans = self._plan(self._bags(features))
+        future = backends.prefetch_many([(table.backend(), unique) for _, table, _, _, unique, _ in plans])
+        self._prefetched = ([unique for *_, unique, _ in plans], future) if future is not None else None
+
+    def _pull(self, plans: list[tuple]) -> list[torch.Tensor]:
+        prefetched, self._prefetched = self._prefetched, None
+        uniques = [unique for *_, unique, _ in plans]
+        if prefetched is not None:
+            seen, future = prefetched
+            if len(seen) == len(uniques) and all(torch.equal(a, b) for a, b in zip(seen, uniques, strict=True)):
+                rows = backends.collect_many(future)
+                if rows is not None:
+                    return rows
+        return backends.pull_many([(table.backend(), unique) for _, table, _, _, unique, _ in plans])
+
+    def forward(self, features: Any) -> dict[str, torch.Tensor]:
+        bags = self._bags(features)
+        plans = self._plan(bags)
+        pulled = self._pull(plans)
         out: dict[str, torch.Tensor] = {}
         training = torch.is_grad_enabled() and self.training
         for (name, table, kept, keeps, unique, inverse), rows in zip(plans, pulled, strict=True):

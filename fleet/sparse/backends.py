@@ -138,6 +138,25 @@ def pull_many(requests: list[tuple[TableBackend, torch.Tensor]]) -> list[torch.T
     return out  # type: ignore[return-value]
 
 
+def prefetch_many(requests: list[tuple[TableBackend, torch.Tensor]]) -> Any | None:
+    """Start pulling each ``(backend, unique ids)`` in the background, where rows may be a step old anyway
+    (parameter server, ``update="async"``): a future of the rows for :func:`collect_many`, or None where
+    these backends cannot prefetch together (then the forward pulls)."""
+    keys = {(type(b), id(b.batch_key())) if hasattr(b, "batch_key") else None for b, _ in requests}
+    if len(keys) != 1 or None in keys:
+        return None
+    kind = type(requests[0][0])
+    return kind.prefetch_together([b for b, _ in requests], [ids for _, ids in requests])
+
+
+def collect_many(future: Any) -> list[torch.Tensor] | None:
+    """A :func:`prefetch_many`'s rows, or None when it failed (the forward then pulls again, guarded)."""
+    try:
+        return future.result()
+    except Exception:  # noqa: BLE001 - e.g. a server restarted meanwhile: pulled again through the guard
+        return None
+
+
 def step_tables(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
     """Global step hook: an optimizer holding a table module's placeholder steps the module's backend."""
     if not _BY_PLACEHOLDER:  # every optimizer step of the process passes here

@@ -144,6 +144,10 @@ def collection_job(rank: int, steps: int, mode: str = "collective") -> dict:
         opt.zero_grad()
         prediction, pooled = model(batch)
         torch.nn.functional.mse_loss(prediction, target).backward()
+        # the next batch's rows: fetched in the background in async PS (an unused prefetch would show
+        # as extra pulls in the servers' counts), nothing elsewhere
+        if step + 1 < steps:
+            model.features.prefetch(as_input(worker_batch(step + 1, fleet.worker_index())[0]))
         opt.step()
         outputs.append({f: p.detach() for f, p in pooled.items()})
     fleet.barrier_worker()
@@ -325,3 +329,5 @@ def test_ps_in_one_pull_and_one_push_per_server_per_step(servers, update) -> Non
         assert "PULL_SPARSE" not in ops and "PUSH_SPARSE_GRAD" not in ops, ops
         assert ops["PUSH_SPARSE_GRAD_MANY"] == steps * workers, ops  # 3 tables, one push per step
         assert 0 < ops["PULL_SPARSE_MANY"] <= steps * workers, ops  # a server without ids is not asked
+    if update == "async":  # one server: one pull per step, the prefetched one after the first
+        assert results[0]["ops"][0]["PULL_SPARSE_MANY"] == steps * workers

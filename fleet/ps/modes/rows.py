@@ -124,6 +124,13 @@ class RemoteRows(_ServerTable):
             backend.adopt_version(got)
         return rows
 
+    @staticmethod
+    def prefetch_together(backends: list[RemoteRows], ids: list[torch.Tensor]) -> Future | None:
+        """Async mode: pull every backend's ``ids`` in the background, one request per server (else None)."""
+        if any(b.sync for b in backends):
+            return None
+        return backends[0].client.pull_sparse_many([(b.table_id, x, 0) for b, x in zip(backends, ids, strict=True)])
+
     def adopt_version(self, rows: torch.Tensor) -> None:
         if self.sync and self.version:
             # backup workers: a late worker finds the shards ahead and pushes for their version. (Only
