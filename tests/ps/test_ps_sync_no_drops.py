@@ -2,7 +2,8 @@
 
 The model is DLRM-shaped in miniature: several tables (``SparseEmbedding`` and
 ``SparseEmbeddingBag``), one used only on some steps, one whose bags are sometimes all empty on
-one worker, one added to the optimizer after step 0, and dense layers. Worker 0 stops right
+one worker, one added to the optimizer after step 0 (then a save and load of the persistables, after
+which every table must go on at its own version), and dense layers. Worker 0 stops right
 after its last step while worker 1's sparse pushes of that step are still on their way (worker 1
 takes its gradients late): the servers must still wait for them. The workers' parameters must
 equal one process (plain PyTorch: ``nn.Embedding`` / ``nn.EmbeddingBag`` and ``torch.optim.SGD``)
@@ -20,7 +21,7 @@ from torch import nn
 from fleet.ps.server import aggregator as agg
 from ps_jobs import run_job
 
-VOCAB, DIM, BATCH, DENSE, STEPS, LATE_STEP, LR = 12, 4, 6, 5, 6, 2, 0.3
+VOCAB, DIM, BATCH, DENSE, STEPS, LATE_STEP, RELOAD_STEP, LR = 12, 4, 6, 5, 6, 2, 4, 0.3
 LATE_S = 0.5  # worker 1 takes its last step's row gradients this late: worker 0 has stopped by then
 TABLES = ("user", "hist", "tags", "rare", "late")
 
@@ -134,7 +135,7 @@ def values(model: Model) -> dict[str, torch.Tensor]:
     return out
 
 
-def train(rank: int, steps: int) -> dict:
+def train(rank: int, steps: int, ckpt: str) -> dict:
     import fleet
 
     try:
@@ -150,6 +151,9 @@ def train(rank: int, steps: int) -> dict:
     for step in range(steps):
         if step == LATE_STEP:  # a table that joins after step 0: its versions start behind the others'
             opt.add_param_group({"params": list(late.parameters())})
+        if step == RELOAD_STEP:  # a round trip that changes nothing; every worker then pulls every table again
+            fleet.save_persistables(ckpt)
+            fleet.load_persistables(ckpt)
         model.tables["hist"].late_s = LATE_S if me == 1 and step == steps - 1 else 0.0
         opt.zero_grad()
         loss = model.loss(batch(step, me), step)
@@ -220,8 +224,8 @@ def test_a_worker_that_pushed_then_stopped_does_not_close_the_step_without_the_o
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("servers", [1, 2])
-def test_sync_without_backup_workers_drops_nothing_and_equals_one_process(servers: int) -> None:
-    results = run_job(train, servers, 2, {"update": "sync"}, STEPS, timeout=100)
+def test_sync_without_backup_workers_drops_nothing_and_equals_one_process(servers: int, tmp_path) -> None:
+    results = run_job(train, servers, 2, {"update": "sync"}, STEPS, str(tmp_path / "ckpt"), timeout=100)
     for worker, result in enumerate(results):
         assert result["stale_dropped"] == 0, (worker, result["stale_dropped"])
         assert result["metrics_dropped"] == 0, (worker, result["metrics_dropped"])
