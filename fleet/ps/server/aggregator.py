@@ -149,10 +149,15 @@ class Shard:
         with their steps (uneven batch counts, or fast workers with backup workers), so a
         step does not wait for them; but a barrier is no reason to close a step early:
         a gradient already on its way from a training worker must still count.
+
+        A worker that pushed this step and stopped since still counts among the step's workers:
+        otherwise its stop (right after its last step, while another worker's push of that step
+        is still on the way) would lower the number required to the pushes already here and
+        close the step without the other worker's gradient, dropping it as stale.
         """
         if not self.mode.closes_steps or not self._pushed:
             return False
-        if len(self._pushed) < self.required(len(active)) and not (active - at_barrier) <= self._pushed:
+        if len(self._pushed) < self.required(len(active | self._pushed)) and not (active - at_barrier) <= self._pushed:
             return False
         self._apply_accumulated(len(self._pushed), self._lr)  # all-or-nothing: on failure nothing moved
         self._pushed.clear()

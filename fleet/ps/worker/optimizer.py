@@ -318,9 +318,12 @@ class PSOptimizer(WrappedOptimizer):
     def refresh(self) -> None:
         """Pull the servers' current dense values into the parameters (after a load or a restart)."""
         self.tables.refresh()
-        if not self.mode.steps_locally and self.tables.entries:
+        if not self.mode.steps_locally and self.sparse:
+            # Each table's own version (its oldest shard's): a table added after step 0 is behind the dense
+            # ones, and a later pull or push at the dense version would wait for steps that never come.
+            servers = self.client.stats().result()
             for _, _, rows in self.sparse:
-                rows.advance(self.tables.entries[0].version)  # sync: every table advances once per step
+                rows.advance(min(int(s["tables"][str(rows.table_id)]["version"]) for s in servers))
 
     # ------------------------------------------------------------------ errors
     def _name(self, param: torch.Tensor) -> str:
