@@ -120,6 +120,10 @@ class Shard:
         """How many gradients close a sync step: N - b, fewer once workers have stopped for good."""
         return max(1, min(self.num_workers - self.backup_workers, active_workers))
 
+    def needs(self, active: set[int]) -> int:
+        """How many gradients close the current step, given the ``active`` workers (and those that pushed it)."""
+        return self.required(len(active | self._pushed))
+
     def waiting_for(self, active: set[int]) -> list[int]:
         """Workers whose push for the current step is missing (for timeout messages)."""
         return sorted(active - self._pushed)
@@ -157,7 +161,7 @@ class Shard:
         """
         if not self.mode.closes_steps or not self._pushed:
             return False
-        if len(self._pushed) < self.required(len(active | self._pushed)) and not (active - at_barrier) <= self._pushed:
+        if len(self._pushed) < self.needs(active) and not (active - at_barrier) <= self._pushed:
             return False
         self._apply_accumulated(len(self._pushed), self._lr)  # all-or-nothing: on failure nothing moved
         self._pushed.clear()

@@ -472,7 +472,7 @@ class ParameterServer:
                 f"{op_name(parked.msg.op)} of table {table} waited {now - parked.since:.2f} s for version "
                 f"{parked.msg.arg}, but the shard is at version {shard.version}; missing pushes for step "
                 f"{shard.version} from workers {shard.waiting_for(self._active)} "
-                f"({shard.mode.name} needs {shard.required(len(self._active))})",
+                f"({shard.mode.name} needs {shard.needs(self._active)})",
             )
         for table, parked in creates:
             waited = now - parked.since
