@@ -260,6 +260,8 @@ def test_geo_trains_locally_and_the_servers_add_up_the_workers_changes() -> None
     each = [reference("full", steps, [rank]) for rank in range(2)]
     for rank, got in enumerate(results):  # every forward ran before the sync: the worker alone
         assert_outputs(got["outputs"], each[rank]["outputs"], 0, f"geo worker {rank}")
+    shared = [n for n in start.bags if torch.isin(each[0]["rows"][n][0], each[1]["rows"][n][0]).any()]
+    assert shared, "no row was changed by both workers: the sum would not be tested"
     summed = {}
     for name, bag in start.bags.items():  # initial rows plus each worker's change, on the rows either touched
         ids = torch.unique(torch.cat([e["rows"][name][0] for e in each]))
