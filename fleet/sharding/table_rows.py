@@ -44,12 +44,17 @@ def table_modules(model: torch.nn.Module) -> list[tuple[str, Any]]:
 
 
 def split_placeholders(optim_state: dict[str, Any], model: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(``optim_state`` without the tables' placeholders' state, that state): ``get_state_dict``'s, keyed by name."""
+    """(``optim_state`` without the tables' placeholders' state, that state): ``get_state_dict``'s, keyed by name.
+
+    The second holds an entry (maybe empty) for each placeholder in the optimizer, for ``set_state_dict``.
+    """
     names = {f"{name}.placeholder" if name else "placeholder" for name, _ in table_modules(model)}
     if not names or "state" not in optim_state:
         return optim_state, {}
     state = {key: value for key, value in optim_state["state"].items() if key not in names}
-    held = {key: value for key, value in optim_state["state"].items() if key in names}
+    # every placeholder the optimizer holds, with or without state (set_state_dict wants an entry for each)
+    held_names = {fqn for group in optim_state.get("param_groups", []) for fqn in group["params"] if fqn in names}
+    held = {key: optim_state["state"].get(key, {}) for key in held_names}
     return {**optim_state, "state": state}, held
 
 

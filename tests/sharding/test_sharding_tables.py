@@ -9,8 +9,6 @@ import torch
 
 from dist_harness import run_workers
 
-pytestmark = pytest.mark.multiprocess
-
 NAME = "adam+life"  # Adam on the dense layers and the rows (per-row state); admission, TTL and clicks
 SAVE_AT, MORE = 3, 3
 
@@ -87,6 +85,7 @@ def worker(rank: int, ckpt: str, resume: bool) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_a_resumed_job_trains_its_tables_exactly_as_the_one_that_saved(tmp_path) -> None:
     from ps_jobs import reference
@@ -111,3 +110,51 @@ def test_a_resumed_job_trains_its_tables_exactly_as_the_one_that_saved(tmp_path)
             for key, value in trip["before"].items():
                 assert torch.equal(trip["after"][key], value), (job, rank, key)
             assert torch.equal(trip["got"], trip["want"]), (job, rank)
+
+
+@pytest.fixture
+def fresh_fleet():
+    import fleet.api
+
+    fleet.api._reset_for_tests()
+    yield
+    fleet.api._reset_for_tests()
+
+
+@pytest.mark.timeout(60)
+def test_one_process_sharding_checkpoint_rows_and_the_mistakes(fresh_fleet, tmp_path) -> None:
+    """In one process too; a checkpoint without the rows part warns, one without a table's rows names it."""
+    import os
+
+    import fleet
+    from ps_jobs import make_model, make_optimizer
+
+    fleet.init()
+    model = make_model(NAME)
+    opt = fleet.distributed_optimizer(
+        make_optimizer(NAME, model.parameters()), fleet.DistributedStrategy(mode="sharding")
+    )
+    for step in range(SAVE_AT):
+        _step(model, opt, step, 0)
+    ckpt = str(tmp_path / "ckpt")
+    fleet.save_checkpoint(ckpt, model, opt, SAVE_AT)
+    want = _local(model.state_dict())
+    _step(model, opt, SAVE_AT, 0)
+    assert fleet.load_checkpoint(ckpt, model, opt).step == SAVE_AT
+    got = _local(model.state_dict())
+    assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+
+    save = os.path.join(ckpt, f"step-{SAVE_AT:09d}")
+    rows = torch.load(os.path.join(save, "rows.pt"), weights_only=True)
+    torch.save({k.replace("emb.", "other."): v for k, v in rows.items()}, os.path.join(save, "rows.pt"))
+    with pytest.raises(
+        fleet.FleetError, match=r"no rows of the model's SparseEmbedding 'emb'; its tables are \['other'\]"
+    ):
+        fleet.load_checkpoint(ckpt, model, opt)
+    os.remove(os.path.join(save, "rows.pt"))
+    _step(model, opt, SAVE_AT, 0)
+    before = model.emb.backend().export()
+    with pytest.warns(UserWarning, match="holds no rows of the model's SparseEmbedding tables \\('emb'\\)"):
+        fleet.load_checkpoint(ckpt, model, opt)
+    after = model.emb.backend().export()
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]), "the tables keep their rows"
