@@ -59,16 +59,21 @@ def split_placeholders(optim_state: dict[str, Any], model: torch.nn.Module) -> t
 
 
 def save(save: SaveWriter, model: torch.nn.Module, worker_index: int) -> None:
-    """Worker 0 writes every table's rows (their replicas are the same on every worker)."""
+    """Worker 0 writes every table's rows (their replicas are the same on every worker).
+
+    Every worker reads them: reading puts a table's rows in id order, which breaks ties between
+    equal eviction scores, so the replicas stay alike.
+    """
     found = table_modules(model)
-    if not found or worker_index != 0:
+    if not found:
         return
     entries: dict[str, torch.Tensor] = {}
     with rows_state.rows_in_state_dict(True):  # a checkpoint keeps the rows of a table that opted out, too
         for name, module in found:
             prefix = f"{name}." if name else ""
             entries.update({prefix + key: value for key, value in rows_state.capture(module).items()})
-    save.write(ROWS, entries)
+    if worker_index == 0:
+        save.write(ROWS, entries)
 
 
 def load(save: Save, model: torch.nn.Module) -> None:

@@ -1,6 +1,8 @@
-"""mode="sharding" checkpoints of a model with a fleet.nn.SparseEmbedding keep the tables' rows and their
-optimizer state: a job resumed from one trains exactly as the job that saved it, and both equal one process
-on the union of the batches; ``model.state_dict()``/``load_state_dict`` round-trip the sharded model exactly."""
+"""Checkpoints of a model with a fleet.nn.SparseEmbedding (mode="sharding" and "collective") keep the tables'
+rows and their optimizer state: a job resumed from one trains exactly as the job that saved it, and both
+equal one process on the union of the batches; ``model.state_dict()``/``load_state_dict`` round-trip the
+(sharded) model exactly. A save keeps the workers' replicas of a table alike (max_rows breaks ties between
+equal eviction scores by slot, and reading the rows puts them in id order)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 
 from dist_harness import run_workers
 
-NAME = "adam+life"  # Adam on the dense layers and the rows (per-row state); admission, TTL and clicks
+NAME = "adam+life+cap"  # Adam on the dense layers and the rows (per-row state); admission, TTL, max_rows, clicks
 SAVE_AT, MORE = 3, 3
 
 
@@ -61,7 +63,7 @@ def _local(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone() for k, v in state.items()}
 
 
-def worker(rank: int, ckpt: str, resume: bool) -> dict:
+def worker(rank: int, mode: str, ckpt: str, resume: bool) -> dict:
     """Train SAVE_AT steps and save, then MORE steps; or, resuming, load and train the same MORE steps."""
     import fleet
     from ps_jobs import make_model, make_optimizer
@@ -69,9 +71,7 @@ def worker(rank: int, ckpt: str, resume: bool) -> dict:
     fleet.init()
     torch.manual_seed(100 + rank + (50 if resume else 0))  # a resumed job starts elsewhere: the load must win
     model = make_model(NAME)
-    opt = fleet.distributed_optimizer(
-        make_optimizer(NAME, model.parameters()), fleet.DistributedStrategy(mode="sharding")
-    )
+    opt = fleet.distributed_optimizer(make_optimizer(NAME, model.parameters()), fleet.DistributedStrategy(mode=mode))
     if resume:
         resumed = fleet.load_checkpoint(ckpt, model, opt)
         assert resumed is not None and resumed.step == SAVE_AT
@@ -85,15 +85,34 @@ def worker(rank: int, ckpt: str, resume: bool) -> dict:
     return out
 
 
+def reference(steps: int, workers: int) -> dict[str, torch.Tensor]:
+    """One process on the union of the batches, taking a state dict where the jobs save: that puts the
+    rows in id order, which breaks ties between equal eviction scores (``max_rows``) from then on."""
+    from ps_jobs import batch, feed_clicks, make_model, make_optimizer, snapshot
+
+    torch.manual_seed(100)
+    model = make_model(NAME)
+    opt = make_optimizer(NAME, model.parameters())
+    for step in range(steps):
+        if step == SAVE_AT:
+            model.state_dict()
+        parts = [batch(step, r) for r in range(workers)]
+        ids, dense, label = (torch.cat([p[i] for p in parts]) for i in range(3))
+        opt.zero_grad()
+        torch.nn.functional.binary_cross_entropy_with_logits(model(ids, dense), label).backward()
+        feed_clicks(NAME, model, label)
+        opt.step()
+    return {**snapshot(model), "num_rows": torch.tensor(model.emb.num_rows())}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_a_resumed_job_trains_its_tables_exactly_as_the_one_that_saved(tmp_path) -> None:
-    from ps_jobs import reference
-
+@pytest.mark.parametrize("mode", ["sharding", "collective"])
+def test_a_resumed_job_trains_its_tables_exactly_as_the_one_that_saved(tmp_path, mode: str) -> None:
     ckpt = str(tmp_path / "ckpt")
-    saved = run_workers(worker, 2, ckpt, False, timeout=120)
-    resumed = run_workers(worker, 2, ckpt, True, timeout=120)
-    want = reference(NAME, SAVE_AT + MORE, 2)
+    saved = run_workers(worker, 2, mode, ckpt, False, timeout=120)
+    resumed = run_workers(worker, 2, mode, ckpt, True, timeout=120)
+    want = reference(SAVE_AT + MORE, 2)
     for rank in range(2):
         assert resumed[rank]["losses"] == saved[rank]["losses"], (rank, resumed[rank]["losses"], saved[rank]["losses"])
         for name, expected in want.items():
