@@ -200,10 +200,13 @@ class Strategy(ABC):
     def save_state(self, save: SaveWriter, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Write the model's and the optimizer's state as parts of ``save`` (every worker calls it).
 
-        The default suits strategies whose workers hold the whole model: worker 0 writes it.
+        The default suits strategies whose workers hold the whole model: worker 0 writes it. Every
+        worker takes the model's state dict: reading a ``fleet.nn.SparseEmbedding``'s rows puts them
+        in id order, which breaks ties between equal eviction scores, so the replicas stay alike.
         """
+        state = model.state_dict()
         if self.runtime.role.worker_index == 0:
-            save.write("state.pt", {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+            save.write("state.pt", {"model": state, "optimizer": optimizer.state_dict()})
 
     def load_state(self, save: Save, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         state = save.load("state.pt")

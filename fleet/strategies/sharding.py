@@ -23,7 +23,8 @@ Stages (``sharding_stage``), mapped onto FSDP2's ``reshard_after_forward``:
 In both, gradients are reduce-scattered and each worker's optimizer steps its own shard.
 ``mixed_precision`` is FSDP2's ``MixedPrecisionPolicy`` (compute in bf16/fp16, gradients
 reduced in float32). Checkpoints go through ``torch.distributed.checkpoint``: every worker
-writes its shards, and a checkpoint saved by N workers loads with M.
+writes its shards, and a checkpoint saved by N workers loads with M; ``fleet.nn.SparseEmbedding``
+rows beside them (:mod:`fleet.sharding.table_rows`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from fleet.collective.layout import ParamMap
 from fleet.errors import FleetError
 from fleet.nn.rows_state import rows_in_state_dict
 from fleet.sharding import autograd as sharded_autograd
+from fleet.sharding import table_rows
 from fleet.sharding.order import ShardedOrder
 from fleet.sparse import backends as tables
 from fleet.strategies.base import Runtime, Strategy, check_reduce
@@ -254,11 +256,12 @@ class ShardingStrategy(Strategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        # torch.distributed.checkpoint takes state-dict keys for attributes: a table's rows are not in it
+        # torch.distributed.checkpoint takes state-dict keys for attributes: the tables' rows go in a part of their own
         with rows_in_state_dict(False):
             model_state, optim_state = get_state_dict(model, _inner(optimizer))
-        state = {"model": model_state, "optimizer": optim_state}
+        state = {"model": model_state, "optimizer": table_rows.split_placeholders(optim_state, model)[0]}
         dcp.save(state, checkpoint_id=save.directory(SHARDED), no_dist=not dist.is_initialized())
+        table_rows.save(save, model, self.runtime.role.worker_index)
 
     def load_state(self, save: Save, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         import torch.distributed.checkpoint as dcp
@@ -267,9 +270,12 @@ class ShardingStrategy(Strategy):
         inner = _inner(optimizer)
         with rows_in_state_dict(False):
             model_state, optim_state = get_state_dict(model, inner)
+            optim_state, placeholders = table_rows.split_placeholders(optim_state, model)
             state = {"model": model_state, "optimizer": optim_state}
             dcp.load(state, checkpoint_id=save.part(SHARDED), no_dist=not dist.is_initialized())
+            state["optimizer"]["state"].update(placeholders)
             set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        table_rows.load(save, model)  # after set_state_dict, whose initialising step may have stepped the tables
 
 
 class ShardingOptimizer(WrappedOptimizer):
