@@ -719,15 +719,19 @@ class SparseTable:
                 undo.rows(self._getter(f"state.{name}"), slots, old_state[name])
                 self._state[name].index_copy_(0, slots, state[name])
 
-    def add_delta(self, ids: torch.Tensor, deltas: torch.Tensor, step: int | None = None) -> None:
-        """Geo mode: add per-row parameter changes (duplicates add up); optimizer state untouched."""
+    def add_delta(
+        self, ids: torch.Tensor, deltas: torch.Tensor, step: int | None = None, clicks: torch.Tensor | None = None
+    ) -> None:
+        """Geo mode: add per-row parameter changes (duplicates add up); optimizer state untouched. ``clicks``
+        (one per id, optional): the clicks the worker recorded for these rows since its last sync."""
         ids = as_ids(ids)
         deltas = self.check_rows("deltas", deltas, ids.numel())
+        clicks = self._check_clicks(clicks, ids.numel())
         with self.transaction() as undo:
             self.tick(step)
             if ids.numel():
-                slots, deltas, _ = self._update_slots(ids, deltas, None)
-                self._touch(slots, None)
+                slots, deltas, clicks = self._update_slots(ids, deltas, clicks)
+                self._touch(slots, clicks)
                 undo.rows(self._getter("rows"), slots)
                 self._rows.index_add_(0, slots, deltas)
 

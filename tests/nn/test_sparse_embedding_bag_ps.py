@@ -278,9 +278,6 @@ def test_geo_trains_locally_and_the_servers_add_up_the_workers_changes() -> None
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True, reason="geo drops record_clicks: GeoRows.step keeps no clicks, PUSH_SPARSE_DELTA has none"
-)
 def test_geo_keeps_the_click_statistics(fresh_fleet) -> None:
     from ps_jobs import run_job
 

@@ -497,9 +497,12 @@ class PSClient:
         """
         return self.push_sparse_grads_many([SparsePush(table_id, ids, grads, step, lr, clicks)])
 
-    def push_sparse_delta(self, table_id: int, ids: torch.Tensor, deltas: torch.Tensor, step: int = 0) -> Future:
-        """Future[None]: geo mode, add ``deltas`` to rows ``ids``; ``step`` is this worker's step count."""
-        return self._sparse_push(Op.PUSH_SPARSE_DELTA, table_id, ids, deltas, step, 0.0)
+    def push_sparse_delta(
+        self, table_id: int, ids: torch.Tensor, deltas: torch.Tensor, step: int = 0, clicks: torch.Tensor | None = None
+    ) -> Future:
+        """Future[None]: geo mode, add ``deltas`` to rows ``ids``; ``step`` is this worker's step count;
+        ``clicks`` (one per id, optional) the clicks recorded for those rows since the last sync."""
+        return self._sparse_push(Op.PUSH_SPARSE_DELTA, table_id, ids, deltas, step, 0.0, clicks)
 
     def shrink(self, table_id: int, threshold: float | None = None, timeout_s: float | None = None) -> Future:
         """Future[int]: every server evicts the table's expired rows (and rows scoring below ``threshold``)."""

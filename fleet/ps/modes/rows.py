@@ -167,6 +167,7 @@ class GeoRows(_ServerTable):
         self.base = SparseTable(module.embedding_dim, spec, module.initializer, module.seed)
         self.known = IdIndex()  # ids whose rows came from the servers: O(batch) per check, not O(seen)
         self.touched: list[torch.Tensor] = []
+        self.clicks: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, clicks) recorded since the last sync
         self.guard: Guard = _unguarded
 
     def load_rows_state(self, state: dict[str, Any], replace: bool) -> None:
@@ -178,6 +179,7 @@ class GeoRows(_ServerTable):
         """After a server restart: every row is fetched from the servers again; unsynced changes are dropped."""
         self.known = IdIndex()
         self.touched = []
+        self.clicks = []
 
     def _fetch(self, ids: torch.Tensor) -> None:
         missing = ids[self.known.lookup(ids) < 0]
@@ -196,9 +198,11 @@ class GeoRows(_ServerTable):
 
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
         """The optimizer holding the module stepped (geo steps the user's optimizer locally): apply the rows'
-        gradients to the cached rows. Clicks stay here: geo pushes deltas, not gradients."""
-        ids, grads, _ = self.module.take_gradients()
+        gradients to the cached rows; the clicks go to the servers with the next sync's deltas."""
+        ids, grads, clicks = self.module.take_gradients()
         self.apply(ids, grads, float(group["lr"]))
+        if clicks is not None and ids.numel():
+            self.clicks.append((ids, clicks))
 
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         if ids.numel():
@@ -211,6 +215,13 @@ class GeoRows(_ServerTable):
             return
         ids = torch.unique(torch.cat(self.touched))
         self.touched = []
+        clicks = None
+        if self.clicks:  # every id's clicks since the last sync, summed (each recorded id was touched)
+            clicked = torch.cat([i for i, _ in self.clicks])
+            clicks = torch.zeros(ids.numel()).index_add_(
+                0, torch.searchsorted(ids, clicked), torch.cat([c for _, c in self.clicks])
+            )
+            self.clicks = []
         delta = self.local.pull(ids) - self.base.pull(ids)
-        self.client.push_sparse_delta(self.table_id, ids, delta, step).result()
+        self.client.push_sparse_delta(self.table_id, ids, delta, step, clicks).result()
         self._rebase(ids, self.client.pull_sparse(self.table_id, ids).result())

@@ -462,11 +462,19 @@ class SparseShard(Shard):
         self._lr = lr
         return True
 
-    def push_delta(self, ids: torch.Tensor, deltas: torch.Tensor, step: int = 0, more: bool = False) -> None:
-        """Geo mode; ``step`` is the worker's own step (the table's clock); ``more`` as for :meth:`push_grad`."""
+    def push_delta(
+        self,
+        ids: torch.Tensor,
+        deltas: torch.Tensor,
+        step: int = 0,
+        more: bool = False,
+        clicks: torch.Tensor | None = None,
+    ) -> None:
+        """Geo mode; ``step`` is the worker's own step (the table's clock); ``more`` as for :meth:`push_grad`;
+        ``clicks``: the worker's clicks of these rows since its last sync."""
         self.mode.admit_delta(self.table_id)
         self.check_rows("deltas", ids, deltas)
-        self.table.add_delta(ids, deltas, step=step)
+        self.table.add_delta(ids, deltas, step=step, clicks=clicks)
         if not more:
             self.version += 1
 

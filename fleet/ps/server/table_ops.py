@@ -190,9 +190,10 @@ class TableRequests:
             shard.push_delta(self._expect(msg, "delta")[0])
         else:
             shard = self._shard(msg, "sparse")
-            ids, deltas = self._expect(msg, "ids", "deltas")
+            # Clicks travel only when the worker recorded some.
+            ids, deltas, *clicks = msg.tensors if len(msg.tensors) == 3 else self._expect(msg, "ids", "deltas")
             self.limits.check_ids("PUSH_SPARSE_DELTA", msg.table, ids.numel(), shard.dim)
-            shard.push_delta(ids, deltas, step=msg.step, more=more)
+            shard.push_delta(ids, deltas, step=msg.step, more=more, clicks=clicks[0] if clicks else None)
         if status == Status.STALE and not more:
             self._counts["stale_dropped"] += 1
         self._close_step(shard)
