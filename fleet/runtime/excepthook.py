@@ -2,7 +2,9 @@
 
 Only fleet's own user-error types are shortened (a bad strategy value, an inconsistent
 launch environment); every other exception keeps Python's full report. Set
-FLEET_TRACEBACK=1 to see the traceback of user errors too.
+FLEET_TRACEBACK=1 to see the traceback of user errors too. torch's own error for a second
+``init_process_group`` after the one fleet.init() made gets fleet's explanation after its
+report (:mod:`fleet.runtime.default_group`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ FLEET_TRACEBACK = "FLEET_TRACEBACK"
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
-    from fleet.errors import ModelMismatchError, StrategyError
+    from fleet.errors import ModelMismatchError, StrategyError, UserProcessGroupError
     from fleet.runtime.env import EnvError
 
-    return (EnvError, StrategyError, ModelMismatchError)
+    return (EnvError, StrategyError, ModelMismatchError, UserProcessGroupError)
 
 
 def install_excepthook() -> None:
@@ -31,6 +33,11 @@ def install_excepthook() -> None:
             print(f"fleet: {kind.__name__}: {value}\n(set {FLEET_TRACEBACK}=1 to see the traceback)", file=sys.stderr)
             sys.exit(env.EXIT_USER_ERROR)
         previous(kind, value, traceback)
+        from fleet.runtime import default_group  # torch: loaded only once an error got this far
+
+        explanation = default_group.explain_twice(value)
+        if explanation is not None:
+            print(f"fleet: {explanation}", file=sys.stderr)
 
     hook._fleet = True  # type: ignore[attr-defined]
     sys.excepthook = hook
