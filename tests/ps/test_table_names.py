@@ -51,6 +51,8 @@ def test_names_come_from_the_model_given_to_fleet_or_from_the_modules_holding_th
     for names in (TableNames(params, tower), TableNames(params)):  # given, then found without it
         assert [names.module(m) for m in tower.emb_l] == ["emb_l.0", "emb_l.1"]
         assert names.params([tower.mlp.weight, tower.mlp.bias]) == ["mlp.weight", "mlp.bias"]
+    wrapper = torch.nn.Sequential(tower)  # a wrapper one worker made (to log, to compile) changes no name
+    assert TableNames(params).module(tower.emb_l[0]) == "emb_l.0" and wrapper[0] is tower
     bare = fleet.nn.SparseEmbedding(4)  # held by no model: no name, the number stays
     assert TableNames(list(bare.parameters())).module(bare) is None
     assert TableNames([torch.nn.Parameter(torch.ones(2))]).params([torch.ones(1)]) == ["parameter 0 of the param group"]

@@ -10,10 +10,11 @@ workers that name a table differently get a conflicting create naming both
 (:meth:`fleet.ps.worker.optimizer.PSOptimizer._explain`).
 
 The names come from the model given to ``fleet.distributed_model`` when it holds the
-parameters; else from the outermost modules holding the optimizer's parameters (found by
-:mod:`fleet.training.owners`, the search fleet already makes for buffers at the same moment),
-ordered by their first parameter in the optimizer so that every worker of the same script
-finds the same names. A table module that no model holds has no name: the tables are then
+parameters; else from the smallest module holding all of the optimizer's parameters (found by
+:mod:`fleet.training.owners`, the search fleet already makes for buffers at the same moment: the
+model itself, not a wrapper some worker made around it), else from the outermost modules
+holding them, ordered by their first parameter in the optimizer so that every worker of the
+same script finds the same names. A table module that no model holds has no name: the tables are then
 numbered only, and messages say how to get names.
 """
 
@@ -54,6 +55,9 @@ class TableNames:
         wanted = {id(p) for p in params}
         if model is not None and wanted <= {id(p) for p in model.parameters()}:
             return [model]
+        found_model = owners.model_of(params)  # not a wrapper only some workers made: names must agree
+        if found_model is not None and model is None:
+            return [found_model]
         position = {id(p): i for i, p in enumerate(params)}
         found = owners.modules_holding(params)
         if model is not None:
