@@ -9,6 +9,7 @@ report (:mod:`fleet.runtime.default_group`).
 
 from __future__ import annotations
 
+import io
 import sys
 
 from fleet.runtime import env
@@ -30,7 +31,8 @@ def install_excepthook() -> None:
 
     def hook(kind, value, traceback):
         if issubclass(kind, _user_error_types()) and not env.current().has(FLEET_TRACEBACK):
-            print(f"fleet: {kind.__name__}: {value}\n(set {FLEET_TRACEBACK}=1 to see the traceback)", file=sys.stderr)
+            message = f"fleet: {kind.__name__}: {value}\n(set {FLEET_TRACEBACK}=1 to see the traceback)"
+            print(message, file=_unbuffered(sys.stderr), flush=True)
             sys.exit(env.EXIT_USER_ERROR)
         previous(kind, value, traceback)
         from fleet.runtime import default_group  # torch: loaded only once an error got this far
@@ -41,3 +43,15 @@ def install_excepthook() -> None:
 
     hook._fleet = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _unbuffered(stream):
+    """Where a paragraph printed before exiting is seen. A hook around this one may have put a buffer
+    in place of stderr to print what this one prints later (torch.distributed's, installed by every
+    ``init_process_group``, prefixes each line with the rank): exiting here would drop it."""
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both an OSError and a ValueError
+        if isinstance(stream, io.StringIO) and sys.__stderr__ is not None:
+            return sys.__stderr__
+    return stream

@@ -9,7 +9,9 @@ refuses it. After fleet.init(): torch's own "twice" error is explained by fleet'
 from __future__ import annotations
 
 import io
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 import fleet
 import fleet.api
-from dist_harness import free_port, run_workers
+from dist_harness import clean_env, fleetrun_command, free_port, run_workers
 from fleet.errors import UserProcessGroupError
 from fleet.runtime import default_group
 
@@ -163,3 +165,39 @@ def test_a_collective_job_explains_a_second_group_and_adopts_one_made_before_it(
         assert result["adopted"] and result["kept"]
         for got, want in zip(result["params"], model.parameters(), strict=True):
             torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["ps", "collective-after", "collective-before"])
+def test_fleetrun_answers_a_script_whose_own_distributed_mode_torchruns_variables_switch_on(tmp_path, mode):
+    """The reported case: fleetrun's WORLD_SIZE/RANK switched a script's own distributed mode on.
+
+    A parameter-server job refuses it in one paragraph (exit status 2, also through the rank-prefixing
+    exception hook torch.distributed installs); a collective job explains torch's "twice" error, and
+    adopts a group made before fleet.init().
+    """
+    script = Path(__file__).resolve().parents[1] / "scripts" / "own_process_group.py"
+    options = ["--workers", "2", "--log-dir", str(tmp_path / "logs")]
+    args: tuple[str, ...] = ()
+    if mode == "ps":
+        strategy = tmp_path / "ps.toml"
+        strategy.write_text('mode = "ps"\nupdate = "async"\ntimeout_s = 20\n')
+        options += ["--servers", "1", "--strategy", str(strategy)]
+    elif mode == "collective-after":
+        args = ("--after",)
+    command = fleetrun_command(*options, script=script, args=args)
+    done = subprocess.run(command, env=clean_env(), capture_output=True, text=True, timeout=100)
+    output = done.stdout + done.stderr
+    if mode == "collective-before":  # env:// on fleetrun's MASTER_ADDR/PORT: fleet adopts it, binds nothing there
+        assert done.returncode == 0 and output.count("trained") == 2, output
+        return
+    assert done.returncode != 0 and "trained" not in output, output
+    if mode == "ps":
+        assert "UserProcessGroupError: torch.distributed.init_process_group was called before fleet.init()" in output
+        assert "parameter-server job (mode='ps', update='async'" in output and "Traceback" not in output, output
+        assert "fleetrun: job failed (exit status 2)" in output
+    else:
+        assert "trying to initialize the default process group twice" in output, output
+        assert "fleet: torch.distributed.init_process_group was called after fleet.init()" in output, output
+    assert "migrating-from-ddp.md" in output
