@@ -55,8 +55,8 @@ class TableNames:
         wanted = {id(p) for p in params}
         if model is not None and wanted <= {id(p) for p in model.parameters()}:
             return [model]
-        found_model = owners.model_of(params)  # not a wrapper only some workers made: names must agree
-        if found_model is not None and model is None:
+        found_model = owners.model_of(params) if model is None else None  # not a wrapper only some workers made
+        if found_model is not None:
             return [found_model]
         position = {id(p): i for i, p in enumerate(params)}
         found = owners.modules_holding(params)
