@@ -18,7 +18,7 @@ from fleet import registry
 from fleet.collective.liveness import Liveness
 from fleet.data.loader import shard_loader
 from fleet.errors import FleetError, StoreTamperedError
-from fleet.runtime import context, env, job_files, job_secret, netif, rendezvous
+from fleet.runtime import context, default_group, env, job_files, job_secret, netif, rendezvous
 from fleet.runtime.roles import RoleInfo, RoleMaker, detect
 from fleet.runtime.signed_store import SignedStore
 from fleet.sparse import backends as tables
@@ -44,6 +44,9 @@ class FleetContext:
         self._groups: dict[float, Any] = {}
         self._impl: Strategy | None = None
         self._wrapped = False  # an optimizer or a model was wrapped: the strategy is fixed
+        self._adopted = (
+            False  # the default group is the script's (made before fleet.init): fleet uses groups of its own
+        )
         environ = env.current()
         self._namespace = f"fleet/{environ.str(env.FLEET_RESTART_COUNT, '0')}"
         if role.source == "torchrun" and environ.has(env.TORCHELASTIC_RESTART_COUNT):
@@ -66,15 +69,29 @@ class FleetContext:
             return None
         self.init_process_group()
         if timeout_s not in self._groups:
-            # new_group is collective: every worker asks for the same timeouts in the same order.
-            self._groups[timeout_s] = dist.new_group(timeout=timedelta(seconds=timeout_s))
+            # new_group is collective: every worker asks for the same timeouts in the same order. Over an
+            # adopted group, fleet's own backends: the script's may lack gloo for fleet's CPU tensors.
+            backend = _backend() if self._adopted else None
+            self._groups[timeout_s] = dist.new_group(timeout=timedelta(seconds=timeout_s), backend=backend)
         return self._groups[timeout_s]
 
+    def describe(self) -> str:
+        """This job in words, for messages: "this collective job (mode='collective'; this process is worker 0 of 2)"."""
+        mode = self.strategy.mode
+        return f"this {mode} job (mode={mode!r}; this process is {self.role.name} of {self.role.worker_num} workers)"
+
     def init_process_group(self) -> None:
+        user = default_group.found()
+        if user is not None:
+            # The script called init_process_group before fleet.init(): fleet runs over the same ranks when
+            # they are the job's workers (no store, heartbeats or signing of fleet's then), else says what to remove.
+            default_group.check_matches(user, self.describe(), self.role.worker_index, self.role.worker_num)
+            self._adopted = True
+            return
         if dist.is_initialized():
             return
         timeout_s = self.strategy.timeout_s
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        backend = _backend()
         store = self.rendezvous_store()
         try:
             dist.init_process_group(
@@ -89,6 +106,7 @@ class FleetContext:
                 raise StoreTamperedError("a value the process group exchanged does not carry a valid MAC") from None
             raise
         self._groups[timeout_s] = dist.group.WORLD
+        default_group.made_by_fleet(self.describe())
         key = store.key if isinstance(store, SignedStore) else None
         self.liveness = Liveness(
             self.role.master, self._namespace, self.role.rank, self.role.world_size, timeout_s, key=key
@@ -160,13 +178,22 @@ class FleetContext:
         """Let go of the heartbeats, the process group and the store (local: no peer is asked)."""
         if self.liveness is not None:
             self.liveness.close()
-        if dist.is_initialized() and not self.role.server_num:
+        if dist.is_initialized() and default_group.found() is None:  # the default group is fleet's
             dist.destroy_process_group()
+            default_group.forget()
+        elif dist.is_initialized() and self._adopted:  # fleet's groups go; the default one is the script's to destroy
+            for group in self._groups.values():
+                dist.destroy_process_group(group)
         # Let go of the groups and stores now, not at interpreter exit: a gloo group or store that
         # C++ static destruction tears down (after Python is gone) has aborted the process with
         # "terminate called without an active exception" when its peer was still closing.
         self._groups.clear()
         self._store = None
+
+
+def _backend() -> str:
+    """The process-group backend fleet uses: gloo for CPU tensors, NCCL for CUDA ones."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _describe(strategy: DistributedStrategy) -> str:
@@ -468,4 +495,5 @@ def _reset_for_tests() -> None:
     """Forget the context without talking to peers (tests reuse one interpreter)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    default_group.forget()
     context.set_current(None)

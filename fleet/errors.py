@@ -32,6 +32,10 @@ class ModelMismatchError(PeerError):
     """Workers hold models whose parameters differ in number or shape."""
 
 
+class UserProcessGroupError(FleetError):
+    """The script initialised torch.distributed's default process group in a way the fleet job cannot use."""
+
+
 class StoreTamperedError(PeerError):
     """A process without the job's secret wrote into the rendezvous store (what it wrote was refused)."""
 

@@ -99,6 +99,9 @@ def torchrun_variables(spec: ProcessSpec, config: LaunchConfig, layout: JobLayou
     """torchrun's variables for a worker, with torchrun's meaning over the job's workers (servers excluded).
 
     MASTER_ADDR:MASTER_PORT is the job's rendezvous store (hosted by worker 0), as under torchrun.
+    Parameter-server workers get them too (LOCAL_RANK picks a GPU in every mode), although they have
+    no process group: a script whose own distributed mode they switch on is refused by the strategy,
+    naming the init_process_group call (docs/migrating-from-ddp.md).
     """
     host, port = env.split_endpoint(layout.master)
     return {

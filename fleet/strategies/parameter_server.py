@@ -86,9 +86,11 @@ class ParameterServerStrategy(Strategy):
     def join(self) -> None:
         """Serve on a server (and exit the process); connect on a worker."""
         from fleet.ps.server import launch as launch_server
+        from fleet.ps.worker.user_group import refuse_user_group
 
         if not self.runtime.role.server_num:
             return  # mode='ps' with no servers: wrap_optimizer explains
+        refuse_user_group(self.config, self.runtime.role, "before fleet.init()")
         launch_server.resolve_secret(self.runtime)
         if self.runtime.role.is_server:
             self.serve(run=True)
@@ -167,6 +169,7 @@ class ParameterServerStrategy(Strategy):
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         from fleet.ps.worker.optimizer import PSOptimizer
+        from fleet.ps.worker.user_group import refuse_user_group
 
         role = self.runtime.role
         if not role.server_num:
@@ -177,6 +180,7 @@ class ParameterServerStrategy(Strategy):
             )
         if not role.is_worker:
             raise FleetError(f"fleet.distributed_optimizer was called on {role.name}; servers do not train.")
+        refuse_user_group(self.config, role, "after fleet.init()")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         model = self.runtime.model_for(params)
         wrapped = PSOptimizer(optimizer, self.client(), self.config, role, self._new_table, model)

@@ -67,6 +67,21 @@ def modules_holding(params: list[torch.Tensor]) -> list[nn.Module]:
     return [m for m in holding if id(m) not in inner]
 
 
+def model_of(params: list[torch.Tensor]) -> nn.Module | None:
+    """The smallest module holding every one of ``params``: the model they came from, never a wrapper
+    around it that only some processes made (None when no module holds them all)."""
+    wanted = {id(p) for p in params}
+    best: tuple[int, int] | None = None
+    found = None
+    for module in _modules():
+        held = {id(p) for p in module.parameters()}
+        if wanted <= held:
+            size = (len(held), sum(1 for _ in module.modules()))
+            if best is None or size < best:
+                best, found = size, module
+    return found
+
+
 def model_buffers(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str]]:
     """The buffers of the models holding ``params`` and their names, in an order every worker agrees on
     (the models by the first of ``params`` each holds)."""

@@ -256,6 +256,7 @@ class PSClient:
             tensors = [] if flat is None else [flat[lo:hi]]
             parts.append((s, self._msg(Op.CREATE_DENSE, table_id, blob=blob, tensors=tensors)))
         self._dense[table_id] = (int(size), ranges)
+        self._io.name_table(table_id, config.get("name"))
         return self._submit(parts, timeout_s=timeout_s)
 
     def pull_dense(self, table_id: int, min_version: int = 0) -> Future:
@@ -368,6 +369,7 @@ class PSClient:
             config = {**config, "servers": self.num_servers}  # each server keeps max_rows // servers
         blob = json.dumps(config, sort_keys=True).encode()
         self._sparse[table_id] = (int(config["dim"]), of_config(config))
+        self._io.name_table(table_id, config.get("name"))
         return self._submit(self._all(Op.CREATE_SPARSE, table_id, blob), timeout_s=timeout_s)
 
     def _split(self, ids: torch.Tensor, every_server: bool) -> list[tuple[int, torch.Tensor]]:

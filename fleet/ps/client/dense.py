@@ -126,14 +126,22 @@ class DenseTables:
         self.entries: list[GroupTable] = []
         self.creates: list[Callable[[], Future]] = []  # every table's create, re-sent after a server restart
 
-    def create(self, index: int) -> list[Future]:
-        """Create param group ``index``'s table (nothing for a group without dense parameters)."""
+    def create(
+        self, index: int, naming: Callable[[int, list[torch.Tensor]], dict[str, Any]] | None = None
+    ) -> list[Future]:
+        """Create param group ``index``'s table (nothing for a group without dense parameters).
+
+        ``naming(index, params)``: the table's names in the model, added to its config
+        (:mod:`fleet.ps.worker.table_names`).
+        """
         entry = GroupTable(self.new_table(), self.optimizer, index)
         if entry.size == 0:
             return []
         spec = OptimizerSpec.from_torch(type(self.optimizer), entry.group, where="by the parameter server")
-        # The shapes travel in the config: a worker whose model differs gets a conflicting create.
+        # The shapes (and names) travel in the config: a worker whose model differs gets a conflicting create.
         cfg = {**self.base_config, "optimizer": spec.to_config(), "shapes": [list(p.shape) for p in entry.params]}
+        if naming is not None:
+            cfg.update(naming(index, entry.params))
         cfg = cfg if self.is_first else {**cfg, "size": entry.size}
         self.creates.append(
             lambda: self.client.create_dense(entry.table_id, entry.values() if self.is_first else None, cfg)

@@ -38,6 +38,7 @@ from fleet.ps.protocol.errors import (
     PSRemoteError,
     PSServerUnavailable,
     WireError,
+    name_tables,
     parse_error_reply,
 )
 from fleet.ps.protocol.wire import (
@@ -110,6 +111,7 @@ class IOThread:
         self._active: set[Job] = set()
         self._outbox: list[deque[tuple[int, Message, Job]]] = [deque() for _ in self.endpoints]
         self._refused: dict[int, str] = {}  # server -> why its handshake failed
+        self._table_names: dict[int, str] = {}  # table id -> its name in this worker's model, for error messages
         # server -> why its last handshake failed for a reason other than the secret (cleared by a handshake
         # that succeeds): requests made meanwhile fail at once with it instead of waiting for their deadline
         self._failing: dict[int, str] = {}
@@ -347,8 +349,14 @@ class IOThread:
             self._inflight.pop(rid, None)
         job.pending.clear()
 
+    def name_table(self, table: int, name: str | None) -> None:
+        """Name ``table`` in the errors servers send about it (its module's path in this worker's model)."""
+        if name:
+            self._table_names[table] = name
+
     def _remote(self, server: int, op: int, text: str) -> PSRemoteError:
         message, details = parse_error_reply(text)
+        message = name_tables(message, self._table_names)
         return PSRemoteError(server, self.endpoints[server], op_name(op), message, details)
 
     def _unavailable(self, server: int, msg: Message, why: str, cls: type = PSServerUnavailable) -> PSError:

@@ -9,6 +9,8 @@ the job's exit reason.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 
 from fleet.errors import FleetError, PeerError
 
@@ -70,6 +72,34 @@ class PSRemoteError(PSError):
         self.op = op
         self.remote_message = message
         self.details = details or {}
+
+
+UNNAMED_TABLES = (
+    "tables are numbered in the order the workers create them; to see their module names, give the model to "
+    "fleet.distributed_model(model) before fleet.distributed_optimizer"
+)
+_TABLE = re.compile(r"\btable (\d+)\b")
+
+
+def name_tables(message: str, names: Mapping[int, str]) -> str:
+    """A server's ``message`` with each ``table N`` it mentions named as this worker's model names it.
+
+    ``names``: table id -> the module's path in the model (``emb_l.3``) or a dense table in words.
+    A name the message already holds (a conflicting create names both sides) is not repeated; a
+    table without a name gets a hint on how to have it named.
+    """
+    unnamed = False
+
+    def named(match: re.Match) -> str:
+        nonlocal unnamed
+        name = names.get(int(match.group(1)))
+        if name is None:
+            unnamed = True
+            return match.group(0)
+        return match.group(0) if repr(name) in message else f"{match.group(0)} ({name!r} in this worker's model)"
+
+    out = _TABLE.sub(named, message)
+    return f"{out} ({UNNAMED_TABLES})" if unnamed and not names else out
 
 
 def parse_error_reply(text: str) -> tuple[str, dict]:

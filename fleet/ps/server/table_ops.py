@@ -119,9 +119,11 @@ class TableRequests:
                 "existing": {"kind": shard.kind, "config": shard.config},
                 "requested": {"kind": kind, "config": config},
             }
+            made, asked = shard.config.get("name"), config.get("name")  # the module's path in the workers' model
+            named = f" ({made!r}; this create is for {asked!r})" if made != asked else f" ({made!r})" if made else ""
             raise agg.ShardError(
-                f"conflicting create of table {shard.table_id}: it exists as {shard.kind} with config {shard.key}, "
-                f"this create asks for {kind} with config {agg.canonical(config)}",
+                f"conflicting create of table {shard.table_id}{named}: it exists as {shard.kind} with config "
+                f"{shard.key}, this create asks for {kind} with config {agg.canonical(config)}",
                 details,
             )
 
@@ -324,6 +326,8 @@ class TableRequests:
                 shard = (agg.DenseShard if kind == "dense" else agg.SparseShard)(table, config, self.num_workers)
                 self._shards[table] = shard
             else:
+                if "name" not in config:  # saved before tables carried their names: matched by number alone
+                    config = {**config, **{k: shard.config[k] for k in ("name", "names") if k in shard.config}}
                 self._check_same(shard, kind, config)
             shard.load(state)
             loaded.append(table)

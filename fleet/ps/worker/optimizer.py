@@ -19,13 +19,15 @@ from typing import Any
 
 import torch
 
-from fleet.errors import FleetError, ModelMismatchError
+from fleet.errors import FleetError
 from fleet.ps.client.client import PSClient
 from fleet.ps.client.dense import DenseTables
 from fleet.ps.modes import mode_for
 from fleet.ps.protocol.errors import PSRemoteError
 from fleet.ps.worker.recovery import Recovery
 from fleet.ps.worker.step_checks import GradWatch, HyperParameters
+from fleet.ps.worker.table_names import TableNames, dense_name, explain_conflict
+from fleet.ps.worker.user_group import refuse_user_group
 from fleet.runtime import env
 from fleet.sparse import backends as tables
 from fleet.sparse.optim import OptimizerSpec, ServerOptimizer
@@ -50,6 +52,7 @@ class PSOptimizer(WrappedOptimizer):
         self.config = config
         self.is_first = role.worker_index == 0
         self._worker = role.worker_index
+        self._role = role
         self._model = model
         self._new_table = new_table
         self.mode = mode_for(config.update)
@@ -121,13 +124,14 @@ class PSOptimizer(WrappedOptimizer):
         self._check_dtypes(indices)
         first = len(self.tables.entries)
         created = []
+        names = TableNames(self.parameters(), self._model)
         for index in indices:  # dense tables first, then the sparse ones: every worker gets the same ids
             self._groups.append([id(p) for p in self._inner.param_groups[index]["params"]])
             self._hyper.record(index)
-            created += self.tables.create(index)
+            created += self.tables.create(index, lambda i, params: _dense_names(names, i, params))
         first_sparse = len(self.sparse)
         for index in indices:
-            created += self._add_sparse(index)
+            created += self._add_sparse(index, names)
         self.tables.settle(created, self.tables.entries[first:], self._explain, self._worker, check_values)
         self._send_given_rows(self.sparse[first_sparse:])
         self._watch_grads()
@@ -170,13 +174,16 @@ class PSOptimizer(WrappedOptimizer):
             self._grad_watch.check([p for entry in self.tables.entries for p in entry.params], self._name)
             self._watch_grads()  # parameters unfrozen since
 
-    def _add_sparse(self, index: int) -> list[Future]:
+    def _add_sparse(self, index: int, names: TableNames) -> list[Future]:
         futures = []
         group = self._inner.param_groups[index]
         for module, _ in tables.modules_in(self._inner, [group]):
             spec = OptimizerSpec.from_torch(type(self._inner), group, rows=True, where="by the parameter server")
             table_id = self._new_table()
             sparse_cfg = {**self._base, **module.table_config(spec)}
+            name = names.module(module)  # type: ignore[arg-type]
+            if name is not None:  # compared by the servers: workers whose table N is another module conflict
+                sparse_cfg["name"] = name
             self._sparse_creates.append(lambda t=table_id, c=sparse_cfg: self.client.create_sparse(t, c))
             futures.append(self._sparse_creates[-1]())
             rows = self.mode.rows(self.client, table_id, module, spec)
@@ -216,6 +223,7 @@ class PSOptimizer(WrappedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        refuse_user_group(self.config, self._role, "after fleet.init()")  # its own distributed mode, mid-job
         self._adopt_new_groups()
         self._check_step()
         started = time.perf_counter()
@@ -348,34 +356,14 @@ class PSOptimizer(WrappedOptimizer):
                 "and unfreeze parameters the same way on every worker (the change takes effect at the next step)."
             )
         if code == "conflicting_create":
-            return self._model_mismatch(exc) or exc
+            return explain_conflict(details, self._worker) or exc
         return exc
 
-    def _model_mismatch(self, exc: PSRemoteError) -> Exception | None:
-        """A dense table created with other shapes than this worker's: name the first parameter that differs."""
-        theirs = exc.details["existing"]["config"].get("shapes")
-        mine = exc.details["requested"]["config"].get("shapes")
-        if theirs is None or mine is None or theirs == mine:
-            return None
-        entry = next((e for e in self.tables.entries if e.table_id == exc.details["table"]), None)
-        params = entry.params if entry is not None else []
-        model = self._model
-        names = (
-            {id(p): n for n, p in model.named_parameters()}
-            if model is not None
-            else {k: o.name for k, o in owners.find_owners(params).items()}
-        )
-        for position, (a, b) in enumerate(zip(theirs, mine, strict=False)):
-            if a != b:
-                name = names.get(id(params[position]), f"parameter {position}") if position < len(params) else position
-                return ModelMismatchError(
-                    f"Workers hold different models: {name!r} has shape {b} on worker {self._worker} but {a} on the "
-                    "worker that created the parameter-server table first. Every worker must build the same model."
-                )
-        return ModelMismatchError(
-            f"Workers hold different models: worker {self._worker} has {len(mine)} parameters in a param group "
-            f"where the first worker had {len(theirs)}. Every worker must build the same model and optimizer."
-        )
+
+def _dense_names(names: TableNames, index: int, params: list[torch.Tensor]) -> dict[str, Any]:
+    """A dense table's names for its create: the parameters' paths, and the table in words."""
+    held = names.params(params)
+    return {"name": dense_name(index, held), "names": held}
 
 
 def torch_param_state(spec: OptimizerSpec, pieces: dict[str, torch.Tensor], step: int) -> dict[str, Any]:
