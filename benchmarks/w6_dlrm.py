@@ -341,6 +341,10 @@ def report(args: argparse.Namespace, configs: list[Config], notes: list[str]) ->
         print(line)
     for label, c in (("fleet PS best", fps), ("TorchRec best", trec)):
         print(f"{label}: {f'{c.name} ({c.median():,.0f} samples/s)' if c else 'none ran'}")
+    for n, c in ran.items():
+        plan = c.samples[0]["workers"][0].get("plan")
+        if plan and n.startswith("torchrec-"):
+            print(f"{n} plan: " + ", ".join(f"{t} {how}" for t, how in plan.items()))
     print(f"ratio vs PyTorch one-process: {_fmt(r_1p)} (target >= 0.8)")
     print(f"ratio vs TorchRec best: {_fmt(r_trec)} (target >= 1.2)")
     print(f"ratio vs DDP: {_fmt(r_ddp)}")

@@ -143,8 +143,8 @@ def _torchrec_model(spec: W.Spec, config: str, rank: int, world: int):
         )
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
     opt = torch.optim.SGD([p for _, p in in_backward_optimizer_filter(dmp.named_parameters())], lr=W.LR)
-    if rank == 0:
-        print(f"plan: {plan}", flush=True)
+    tables = plan.plan["ebc"]
+    layout = {name: f"{tables[name].sharding_type} {_ranks(tables[name])}" for name in names}
 
     def kjt(feats: list) -> KeyedJaggedTensor:
         lengths = [torch.diff(offsets, append=torch.tensor([ids.numel()])) for ids, offsets in feats]
@@ -154,7 +154,13 @@ def _torchrec_model(spec: W.Spec, config: str, rank: int, world: int):
             lengths=torch.cat(lengths).to(torch.int32),
         )
 
-    return dmp, opt, kjt
+    return dmp, opt, kjt, layout
+
+
+def _ranks(sharding) -> str:
+    """The ranks that hold a table's shards ('all' when it is replicated)."""
+    placements = getattr(sharding, "ranks", None)
+    return "all" if not placements else "on " + ",".join(str(r) for r in sorted(set(placements)))
 
 
 def member(args: argparse.Namespace) -> None:
@@ -169,10 +175,12 @@ def member(args: argparse.Namespace) -> None:
         model = torch.nn.parallel.DistributedDataParallel(W.TorchDLRM(spec))
         opt = torch.optim.SGD(model.parameters(), lr=W.LR)
 
+        layout = {name: "replicated (DDP)" for name in spec.names}
+
         def forward(dense, feats):
             return model(dense, feats)
     else:
-        model, opt, kjt = _torchrec_model(spec, args.config, rank, world)
+        model, opt, kjt, layout = _torchrec_model(spec, args.config, rank, world)
 
         def forward(dense, feats):
             return model(dense, kjt(feats))
@@ -192,7 +200,13 @@ def member(args: argparse.Namespace) -> None:
         losses.append(loss.item())
     elapsed = time.perf_counter() - start
     timed = max(args.steps - args.warmup, 0)
-    result = {"worker": rank, "losses": losses, "samples_per_s": timed * args.batch / elapsed, "config": args.config}
+    result = {
+        "worker": rank,
+        "losses": losses,
+        "samples_per_s": timed * args.batch / elapsed,
+        "config": args.config,
+        "plan": layout,
+    }
     with open(args.report, "a") as f:
         f.write(json.dumps(result) + "\n")
     dist.barrier()
