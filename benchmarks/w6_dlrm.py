@@ -4,7 +4,7 @@
 
 The workload (``benchmarks/peers/dlrm_workload.py``): 8 tables of 10 k to 10 M rows, dims 16 to 64,
 multi-hot bags of about 10 Zipf-distributed ids, 13 dense features, DLRM's dot interaction and
-MLPs, BCE, SGD lr 0.1, batch 256 per worker. Configurations (``--configs``, comma-separated):
+MLPs, BCE, SGD lr 0.5, batch 256 per worker. Configurations (``--configs``, comma-separated):
 
 - ``fleet-1p``: fleet in one process (``fleet.nn.SparseEmbeddingBag`` per table, its local tables);
 - ``torch-1p``: the same model with ``nn.EmbeddingBag`` tables (sparse gradients), plain PyTorch;

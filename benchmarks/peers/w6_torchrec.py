@@ -18,7 +18,7 @@ batch 256 per rank, the model and data of ``dlrm_workload.py`` (the same tensors
   DDP) and ``torch.optim.SGD``.
 
 The dense part is replicated with DDP (gradients averaged). The sharded tables' fused SGD runs
-with lr 0.1 / 2: a sharded table's gradient is the sum of both ranks' (each the gradient of its
+with lr 0.5 / 2: a sharded table's gradient is the sum of both ranks' (each the gradient of its
 own mean loss), twice the gradient of the mean loss over both batches, which fleet's synchronous
 PS and DDP apply; so every configuration makes the same update from the same gradients.
 
