@@ -39,6 +39,7 @@ TITLES = {
     "sparse_rows": "Bytes per sparse row",
     "bag_pooling": "Multi-hot pooling: SparseEmbeddingBag vs rows per looked-up id",
     "w5_lifecycle": "W5: sparse-table life cycle on a drifting stream",
+    "w6_dlrm": "W6: DLRM-shaped model vs PyTorch and TorchRec",
     "stragglers": "W4: stragglers, sync + backup worker vs sync",
     "scaling": "Scaling: measured vs fleet.plan's prediction",
     "scaling_sim": "Simulation of W4 and beyond",
