@@ -22,8 +22,8 @@ a table of samples/s (median over rounds), ``ratio vs PyTorch one-process: X`` (
 torch-1p), ``ratio vs TorchRec best: Y`` (fleet's best PS configuration over TorchRec's best), and
 the loss curves side by side (the mean over workers at each step, round 1).
 
-``--fleet-model bags`` (default) builds one ``SparseEmbeddingBag`` per table; ``collection`` is for
-``fleet.nn.SparseFeatureCollection`` (one module for all tables) once it exists (:func:`build_fleet_model`).
+``--fleet-model collection`` (default) builds one ``fleet.nn.SparseFeatureCollection`` for all tables
+(one pull and one push per server a step); ``bags`` one ``SparseEmbeddingBag`` per table (:func:`build_fleet_model`).
 """
 
 from __future__ import annotations
@@ -76,15 +76,7 @@ def build_fleet_model(spec: W.Spec, kind: str = "bags") -> Any:
     import fleet
 
     if kind == "collection":
-        if not hasattr(fleet.nn, "SparseFeatureCollection"):
-            raise SystemExit(
-                "--fleet-model collection: fleet.nn.SparseFeatureCollection is not available yet in this "
-                "fleet; use --fleet-model bags"
-            )
-        raise SystemExit(
-            "--fleet-model collection: fleet.nn.SparseFeatureCollection exists but w6_dlrm.py's "
-            "build_fleet_model does not build it yet"
-        )
+        return _fleet_collection_model(spec)
     if kind != "bags":
         raise SystemExit(f"--fleet-model must be 'bags' or 'collection', got {kind!r}")
 
@@ -107,6 +99,41 @@ def build_fleet_model(spec: W.Spec, kind: str = "bags") -> Any:
                 table.prefetch(ids)
 
     return FleetDLRM()
+
+
+def _fleet_collection_model(spec: W.Spec) -> Any:
+    """W6 with one ``fleet.nn.SparseFeatureCollection`` for all tables: one pull and one push per server a step."""
+    import torch
+
+    import fleet
+    from fleet.nn import FeatureTable
+
+    names = [f"t{i}" for i in range(len(spec.tables))]
+
+    def jagged(feats: list) -> dict:
+        out = {}
+        for name, (ids, offsets) in zip(names, feats, strict=True):
+            out[name] = (ids, torch.diff(offsets, append=offsets.new_tensor([ids.numel()])))
+        return out
+
+    class FleetDLRMCollection(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = W.dense_part(spec)
+            self.tables = fleet.nn.SparseFeatureCollection(
+                [FeatureTable(name, dim, seed=i, initializer=spec.init)
+                 for i, (name, (_, dim)) in enumerate(zip(names, spec.tables, strict=True))]
+            )  # fmt: skip
+
+        def forward(self, dense: torch.Tensor, feats: list) -> torch.Tensor:
+            pooled = self.tables(jagged(feats))
+            return self.dense(dense, [pooled[name] for name in names])
+
+        def prefetch(self, feats: list) -> None:
+            """The next batch's rows (PS async: they arrive while this step computes; elsewhere a no-op)."""
+            self.tables.prefetch(jagged(feats))
+
+    return FleetDLRMCollection()
 
 
 # --------------------------------------------------------------------------- one process / one worker
@@ -265,8 +292,6 @@ def run(args: argparse.Namespace) -> int:
     unknown = [c for c in names if c not in ALL_CONFIGS]
     if unknown:
         raise SystemExit(f"unknown --configs {', '.join(unknown)}: choose from {', '.join(ALL_CONFIGS)}")
-    if args.fleet_model == "collection":
-        build_fleet_model(W.spec(args.sizes), "collection")  # fails here, before any job, when it cannot
     notes = []
     if any(c.startswith("torchrec-") for c in names) and not os.path.exists(peer_python()):
         notes.append(
@@ -422,7 +447,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="per worker (a one-process run trains on 2x)")
     parser.add_argument("--sizes", default="full", help="the tables: " + ", ".join(W.SIZES))
     parser.add_argument("--init", default="uniform", choices=["uniform", "zeros"], help="the rows' initial values")
-    parser.add_argument("--fleet-model", default="bags", choices=["bags", "collection"])
+    parser.add_argument("--fleet-model", default="collection", choices=["bags", "collection"])
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a job is killed")
     parser.add_argument("--json", default=None, help="write every sample here")
     parser.add_argument("--no-record", dest="record", action="store_false", help="do not write benchmarks/results/")

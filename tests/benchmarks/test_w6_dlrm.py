@@ -59,13 +59,22 @@ def fresh_fleet():
     fleet.api._reset_for_tests()
 
 
-def test_fleet_model_in_one_process_equals_the_nn_embedding_bag_model(fresh_fleet, tmp_path) -> None:
-    """With the same initial rows (zeros), fleet's SparseEmbeddingBag model and nn.EmbeddingBag's lose alike."""
+@pytest.mark.parametrize("fleet_model", ["bags", "collection"])
+def test_fleet_model_in_one_process_equals_the_nn_embedding_bag_model(fresh_fleet, tmp_path, fleet_model) -> None:
+    """With the same initial rows (zeros), fleet's models (a SparseEmbeddingBag per table, or one
+    SparseFeatureCollection) and nn.EmbeddingBag's lose alike."""
     losses, threads = {}, torch.get_num_threads()
     for system in ("torch", "fleet"):
         report = tmp_path / f"{system}.jsonl"
         args = argparse.Namespace(
-            steps=5, warmup=1, batch=8, sizes="tiny", init="zeros", system=system, fleet_model="bags", report=report
+            steps=5,
+            warmup=1,
+            batch=8,
+            sizes="tiny",
+            init="zeros",
+            system=system,
+            fleet_model=fleet_model,
+            report=report,
         )
         try:
             w6_dlrm.local_main(args)
@@ -74,15 +83,6 @@ def test_fleet_model_in_one_process_equals_the_nn_embedding_bag_model(fresh_flee
         losses[system] = json.loads(report.read_text())["losses"]
     assert len(losses["fleet"]) == 5 and losses["fleet"][-1] != losses["fleet"][0]
     assert losses["fleet"] == pytest.approx(losses["torch"], abs=1e-6)
-
-
-def test_collection_model_says_when_fleet_has_none() -> None:
-    import fleet
-
-    if hasattr(fleet.nn, "SparseFeatureCollection"):
-        pytest.skip("fleet.nn.SparseFeatureCollection exists")
-    with pytest.raises(SystemExit, match="SparseFeatureCollection is not available yet"):
-        w6_dlrm.build_fleet_model(W.spec("tiny"), "collection")
 
 
 @pytest.mark.multiprocess
