@@ -55,7 +55,8 @@ def test_names_come_from_the_model_given_to_fleet_or_from_the_modules_holding_th
     assert TableNames(params).module(tower.emb_l[0]) == "emb_l.0" and wrapper[0] is tower
     bare = fleet.nn.SparseEmbedding(4)  # held by no model: no name, the number stays
     assert TableNames(list(bare.parameters())).module(bare) is None
-    assert TableNames([torch.nn.Parameter(torch.ones(2))]).params([torch.ones(1)]) == ["parameter 0 of the param group"]
+    # a parameter no model holds: the table goes unnamed (names would depend on what each worker keeps alive)
+    assert TableNames([torch.nn.Parameter(torch.ones(2))]).params([torch.ones(1)]) is None
 
 
 def test_two_models_in_one_optimizer_are_told_apart_by_class():
@@ -197,3 +198,16 @@ def test_a_ps_job_names_tables_in_another_order_and_refuses_the_workers_own_grou
             assert "parameter-server job (mode='ps', update='async'" in message
             assert "world size 2" in message and "Remove the init_process_group call" in message
             assert "migrating-from-ddp.md" in message
+
+
+def test_a_name_only_one_create_carries_is_no_conflict() -> None:
+    """One worker's model holds a group's parameters, another's does not (it kept only the parameters): the
+    tables are the same unless both carry names and they differ."""
+    from fleet.ps.server.table_ops import _same_table
+
+    base = {"dim": 4, "optimizer": {"kind": "sgd", "lr": 0.1}}
+    assert _same_table({**base, "name": "emb"}, base)
+    assert _same_table(base, {**base, "name": "emb"})
+    assert _same_table({**base, "name": "emb"}, {**base, "name": "emb"})
+    assert not _same_table({**base, "name": "emb"}, {**base, "name": "user"})
+    assert not _same_table({**base, "name": "emb"}, {**base, "dim": 8})

@@ -17,7 +17,7 @@ SERVERS, WORKERS, MODEL = 2, 2, "adam+life+cap"
 
 
 def _sparse_from(config: dict, states: list[dict]) -> SparseTable:
-    table = SparseTable.from_config({k: v for k, v in config.items() if k not in ("update", "backup_workers")})
+    table = SparseTable.from_config({k: v for k, v in config.items() if k in SparseTable.CONFIG_KEYS})
     table.load_state_dict(states[0]["table"])
     for state in states[1:]:
         table.apply_delta(state["table"])

@@ -40,6 +40,22 @@ from fleet.ps.server.waitlist import Waitlist
 Shards = MutableMapping[int, "agg.DenseShard | agg.SparseShard"]
 
 
+# A table's names in the workers' model: compared when both creates carry them (a worker may find no model
+# holding a table that another worker's model holds: names depend on what each process keeps alive).
+_NAME_KEYS = ("name", "names")
+
+
+def _same_table(made: dict[str, Any], asked: dict[str, Any]) -> bool:
+    """Whether two creates' configs describe the same table: equal but for names only one of them carries."""
+
+    def unnamed(config: dict[str, Any]) -> str:
+        return agg.canonical({k: v for k, v in config.items() if k not in _NAME_KEYS})
+
+    if unnamed(made) != unnamed(asked):
+        return False
+    return all(made[k] == asked[k] for k in _NAME_KEYS if k in made and k in asked)
+
+
 class TableRequests:
     """Handlers for the table ops of one server, over the shards it is given."""
 
@@ -112,7 +128,7 @@ class TableRequests:
         return self._replies.ok(msg)
 
     def _check_same(self, shard: agg.Shard, kind: str, config: dict[str, Any]) -> None:
-        if shard.kind != kind or shard.key != agg.canonical(config):
+        if shard.kind != kind or not _same_table(shard.config, config):
             details = {
                 "code": "conflicting_create",
                 "table": shard.table_id,

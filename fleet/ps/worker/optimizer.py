@@ -361,9 +361,10 @@ class PSOptimizer(WrappedOptimizer):
 
 
 def _dense_names(names: TableNames, index: int, params: list[torch.Tensor]) -> dict[str, Any]:
-    """A dense table's names for its create: the parameters' paths, and the table in words."""
+    """A dense table's names for its create: the parameters' paths, and the table in words (none when some
+    parameter is held by no model)."""
     held = names.params(params)
-    return {"name": dense_name(index, held), "names": held}
+    return {} if held is None else {"name": dense_name(index, held), "names": held}
 
 
 def torch_param_state(spec: OptimizerSpec, pieces: dict[str, torch.Tensor], step: int) -> dict[str, Any]:

@@ -71,9 +71,11 @@ class TableNames:
         """``module``'s path in its model (``emb_l.3``); None when no model holds it."""
         return self._modules.get(id(module))
 
-    def params(self, params: list[torch.Tensor]) -> list[str]:
-        """The parameters' paths in their model; one no model holds is named by its position among ``params``."""
-        return [self._params.get(id(p), f"parameter {i} of the param group") for i, p in enumerate(params)]
+    def params(self, params: list[torch.Tensor]) -> list[str] | None:
+        """The parameters' paths in their model; None when some parameter is held by no model (then the
+        table goes unnamed: a name would depend on which modules this process happens to keep alive)."""
+        names = [self._params.get(id(p)) for p in params]
+        return None if any(n is None for n in names) else names
 
 
 def dense_name(index: int, names: list[str]) -> str:
