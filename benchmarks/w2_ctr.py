@@ -18,7 +18,9 @@ on odd rounds), so load drift hits them alike; the load average is recorded besi
 Printed: a table (median samples/s over rounds, the range, the load, each worker's first and
 last loss, whether the loss fell on every worker), then ``ratio vs TorchRec best: X`` and
 ``ratio vs Paddle: Y`` (fleet's best PS configuration over the peer's best, by median), and the
-same ratios for fleet's PS async alone (targets: >= 1.0 x TorchRec's best, >= 2.5 x Paddle).
+same ratios for fleet's PS async alone (targets: >= 1.2 x TorchRec's best, >= 3 x Paddle), and
+``ratio vs limit: Z``: fleet's PS async over W2's MLP alone in 2 processes with no table and no
+communication (benchmarks/peers/w2_limit.py, run in the same rounds; target >= 0.75).
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ def _peer_job(peer: str, script: str, extra: list[str], steps: int, timeout: flo
 
 @dataclass
 class Config:
-    system: str  # fleet | torchrec | paddle
+    system: str  # fleet | torchrec | paddle | limit
     name: str
     launch: object  # (steps, timeout) -> list of worker results
     samples: list[dict] = field(default_factory=list)
@@ -183,6 +185,18 @@ def fleet_configs(modes: list[str], servers: list[int]) -> list[Config]:
         for s in servers
         for mode in modes
     ]
+
+
+def limit_config() -> Config:
+    """W2's MLP alone in 2 processes (peers/w2_limit.py): the rate distribution at no cost would give."""
+
+    def launch(steps: int, timeout: float) -> list[dict]:
+        with tempfile.TemporaryDirectory() as tmp:
+            report = os.path.join(tmp, "report.jsonl")
+            cmd = [sys.executable, os.path.join(PEERS, "w2_limit.py"), "--steps", str(steps), "--report", report]
+            return _run_job(cmd, report, timeout)[0]
+
+    return Config("limit", "MLP alone, 2 processes", launch)
 
 
 def torchrec_configs(names: list[str]) -> list[Config]:
@@ -239,6 +253,8 @@ def run_peers(args: argparse.Namespace) -> int:
         print(line, flush=True)
     # the peers' configurations alternate between the peers too: torchrec, paddle, torchrec, ...
     peers = [c for group in itertools.zip_longest(*peer_lists) for c in group if c is not None]
+    if not args.no_limit:
+        peers.append(limit_config())
     order = interleave(fleet, peers)
     configs = fleet + peers
     print(
@@ -313,7 +329,8 @@ def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) 
         return max(ran, key=Config.median) if ran else None
 
     fleet_best, fleet_async = best("fleet"), best("fleet", "PS async")
-    torchrec_best, paddle_best = best("torchrec"), best("paddle")
+    torchrec_best, paddle_best, limit = best("torchrec"), best("paddle"), best("limit")
+    l_med = limit.median() if limit else float("nan")
     f_med = fleet_best.median() if fleet_best else float("nan")
     a_med = fleet_async.median() if fleet_async else float("nan")
     t_med = torchrec_best.median() if torchrec_best else float("nan")
@@ -331,9 +348,10 @@ def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) 
     print(f"ratio vs TorchRec best: {_ratio(f_med, t_med)}")
     print(f"ratio vs Paddle: {_ratio(f_med, p_med)}")
     print(
-        f"fleet PS async: ratio vs TorchRec best: {_ratio(a_med, t_med)} (target >= 1.0);"
-        f" ratio vs Paddle: {_ratio(a_med, p_med)} (target >= 2.5)"
+        f"fleet PS async: ratio vs TorchRec best: {_ratio(a_med, t_med)} (target >= 1.2);"
+        f" ratio vs Paddle: {_ratio(a_med, p_med)} (target >= 3)"
     )
+    print(f"ratio vs limit: {_ratio(a_med, l_med)} (fleet PS async over the MLP alone in 2 processes; target >= 0.75)")
     if fleet_async and torchrec_best:
         ratio_t, ratio_p = a_med / t_med, (a_med / p_med if p_med > 0 else None)
         paddle_part = f", {ratio_p:.2f} x Paddle" if ratio_p is not None else ""
@@ -348,10 +366,11 @@ def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) 
             peer_value=round(t_med, 1),
             ratio=round(ratio_t, 4),
             ratio_means="fleet PS async / TorchRec best (samples/s, higher is better); details.ratio_vs_paddle: fleet / Paddle",
-            target="async >= 1.0 x TorchRec, >= 2.5 x Paddle",
+            target="async >= 1.2 x TorchRec, >= 3 x Paddle, >= 0.75 x the MLP alone",
             summary=f"{ratio_t:.2f} x TorchRec{paddle_part} (fleet {a_med:,.0f}, TorchRec {t_med:,.0f}{paddle_value} samples/s)",
             details={
                 "ratio_vs_paddle": ratio_p,
+                "ratio_vs_limit": a_med / l_med if l_med > 0 else None,
                 "paddle": None if paddle_best is None else {"name": paddle_best.name, "samples_per_s": p_med},
                 "fleet_best": {"name": fleet_best.name, "samples_per_s": f_med} if fleet_best else None,
                 "configs": {
@@ -388,6 +407,7 @@ def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) 
                     "ratio_vs_paddle": f_med / p_med if p_med > 0 else None,
                     "async_ratio_vs_torchrec_best": a_med / t_med if t_med > 0 else None,
                     "async_ratio_vs_paddle": a_med / p_med if p_med > 0 else None,
+                    "async_ratio_vs_limit": a_med / l_med if l_med > 0 else None,
                 },
                 f,
                 indent=1,
@@ -409,6 +429,9 @@ def main() -> None:
         "--paddle", default=PADDLE_CONFIGS, help="--peers: Paddle configurations MODE-SERVERS-FEED ('' for none)"
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="--peers: seconds per job")
+    parser.add_argument(
+        "--no-limit", action="store_true", help="--peers: leave out W2's MLP alone (the no-distribution limit)"
+    )
     parser.add_argument("--json", default=None, help="--peers: write every sample here")
     args = parser.parse_args()
     if args.peers:
