@@ -2,7 +2,7 @@
 
 import sys
 
-from fleet.launch.cli import main
+from fleet.launch.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

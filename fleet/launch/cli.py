@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from fleet.launch import config as cfg
+from fleet.launch import orphans
 from fleet.launch.config import LaunchConfig, LaunchError
 from fleet.launch.multinode import check_multinode, run_multinode
 from fleet.launch.output import OutputMux
@@ -290,3 +291,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return env.EXIT_USER_ERROR
     except KeyboardInterrupt:
         return 130
+
+
+def entry() -> int:
+    """``fleetrun`` and ``python -m fleet.launch`` from the command line: :func:`main`, and afterwards an end
+    to whatever the job left behind outside its process groups (:mod:`fleet.launch.orphans`)."""
+    with orphans.adopted() as ended:
+        code = main()
+    if ended:
+        pids = ", ".join(map(str, ended[:10])) + (", ..." if len(ended) > 10 else "")
+        print(
+            f"fleetrun: ended {len(ended)} process(es) the job left running outside its process groups "
+            f"(started with setsid by a worker or server): pid {pids}",
+            file=sys.stderr,
+        )
+    return code
