@@ -244,6 +244,7 @@ def init(
     if existing is not None:
         _check_same_init(existing, role, config, strategy is not None or is_collective is not None)
         return
+    job_files.remove_orphaned_files()  # what a kill -9 of an earlier job on this host left (job_files)
     job = FleetContext(role, config, secret)
     context.set_current(job)
     atexit.register(_release_at_exit, job)

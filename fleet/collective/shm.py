@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from fleet.runtime.job_files import SHM_DIR, shm_prefix
+from fleet.runtime.job_files import SHM_DIR, owner_tag, shm_prefix
 
 _SPINS = 50  # yields (tens of microseconds) before sleeping in the kernel
 _CHECK_PEERS_S = 0.5
@@ -205,7 +205,12 @@ class LocalHost:
         if rank == 0:
             token.copy_(torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8))
         dist.broadcast(token, src=dist.get_global_rank(group, 0), group=group)
-        name = f"{shm_prefix()}-{bytes(token.tolist()).hex()}"
+        # rank 0's owner tag in the name: the next fleet start on this host removes what a kill -9 left
+        owner = torch.zeros(2, dtype=torch.int64)
+        if rank == 0:
+            owner.copy_(torch.tensor([int(part) for part in owner_tag().split(".")]))
+        dist.broadcast(owner, src=dist.get_global_rank(group, 0), group=group)
+        name = f"{shm_prefix()}-{int(owner[0])}.{int(owner[1])}-{bytes(token.tolist()).hex()}"
         path = os.path.join(SHM_DIR, f"{name}-control")
         table = None
         if rank == 0 and supported():

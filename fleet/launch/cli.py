@@ -23,7 +23,7 @@ from fleet.launch.output import OutputMux
 from fleet.launch.plan import JobLayout
 from fleet.launch.ports import PortAllocator, endpoint
 from fleet.launch.supervisor import Supervisor
-from fleet.runtime import env
+from fleet.runtime import env, job_files
 
 DESCRIPTION = """\
 Start a fleet training job on this machine (or on several): N worker processes
@@ -261,6 +261,7 @@ def run(config: LaunchConfig, console: Console | None = None) -> int:
         if config.nnodes > 1:
             return run_multinode(config, log_dir, mux)
         secret = secrets.token_hex(32)
+        job_files.remove_orphaned_files()  # what a kill -9 of an earlier job on this host left
         supervisor = Supervisor(config, log_dir, mux, local_layouts(config, secret))
         return supervisor.run()
     finally:

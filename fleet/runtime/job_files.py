@@ -4,11 +4,17 @@
 names the workers of a multi-worker job that finished without it: they trained on their
 own, not as one job, and would otherwise look like a success.
 
-``/dev/shm/<prefix>-*``: the shared-memory segments of workers on one host
+``/dev/shm/<prefix>-<owner>-*``: the shared-memory segments of workers on one host
 (:mod:`fleet.collective.shm`). Workers unlink them as soon as every worker has mapped
 them; a process killed in that moment would leave one, so fleetrun removes what is left
 under the job's prefix when the job ends. The prefix is derived from the job's secret,
 without revealing it.
+
+Files that only a ``kill -9`` of everything (fleetrun included) can leave behind -- such a
+segment, or the on-host secret file of a job without fleetrun (:mod:`fleet.runtime.job_secret`)
+-- carry their creator in their name (``<owner>``: its pid and start time, :func:`owner_tag`),
+and the next ``fleet.init()`` or fleetrun on the host removes those of this user whose creator
+is gone (:func:`remove_orphaned`).
 """
 
 from __future__ import annotations
@@ -48,6 +54,77 @@ def joined_workers(log_dir: str | Path) -> set[int]:
 def clear_joined(log_dir: str | Path) -> None:
     for index in joined_workers(log_dir):
         Path(log_dir, JOINED, f"worker-{index}").unlink(missing_ok=True)
+
+
+_OWNER = re.compile(r"(\d+)\.(\d+)")
+#: names that carry an owner: a job's shared-memory segment, an on-host secret file
+_OWNED = re.compile(
+    r"^fleet-(?:[0-9a-f]{16}|local)-(?P<owner>\d+\.\d+)-[0-9a-f]+(?:-.*)?$|^(?P<secret>\d+\.\d+)-[0-9a-f]{32}\.secret$"
+)
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[19]) if len(fields) > 19 and fields[0] not in ("Z", "X") else None
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """``<pid>.<start time>``: names a process uniquely on this host (a reused pid has another start time)."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}.{_start_time(pid) or 0}"
+
+
+def owner_alive(tag: str) -> bool:
+    """Whether the process a :func:`owner_tag` names still runs."""
+    match = _OWNER.fullmatch(tag)
+    return match is not None and _start_time(int(match.group(1))) == int(match.group(2))
+
+
+def remove_orphaned(*folders: str) -> list[str]:
+    """Remove this user's owner-tagged files in ``folders`` (default: /dev/shm) whose creator is gone."""
+    removed = []
+    for folder in folders or (SHM_DIR,):
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            match = _OWNED.match(name)
+            if match is None:
+                continue
+            path = os.path.join(folder, name)
+            try:
+                if os.lstat(path).st_uid != os.geteuid() or owner_alive(match.group("owner") or match.group("secret")):
+                    continue
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                continue  # gone meanwhile, or not ours to remove
+    return removed
+
+
+def secret_dir() -> str:
+    """Where on-host secret files go (:mod:`fleet.runtime.job_secret`): $XDG_RUNTIME_DIR/fleet/secrets (a tmpfs)
+    or the user's state directory; not created here."""
+    runtime = env.current().str(env.XDG_RUNTIME_DIR)
+    base = runtime if runtime and os.path.isdir(runtime) else env.user_state_dir()
+    return os.path.join(base, "fleet", "secrets")
+
+
+def remove_orphaned_files() -> list[str]:
+    """This user's on-host secret files and shared-memory segments whose creator is gone (a kill -9), removed.
+
+    Cheap (two directory listings) and never raises: run at every ``fleet.init()`` and fleetrun start.
+    """
+    try:
+        return remove_orphaned(secret_dir(), SHM_DIR)
+    except Exception:  # noqa: BLE001 - a cleanup must not stop a job from starting
+        return []
 
 
 def shm_prefix(secret_hex: str | None = None) -> str:

@@ -23,6 +23,7 @@ saying what to set.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import stat
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from fleet.errors import FleetError, PeerError, StoreTamperedError
-from fleet.runtime import env
+from fleet.runtime import env, job_files
 from fleet.runtime.env import EnvError, EnvReader
 from fleet.runtime.roles import RoleInfo
 
@@ -40,6 +41,7 @@ RANK_ONLY = ("torchrun", "mpi", "slurm")
 
 _FILE_KEY = "secret-file"
 _TOKEN_CHARS = 32
+_TOKEN = re.compile(r"\d+\.\d+-[0-9a-f]{32}")  # <owner tag>-<random hex>
 
 
 def from_environment(reader: EnvReader | None = None) -> bytes | None:
@@ -110,7 +112,8 @@ def share_on_host(store: dist.Store, role: RoleInfo, timeout_s: float) -> tuple[
         )
     folder = _private_dir()
     if role.rank == 0:
-        secret, token = secrets.token_bytes(32), secrets.token_hex(_TOKEN_CHARS // 2)
+        # the name carries rank 0's owner tag: the next fleet start on this host removes it if a kill -9 left it
+        secret, token = secrets.token_bytes(32), f"{job_files.owner_tag()}-{secrets.token_hex(_TOKEN_CHARS // 2)}"
         path = os.path.join(folder, f"{token}.secret")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as handle:
@@ -125,7 +128,7 @@ def share_on_host(store: dist.Store, role: RoleInfo, timeout_s: float) -> tuple[
             f"the process of rank 0 did not share the job's secret within {timeout_s:g} s; it may have failed to "
             "start (see its log)."
         ) from None
-    if len(token) != _TOKEN_CHARS or any(c not in "0123456789abcdef" for c in token):
+    if _TOKEN.fullmatch(token) is None:
         raise StoreTamperedError("the name of the job's secret file is malformed")
     path = os.path.join(folder, f"{token}.secret")
     try:
@@ -145,9 +148,7 @@ def share_on_host(store: dist.Store, role: RoleInfo, timeout_s: float) -> tuple[
 
 def _private_dir() -> str:
     """A directory only this user can enter: $XDG_RUNTIME_DIR/fleet (a tmpfs) or the user's state directory."""
-    runtime = env.current().str(env.XDG_RUNTIME_DIR)
-    base = runtime if runtime and os.path.isdir(runtime) else env.user_state_dir()
-    path = os.path.join(base, "fleet", "secrets")
+    path = job_files.secret_dir()
     os.makedirs(path, mode=0o700, exist_ok=True)
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():

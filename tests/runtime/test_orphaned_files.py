@@ -1,0 +1,56 @@
+"""What a kill -9 of a whole job can leave on a host (a shared-memory segment, an on-host secret file) carries
+its creator in its name, and the next fleet.init() or fleetrun on the host removes it once the creator is gone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fleet.runtime import job_files
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and /dev/shm are Linux's")
+
+
+def dead_owner() -> str:
+    """The owner tag of a process that has ended."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    tag = job_files.owner_tag(child.pid)
+    child.kill()
+    child.wait()
+    return tag
+
+
+@pytest.mark.multiprocess  # starts a short-lived process to have a dead owner
+def test_files_of_a_dead_owner_go_and_the_others_stay(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    secrets = tmp_path / "fleet" / "secrets"
+    secrets.mkdir(parents=True)
+    dead, alive = dead_owner(), job_files.owner_tag()
+    assert not job_files.owner_alive(dead) and job_files.owner_alive(alive)
+    assert not job_files.owner_alive(f"{os.getpid()}.1")  # the same pid, another start time: a reused pid
+    token = "a" * 32
+    left = secrets / f"{dead}-{token}.secret"
+    kept = secrets / f"{alive}-{token}.secret"
+    other = secrets / "notes.txt"  # not a fleet name: never touched
+    shm_left = f"/dev/shm/fleet-0123456789abcdef-{dead}-{'b' * 32}-control"
+    shm_kept = f"/dev/shm/fleet-0123456789abcdef-{alive}-{'b' * 32}-control"
+    for path in (left, kept, other, shm_left, shm_kept):
+        with open(path, "w") as f:
+            f.write("x")
+    try:
+        removed = job_files.remove_orphaned_files()
+        assert sorted(removed) == sorted([str(left), shm_left])
+        assert kept.exists() and other.exists() and os.path.exists(shm_kept)
+        assert not left.exists() and not os.path.exists(shm_left)
+    finally:
+        for path in (shm_left, shm_kept):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_a_missing_folder_is_no_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "nowhere"))
+    assert job_files.remove_orphaned(str(tmp_path / "nowhere")) == []
