@@ -260,7 +260,8 @@ class ShardingStrategy(Strategy):
         with rows_in_state_dict(False):
             model_state, optim_state = get_state_dict(model, _inner(optimizer))
         state = {"model": model_state, "optimizer": table_rows.split_placeholders(optim_state, model)[0]}
-        dcp.save(state, checkpoint_id=save.directory(SHARDED), no_dist=not dist.is_initialized())
+        with _one_process_quietly():
+            dcp.save(state, checkpoint_id=save.directory(SHARDED), no_dist=not dist.is_initialized())
         table_rows.save(save, model, self.runtime.role.worker_index)
 
     def load_state(self, save: Save, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -272,7 +273,8 @@ class ShardingStrategy(Strategy):
             model_state, optim_state = get_state_dict(model, inner)
             optim_state, placeholders = table_rows.split_placeholders(optim_state, model)
             state = {"model": model_state, "optimizer": optim_state}
-            dcp.load(state, checkpoint_id=save.part(SHARDED), no_dist=not dist.is_initialized())
+            with _one_process_quietly():
+                dcp.load(state, checkpoint_id=save.part(SHARDED), no_dist=not dist.is_initialized())
             state["optimizer"]["state"].update(placeholders)
             set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         table_rows.load(save, model)  # after set_state_dict, whose initialising step may have stepped the tables
@@ -411,3 +413,16 @@ def _refuse_unsharded(params: list[torch.Tensor]) -> None:
             "going through it (optimizer.inner.add_param_group, or a module attached to a model already "
             "sharded). Add it with the wrapped optimizer's add_param_group, in a module of its own."
         )
+
+
+@contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """torch.distributed.checkpoint warns that it "assumes the intent" of a one-process save or load even when
+    told so (``no_dist=True``): fleet's one-process saves mean it, so that warning is not the user's."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized", category=UserWarning
+        )
+        yield
