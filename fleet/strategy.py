@@ -98,7 +98,8 @@ class DistributedStrategy(BaseModel):
 
     shard_modules: list[str] = Field(default_factory=list)
     """Sharding: class names of the submodules to shard as units (e.g. ["TransformerBlock"]);
-    by default every direct child module that holds parameters."""
+    by default every child module that holds parameters, and inside containers (ModuleList,
+    ModuleDict, Sequential) their blocks, recursively."""
 
     mixed_precision: Literal["none", "bf16", "fp16"] = "none"
     """Sharding: compute in this dtype (FSDP2's MixedPrecisionPolicy); gradients reduce in float32."""

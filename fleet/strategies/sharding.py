@@ -5,8 +5,10 @@ through it): the core knows nothing of it beyond its name in the registry.
 
 ``distributed_optimizer(opt, DistributedStrategy(mode="sharding"))`` finds the model the
 optimizer's parameters belong to, makes every worker start from worker 0's values, and
-shards it with ``torch.distributed.fsdp.fully_shard``: each direct child module holding
-parameters (or the classes named in ``shard_modules``) as a unit, then the model itself.
+shards it with ``torch.distributed.fsdp.fully_shard``: each child module holding parameters as a
+unit, looking inside containers (``ModuleList``, ``ModuleDict``, ``Sequential``: their blocks are
+the units, recursively; see :func:`_default_units`), or the classes named in ``shard_modules``,
+then the model itself.
 ``fully_shard`` replaces the parameters with sharded ones, so the user's optimizer gets them
 in place of the old ones, in the same param groups with the same hyper-parameters (an LR
 scheduler built on it keeps working), and any state it already had is sharded the same way.
@@ -167,7 +169,7 @@ class ShardingStrategy(Strategy):
                     f"are of the classes {sorted({type(m).__name__ for m in model.modules() if m is not model})}."
                 )
         else:
-            units = [child for child in model.children() if any(p.numel() for p in child.parameters())]
+            units = _default_units(model)
         groups = [([unit], _param_ids([unit])) for unit in units]
         for i in range(len(groups)):  # merge the candidates that share a parameter (few: a quadratic pass)
             for j in range(i + 1, len(groups)):
@@ -426,3 +428,22 @@ def _one_process_quietly() -> Iterator[None]:
             "ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized", category=UserWarning
         )
         yield
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def _default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The units FSDP2's recipe shards when ``shard_modules`` names none: the repeated blocks.
+
+    Each child with parameters is a unit, except a container (``ModuleList``, ``ModuleDict``,
+    ``Sequential``), whose own children are looked at the same way, recursively: a transformer's
+    blocks in a ``ModuleList`` (GPT-, Llama-, ViT-style) each become a unit (FSDP2 cannot shard a
+    ``ModuleList``, which has no forward), and the model itself is the last unit.
+    """
+    units = []
+    for child in model.children():
+        if not any(p.numel() for p in child.parameters()):
+            continue
+        units.extend(_default_units(child) if isinstance(child, _CONTAINERS) else [child])
+    return units
