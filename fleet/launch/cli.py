@@ -232,7 +232,12 @@ def describe_job(config: LaunchConfig, log_dir: Path) -> str:
         parts.append(f"strategy {config.strategy.path.name} (mode {config.strategy.mode or 'default'})")
     else:
         parts.append("no strategy file")
-    parts.append(f"{'parameter-server' if config.is_ps else 'collective'} job")
+    if config.is_ps:
+        parts.append("parameter-server job")
+    elif config.strategy is not None and config.strategy.mode:
+        parts.append(f"{config.strategy.mode} job")
+    else:  # the script may still pass a strategy of its own to fleet.distributed_optimizer
+        parts.append("no servers (collective or sharding: the script's strategy chooses)")
     if config.max_restarts:
         parts.append(f"up to {_plural(config.max_restarts, 'restart')}")
     return f"starting {config.script.name}: " + ", ".join(parts) + f"; logs in {log_dir}"
