@@ -72,13 +72,19 @@ class _Recording:
         self.handle.flush()
 
 
-def save_atomic(obj: Any, path: str | Path) -> None:
-    """``torch.save`` without ever leaving a torn file under ``path``."""
+def save_atomic(obj: Any, path: str | Path) -> dict[str, Any]:
+    """``torch.save`` without ever leaving a torn file under ``path``; the file's size and SHA-256
+    (hashed as written: :mod:`fleet.storage.checksums`)."""
     import torch
+
+    from fleet.storage.checksums import Hashing
+
+    hashing: list[Hashing] = []
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as handle:
-            target = _Recording(handle)
+            hashing[:] = [Hashing(handle)]
+            target = _Recording(hashing[0])
             try:
                 torch.save(obj, target)
             except RuntimeError:
@@ -87,3 +93,4 @@ def save_atomic(obj: Any, path: str | Path) -> None:
                 raise
 
     write_atomic(path, write)
+    return hashing[0].sum()

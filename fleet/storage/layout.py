@@ -18,6 +18,11 @@ to read) and never name a save directory themselves.
 (:meth:`Layout.resolve`): an empty pointer, an absolute path, ``..`` or a name of another kind
 is refused with the pointer's path and what is wrong with it, instead of reading elsewhere.
 
+Every committed save lists its files' sizes and SHA-256 sums in ``checksums.json``
+(:mod:`fleet.storage.checksums`); :meth:`Save.load` and :meth:`Save.read` check a file against
+them before using a byte of it, so a file truncated or bit-flipped since is an error naming it.
+Saves written before checksums (no ``checksums.json``) load unchecked.
+
 A save may build on a parent (a delta save): the kind's manifest (``save.json``) names the
 parent's directory. :func:`follow` walks such chains with cycle detection and a depth bound;
 :meth:`Layout.prune` keeps the newest :attr:`SaveKind.keep` saves and every save the newest
@@ -26,18 +31,22 @@ one builds on.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleet.errors import FleetError
+from fleet.storage import checksums
 from fleet.storage.atomic import make_dirs, save_atomic, write_text_atomic
+from fleet.storage.checksums import CHECKSUMS, LayoutError
 
 __all__ = [
+    "CHECKSUMS",
     "LATEST",
     "MANIFEST",
     "MAX_DEPTH",
@@ -56,10 +65,7 @@ LATEST = "latest"
 MANIFEST = "save.json"
 MAX_DEPTH = 1024
 """The longest parent chain followed: a longer one is an error, never a walk without end."""
-
-
-class LayoutError(FleetError):
-    """A checkpoint directory that does not hold what its pointer or manifest says."""
+_MAX_POINTER_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,7 @@ class Save:
     def __init__(self, path: str, kind: SaveKind):
         self.path = path
         self.kind = kind
+        self._sums: dict[str, dict[str, Any]] | None | bool = False  # False: checksums.json not read yet
 
     @property
     def name(self) -> str:
@@ -139,24 +146,80 @@ class Save:
             raise ValueError(f"a part of a save is a name inside it, not a path (got {name!r})")
         return os.path.join(self.path, name)
 
+    def file(self, rel: str) -> str:
+        """The path of file ``rel`` inside the save (``part`` or ``part/inner/name``; never leaving it)."""
+        pieces = rel.split("/")
+        for piece in pieces:
+            self.part(piece)
+        return os.path.join(self.path, *pieces)
+
     def has(self, name: str) -> bool:
         return os.path.exists(self.part(name))
 
-    def load(self, name: str) -> Any:
-        """``torch.load`` of part ``name``, data only (``weights_only=True``)."""
+    def checksums(self) -> dict[str, dict[str, Any]] | None:
+        """The sums ``checksums.json`` lists (read once); None for a save written before checksums."""
+        if self._sums is False:
+            self._sums = checksums.read_manifest(self.path)
+        return self._sums  # type: ignore[return-value]
+
+    def read(self, rel: str) -> bytes:
+        """The bytes of file ``rel`` (see :meth:`file`), checked against the save's checksums first."""
+        path = self.file(rel)
+        sums = self.checksums()
+        if sums is not None and rel not in sums:
+            raise LayoutError(
+                f"{path} is not among the files {os.path.join(self.path, CHECKSUMS)} lists: "
+                + ("it is missing" if not os.path.lexists(path) else "it was added after the save")
+            )
+        return checksums.read_verified(path, None if sums is None else sums[rel])
+
+    def load(self, rel: str) -> Any:
+        """``torch.load`` of file ``rel``, data only (``weights_only=True``), checked against its checksum.
+
+        Any failure (missing, damaged, not fleet's format) is a :class:`LayoutError` naming the file.
+        """
         import torch
 
-        return torch.load(self.part(name), weights_only=True)
+        data = self.read(rel)
+        try:
+            return torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as error:  # noqa: BLE001 - said with the file's name: whatever it is, the file is unusable
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise LayoutError(f"{self.file(rel)} cannot be loaded ({type(error).__name__}: {first})") from None
+
+    def verify(self, under: str | None = None) -> list[str]:
+        """Check every file the checksums list (or those under part ``under``) against its sum; their names.
+
+        For parts another library reads itself (``torch.distributed.checkpoint``'s folder): checked
+        here first, so a damaged one is an error naming the file before anything is loaded.
+        """
+        sums = self.checksums()
+        if sums is None:
+            return []
+        if under is not None:
+            self.part(under)
+        prefix = None if under is None else f"{under}/"
+        names = [rel for rel in sums if prefix is None or rel.startswith(prefix)]
+        for rel in names:
+            self.read(rel)
+        return names
 
     def parent(self) -> str | None:
-        """The save this one builds on (its directory), from the kind's manifest; None for a base."""
+        """The save this one builds on (its directory), from the kind's manifest; None for a base.
+
+        A manifest that is there but unreadable is a :class:`LayoutError` (never taken for a base).
+        """
         if self.kind.manifest is None:
             return None
-        try:
-            with open(self.part(self.kind.manifest)) as handle:
-                parent = json.load(handle).get("parent")
-        except (OSError, ValueError, AttributeError):
+        path = self.part(self.kind.manifest)
+        if not os.path.lexists(path):
             return None
+        try:
+            parent = json.loads(checksums.read_verified(path, None)).get("parent")
+            if parent is not None and not isinstance(parent, str):
+                raise ValueError(f"parent is {parent!r}")
+        except (ValueError, AttributeError, UnicodeDecodeError) as error:
+            raise LayoutError(f"{path} is damaged ({error}): which save this one builds on is unknown") from None
         return parent or None
 
     def __repr__(self) -> str:
@@ -177,6 +240,7 @@ class SaveWriter(Save):
         self.fresh = False
         """Whether :meth:`prepare` created the directory (no earlier attempt at this save left it)."""
         self._written: list[str] = []
+        self._written_sums: dict[str, dict[str, Any]] = {}
 
     def prepare(self) -> SaveWriter:
         """Create the save's directory (a full disk raises :class:`~fleet.errors.DiskFullError`)."""
@@ -188,7 +252,7 @@ class SaveWriter(Save):
     def write(self, name: str, obj: Any) -> str:
         """``torch.save`` ``obj`` as part ``name``, atomically (a temporary name, then a rename)."""
         path = self.part(name)
-        save_atomic(obj, path)
+        self._written_sums[name] = save_atomic(obj, path)
         self._written.append(path)
         return path
 
@@ -200,12 +264,27 @@ class SaveWriter(Save):
         """
         return self.part(name)
 
-    def commit(self, parent: str | None = None) -> None:
-        """Every part is on disk: record ``parent`` (kinds with a manifest), move ``latest`` here, prune."""
+    def commit(self, parent: str | None = None, sums: dict[str, dict[str, Any]] | None = None) -> None:
+        """Every part is on disk: list every file's checksum, record ``parent`` (kinds with a manifest),
+        move ``latest`` here, prune.
+
+        ``sums``: the sums other writers reported for their files (relative paths, as
+        :meth:`Save.read` takes them); a file nobody reported is read back and hashed here, and
+        a reported file that is not there is an error (a part went missing).
+        """
+        if self.kind.manifest is None and parent is not None:
+            raise ValueError(f"saves of kind {self.kind.prefix!r} have no parents (got parent={parent!r})")
+        reported = {**(sums or {}), **self._written_sums}
+        skip = (CHECKSUMS,) if self.kind.manifest is None else (CHECKSUMS, self.kind.manifest)
+        files = checksums.walk(self.path, skip=skip)
+        missing = sorted(set(reported) - set(files))
+        if missing:
+            raise LayoutError(f"{self.path} lacks {', '.join(missing)}, which its writers reported written")
+        checksums.write_manifest(
+            self.path, {rel: reported.get(rel) or checksums.file_sum(self.file(rel)) for rel in files}
+        )
         if self.kind.manifest is not None:
             write_text_atomic(self.part(self.kind.manifest), json.dumps({"parent": parent}))
-        elif parent is not None:
-            raise ValueError(f"saves of kind {self.kind.prefix!r} have no parents (got parent={parent!r})")
         self.layout.commit(self.name)
 
     def abort(self, whole: bool) -> None:
@@ -248,12 +327,25 @@ class Layout:
         return SaveWriter(self, number)
 
     def pointed(self) -> str | None:
-        """The name ``latest`` holds, unchecked (None when there is no pointer)."""
-        try:
-            with open(self.pointer) as handle:
-                return handle.read().strip()
-        except FileNotFoundError:
+        """The name ``latest`` holds, unchecked (None when there is no pointer).
+
+        A pointer that is not a small regular text file is a :class:`LayoutError`: a folder or a
+        device there must never read as "no checkpoint yet".
+        """
+        if not os.path.lexists(self.pointer):
             return None
+        try:
+            data = checksums.read_verified(self.pointer, None) if _small(self.pointer) else None
+        except (OSError, LayoutError) as error:
+            raise LayoutError(f"{self.pointer} cannot be read as the name of a save ({error})") from None
+        if data is None:
+            raise LayoutError(
+                f"{self.pointer} is not a file naming a save (it must be a small text file, as fleet writes it)"
+            )
+        try:
+            return data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise LayoutError(f"{self.pointer} is not text: it must hold the name of a save") from None
 
     def resolve(self) -> Save | None:
         """The save ``latest`` names; None when there is no pointer.
@@ -315,7 +407,8 @@ class Layout:
         keep = {newest, *(older[-(self.kind.keep - 1) :] if self.kind.keep > 1 else [])}
         try:
             ancestors = self.chain(Save(self.path(newest), self.kind))
-        except LayoutError:
+        except LayoutError as error:
+            print(f"fleet: not pruning {self.dirname} (every save is kept): {error}", file=sys.stderr, flush=True)
             return
         here = os.path.abspath(self.dirname)
         for save in ancestors:  # a parent in another directory is not this layout's to keep or remove
@@ -333,6 +426,17 @@ def committed(path: str, kind: SaveKind) -> bool:
     if kind.number(name) is None:
         return os.path.isdir(path)
     return Layout(parent, kind).committed(name)
+
+
+def _small(path: str) -> bool:
+    """Whether ``path`` is a regular file (a link followed) no larger than a pointer ever is."""
+    import stat
+
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_size <= _MAX_POINTER_BYTES
 
 
 def _inside(path: str, dirname: str) -> bool:
