@@ -24,7 +24,6 @@ and leaves no temporary file behind.
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 from typing import Any, NamedTuple
@@ -177,13 +176,9 @@ def load_checkpoint(
 def _nothing_saved(layout: Layout, job: Any, missing_ok: bool) -> None:
     """``load_checkpoint`` with no ``latest``: starting fresh (said), unless a complete save is there or
     the caller wants one."""
-    complete = [n for n in layout.numbers() if os.path.isfile(os.path.join(layout.path(n), "checksums.json"))]
-    if complete:  # committed saves whose pointer went: starting fresh would silently drop them
-        raise LayoutError(
-            f"{layout.pointer} is missing, but {layout.path(complete[-1])} is a complete checkpoint: the pointer "
-            f"was removed. Write its name into {layout.pointer} to resume from it, or remove the directory to "
-            "start fresh."
-        )
+    orphaned = layout.unpointed()
+    if orphaned is not None:
+        raise orphaned
     if not missing_ok:
         raise LayoutError(f"no checkpoint to load under {layout.dirname}: {layout.pointer} does not exist")
     if job.role.worker_index == 0:

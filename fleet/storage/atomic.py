@@ -9,6 +9,7 @@ the file object it writes to records the OSError underneath.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -72,12 +73,32 @@ class _Recording:
         self.handle.flush()
 
 
+class Hashing:
+    """A file object that hashes what is written through it (sequential writes, as ``torch.save`` does)."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        written = self.handle.write(data)
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        self.size += view.nbytes
+        return written
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def sum(self) -> dict[str, Any]:
+        return {"size": self.size, "sha256": self.digest.hexdigest()}
+
+
 def save_atomic(obj: Any, path: str | Path) -> dict[str, Any]:
     """``torch.save`` without ever leaving a torn file under ``path``; the file's size and SHA-256
     (hashed as written: :mod:`fleet.storage.checksums`)."""
     import torch
-
-    from fleet.storage.checksums import Hashing
 
     hashing: list[Hashing] = []
 

@@ -22,8 +22,9 @@ import stat
 from typing import Any
 
 from fleet.errors import FleetError
+from fleet.storage.atomic import write_text_atomic
 
-__all__ = ["CHECKSUMS", "MAX_FILES", "LayoutError", "Hashing", "file_sum", "read_manifest", "read_verified", "walk"]
+__all__ = ["CHECKSUMS", "MAX_FILES", "LayoutError", "file_sum", "read_manifest", "read_verified", "walk"]
 
 CHECKSUMS = "checksums.json"
 MAX_FILES = 1 << 16
@@ -34,28 +35,6 @@ _MAX_MANIFEST_BYTES = 64 << 20
 
 class LayoutError(FleetError):
     """A checkpoint directory that does not hold what its pointer or manifest says."""
-
-
-class Hashing:
-    """A file object that hashes what is written through it (sequential writes, as ``torch.save`` does)."""
-
-    def __init__(self, handle: Any):
-        self.handle = handle
-        self.digest = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        written = self.handle.write(data)
-        view = memoryview(data).cast("B")
-        self.digest.update(view)
-        self.size += view.nbytes
-        return written
-
-    def flush(self) -> None:
-        self.handle.flush()
-
-    def sum(self) -> dict[str, Any]:
-        return {"size": self.size, "sha256": self.digest.hexdigest()}
 
 
 def _regular(path: str) -> os.stat_result:
@@ -128,8 +107,6 @@ def read_manifest(save: str) -> dict[str, dict[str, Any]] | None:
 
 def write_manifest(save: str, sums: dict[str, dict[str, Any]]) -> None:
     """Write ``<save>/checksums.json`` (atomically)."""
-    from fleet.storage.atomic import write_text_atomic
-
     write_text_atomic(os.path.join(save, CHECKSUMS), json.dumps({"files": dict(sorted(sums.items()))}, indent=0))
 
 
