@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fleet import api
-from fleet.errors import DiskFullError, FleetError
+from fleet.errors import DiskFullError, FleetError, PeerError
 from fleet.nn import rows_state
 from fleet.storage.atomic import is_disk_full
 from fleet.storage.layout import STEPS, Layout, LayoutError, Save
@@ -234,7 +234,10 @@ def _agree(strategy: Any, job: Any, failure: BaseException | None, what: str) ->
         return
     flags = torch.zeros(workers, dtype=torch.float64)
     flags[job.role.worker_index] = 1.0 if failure is not None else 0.0
-    failed = [i for i, flag in enumerate(strategy.all_reduce(flags, "sum").tolist()) if flag]
+    try:
+        failed = [i for i, flag in enumerate(strategy.all_reduce(flags, "sum").tolist()) if flag]
+    except PeerError as error:  # a worker died or hangs (in its own reads or writes): named, with the save
+        raise PeerError(f"{what}: waiting for every worker to finish its files failed: {error}") from error
     if failed and failure is None:
         names = ", ".join(f"worker {i}" for i in failed)
         raise FleetError(f"{what} failed on {names} (its error names the file); nothing was changed here")
