@@ -286,7 +286,7 @@ class ParameterServerStrategy(Strategy):
             )
             delta = False
         state = {"optimizers": [opt.inner.state_dict() for opt in optimizers]}
-        return save_servers(self.client(), dirname, state, self._persisted if delta else None)
+        return save_servers(self.client(), dirname, state, delta, self._persisted if delta else None)
 
     def load_persistables(self, dirname: str) -> None:
         """Restore the newest complete save under ``dirname`` (same number of servers); every worker then pulls."""

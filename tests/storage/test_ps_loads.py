@@ -55,7 +55,7 @@ def same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
 
 
 def save(c: PSClient, dirname: Path, parent: str | None = None) -> str:
-    return save_servers(c, str(dirname), {"optimizers": []}, parent)
+    return save_servers(c, str(dirname), {"optimizers": []}, parent is not None, parent)
 
 
 def rewrite(save_dir: str, rel: str, record: object) -> None:

@@ -37,13 +37,16 @@ WORKER_FILE = "worker-0.pt"
 """Worker 0's part of a save: its optimizers' states."""
 
 
-def save_servers(client: Any, dirname: str, worker_state: dict[str, Any], parent: str | None) -> str:
-    """A new save under ``dirname``: every server's shards (a delta on ``parent`` when given) and
-    ``worker_state`` as :data:`WORKER_FILE`, committed; its path. On failure nothing is committed."""
+def save_servers(
+    client: Any, dirname: str, worker_state: dict[str, Any], delta: bool = False, parent: str | None = None
+) -> str:
+    """A new save under ``dirname``: every server's shards (``delta``: the sparse rows changed since each
+    server's last save, which the manifest names as ``parent``) and ``worker_state`` as :data:`WORKER_FILE`,
+    committed; its path. On failure nothing is committed."""
     save = persist.writer(dirname)
     try:
         try:
-            replies = client.save(save.path, delta=parent is not None).result()
+            replies = client.save(save.path, delta=delta).result()
         except PSRemoteError as error:
             if "No space left on device" in str(error):
                 raise DiskFullError(save.path, "saving the parameter servers' shards under", str(error)) from None
