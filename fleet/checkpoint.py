@@ -14,7 +14,10 @@ positions); ``<dirname>/latest`` names the newest complete step directory. Every
 through a :class:`~fleet.storage.layout.SaveWriter`: written under a temporary name and renamed;
 ``latest`` moves only after every worker has written its part, so a crash at any moment leaves
 the previous checkpoint intact and readable, and a ``latest`` that names anything but a step
-directory right inside ``dirname`` is refused.
+directory right inside ``dirname`` is refused. Every file is checked against the checksums the
+save recorded before it is used, and every worker reads and checks its files before any of them
+changes its model: a damaged checkpoint fails on every worker, naming the file (and the worker),
+and never makes a job start fresh.
 A full disk raises :class:`~fleet.errors.DiskFullError` ("No space left on device" and the path)
 and leaves no temporary file behind.
 """
@@ -22,15 +25,16 @@ and leaves no temporary file behind.
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any, NamedTuple
 
 import torch
 
 from fleet import api
-from fleet.errors import DiskFullError, FleetError
+from fleet.errors import DiskFullError, FleetError, PeerError
 from fleet.nn import rows_state
 from fleet.storage.atomic import is_disk_full
-from fleet.storage.layout import STEPS, Layout
+from fleet.storage.layout import STEPS, Layout, LayoutError, Save
 
 META = "meta.pt"
 
@@ -100,11 +104,12 @@ def save_checkpoint(
             raise
         if rank == 0:
             save.write(META, {"step": int(step), "extra": extra, "workers": job.role.worker_num})
-    except Exception:
+    except Exception as error:
         # What this save wrote goes (on a full disk it holds the space); `latest` still names the last good one.
         save.abort(whole=save.fresh and job.role.worker_num == 1)
+        _agree(strategy, job, error, f"save_checkpoint into {save.path}")
         raise
-    strategy.barrier()  # every worker's part is on disk before `latest` moves
+    _agree(strategy, job, None, f"save_checkpoint into {save.path}")  # every part is on disk before `latest` moves
     if rank == 0:
         save.commit()
 
@@ -124,29 +129,115 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def load_checkpoint(dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Resumed | None:
-    """Restore the newest complete checkpoint under ``dirname``; None when there is none yet."""
+def load_checkpoint(
+    dirname: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, missing_ok: bool = True
+) -> Resumed | None:
+    """Restore the newest complete checkpoint under ``dirname``. Call on every worker.
+
+    Nothing saved there yet (no ``latest``): None, and worker 0 says the job starts fresh; with
+    ``missing_ok=False`` that is an error instead. A checkpoint that is there but damaged (a
+    pointer naming no save of this directory, a missing or changed file, one that is not
+    fleet's format) is always an error naming the file, on every worker, before any worker
+    changed its model.
+    """
     job = api.current_job()
     strategy = job.implementation(None)
-    save = Layout(dirname, STEPS).resolve()
+    layout = Layout(dirname, STEPS)
+    save = layout.resolve()
     if save is None:
-        return None
-    meta = save.load(META) if save.has(META) else save.load("state.pt")  # "state.pt": from before meta.pt
-    saved, workers = int(meta["workers"]), job.role.worker_num
-    if saved != workers and not strategy.reshardable_checkpoints:
-        raise FleetError(
-            f"{save.path} was written by {saved} workers but this job has {workers}; resume with the same number "
-            f"of workers (mode={job.strategy.mode!r} checkpoints do not reshard; mode='sharding' ones do)."
-        )
-    strategy.load_state(save, model, optimizer)
+        return _nothing_saved(layout, job, missing_ok)
     own = f"worker-{job.role.worker_index}.pt"
+    failure: BaseException | None = None
+    try:
+        meta = _meta(save)
+        saved, workers = int(meta["workers"]), job.role.worker_num
+        if saved != workers and not strategy.reshardable_checkpoints:
+            raise FleetError(
+                f"{save.path} was written by {saved} workers but this job has {workers}; resume with the same "
+                f"number of workers (mode={job.strategy.mode!r} checkpoints do not reshard; mode='sharding' ones do)."
+            )
+        # a worker the saving job did not have: the epoch and progress of worker 0
+        state = _worker_state(save, own if save.has(own) else "worker-0.pt")
+    except Exception as error:  # noqa: BLE001 - every worker hears of it before anyone changes its model
+        failure = error
+    _agree(strategy, job, failure, f"load_checkpoint from {save.path}")
+    if failure is not None:
+        raise failure
+    strategy.load_state(save, model, optimizer)
     if save.has(own):
-        state = save.load(own)
         _set_rng_state(state["rng"])
-    else:  # a worker the saving job did not have: the epoch and progress of worker 0
-        state = save.load("worker-0.pt")
     for loader, position in zip(job.loaders, state["loaders"], strict=False):
         if saved != workers:  # the same share of the epoch, cut into this job's shards
             position = {**position, "position": int(position["position"]) * saved // workers}
         loader.load_state_dict(position)
     return Resumed(int(meta["step"]), meta["extra"])
+
+
+def _nothing_saved(layout: Layout, job: Any, missing_ok: bool) -> None:
+    """``load_checkpoint`` with no ``latest``: starting fresh (said), unless a complete save is there or
+    the caller wants one."""
+    orphaned = layout.unpointed()
+    if orphaned is not None:
+        raise orphaned
+    if not missing_ok:
+        raise LayoutError(f"no checkpoint to load under {layout.dirname}: {layout.pointer} does not exist")
+    if job.role.worker_index == 0:
+        print(f"fleet: no checkpoint in {layout.dirname} yet (no {layout.pointer}): starting fresh", file=sys.stderr)
+    return None
+
+
+def _meta(save: Save) -> dict[str, Any]:
+    """``meta.pt`` (or, from before it, ``state.pt``), checked: a damaged one is an error naming it."""
+    name = META if save.has(META) else "state.pt"
+    meta = save.load(name) if save.has(name) else None
+    if name != META and not (isinstance(meta, dict) and "workers" in meta):
+        raise LayoutError(
+            f"{save.part(META)} is missing: {save.path} is not a complete checkpoint written by fleet.save_checkpoint"
+        )
+    if (
+        not isinstance(meta, dict)
+        or not isinstance(meta.get("step"), int)
+        or not isinstance(meta.get("workers"), int)
+        or meta["workers"] < 1
+        or not isinstance(meta.get("extra"), dict)
+    ):
+        keys = sorted(meta) if isinstance(meta, dict) else type(meta).__name__
+        raise LayoutError(
+            f"{save.part(name)} is not a checkpoint's meta.pt (step, workers, extra; it holds {keys}): damaged, "
+            "or not written by fleet.save_checkpoint"
+        )
+    return meta
+
+
+def _worker_state(save: Save, name: str) -> dict[str, Any]:
+    """A worker's RNG states and loader positions (``worker-<i>.pt``), checked."""
+    if not save.has(name):
+        raise LayoutError(f"{save.part(name)} is missing: the checkpoint {save.path} is incomplete")
+    state = save.load(name)
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("rng"), dict)
+        or not isinstance(state.get("loaders"), list)
+    ):
+        raise LayoutError(f"{save.part(name)} does not hold a worker's RNG states and loader positions: damaged")
+    return state
+
+
+def _agree(strategy: Any, job: Any, failure: BaseException | None, what: str) -> None:
+    """Every worker learns which workers failed ``what`` (one small all-reduce, under the strategy's timeout_s).
+
+    The workers that failed raise their own error (it names the file); the others raise one naming them,
+    instead of waiting in the next collective until the timeout.
+    """
+    workers = job.role.worker_num
+    if workers == 1:
+        return
+    flags = torch.zeros(workers, dtype=torch.float64)
+    flags[job.role.worker_index] = 1.0 if failure is not None else 0.0
+    try:
+        failed = [i for i, flag in enumerate(strategy.all_reduce(flags, "sum").tolist()) if flag]
+    except PeerError as error:  # a worker died or hangs (in its own reads or writes): named, with the save
+        raise PeerError(f"{what}: waiting for every worker to finish its files failed: {error}") from error
+    if failed and failure is None:
+        names = ", ".join(f"worker {i}" for i in failed)
+        raise FleetError(f"{what} failed on {names} (its error names the file); nothing was changed here")

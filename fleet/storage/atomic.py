@@ -9,6 +9,7 @@ the file object it writes to records the OSError underneath.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -72,13 +73,39 @@ class _Recording:
         self.handle.flush()
 
 
-def save_atomic(obj: Any, path: str | Path) -> None:
-    """``torch.save`` without ever leaving a torn file under ``path``."""
+class Hashing:
+    """A file object that hashes what is written through it (sequential writes, as ``torch.save`` does)."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        written = self.handle.write(data)
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        self.size += view.nbytes
+        return written
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def sum(self) -> dict[str, Any]:
+        return {"size": self.size, "sha256": self.digest.hexdigest()}
+
+
+def save_atomic(obj: Any, path: str | Path) -> dict[str, Any]:
+    """``torch.save`` without ever leaving a torn file under ``path``; the file's size and SHA-256
+    (hashed as written: :mod:`fleet.storage.checksums`)."""
     import torch
+
+    hashing: list[Hashing] = []
 
     def write(tmp: str) -> None:
         with open(tmp, "wb") as handle:
-            target = _Recording(handle)
+            hashing[:] = [Hashing(handle)]
+            target = _Recording(hashing[0])
             try:
                 torch.save(obj, target)
             except RuntimeError:
@@ -87,3 +114,4 @@ def save_atomic(obj: Any, path: str | Path) -> None:
                 raise
 
     write_atomic(path, write)
+    return hashing[0].sum()

@@ -18,6 +18,11 @@ to read) and never name a save directory themselves.
 (:meth:`Layout.resolve`): an empty pointer, an absolute path, ``..`` or a name of another kind
 is refused with the pointer's path and what is wrong with it, instead of reading elsewhere.
 
+Every committed save lists its files' sizes and SHA-256 sums in ``checksums.json``
+(:mod:`fleet.storage.checksums`); :meth:`Save.load` and :meth:`Save.read` check a file against
+them before using a byte of it, so a file truncated or bit-flipped since is an error naming it.
+Saves written before checksums (no ``checksums.json``) load unchecked.
+
 A save may build on a parent (a delta save): the kind's manifest (``save.json``) names the
 parent's directory. :func:`follow` walks such chains with cycle detection and a depth bound;
 :meth:`Layout.prune` keeps the newest :attr:`SaveKind.keep` saves and every save the newest
@@ -26,18 +31,18 @@ one builds on.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-from fleet.errors import FleetError
-from fleet.storage.atomic import make_dirs, save_atomic, write_text_atomic
+from fleet.storage import checksums
+from fleet.storage.atomic import write_text_atomic
+from fleet.storage.checksums import CHECKSUMS, LayoutError
+from fleet.storage.save import Save, SaveKind, SaveWriter
 
 __all__ = [
+    "CHECKSUMS",
     "LATEST",
     "MANIFEST",
     "MAX_DEPTH",
@@ -56,37 +61,7 @@ LATEST = "latest"
 MANIFEST = "save.json"
 MAX_DEPTH = 1024
 """The longest parent chain followed: a longer one is an error, never a walk without end."""
-
-
-class LayoutError(FleetError):
-    """A checkpoint directory that does not hold what its pointer or manifest says."""
-
-
-@dataclass(frozen=True)
-class SaveKind:
-    """How the saves of one kind are named (``<prefix>-<number zero-padded to digits>``) and kept."""
-
-    prefix: str
-    digits: int
-    keep: int = 2
-    """Complete saves kept after a commit (besides the parents the newest one builds on)."""
-    manifest: str | None = None
-    """The file in each save naming its parent (None: saves of this kind have no parents)."""
-    pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "pattern", re.compile(rf"^{re.escape(self.prefix)}-(\d+)$"))
-
-    def name(self, number: int) -> str:
-        """The directory name of save ``number`` (``step-000000012``)."""
-        if number < 0:
-            raise ValueError(f"a {self.prefix} number is not negative (got {number})")
-        return f"{self.prefix}-{int(number):0{self.digits}d}"
-
-    def number(self, name: str) -> int | None:
-        """The number of a save's directory name; None when ``name`` is not a save of this kind."""
-        match = self.pattern.match(name)
-        return int(match.group(1)) if match else None
+_MAX_POINTER_BYTES = 4096
 
 
 STEPS = SaveKind("step", 9)
@@ -118,107 +93,6 @@ def follow(
     return chain
 
 
-class Save:
-    """One save directory, to read: its parts are named inside it."""
-
-    def __init__(self, path: str, kind: SaveKind):
-        self.path = path
-        self.kind = kind
-
-    @property
-    def name(self) -> str:
-        return os.path.basename(self.path)
-
-    @property
-    def number(self) -> int | None:
-        return self.kind.number(self.name)
-
-    def part(self, name: str) -> str:
-        """The path of part ``name`` (a file or directory name right inside the save)."""
-        if not name or name in (".", "..") or os.sep in name or (os.altsep and os.altsep in name):
-            raise ValueError(f"a part of a save is a name inside it, not a path (got {name!r})")
-        return os.path.join(self.path, name)
-
-    def has(self, name: str) -> bool:
-        return os.path.exists(self.part(name))
-
-    def load(self, name: str) -> Any:
-        """``torch.load`` of part ``name``, data only (``weights_only=True``)."""
-        import torch
-
-        return torch.load(self.part(name), weights_only=True)
-
-    def parent(self) -> str | None:
-        """The save this one builds on (its directory), from the kind's manifest; None for a base."""
-        if self.kind.manifest is None:
-            return None
-        try:
-            with open(self.part(self.kind.manifest)) as handle:
-                parent = json.load(handle).get("parent")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return parent or None
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.path!r})"
-
-
-class SaveWriter(Save):
-    """One save being written: :meth:`prepare`, then :meth:`write` (or :meth:`directory`) each part,
-    then :meth:`commit` (``latest`` moves; call once every writer of the save is done) or :meth:`abort`.
-
-    Several processes may write parts of one save, each with its own writer on the same number;
-    exactly one of them commits.
-    """
-
-    def __init__(self, layout: Layout, number: int):
-        super().__init__(layout.path(number), layout.kind)
-        self.layout = layout
-        self.fresh = False
-        """Whether :meth:`prepare` created the directory (no earlier attempt at this save left it)."""
-        self._written: list[str] = []
-
-    def prepare(self) -> SaveWriter:
-        """Create the save's directory (a full disk raises :class:`~fleet.errors.DiskFullError`)."""
-        make_dirs(self.layout.dirname)
-        self.fresh = not os.path.isdir(self.path)
-        make_dirs(self.path)
-        return self
-
-    def write(self, name: str, obj: Any) -> str:
-        """``torch.save`` ``obj`` as part ``name``, atomically (a temporary name, then a rename)."""
-        path = self.part(name)
-        save_atomic(obj, path)
-        self._written.append(path)
-        return path
-
-    def directory(self, name: str) -> str:
-        """The path of a part that is a directory another writer fills (``torch.distributed.checkpoint``).
-
-        :meth:`abort` leaves it: every worker writes its shards there, and one worker's failure
-        is no reason to remove the others'.
-        """
-        return self.part(name)
-
-    def commit(self, parent: str | None = None) -> None:
-        """Every part is on disk: record ``parent`` (kinds with a manifest), move ``latest`` here, prune."""
-        if self.kind.manifest is not None:
-            write_text_atomic(self.part(self.kind.manifest), json.dumps({"parent": parent}))
-        elif parent is not None:
-            raise ValueError(f"saves of kind {self.kind.prefix!r} have no parents (got parent={parent!r})")
-        self.layout.commit(self.name)
-
-    def abort(self, whole: bool) -> None:
-        """Remove the files this writer wrote (:meth:`write`); with ``whole``, the save's whole directory
-        (when no other writer shares it). ``latest`` still names the save before."""
-        if whole:
-            shutil.rmtree(self.path, ignore_errors=True)
-            return
-        for path in reversed(self._written):
-            if os.path.exists(path):
-                os.unlink(path)
-
-
 class Layout:
     """The saves of one kind under ``dirname``: naming, the ``latest`` pointer, parents, pruning."""
 
@@ -248,12 +122,25 @@ class Layout:
         return SaveWriter(self, number)
 
     def pointed(self) -> str | None:
-        """The name ``latest`` holds, unchecked (None when there is no pointer)."""
-        try:
-            with open(self.pointer) as handle:
-                return handle.read().strip()
-        except FileNotFoundError:
+        """The name ``latest`` holds, unchecked (None when there is no pointer).
+
+        A pointer that is not a small regular text file is a :class:`LayoutError`: a folder or a
+        device there must never read as "no checkpoint yet".
+        """
+        if not os.path.lexists(self.pointer):
             return None
+        try:
+            data = checksums.read_verified(self.pointer, None) if _small(self.pointer) else None
+        except (OSError, LayoutError) as error:
+            raise LayoutError(f"{self.pointer} cannot be read as the name of a save ({error})") from None
+        if data is None:
+            raise LayoutError(
+                f"{self.pointer} is not a file naming a save (it must be a small text file, as fleet writes it)"
+            )
+        try:
+            return data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise LayoutError(f"{self.pointer} is not text: it must hold the name of a save") from None
 
     def resolve(self) -> Save | None:
         """The save ``latest`` names; None when there is no pointer.
@@ -282,6 +169,20 @@ class Layout:
             return Save(path, self.kind)
         raise LayoutError(
             f"{self.pointer} names {name!r}, which is not a save in {self.dirname}: {wrong} (the pointer was edited?)"
+        )
+
+    def unpointed(self) -> LayoutError | None:
+        """With no ``latest``: the error to raise when a complete save is there all the same (its pointer went,
+        so "nothing saved yet" would silently drop it); None when no save here completed."""
+        if self.pointed() is not None:
+            return None
+        complete = [n for n in self.numbers() if os.path.isfile(os.path.join(self.path(n), CHECKSUMS))]
+        if not complete:
+            return None
+        return LayoutError(
+            f"{self.pointer} is missing, but {self.path(complete[-1])} is a complete save: the pointer was removed. "
+            f"Write its name ({self.kind.name(complete[-1])}) into {self.pointer} to load it, or remove the "
+            "directory to start fresh."
         )
 
     def commit(self, name: str) -> None:
@@ -315,7 +216,8 @@ class Layout:
         keep = {newest, *(older[-(self.kind.keep - 1) :] if self.kind.keep > 1 else [])}
         try:
             ancestors = self.chain(Save(self.path(newest), self.kind))
-        except LayoutError:
+        except LayoutError as error:
+            print(f"fleet: not pruning {self.dirname} (every save is kept): {error}", file=sys.stderr, flush=True)
             return
         here = os.path.abspath(self.dirname)
         for save in ancestors:  # a parent in another directory is not this layout's to keep or remove
@@ -333,6 +235,17 @@ def committed(path: str, kind: SaveKind) -> bool:
     if kind.number(name) is None:
         return os.path.isdir(path)
     return Layout(parent, kind).committed(name)
+
+
+def _small(path: str) -> bool:
+    """Whether ``path`` is a regular file (a link followed) no larger than a pointer ever is."""
+    import stat
+
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_size <= _MAX_POINTER_BYTES
 
 
 def _inside(path: str, dirname: str) -> bool:

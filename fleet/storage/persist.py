@@ -34,8 +34,12 @@ def writer(dirname: str) -> SaveWriter:
 
 
 def resolve(dirname: str) -> str:
-    """The complete save ``latest`` names under ``dirname``; ``dirname`` itself when it has no pointer."""
-    save = Layout(dirname, SAVES).resolve()
+    """The complete save ``latest`` names under ``dirname``; ``dirname`` itself when it has no pointer (a save
+    from before numbered saves), unless complete saves are there without one (:meth:`Layout.unpointed`)."""
+    saves = Layout(dirname, SAVES)
+    save = saves.resolve()
+    if save is None and (orphaned := saves.unpointed()) is not None:
+        raise orphaned
     return dirname if save is None else save.path
 
 

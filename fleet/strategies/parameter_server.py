@@ -19,11 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fleet.errors import DiskFullError, FleetError
+from fleet.errors import FleetError
 from fleet.ps import modes
+from fleet.ps.worker.persistables import WORKER_FILE
 from fleet.storage import persist
 from fleet.storage.layout import SAVES, Save, SaveWriter
 from fleet.strategies.base import Runtime, Strategy, check_reduce
+
+__all__ = ["WORKER_FILE", "ParameterServerStrategy"]
 
 if TYPE_CHECKING:
     from fleet.ps.client.client import PSClient
@@ -31,8 +34,6 @@ if TYPE_CHECKING:
     from fleet.runtime.roles import RoleInfo
     from fleet.sparse.backends import TableBackend, TableModule
     from fleet.strategy import DistributedStrategy
-
-WORKER_FILE = "worker-0.pt"
 
 
 class ParameterServerStrategy(Strategy):
@@ -273,7 +274,7 @@ class ParameterServerStrategy(Strategy):
 
     def _save_new(self, dirname: str, mode: str, optimizers: list[Any]) -> str:
         """Worker 0's part of a save: a new directory, the servers' shards, its own file, then ``latest``."""
-        from fleet.ps.protocol.errors import PSRemoteError
+        from fleet.ps.worker.persistables import save_servers
 
         delta = mode == "delta"
         if delta and self._save_failed:
@@ -284,23 +285,13 @@ class ParameterServerStrategy(Strategy):
                 flush=True,
             )
             delta = False
-        save = persist.writer(dirname)
-        try:
-            try:
-                self.client().save(save.path, delta=delta).result()
-            except PSRemoteError as error:
-                if "No space left on device" in str(error):
-                    raise DiskFullError(save.path, "saving the parameter servers' shards under", str(error)) from None
-                raise
-            save.write(WORKER_FILE, {"optimizers": [opt.inner.state_dict() for opt in optimizers]})
-            save.commit(self._persisted if delta else None)
-        except BaseException:
-            save.abort(whole=True)  # the servers' shards too: nothing reads an uncommitted save
-            raise
-        return save.path
+        state = {"optimizers": [opt.inner.state_dict() for opt in optimizers]}
+        return save_servers(self.client(), dirname, state, delta, self._persisted if delta else None)
 
     def load_persistables(self, dirname: str) -> None:
         """Restore the newest complete save under ``dirname`` (same number of servers); every worker then pulls."""
+        from fleet.ps.worker.persistables import load_servers
+
         optimizers = self._checkpointed()
         source = persist.resolve(dirname)
         save = Save(source, SAVES)
@@ -309,12 +300,30 @@ class ParameterServerStrategy(Strategy):
                 f"{save.part(WORKER_FILE)} does not exist: {dirname!r} is not a checkpoint written by "
                 "fleet.save_persistables."
             )
+        state = save.load(WORKER_FILE)  # checked (checksums) on every worker before any server changes
+        if not isinstance(state, dict) or not isinstance(state.get("optimizers"), list):
+            raise FleetError(f"{save.part(WORKER_FILE)} does not hold worker 0's optimizer states: damaged")
+        if len(state["optimizers"]) != len(optimizers):
+            raise FleetError(
+                f"{save.part(WORKER_FILE)} holds {len(state['optimizers'])} optimizers' states, this worker has "
+                f"{len(optimizers)} wrapped optimizers: the save is of another script"
+            )
         self.barrier()
+        failure: BaseException | None = None
         if self.runtime.role.is_first_worker:
-            self.client().load(source).result()
-            self._persisted = os.path.abspath(source)
-        self.barrier()
-        state = save.load(WORKER_FILE)
+            try:
+                load_servers(self.client(), source)
+                self._persisted = os.path.abspath(source)
+            except Exception as error:  # every worker must hear of it, not wait for tables that never load
+                failure = error
+        loaded = self.all_reduce(torch.tensor([0.0 if failure else 1.0], dtype=torch.float64), "min")
+        if failure is not None:
+            raise failure
+        if loaded[0] < 1:
+            raise FleetError(
+                f"load_persistables({dirname!r}) failed on worker 0 (its error names the server and the file); no "
+                "table changed on any parameter server."
+            )
         for opt, saved in zip(optimizers, state["optimizers"], strict=True):
             opt.inner.load_state_dict(saved)
             opt.refresh()

@@ -271,6 +271,7 @@ class ShardingStrategy(Strategy):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         inner = _inner(optimizer)
+        save.verify(SHARDED)  # torch.distributed.checkpoint reads these itself: a damaged one is named first
         with rows_in_state_dict(False):
             model_state, optim_state = get_state_dict(model, inner)
             optim_state, placeholders = table_rows.split_placeholders(optim_state, model)

@@ -94,7 +94,7 @@ SIGNATURES = {
     "is_server": "()",
     "is_worker": "()",
     "join": "()",
-    "load_checkpoint": "(dirname, model, optimizer)",
+    "load_checkpoint": "(dirname, model, optimizer, *, missing_ok=True)",
     "load_persistables": "(dirname)",
     "progress": "(iterable, total=None, description='working', *, every_s=10.0, stream=None)",
     "register_strategy": "(name, cls, override=False)",

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fleet
+import fleet.api
 from fleet.errors import FleetError
 from fleet.storage.layout import LATEST, MANIFEST, SAVES, STEPS, Layout, LayoutError, Save, SaveKind, follow
 

@@ -146,6 +146,7 @@ def test_one_process_sharding_checkpoint_rows_and_the_mistakes(fresh_fleet, tmp_
     import os
 
     import fleet
+    from fleet.storage import checksums
     from ps_jobs import make_model, make_optimizer
 
     fleet.init()
@@ -166,6 +167,9 @@ def test_one_process_sharding_checkpoint_rows_and_the_mistakes(fresh_fleet, tmp_
     save = os.path.join(ckpt, f"step-{SAVE_AT:09d}")
     rows = torch.load(os.path.join(save, "rows.pt"), weights_only=True)
     torch.save({k.replace("emb.", "other."): v for k, v in rows.items()}, os.path.join(save, "rows.pt"))
+    sums = checksums.read_manifest(save)  # a file of the wrong model, not a damaged one: its checksum re-recorded
+    sums["rows.pt"] = checksums.file_sum(os.path.join(save, "rows.pt"))
+    checksums.write_manifest(save, sums)
     with pytest.raises(
         fleet.FleetError, match=r"no rows of the model's SparseEmbedding 'emb'; its tables are \['other'\]"
     ):

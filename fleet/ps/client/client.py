@@ -599,10 +599,14 @@ class PSClient:
         # settle: on one server's error the caller removes the directory, so every server must be done with it
         return self._submit(self._all(Op.SAVE, blob=path, arg=int(delta)), self._json_list, timeout_s, settle=True)
 
-    def load(self, dirname: str, timeout_s: float | None = None) -> Future:
-        """Future[list[dict]]: every server restores its shards from ``dirname`` (same number of servers)."""
+    def load(self, dirname: str, timeout_s: float | None = None, phase: int = 0) -> Future:
+        """Future[list[dict]]: every server restores its shards from ``dirname`` (same number of servers).
+
+        ``phase``: :data:`~fleet.ps.protocol.wire.LOAD_NOW`, or one step of a load every server
+        checks before any applies (``LOAD_STAGE``, then ``LOAD_COMMIT`` or ``LOAD_DISCARD``).
+        """
         path = os.path.abspath(dirname).encode()
-        return self._submit(self._all(Op.LOAD, blob=path), self._json_list, timeout_s, settle=True)
+        return self._submit(self._all(Op.LOAD, blob=path, arg=phase), self._json_list, timeout_s, settle=True)
 
     def stats(self) -> Future:
         """Future[list[dict]]: each server's counters, in server order."""

@@ -90,6 +90,9 @@ class Op(enum.IntEnum):
 #: SET_OPTIMIZER: request [param_steps, *optimizer state] with blob {"names": [...], "step": n}.
 #: SET_VALUES: request [values] (parameters the user wrote: model.load_state_dict, clamping).
 DENSE_STATE_GET, DENSE_STATE_SET_OPTIMIZER, DENSE_STATE_SET_VALUES = 0, 1, 2
+#: LOAD's ``arg``: load at once (check everything, then apply), or the phases of a load over every
+#: server: stage (check and load aside), commit (apply what was staged), discard it.
+LOAD_NOW, LOAD_STAGE, LOAD_COMMIT, LOAD_DISCARD = 0, 1, 2, 3
 
 
 #: EXPORT_SPARSE with ``step`` > 0 reads one bounded page: ``arg`` = first slot, ``step`` = rows asked for

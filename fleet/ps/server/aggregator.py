@@ -173,6 +173,11 @@ class Shard:
         """Apply the step's accumulated gradients and empty the accumulator -- or raise and change nothing."""
         raise NotImplementedError
 
+    def carry_counts(self, before: Shard) -> None:
+        """Take over the counters of the shard this one replaces (a LOAD swaps shards; its stats go on)."""
+        for worker, n in before.stale_dropped.items():
+            self.stale_dropped[worker] = self.stale_dropped.get(worker, 0) + n
+
     def info(self) -> dict[str, Any]:
         return {
             "kind": self.kind,

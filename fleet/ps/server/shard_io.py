@@ -7,9 +7,12 @@ each sparse table saved before, only the rows changed since that save and the id
 evicted since, with the path of that save as ``parent``; loading follows the parents
 back to a base and replays the deltas forward. Each file is written to a temporary
 name and moved into place with :func:`os.replace`, so a crash mid-save never
-leaves a half-written checkpoint under the real name. Files are read back
-with ``torch.load(weights_only=True)``: these are our own local files, and
-even so nothing in them is allowed to be code.
+leaves a half-written checkpoint under the real name; each file's size and SHA-256 are
+hashed as it is written and go back to worker 0, which lists them in the save's
+``checksums.json`` (:mod:`fleet.storage.checksums`). A load reads every file of the
+chain (checked against those sums, then ``torch.load(weights_only=True)``: even our own
+files may hold no code) before it returns anything, so a caller can check everything before
+it changes a table (:mod:`fleet.ps.server.staged_load`).
 
 Server restarts (``fleetrun --max-restarts K``): after every successful SAVE a
 server records the checkpoint directory in ``<record dir>/ps-server-<i>.checkpoint``
@@ -28,12 +31,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from fleet.storage import layout, persist
+from fleet.storage import checksums, layout, persist
 from fleet.storage.atomic import make_dirs, save_atomic, write_text_atomic
 
 _NAME = re.compile(r"^table-(\d+)\.pt$")
@@ -45,28 +46,32 @@ def shard_dir(dirname: str, server_index: int) -> str:
     return layout.Save(dirname, layout.SAVES).part(f"ps-server-{server_index}")
 
 
-def save_shards(dirname: str, server_index: int, shards: Mapping[int, Any], parent: str | None = None) -> list[str]:
+def save_shards(
+    dirname: str, server_index: int, shards: Mapping[int, Any], parent: str | None = None
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """Write every shard (a delta of each sparse one saved before when ``parent``, the previous save, is given).
 
-    Returns the file paths. Pending sync accumulations are not saved.
+    Returns the file paths and their checksums (by path relative to ``dirname``, as the save's
+    ``checksums.json`` lists them). Pending sync accumulations are not saved.
     """
     if not dirname:
         raise ValueError("SAVE needs a directory path")
     target = shard_dir(dirname, server_index)
     make_dirs(target)
     parent = persist.resolve(parent) if parent is not None else None
-    written = []
+    written, sums = [], {}
     for table, shard in sorted(shards.items()):
-        path = os.path.join(target, f"table-{table}.pt")
+        name = f"table-{table}.pt"
+        path = os.path.join(target, name)
         delta = parent is not None and shard.kind == "sparse" and shard.table.saved
         record = {"kind": shard.kind, "config": shard.key, "state": shard.state(delta=delta)}
         if delta:
             record["parent"] = os.path.abspath(parent)
-        save_atomic(record, path)
+        sums[f"{os.path.basename(target)}/{name}"] = save_atomic(record, path)
         written.append(path)
     for shard in shards.values():
         shard.saved()
-    return written
+    return written, sums
 
 
 def record_path(record_dir: str, server_index: int) -> str:
@@ -98,54 +103,71 @@ def _recorded(path: str) -> list[str]:
         return []
 
 
-def _read(path: str) -> dict[str, Any]:
-    data = torch.load(path, weights_only=True)
-    if not isinstance(data, dict) or data.get("kind") not in ("dense", "sparse"):
-        raise ValueError(f"LOAD: {path} is not a parameter-server shard file")
-    return data
+def load_shards(dirname: str, server_index: int) -> list[tuple[int, str, dict[str, Any], list[dict[str, Any]]]]:
+    """(table id, kind, config, states) for every shard file this server saved, every file read and checked.
 
-
-def load_shards(dirname: str, server_index: int) -> Iterator[tuple[int, str, dict[str, Any], list[dict[str, Any]]]]:
-    """Yield (table id, kind, config, states) for every shard file this server saved.
-
-    ``states`` is the base first, then each delta up to the one in ``dirname``.
+    ``states`` is the base first, then each delta up to the one in ``dirname``. Raises
+    ``ValueError`` naming the file at fault (missing, damaged, changed since it was saved, a
+    delta whose parent is gone, a parent chain that loops) before anything is returned.
     """
     dirname = persist.resolve(dirname)
     source = shard_dir(dirname, server_index)
     if not os.path.isdir(source):
         raise ValueError(f"LOAD: {source} does not exist (was the checkpoint saved with this many servers?)")
-    for name in sorted(os.listdir(source)):
-        match = _NAME.match(name)
-        if not match:
-            continue
-        chain = _chain(os.path.join(source, name), server_index)
+    folder = os.path.basename(source)
+    names = [n for n in checksums.walk(source) if _NAME.match(n)]
+    sums = layout.Save(dirname, layout.SAVES).checksums()
+    if sums is not None:  # a file the save lists must be there: one that went missing is not "no table"
+        listed = sorted(rel.split("/", 1)[1] for rel in sums if rel.startswith(f"{folder}/"))
+        for name in sorted(set(listed) - set(names)):
+            raise ValueError(f"LOAD: {os.path.join(source, name)} is missing (the save's checksums.json lists it)")
+    out = []
+    for name in names:
+        chain = _chain(dirname, name, server_index)
         chain.reverse()
-        yield int(match.group(1)), chain[-1]["kind"], json.loads(chain[-1]["config"]), [c["state"] for c in chain]
+        kind, config = chain[-1]["kind"], chain[-1]["config"]
+        try:
+            config = json.loads(config)
+            if not isinstance(config, dict):
+                raise ValueError("not a JSON object")
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"LOAD: {os.path.join(source, name)} holds a damaged table config ({error})") from None
+        if any(c["kind"] != kind for c in chain):
+            raise ValueError(f"LOAD: {os.path.join(source, name)} is a {kind} table but a save it builds on is not")
+        out.append((int(_NAME.match(name).group(1)), kind, config, [c["state"] for c in chain]))
+    return out
 
 
-def _chain(path: str, server_index: int) -> list[dict[str, Any]]:
-    """The shard file at ``path`` and every one it is a delta on, back to its base (newest first)."""
+def _chain(dirname: str, name: str, server_index: int) -> list[dict[str, Any]]:
+    """Shard file ``name`` of the save in ``dirname`` and every one it is a delta on, back to its base
+    (newest first), each read and checked against its save's checksums."""
     records: dict[str, dict[str, Any]] = {}
+    rel = f"ps-server-{server_index}/{name}"
 
-    def read(path: str) -> dict[str, Any]:
-        if path not in records:
-            records[path] = _read(path)
-        return records[path]
+    def read(save: str) -> dict[str, Any]:
+        if save not in records:
+            try:
+                data = layout.Save(save, layout.SAVES).load(rel)
+            except layout.LayoutError as error:
+                raise ValueError(f"LOAD: {error}") from None
+            if not isinstance(data, dict) or data.get("kind") not in ("dense", "sparse") or "state" not in data:
+                raise ValueError(f"LOAD: {os.path.join(save, rel)} is not a parameter-server shard file")
+            records[save] = data
+        return records[save]
 
-    def parent_of(path: str) -> str | None:
-        parent = read(path).get("parent")
+    def parent_of(save: str) -> str | None:
+        parent = read(save).get("parent")
         if not parent:
             return None
-        before = os.path.join(shard_dir(parent, server_index), os.path.basename(path))
-        if not os.path.isfile(before):
+        if not isinstance(parent, str) or not os.path.isfile(os.path.join(parent, rel)):
             raise ValueError(
-                f"LOAD: {path} is a delta on the save in {parent}, but {before} does not exist: "
-                "a delta loads only with the saves before it back to a base"
+                f"LOAD: {os.path.join(save, rel)} is a delta on the save in {parent}, but {os.path.join(parent, rel)} "
+                "does not exist: a delta loads only with the saves before it back to a base"
             )
-        return before
+        return os.path.abspath(parent)
 
     try:
-        files = layout.follow(path, parent_of, what="shard file")
+        saves = layout.follow(os.path.abspath(dirname), parent_of, what="save")
     except layout.LayoutError as error:
         raise ValueError(f"LOAD: {error}: a delta loads only with the saves before it back to a base") from None
-    return [read(file) for file in files]
+    return [read(save) for save in saves]

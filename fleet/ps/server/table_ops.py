@@ -24,6 +24,10 @@ from fleet.ps.protocol.wire import (
     DENSE_STATE_GET,
     DENSE_STATE_SET_OPTIMIZER,
     DENSE_STATE_SET_VALUES,
+    LOAD_COMMIT,
+    LOAD_DISCARD,
+    LOAD_NOW,
+    LOAD_STAGE,
     MORE_FOLLOWS,
     WRITE_REPLACE,
     Message,
@@ -33,7 +37,7 @@ from fleet.ps.protocol.wire import (
     row_width,
 )
 from fleet.ps.server import aggregator as agg
-from fleet.ps.server import shard_io
+from fleet.ps.server import shard_io, staged_load
 from fleet.ps.server.replies import Replies
 from fleet.ps.server.waitlist import Waitlist
 
@@ -82,6 +86,7 @@ class TableRequests:
         self.limits = limits
         self.checkpoint_record_dir = checkpoint_record_dir  # where each SAVE is recorded for a restart
         self.last_save: str | None = None  # the directory of this server's last save or load
+        self._staged: staged_load.StagedLoad | None = None  # a LOAD_STAGE waiting for its commit (or discard)
 
     def _shard(self, msg: Message, kind: str) -> agg.DenseShard | agg.SparseShard:
         shard = self._shards.get(msg.table)
@@ -322,32 +327,48 @@ class TableRequests:
             )
         if msg.arg == 1 and os.path.abspath(msg.text()) == last:
             raise agg.ShardError(f"a delta save cannot overwrite the save it builds on ({last}): use a new directory")
-        files = shard_io.save_shards(msg.text(), self.server_index, self._shards, last if msg.arg == 1 else None)
+        files, sums = shard_io.save_shards(msg.text(), self.server_index, self._shards, last if msg.arg == 1 else None)
         self.last_save = os.path.abspath(msg.text())
         record_dir = self.checkpoint_record_dir
         if record_dir:  # a restarted server loads its shards from here (fleetrun --max-restarts)
             shard_io.record_checkpoint(record_dir, self.server_index, msg.text())
-        return self._replies.ok(msg, blob=json.dumps({"files": files}).encode())
+        return self._replies.ok(msg, blob=json.dumps({"files": files, "sums": sums}).encode())
 
     def load(self, ident: bytes, msg: Message) -> Message:
-        loaded = self.restore(msg.text())
+        """``arg``: LOAD_NOW (stage and apply), or one phase of a load across servers (see wire.LOAD_STAGE)."""
+        dirname = os.path.abspath(msg.text())
+        if msg.arg == LOAD_NOW:
+            loaded = self.restore(dirname)
+        elif msg.arg == LOAD_STAGE:
+            self._staged = None  # a new load replaces one never committed
+            self._staged = self._stage(dirname)
+            loaded = self._staged.tables
+        elif msg.arg == LOAD_COMMIT:
+            staged, self._staged = self._staged, None
+            if staged is None or staged.dirname != dirname:
+                raise agg.ShardError(
+                    f"parameter server {self.server_index}: LOAD commit of {dirname}, but "
+                    + ("nothing is staged" if staged is None else f"the staged load is of {staged.dirname}")
+                    + ": no table changed"
+                )
+            loaded = self._apply(staged)
+        elif msg.arg == LOAD_DISCARD:
+            self._staged, loaded = None, []
+        else:
+            raise agg.ShardError(f"LOAD arg {msg.arg} is none of now (0), stage (1), commit (2), discard (3)")
         return self._replies.ok(msg, blob=json.dumps({"tables": loaded}).encode())
 
     def restore(self, dirname: str) -> list[int]:
-        """Load this server's shards saved under ``dirname`` (tables, values, optimizer state, versions)."""
-        loaded = []
-        for table, kind, config, state in shard_io.load_shards(dirname, self.server_index):
-            shard = self._shards.get(table)
-            if shard is None:
-                shard = (agg.DenseShard if kind == "dense" else agg.SparseShard)(table, config, self.num_workers)
-                self._shards[table] = shard
-            else:
-                if "name" not in config:  # saved before tables carried their names: matched by number alone
-                    config = {**config, **{k: shard.config[k] for k in ("name", "names") if k in shard.config}}
-                self._check_same(shard, kind, config)
-            shard.load(state)
-            loaded.append(table)
-        self.last_save = os.path.abspath(dirname)
+        """Load this server's shards saved under ``dirname`` (tables, values, optimizer state, versions):
+        every file read and checked first; on any failure no table changed."""
+        return self._apply(self._stage(os.path.abspath(dirname)))
+
+    def _stage(self, dirname: str) -> staged_load.StagedLoad:
+        return staged_load.stage(dirname, self.server_index, self._shards, self.num_workers, self._check_same)
+
+    def _apply(self, staged: staged_load.StagedLoad) -> list[int]:
+        loaded = staged.apply(self._shards)
+        self.last_save = staged.dirname
         for table in loaded:
             self.answer_creates(table)
             self.answer_pulls(table)
