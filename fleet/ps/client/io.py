@@ -199,13 +199,15 @@ class IOThread:
                 route.close()
             ctx.destroy(linger=0)
 
-    def _configure(self, sock: zmq.Socket) -> None:
-        """Options of every socket to a server, TCP or Unix."""
+    def _configure(self, sock: zmq.Socket, address: str) -> None:
+        """Options of every socket to a server, TCP or Unix (``address``: where it will connect)."""
         sock.linger = 0
         sock.sndhwm = sock.rcvhwm = 10000
         sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
         sock.maxmsgsize = MAX_WIRE_FRAME  # no frame of a reply is larger (fleet.ps.protocol.wire)
         auth.configure_client(sock, self.secret, f"worker-{self.worker_index}", self.encryption)
+        if address.startswith("tcp://") and ":" in address.removeprefix("tcp://").rpartition(":")[0]:
+            sock.ipv6 = True
 
     def transports(self) -> list[str]:
         """How each server is reached: "ipc" (its Unix socket on this host) or "tcp"."""
@@ -215,8 +217,7 @@ class IOThread:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         for route in self._routes:
-            route.changed = False
-            for sock, mon in route.polled():
+            for sock, mon in route.polled(rebuilding=True):
                 poller.register(sock, zmq.POLLIN)
                 poller.register(mon, zmq.POLLIN)
         return poller

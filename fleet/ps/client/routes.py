@@ -60,7 +60,7 @@ class Route:
         self,
         ctx: zmq.Context,
         endpoint: str,
-        configure: Callable[[zmq.Socket], None],
+        configure: Callable[[zmq.Socket, str], None],
         secret: bytes,
         worker_index: int,
         request_ids: Iterator[int],
@@ -78,7 +78,7 @@ class Route:
         self._next_ask = 0.0
         self._give_up = 0.0
         self._incarnation = 0
-        #: set when the sockets to poll changed (the IO thread rebuilds its poller and clears it)
+        #: set when the sockets to poll changed (the IO thread rebuilds its poller: :meth:`polled` clears it)
         self.changed = False
 
     @property
@@ -86,16 +86,19 @@ class Route:
         """Whether the server's Unix socket answered as the same process: call :meth:`switch` when nothing is on the wire."""
         return self._state == _VERIFIED
 
-    def polled(self) -> list[tuple[zmq.Socket, zmq.Socket]]:
-        """(socket, monitor) pairs to poll: the route's own, and the Unix socket on trial."""
+    def polled(self, rebuilding: bool = False) -> list[tuple[zmq.Socket, zmq.Socket]]:
+        """(socket, monitor) pairs to poll: the route's own, and the Unix socket on trial.
+
+        ``rebuilding``: the caller registers them anew, so :attr:`changed` is cleared.
+        """
+        if rebuilding:
+            self.changed = False
         return [(self.socket, self.monitor), *([self._trial] if self._trial else [])]
 
     def _open(self, address: str) -> tuple[zmq.Socket, zmq.Socket]:
         sock = self._ctx.socket(zmq.DEALER)
         try:
-            self._configure(sock)
-            if address.startswith("tcp://") and ":" in address[6:].rpartition(":")[0]:
-                sock.ipv6 = True
+            self._configure(sock, address)
             monitor = sock.get_monitor_socket(EVENTS)
             sock.connect(address)
         except BaseException:
