@@ -264,6 +264,7 @@ def test_a_killed_server_is_named_and_its_restart_at_the_same_endpoint_is_found_
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+            same_host.remove(path)
     assert not os.path.exists(path)
 
 
