@@ -75,6 +75,11 @@ class DistributedStrategy(BaseModel):
     derived from the job's secret, which then never travels); "none" authenticates with the
     secret in clear text (ZeroMQ PLAIN), enough on a network only the job's hosts share."""
 
+    ps_ipc: bool = True
+    """PS: a worker reaches a server on its own host through a Unix domain socket (ZeroMQ
+    ``ipc://``) instead of TCP, found by itself and under the same authentication and limits;
+    False keeps TCP everywhere (as does ``FLEET_PS_IPC=0`` in the environment)."""
+
     servers: int = Field(0, ge=0)
     """Under rank-only launchers (torchrun, mpirun, srun): the first ``servers`` ranks serve."""
 

@@ -13,6 +13,7 @@ import zmq
 
 from fleet.ps.client.client import PSClient
 from fleet.ps.protocol import auth
+from fleet.ps.protocol import local as same_host
 from fleet.ps.protocol.limits import RequestLimits
 from fleet.ps.protocol.wire import Message, decode
 from fleet.ps.server.loop import ParameterServer
@@ -92,11 +93,15 @@ def server_process(*options: str, index: int = 0) -> Iterator[tuple[subprocess.P
         env={**os.environ, "FLEET_SECRET": SECRET.hex(), "OMP_NUM_THREADS": "1"},
         text=True,
     )
+    endpoint = None
     try:
         line = proc.stdout.readline()
         assert "listening on" in line, line
-        yield proc, line.split()[-1]
+        endpoint = line.split()[-1]
+        yield proc, endpoint
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait(10)
+        if endpoint is not None:  # a killed server leaves its Unix socket (fleetrun would remove it)
+            same_host.remove(same_host.socket_path(SECRET, endpoint))

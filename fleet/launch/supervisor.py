@@ -46,7 +46,7 @@ from fleet.launch.plan import SERVER, WORKER, JobLayout, ProcessSpec, child_env,
 from fleet.launch.report import Row, describe, exit_code, failure_block, summary_table
 from fleet.launch.timing import StragglerWatch, clear_metrics, final_report
 from fleet.runtime import env
-from fleet.runtime.job_files import clear_joined, joined_workers, remove_shm
+from fleet.runtime.job_files import clear_joined, joined_workers, remove_ps_sockets, remove_shm
 
 _PR_SET_PDEATHSIG = 1
 
@@ -421,6 +421,7 @@ class Supervisor:
         self._note_workers_without_init()
         if self.layout is not None:
             remove_shm(self.layout.secret)
+            remove_ps_sockets(self.layout.secret)  # what a killed server left (fleet.ps.protocol.local)
         restarts = {s.spec.rank: s.restarts for s in self.slots if s.spec.role == WORKER}
         stragglers = self.stragglers.ever if self.stragglers is not None else set()
         report = self.log_dir / "report.json"

@@ -28,6 +28,7 @@ FLEET_RESTART_COUNT = "FLEET_RESTART_COUNT"  # how often fleetrun restarted this
 FLEET_MAX_RESTARTS = "FLEET_MAX_RESTARTS"  # fleetrun --max-restarts: > 0 lets PS servers wait for workers to rejoin
 FLEET_INJECT = "FLEET_INJECT"  # fault / straggler injection spec for tests and demos
 FLEET_LOCAL_RANK = "FLEET_LOCAL_RANK"  # process index on this node
+FLEET_PS_IPC = "FLEET_PS_IPC"  # "0": workers reach parameter servers on their host over TCP, not a Unix socket
 
 # --- PaddlePaddle's launch conventions ---------------------------------------
 TRAINING_ROLE = "TRAINING_ROLE"  # "TRAINER" or "PSERVER"

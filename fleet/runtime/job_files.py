@@ -15,6 +15,10 @@ segment, or the on-host secret file of a job without fleetrun (:mod:`fleet.runti
 -- carry their creator in their name (``<owner>``: its pid and start time, :func:`owner_tag`),
 and the next ``fleet.init()`` or fleetrun on the host removes those of this user whose creator
 is gone (:func:`remove_orphaned`).
+
+``<temp dir>/fleet-ps-<16 hex>/``: the parameter servers' Unix sockets for workers on their
+host (:mod:`fleet.ps.protocol.local`), named the same way. A server removes its socket when it
+closes; fleetrun removes what a killed one left, and the directory, when the job ends.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import hashlib
 import hmac
 import os
 import re
+import shutil
+import stat
+import tempfile
 from pathlib import Path
 
 from fleet.runtime import env
@@ -146,3 +153,25 @@ def remove_shm(secret_hex: str) -> list[str]:
         except OSError:
             pass
     return removed
+
+
+def ps_socket_dir(secret_hex: str) -> str:
+    """The private directory of this job's parameter-server sockets (short enough for a socket's path)."""
+    digest = hmac.new(bytes.fromhex(secret_hex).hex().encode(), b"fleet-ps-sockets", hashlib.sha256).hexdigest()
+    base = tempfile.gettempdir()
+    if len(base) > 48:  # sockaddr_un holds ~107 bytes: keep room for the name below
+        base = "/tmp"
+    return os.path.join(base, f"fleet-ps-{digest[:16]}")
+
+
+def remove_ps_sockets(secret_hex: str) -> bool:
+    """Remove this job's socket directory if it is left (a server was killed); True when one was removed."""
+    directory = ps_socket_dir(secret_hex)
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return False  # not one this user made: leave it
+    shutil.rmtree(directory, ignore_errors=True)
+    return True

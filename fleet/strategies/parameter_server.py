@@ -103,7 +103,7 @@ class ParameterServerStrategy(Strategy):
 
         if self._server is None:
             self._server = launch_server.init_server(
-                self.runtime, self.config.timeout_s, self._limits(), self.config.ps_encryption
+                self.runtime, self.config.timeout_s, self._limits(), self.config.ps_encryption, self.config.ps_ipc
             )
         if run:
             launch_server.run_server(self._server, self.runtime.role.server_index)
@@ -122,6 +122,7 @@ class ParameterServerStrategy(Strategy):
                 self.config.timeout_s,
                 limits=self._limits(),
                 encryption=self.config.ps_encryption,
+                ipc=self.config.ps_ipc,
             )
             self._client = client
             atexit.register(self._stop_at_exit)

@@ -17,6 +17,9 @@ for another request of the same client.
 ``encryption="curve"`` encrypts and authenticates every connection with keys
 derived from the secret (:mod:`fleet.ps.protocol.auth`); the servers must use it too.
 
+A server on this worker's host is reached through its Unix socket rather than TCP
+(:mod:`fleet.ps.protocol.local`), found by itself; ``ipc=False`` (or ``FLEET_PS_IPC=0``) keeps TCP.
+
 Failures: a server that does not answer within ``timeout_s`` (or whose
 connection drops while a request is in flight) raises
 :class:`~fleet.ps.protocol.errors.PSServerUnavailable` naming its index and endpoint;
@@ -105,6 +108,7 @@ class PSClient:
         max_in_flight: int = 16,
         limits: RequestLimits | None = None,
         encryption: str = "none",
+        ipc: bool = True,
     ):
         if not endpoints:
             raise ValueError("PSClient needs at least one server endpoint")
@@ -120,7 +124,8 @@ class PSClient:
         self._dense: dict[int, tuple[int, list[tuple[int, int]]]] = {}  # table -> (size, ranges)
         self._sparse: dict[int, tuple[int, UpdateMode]] = {}  # table -> (dim, update mode)
         self._closed = False
-        self._io = IOThread(self.endpoints, secret, worker_index, max_in_flight, auth.check_encryption(encryption))
+        encryption = auth.check_encryption(encryption)
+        self._io = IOThread(self.endpoints, secret, worker_index, max_in_flight, encryption, ipc=ipc)
         self._io.start(timeout_s=10.0)
         # Servers tell a dead worker from a busy one by these beats (fleet.ps.protocol.liveness).
         self._beating = threading.Event()
@@ -225,6 +230,14 @@ class PSClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def transports(self) -> list[str]:
+        """How this worker reaches each server, in index order: "ipc" (a Unix socket on this host) or "tcp".
+
+        Decided when the client starts, before its first request to that server leaves.
+        """
+        return self._io.transports()
 
     @property
     def stale_pushes(self) -> int:

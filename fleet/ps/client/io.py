@@ -11,6 +11,9 @@ Failure detection: a deadline per job (the strategy's timeout); a socket
 monitor per server that turns a lost connection into an immediate
 :class:`PSServerUnavailable` for the requests in flight on it, and a refused
 handshake into :class:`PSAuthError`.
+
+Each server's socket is a :class:`~fleet.ps.client.routes.Route`: TCP, or the server's Unix
+socket when it runs on this host (decided once, when the client starts).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from fleet.ps.client.routes import Route
 from fleet.ps.protocol import auth
+from fleet.ps.protocol import local as same_host
 from fleet.ps.protocol.errors import (
     PSAuthError,
     PSClientClosed,
@@ -91,13 +96,22 @@ class IOThread:
     """Runs the socket loop for one :class:`~fleet.ps.client.client.PSClient`."""
 
     def __init__(
-        self, endpoints: Sequence[str], secret: bytes, worker_index: int, max_in_flight: int, encryption: str = "none"
+        self,
+        endpoints: Sequence[str],
+        secret: bytes,
+        worker_index: int,
+        max_in_flight: int,
+        encryption: str = "none",
+        ipc: bool = True,
     ):
         self.endpoints = list(endpoints)
         self.secret = auth.check_secret(secret)
         self.encryption = auth.check_encryption(encryption)
         self.worker_index = worker_index
         self.max_in_flight = max_in_flight
+        self.ipc = same_host.enabled(ipc)
+        self._routes: list[Route] = []
+        self._sockets: list[zmq.Socket] = []  # per server, the socket its requests go on: its route's
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_in_flight)
         self.stale_pushes = 0
         self._wake_r, self._wake_w = os.pipe()
@@ -105,6 +119,8 @@ class IOThread:
         os.set_blocking(self._wake_w, False)
         self._closing = threading.Event()
         self._ready = threading.Event()
+        # per server: request ids sent and not answered or given up; a route changes socket only when empty
+        self._on_wire: list[set[int]] = [set() for _ in self.endpoints]
         self._startup_error: BaseException | None = None
         self._ids = itertools.count(1)
         self._inflight: dict[int, tuple[int, Job, int]] = {}  # request id -> (server, job, part index)
@@ -159,29 +175,17 @@ class IOThread:
     # ---------------------------------------------------------- IO side
     def _main(self) -> None:
         ctx = zmq.Context(io_threads=1)
-        self._sockets: list[zmq.Socket] = []
-        self._monitors: list[zmq.Socket] = []
         try:
             for endpoint in self.endpoints:
-                sock = ctx.socket(zmq.DEALER)
-                sock.linger = 0
-                sock.sndhwm = sock.rcvhwm = 10000
-                sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
-                sock.maxmsgsize = MAX_WIRE_FRAME  # no frame of a reply is larger (fleet.ps.protocol.wire)
-                auth.configure_client(sock, self.secret, f"worker-{self.worker_index}", self.encryption)
-                if ":" in endpoint.rpartition(":")[0]:
-                    sock.ipv6 = True
-                events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                events |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                events |= zmq.EVENT_HANDSHAKE_SUCCEEDED
-                self._monitors.append(sock.get_monitor_socket(events))
-                sock.connect(f"tcp://{endpoint}")
-                self._sockets.append(sock)
+                self._routes.append(
+                    Route(ctx, endpoint, self._configure, self.secret, self.worker_index, self._ids, self.ipc)
+                )
         except BaseException as exc:
             self._startup_error = PSError(f"cannot set up connections to parameter servers {self.endpoints}: {exc}")
             self._ready.set()
             ctx.destroy(linger=0)
             return
+        self._sockets = [route.socket for route in self._routes]
         self._ready.set()
         try:
             self._loop()
@@ -191,22 +195,44 @@ class IOThread:
             raise
         finally:
             self._fail_everything(PSClientClosed("the parameter-server client was closed"))
-            for sock in self._sockets:
-                sock.disable_monitor()
+            for route in self._routes:
+                route.close()
             ctx.destroy(linger=0)
 
-    def _loop(self) -> None:
+    def _configure(self, sock: zmq.Socket, address: str) -> None:
+        """Options of every socket to a server, TCP or Unix (``address``: where it will connect)."""
+        sock.linger = 0
+        sock.sndhwm = sock.rcvhwm = 10000
+        sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
+        sock.maxmsgsize = MAX_WIRE_FRAME  # no frame of a reply is larger (fleet.ps.protocol.wire)
+        auth.configure_client(sock, self.secret, f"worker-{self.worker_index}", self.encryption)
+        if address.startswith("tcp://") and ":" in address.removeprefix("tcp://").rpartition(":")[0]:
+            sock.ipv6 = True
+
+    def transports(self) -> list[str]:
+        """How each server is reached: "ipc" (its Unix socket on this host) or "tcp"."""
+        return [route.transport for route in self._routes]
+
+    def _poller(self) -> zmq.Poller:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
-        for sock, mon in zip(self._sockets, self._monitors, strict=True):
-            poller.register(sock, zmq.POLLIN)
-            poller.register(mon, zmq.POLLIN)
+        for route in self._routes:
+            for sock, mon in route.polled(rebuilding=True):
+                poller.register(sock, zmq.POLLIN)
+                poller.register(mon, zmq.POLLIN)
+        return poller
+
+    def _loop(self) -> None:
+        poller = self._poller()
         blocked: set[int] = set()  # servers whose socket is also polled for POLLOUT
         while not self._closing.is_set():
             self._admit()
             waiting_out = self._flush()
+            if any(route.changed for route in self._routes):  # a route's sockets changed (fleet.ps.client.routes)
+                poller, blocked = self._poller(), set()
             for i in blocked ^ waiting_out:
-                poller.modify(self._sockets[i], zmq.POLLIN | (zmq.POLLOUT if i in waiting_out else 0))
+                flags = zmq.POLLIN | (zmq.POLLOUT if i in waiting_out else 0)
+                poller.modify(self._sockets[i], flags)
             blocked = waiting_out
             ready = dict(poller.poll(self._poll_timeout_ms()))
             if self._wake_r in ready:
@@ -214,13 +240,19 @@ class IOThread:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
-            for i, sock in enumerate(self._sockets):
-                if ready.get(sock, 0) & zmq.POLLIN:
-                    self._receive(i)
-            for i, mon in enumerate(self._monitors):
-                if mon in ready:
-                    self._monitor_events(i)
-            self._expire(time.monotonic())
+            for i, route in enumerate(self._routes):
+                for sock, mon in route.polled():
+                    if ready.get(sock, 0) & zmq.POLLIN:
+                        self._receive(i, sock)
+                    if mon in ready:
+                        if mon is route.monitor:
+                            self._monitor_events(i)
+                        else:
+                            route.trial_events(mon)
+            now = time.monotonic()
+            for route in self._routes:
+                route.tick(now)
+            self._expire(now)
 
     def _poll_timeout_ms(self) -> int:
         if not self.queue.empty() and len(self._active) < self.max_in_flight:
@@ -267,6 +299,9 @@ class IOThread:
         """Send what the sockets accept now; return the servers with messages still waiting."""
         waiting = set()
         for server, box in enumerate(self._outbox):
+            if self._routes and self._routes[server].verified and not self._on_wire[server]:
+                self._routes[server].switch()  # nothing on the wire to overtake: its Unix socket from now on
+                self._sockets[server] = self._routes[server].socket
             while box:
                 _, msg, job = box[0]
                 if job.done:
@@ -278,10 +313,13 @@ class IOThread:
                     waiting.add(server)
                     break
                 box.popleft()
+                self._on_wire[server].add(msg.request_id)
         return waiting
 
-    def _receive(self, server: int) -> None:
-        sock = self._sockets[server]
+    def _receive(self, server: int, sock: zmq.Socket | None = None) -> None:
+        """Handle what arrived from ``server`` on ``sock`` (by default the socket its requests go on)."""
+        sock = self._sockets[server] if sock is None else sock
+        route = self._routes[server] if self._routes else None
         for _ in range(_MAX_BATCH):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -296,8 +334,13 @@ class IOThread:
                 if entry is not None:
                     self._fail(entry[1], self._remote(server, exc.op, f"malformed reply: {exc}"))
                 continue
-            if reply.op == Op.HELLO and reply.status == Status.OK:
+            if reply.op == Op.HELLO and reply.status == Status.OK and sock is self._sockets[server]:
                 self._check_incarnation(server, reply.arg)
+            if route is not None and route.answer(sock, reply):
+                if route.changed:  # settled: the socket being read may be closed now
+                    return
+                continue
+            self._on_wire[server].discard(reply.request_id)
             entry = self._inflight.pop(reply.request_id, None)
             if entry is None:
                 continue  # the answer to a request that already timed out or failed
@@ -346,7 +389,9 @@ class IOThread:
         job.done = True
         self._active.discard(job)
         for rid in job.pending:
-            self._inflight.pop(rid, None)
+            entry = self._inflight.pop(rid, None)
+            if entry is not None:
+                self._on_wire[entry[0]].discard(rid)
         job.pending.clear()
 
     def name_table(self, table: int, name: str | None) -> None:
@@ -367,7 +412,8 @@ class IOThread:
         return self._unavailable(server, msg, self._refused[server], PSAuthError)
 
     def _monitor_events(self, server: int) -> None:
-        mon = self._monitors[server]
+        route = self._routes[server]
+        mon = route.monitor
         for _ in range(_MAX_BATCH):
             try:
                 event = recv_monitor_message(mon, zmq.NOBLOCK)

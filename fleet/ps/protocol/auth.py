@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 from typing import Literal
 
@@ -100,6 +101,15 @@ def configure_client(sock: zmq.Socket, secret: bytes, username: str, encryption:
     sock.plain_password = secret
 
 
+def _transport(address: bytes) -> str:
+    """How a ZAP request's peer came: TCP gives its IP address; a Unix socket "localhost:<uid>:<gid>:<pid>"."""
+    try:
+        ipaddress.ip_address(address.decode(errors="replace"))
+    except ValueError:
+        return "ipc"
+    return "tcp"
+
+
 class ZapHandler:
     """The server side of ZAP, polled by the server loop (call :meth:`serve` when readable)."""
 
@@ -112,6 +122,8 @@ class ZapHandler:
         self.socket.linger = 0
         self.socket.bind(ZAP_ENDPOINT)  # must exist before the authenticated socket binds
         self.rejected = 0
+        #: peers admitted, by how they came: "tcp", or "ipc" (a Unix socket, fleet.ps.protocol.local)
+        self.admitted = {"tcp": 0, "ipc": 0}
 
     def serve(self) -> None:
         """Answer the ZAP requests that are waiting (bounded)."""
@@ -130,7 +142,9 @@ class ZapHandler:
                 creds = [b"worker"]  # the user id reported to the socket
             else:
                 ok = mechanism == b"PLAIN" and len(creds) == 2 and hmac.compare_digest(creds[1], self._secret)
-            if not ok:
+            if ok:
+                self.admitted[_transport(address)] += 1
+            else:
                 self.rejected += 1
                 log.warning("refused a peer from %s: wrong shared secret (mechanism %s)", address.decode(), mechanism)
             status = (b"200", b"OK") if ok else (b"400", b"wrong shared secret")

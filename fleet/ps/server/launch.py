@@ -42,11 +42,12 @@ def _bind_host(role: Any) -> str:
     return "127.0.0.1" if not host or rendezvous.is_loopback(host) else host
 
 
-def init_server(runtime: Any, timeout_s: float, limits: Any = None, encryption: str = "none") -> Any:
+def init_server(runtime: Any, timeout_s: float, limits: Any = None, encryption: str = "none", ipc: bool = True) -> Any:
     """Build (bind) this process's ParameterServer; publish its endpoint under rank-only launchers.
 
     ``limits``: the request limits (a :class:`fleet.ps.protocol.limits.RequestLimits`; the defaults when None);
-    ``encryption``: the transport's, "none" or "curve" (see :mod:`fleet.ps.protocol.auth`).
+    ``encryption``: the transport's, "none" or "curve" (see :mod:`fleet.ps.protocol.auth`);
+    ``ipc``: also listen on a Unix socket for workers on this host (:mod:`fleet.ps.protocol.local`).
     """
     from fleet.ps.server.loop import ParameterServer
 
@@ -69,6 +70,7 @@ def init_server(runtime: Any, timeout_s: float, limits: Any = None, encryption: 
             checkpoint_record_dir=record_dir,
             limits=limits,
             encryption=encryption,
+            ipc=ipc,
         )
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EADDRINUSE and role.source == "fleetrun":

@@ -9,7 +9,9 @@ the loop ever blocks. Requests are served in turns by worker (:mod:`fleet.ps.ser
 each worker's in the order sent, so one worker's huge batch cannot crowd out the others.
 
 Authentication (see :mod:`fleet.ps.protocol.auth`) is ZeroMQ's ZAP with the PLAIN
-mechanism; its handler is one more socket polled by this loop.
+mechanism; its handler is one more socket polled by this loop. The socket listens on TCP and,
+for workers on this host, on a Unix socket too (:mod:`fleet.ps.protocol.local`): one socket, so
+authentication, the frame cap and the request limits are the same on both.
 
 Bounds, so that neither a stranger nor one worker can take the server from the others:
 before authentication a peer can make the server allocate one frame,
@@ -37,6 +39,7 @@ import zmq
 
 from fleet.errors import DiskFullError
 from fleet.ps.protocol import auth
+from fleet.ps.protocol import local as same_host
 from fleet.ps.protocol.errors import WireError, is_out_of_memory
 from fleet.ps.protocol.limits import BLOB_SLACK, Limit, RequestLimits
 from fleet.ps.protocol.liveness import WorkerLiveness
@@ -100,6 +103,7 @@ class ParameterServer:
         rejoin: bool = False,
         torch_threads: int | None = 1,
         checkpoint_record_dir: str | None = None,
+        ipc: bool = True,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}; a parameter server needs at least one worker")
@@ -131,6 +135,9 @@ class ParameterServer:
             self._ctx.destroy(linger=0)
             raise
         self.endpoint = bound.removeprefix("tcp://")
+        #: the Unix socket workers on this host use instead of TCP (None: off, or unusable here)
+        self.ipc_path = self._bind_ipc(secret) if same_host.enabled(ipc) else None
+        self._host = same_host.host_identity()
         self._shutdown = threading.Event()
         self._closed = False
         self._shards: dict[int, agg.DenseShard | agg.SparseShard] = {}
@@ -187,6 +194,18 @@ class ParameterServer:
             Op.PUSH_SPARSE_GRAD_MANY: many.push,
         }
 
+    def _bind_ipc(self, secret: bytes) -> str | None:
+        """Bind the same socket to this job's Unix socket for the TCP endpoint; None when that is not possible."""
+        path = same_host.prepare(secret, self.endpoint)
+        if path is None:
+            return None
+        try:
+            self._sock.bind(f"ipc://{path}")
+        except zmq.ZMQError as exc:
+            log.warning("parameter server %d: no same-host socket at %s: %s", self.server_index, path, exc)
+            return None
+        return path
+
     # ------------------------------------------------------------------ loop
     def serve(self) -> dict[str, Any]:
         """Answer requests until all workers stopped or :meth:`shutdown`; then close and return stats.
@@ -239,6 +258,7 @@ class ParameterServer:
         self._sock.close()
         self._zap.close()
         self._ctx.term()
+        same_host.remove(self.ipc_path)  # libzmq leaves the file
         log.info("parameter server %d at %s stopped", self.server_index, self.endpoint)
 
     # ------------------------------------------------------------- dispatch
@@ -432,6 +452,8 @@ class ParameterServer:
     # ------------------------------------------------------------------ ops
     def _hello(self, ident: bytes, msg: Message) -> Message:
         info = {"server_index": self.server_index, "num_workers": self.num_workers, "endpoint": self.endpoint}
+        if self.ipc_path is not None:  # where a worker on this host may reach this server (fleet.ps.protocol.local)
+            info.update(ipc=self.ipc_path, host=self._host)
         return self._ok(msg, blob=json.dumps(info).encode(), version=self.incarnation)
 
     def _barrier_op(self, ident: bytes, msg: Message) -> None:
@@ -510,6 +532,8 @@ class ParameterServer:
                 for k in ("bytes_in", "bytes_out", "errors", "malformed", "over_limit", "out_of_memory", "disk_full")
             },
             "auth_rejected": self._zap.rejected,
+            "ipc_endpoint": self.ipc_path,
+            "peers_admitted": dict(self._zap.admitted),
             "dropped": self._counts.get("dropped", 0) + self._counts.get("replies_dropped", 0),
         }
 
@@ -530,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-request-ids", type=int, default=RequestLimits.max_ids)
     parser.add_argument("--max-request-mb", type=float, default=RequestLimits.max_bytes / (1 << 20))
     parser.add_argument("--encryption", choices=auth.ENCRYPTIONS, default="none")
+    parser.add_argument("--no-ipc", dest="ipc", action="store_false", help="TCP only, for workers on this host too")
     args = parser.parse_args(argv)
     secret_hex = env.current().require(env.FLEET_SECRET, "the parameter server authenticates workers with it")
     try:
@@ -540,7 +565,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         limits = RequestLimits(args.max_request_ids, int(args.max_request_mb * (1 << 20)))
         server = ParameterServer(
-            args.endpoint, secret, args.index, args.workers, args.timeout, limits=limits, encryption=args.encryption
+            args.endpoint,
+            secret,
+            args.index,
+            args.workers,
+            args.timeout,
+            limits=limits,
+            encryption=args.encryption,
+            ipc=args.ipc,
         )
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EADDRINUSE:
