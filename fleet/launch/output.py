@@ -140,6 +140,16 @@ class _FileLoss:
         self.cut: int | None = None  # a line written in part, when one was
         self.opened_at = 0  # bytes the file held from earlier runs when this run first opened it
 
+    def add(self, number: int, cut: bool, opened_at: int) -> None:
+        """Line ``number`` (0: not known) did not reach the file whole (``cut``: part of it did)."""
+        if not self.lines:
+            self.opened_at = opened_at
+        self.lines += 1
+        if number and not self.first:
+            self.first = number
+        if cut and self.cut is None:
+            self.cut = number
+
 
 class LostWrites:
     """What fleetrun could not write into its log directory, for the end of the job. Thread-safe.
@@ -161,14 +171,7 @@ class LostWrites:
         """Line ``number`` (1-based in its child's output; 0: a line of fleetrun's own) did not reach ``path``
         whole (``cut``: part of it did); the file held ``opened_at`` bytes when this run opened it."""
         with self._lock:
-            loss = self._lines.setdefault(str(path), _FileLoss())
-            if not loss.lines:
-                loss.opened_at = opened_at
-            loss.lines += 1
-            if number and not loss.first:
-                loss.first = number
-            if cut and loss.cut is None:
-                loss.cut = number
+            self._lines.setdefault(str(path), _FileLoss()).add(number, cut, opened_at)
             self.errors.setdefault(str(path), error.strerror or str(error))
 
     def seen(self, path: Path | str, lines: int, opened_at: int = 0) -> None:
