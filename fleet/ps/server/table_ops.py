@@ -205,13 +205,15 @@ class TableRequests:
                 status = Status.STALE
         elif msg.op == Op.PUSH_DENSE_DELTA:
             shard = self._shard(msg, "dense")
-            shard.push_delta(self._expect(msg, "delta")[0])
+            shard.push_delta(self._expect(msg, "delta")[0], worker=msg.peer, step=msg.step)
         else:
             shard = self._shard(msg, "sparse")
             # Clicks travel only when the worker recorded some.
             ids, deltas, *clicks = msg.tensors if len(msg.tensors) == 3 else self._expect(msg, "ids", "deltas")
             self.limits.check_ids("PUSH_SPARSE_DELTA", msg.table, ids.numel(), shard.dim)
-            shard.push_delta(ids, deltas, step=msg.step, more=more, clicks=clicks[0] if clicks else None)
+            shard.push_delta(
+                ids, deltas, step=msg.step, more=more, clicks=clicks[0] if clicks else None, worker=msg.peer
+            )
         if status == Status.STALE and not more:
             self._counts["stale_dropped"] += 1
         self._close_step(shard)
@@ -344,6 +346,10 @@ class TableRequests:
             else:
                 if "name" not in config:  # saved before tables carried their names: matched by number alone
                     config = {**config, **{k: shard.config[k] for k in ("name", "names") if k in shard.config}}
+                # what a non-finite push does is this job's choice, not the save's
+                config = {k: v for k, v in config.items() if k != "nonfinite"}
+                if "nonfinite" in shard.config:
+                    config["nonfinite"] = shard.config["nonfinite"]
                 self._check_same(shard, kind, config)
             shard.load(state)
             loaded.append(table)
