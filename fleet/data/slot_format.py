@@ -146,20 +146,24 @@ def _binary_chunks(path: str, layout: SlotLayout, chunk_bytes: int) -> Iterator[
     if records == 0:
         return
     size = HEADER.size + records * layout.record.itemsize
-    step = max(1, chunk_bytes // layout.record.itemsize)
-    with open(path, "rb") as f:
+    step = max(1, min(chunk_bytes // layout.record.itemsize, records))
+    buffer = np.empty(step, dtype=layout.record)  # reused: its pages are faulted in once, not per chunk
+    with open(path, "rb", buffering=0) as f:
         f.seek(HEADER.size)
         for start in range(0, records, step):
             want = min(step, records - start)
+            rows = buffer[:want]
+            view, got = memoryview(rows).cast("B"), 0
+            while got < len(view) and (part := f.readinto(view[got:])):  # a regular file rarely reads short
+                got += part
             now = os.fstat(f.fileno()).st_size
-            rows = np.fromfile(f, dtype=layout.record, count=want)
-            if len(rows) != want or now != size:
+            if got != rows.nbytes or now != size:
                 raise ValueError(
                     f"{path} changed while it was read: it had {size} bytes ({records} records) when reading began "
-                    f"and has {os.fstat(f.fileno()).st_size} now, at record {start + len(rows)}. "
+                    f"and has {now} now, at record {start + got // layout.record.itemsize}. "
                     "Do not rewrite a data file while a job reads it."
                 )
-            yield np.ascontiguousarray(rows["ids"]), np.ascontiguousarray(rows["dense"]), rows["label"].copy()
+            yield rows["ids"].copy(), rows["dense"].copy(), rows["label"].copy()  # out of the reused buffer
 
 
 def _text_chunks(path: str, layout: SlotLayout, chunk_bytes: int) -> Iterator[Arrays]:

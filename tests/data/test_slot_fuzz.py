@@ -60,3 +60,16 @@ def test_a_line_over_the_limit_is_an_error_naming_file_line_and_limit(tmp_path):
         f.write(b"1 " * (MAX_LINE_BYTES // 2 + 10))  # line 51: no newline for more than the limit
     with pytest.raises(ValueError, match=rf"{path}, line 51: longer than {MAX_LINE_BYTES} bytes"):
         list(read_chunks(str(path), SlotLayout(), chunk_bytes=64 << 10))
+
+
+def test_binary_chunks_are_copies_out_of_the_reused_read_buffer(tmp_path):
+    """Records are read into one reused buffer: every chunk handed out, down to one record, is its own copy."""
+    from fleet.data.slot_format import write_binary
+
+    ids, dense, label = _samples(7)
+    write_binary(tmp_path / "d.bin", ids, dense, label)
+    for chunk_bytes in (1, 3 * SlotLayout().record.itemsize):
+        chunks = list(read_chunks(str(tmp_path / "d.bin"), SlotLayout(), chunk_bytes))
+        assert np.array_equal(np.concatenate([c[0] for c in chunks]), ids)
+        assert np.array_equal(np.concatenate([c[1] for c in chunks]), dense)
+        assert np.array_equal(np.concatenate([c[2] for c in chunks]), label)
