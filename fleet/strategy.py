@@ -61,6 +61,12 @@ class DistributedStrategy(BaseModel):
     backup_workers: int = Field(0, ge=0)
     """PS sync mode: apply a step's update after the first N - backup_workers gradients."""
 
+    nonfinite: Literal["skip", "error"] = "skip"
+    """A sparse table's or a PS dense table's update holding NaN or Inf: "skip" it (the table stays as
+    it was, the worker warns naming the table and the step, the servers count it per worker), as
+    AMP's GradScaler skips an inf step; "error" raises instead. In PS sync mode a skipped push counts
+    as absent: the step averages the other workers' gradients."""
+
     max_request_ids: int = Field(DEFAULT_MAX_REQUEST_IDS, ge=1, le=1 << 26)
     """PS: ids one sparse pull or push request carries. Workers split bigger batches into several
     requests, so that no request holds a server's loop for long while other workers wait; a

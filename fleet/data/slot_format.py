@@ -16,13 +16,21 @@ Dense values and the label are decimal numbers (``-0.5``, ``3``, ``1.5e-05``, ``
 **Binary** (``write_binary``): a 32-byte header (magic ``b"\\x93FLSLOTS"``, then
 little-endian uint32 version, sparse slots, dense count, header size, 8 reserved bytes)
 followed by packed little-endian records ``int64 ids[sparse] | float32 dense[dense] |
-float32 label``. The record count follows from the file size; records are read from
-memory-mapped slices. ``convert`` turns a text file into a binary one.
+float32 label``. The record count follows from the file size; records are read in bounded
+chunks with plain reads (no memory map: a file truncated while it is read would kill the
+process with SIGBUS), and a file that shrinks or grows while it is read is an error naming it.
+``convert`` turns a text file into a binary one.
 
 Text is parsed a chunk (about 4 MB) at a time with numpy, with no per-line Python: token
 bounds from one comparison over the bytes, ids and decimals from digit matrices; rare
 tokens (exponents, nan) go through ``float``. A malformed line raises ``ValueError``
 naming the file, the line number and what is wrong.
+
+**Bounded memory.** Whatever the input, parsing a chunk needs a small multiple of the chunk:
+fields are at most :data:`MAX_TOKEN_BYTES` long (ids at most 20 digits, since they must fit
+64 bits), lines at most :data:`MAX_LINE_BYTES`, and the digit matrices are built for
+:data:`_BLOCK_TOKENS` tokens at a time. A longer field or line is a ``ValueError`` naming the
+file, the line and the limit, found before anything is allocated for it.
 """
 
 from __future__ import annotations
@@ -38,6 +46,12 @@ MAGIC = b"\x93FLSLOTS"
 VERSION = 1
 HEADER = struct.Struct("<8sIIII8x")  # magic, version, sparse, dense, header size
 DEFAULT_CHUNK_BYTES = 4 << 20
+#: the longest field of a text line (a decimal such as -1.2345678901234567e-308 has 24 bytes)
+MAX_TOKEN_BYTES = 64
+#: the longest text line, newline excluded (a 26-slot CTR line has about 400 bytes)
+MAX_LINE_BYTES = 1 << 20
+MAX_ID_DIGITS = 20  # 2**64 - 1 has 20 digits
+_BLOCK_TOKENS = 1 << 16  # tokens per digit matrix: at most 64 Ki x 20 bytes (x 8 as uint64)
 
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # ids int64 [n, sparse], dense float32 [n, dense], label float32 [n]
 
@@ -131,12 +145,25 @@ def _binary_chunks(path: str, layout: SlotLayout, chunk_bytes: int) -> Iterator[
     records = _binary_header(path, layout)
     if records == 0:
         return
-    table = np.memmap(path, dtype=layout.record, mode="r", offset=HEADER.size, shape=(records,))
-    step = max(1, chunk_bytes // layout.record.itemsize)
-    for start in range(0, records, step):
-        rows = table[start : start + step]
-        yield np.array(rows["ids"]), np.array(rows["dense"]), np.array(rows["label"])  # copies, out of the map
-    del table
+    size = HEADER.size + records * layout.record.itemsize
+    step = max(1, min(chunk_bytes // layout.record.itemsize, records))
+    buffer = np.empty(step, dtype=layout.record)  # reused: its pages are faulted in once, not per chunk
+    with open(path, "rb", buffering=0) as f:
+        f.seek(HEADER.size)
+        for start in range(0, records, step):
+            want = min(step, records - start)
+            rows = buffer[:want]
+            view, got = memoryview(rows).cast("B"), 0
+            while got < len(view) and (part := f.readinto(view[got:])):  # a regular file rarely reads short
+                got += part
+            now = os.fstat(f.fileno()).st_size
+            if got != rows.nbytes or now != size:
+                raise ValueError(
+                    f"{path} changed while it was read: it had {size} bytes ({records} records) when reading began "
+                    f"and has {now} now, at record {start + got // layout.record.itemsize}. "
+                    "Do not rewrite a data file while a job reads it."
+                )
+            yield rows["ids"].copy(), rows["dense"].copy(), rows["label"].copy()  # out of the reused buffer
 
 
 def _text_chunks(path: str, layout: SlotLayout, chunk_bytes: int) -> Iterator[Arrays]:
@@ -151,7 +178,12 @@ def _text_chunks(path: str, layout: SlotLayout, chunk_bytes: int) -> Iterator[Ar
                     yield parse_text(data if data.endswith(b"\n") else data + b"\n", layout, path, line)
                 return
             cut = data.rfind(b"\n") + 1
-            if cut == 0:  # one line longer than a chunk: read on
+            if cut == 0:  # one line longer than a chunk: read on, up to the limit
+                if len(data) > MAX_LINE_BYTES:
+                    raise ValueError(
+                        f"{path}, line {line}: longer than {MAX_LINE_BYTES} bytes without a newline, the limit for "
+                        f"one line ({layout.describe()} takes a few hundred bytes)"
+                    )
                 carry = data
                 continue
             carry = data[cut:]
@@ -172,9 +204,11 @@ def parse_text(chunk: bytes, layout: SlotLayout, path: str = "<text>", first_lin
     if len(buf) < 2**31:
         flips = flips.astype(np.int32)  # half the memory traffic of int64 positions
     starts, ends = flips[0::2], flips[1::2]
-    if len(starts) != lines * width:
+    if len(starts) != lines * width or int((ends - starts).max(initial=0)) > MAX_TOKEN_BYTES:
         _raise_first_error(chunk, layout, path, first_line)
     newlines = np.flatnonzero(buf == 10)
+    if int(np.diff(newlines, prepend=-1).max()) > MAX_LINE_BYTES + 1:
+        _raise_first_error(chunk, layout, path, first_line)
     # Line i holds exactly tokens [i*width, (i+1)*width): its last token ends before its newline
     # and the next line's first token starts after it.
     if not ((ends[width - 1 :: width] <= newlines).all() and (starts[width::width] > newlines[:-1]).all()):
@@ -242,15 +276,22 @@ def _uints(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.nd
     """Unsigned decimal integers at [starts, ends): values (uint64) and which tokens were valid."""
     shape = starts.shape
     starts, ends = starts.ravel(), ends.ravel()
-    if starts.size == 0:
-        return np.zeros(shape, dtype=np.uint64), np.ones(shape, dtype=bool)
-    digits = _digit_matrix(buf, starts, ends, pad=48) - np.uint8(48)
-    lengths = ends - starts
-    ok = _rows_all(digits <= 9) & (lengths <= 20)
-    values = _place_sum(digits)
-    for i in np.flatnonzero((lengths == 20) & ok):  # 20 digits may exceed 2**64 - 1
-        ok[i] = int(bytes(buf[starts[i] : ends[i]])) <= _MAX_ID
+    values, ok = np.zeros(starts.size, dtype=np.uint64), np.ones(starts.size, dtype=bool)
+    for lo in range(0, starts.size, _BLOCK_TOKENS):
+        part = slice(lo, lo + _BLOCK_TOKENS)
+        values[part], ok[part] = _uints_block(buf, starts[part], ends[part])
     return values.reshape(shape), ok.reshape(shape)
+
+
+def _uints_block(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    lengths = ends - starts
+    # A token of more than 20 digits is no id: its last 20 bytes keep the digit matrix narrow.
+    digits = _digit_matrix(buf, np.maximum(starts, ends - MAX_ID_DIGITS), ends, pad=48) - np.uint8(48)
+    ok = _rows_all(digits <= 9) & (lengths <= MAX_ID_DIGITS)
+    values = _place_sum(digits)
+    for i in np.flatnonzero((lengths == MAX_ID_DIGITS) & ok):  # 20 digits may exceed 2**64 - 1
+        ok[i] = int(bytes(buf[starts[i] : ends[i]])) <= _MAX_ID
+    return values, ok
 
 
 def _floats(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -262,11 +303,26 @@ def _floats(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.n
     """
     shape = starts.shape
     starts, ends = starts.ravel(), ends.ravel()
-    if starts.size == 0:
-        return np.zeros(shape, dtype=np.float32), True
+    values = np.zeros(starts.size, dtype=np.float32)
+    for lo in range(0, starts.size, _BLOCK_TOKENS):
+        part = slice(lo, lo + _BLOCK_TOKENS)
+        values[part], good = _floats_block(buf, starts[part], ends[part])
+        if not good:
+            return values.reshape(shape), False
+    return values.reshape(shape), True
+
+
+_PLAIN_BYTES = 19  # a plain decimal: sign, 17 figures, point
+
+
+def _floats_block(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, bool]:
+    given = starts
+    long = (ends - starts) > _PLAIN_BYTES  # never plain: read by float() below, kept out of the digit matrix
+    if long.any():
+        starts = np.where(long, ends - 1, starts)
+    lengths = ends - starts
     chars = _digit_matrix(buf, starts, ends, pad=48)
     width = chars.shape[1]
-    lengths = ends - starts
     first = buf[starts]
     signed = (first == 45) | (first == 43)
     chars[np.flatnonzero(signed), (width - lengths)[signed]] = 48  # the sign reads as a leading "0"
@@ -276,7 +332,7 @@ def _floats(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.n
     chars[dot] = 48
     digits = chars - np.uint8(48)
     figures = lengths - signed - (dots > 0)
-    plain = _rows_all(digits <= 9) & (dots <= 1) & (figures >= 1) & (figures <= 17) & (frac < len(_POW10_F))
+    plain = _rows_all(digits <= 9) & (dots <= 1) & (figures >= 1) & (figures <= 17) & (frac < len(_POW10_F)) & ~long
     frac = np.where(plain, frac, 0)
     # With the point read as a 0 digit, the digits left of it stand one place too high:
     # whole = high * 10**(frac + 1) + low, and the mantissa is high * 10**frac + low.
@@ -288,23 +344,52 @@ def _floats(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.n
     values[first == 45] *= -1
     for i in np.flatnonzero(~plain):
         try:
-            values[i] = float(bytes(buf[starts[i] : ends[i]]))
+            values[i] = float(bytes(buf[given[i] : ends[i]]))
         except ValueError:
-            return values.astype(np.float32).reshape(shape), False
-    return values.astype(np.float32).reshape(shape), True
+            return values.astype(np.float32), False
+    return values.astype(np.float32), True
 
 
 def _raise_first_error(chunk: bytes, layout: SlotLayout, path: str, first_line: int) -> None:
-    """Find the first bad line of ``chunk`` (per line, in Python: only on the error path) and raise."""
-    for number, line in enumerate(chunk.split(b"\n")[:-1], start=first_line):
-        problem = line_error(line.split(), layout)
+    """Find the first bad line of ``chunk`` (per line, in Python: only on the error path) and raise.
+
+    Bounded like the fast path: a line is cut into at most ``fields + 1`` pieces, and its
+    length and fields' lengths are checked before any is read.
+    """
+    start = 0
+    for number, end in enumerate(np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10).tolist(), first_line):
+        if end - start > MAX_LINE_BYTES:
+            raise ValueError(
+                f"{path}, line {number}: {end - start} bytes, longer than {MAX_LINE_BYTES} bytes, the limit for one "
+                f"line ({layout.describe()} takes a few hundred bytes)"
+            )
+        line = chunk[start:end]
+        start = end + 1
+        tokens = line.split(None, layout.fields)
+        total = _count_fields(line) if len(tokens) > layout.fields else len(tokens)
+        problem = line_error(tokens[: layout.fields], layout, total)
         if problem:
             raise ValueError(f"{path}, line {number}: {problem}")
     raise ValueError(f"{path}, lines {first_line} and later: cannot be read as {layout.describe()}.")
 
 
-def line_error(tokens: list[bytes], layout: SlotLayout) -> str | None:
-    """What is wrong with one text line split into tokens, or None."""
+def _count_fields(line: bytes) -> int:
+    solid = np.frombuffer(line, dtype=np.uint8) > 32
+    return int(solid[0]) + int(np.count_nonzero(solid[1:] & ~solid[:-1])) if len(solid) else 0
+
+
+def _show(token: bytes) -> str:
+    """A field for an error message, cut short when long."""
+    text = token[:24].decode(errors="replace")
+    return repr(text) + (f" ({len(token)} bytes)" if len(token) > 24 else "")
+
+
+def line_error(tokens: list[bytes], layout: SlotLayout, total: int | None = None) -> str | None:
+    """What is wrong with one text line split into tokens, or None.
+
+    ``total``: how many fields the line has, when ``tokens`` holds only the first of them.
+    """
+    total = len(tokens) if total is None else total
     if not tokens:
         return "empty line (every line must be a sample)"
     at = 0
@@ -316,25 +401,32 @@ def line_error(tokens: list[bytes], layout: SlotLayout) -> str | None:
             where = "before" if at >= len(tokens) else "inside"
             return f"the line ends {where} the {name} ({len(tokens)} fields where {layout.fields} were expected)"
         if tokens[at] != str(count).encode():
-            have = tokens[at].decode(errors="replace")
-            if is_id and have.isdigit() and int(have) > 1:
+            have = tokens[at]
+            if is_id and have.isdigit() and len(have) <= MAX_ID_DIGITS and int(have) > 1:
                 return (
-                    f"{name} has {have} ids; SlotDataset reads exactly one id per sparse slot "
+                    f"{name} has {int(have)} ids; SlotDataset reads exactly one id per sparse slot "
                     "(hash a multi-valued feature into one id, or give it several slots)"
                 )
-            return f"the {name} count is {have!r}, expected {count}"
+            return f"the {name} count is {_show(have)}, expected {count}"
         for token in tokens[at + 1 : at + 1 + count]:
+            if is_id and token.isdigit() and len(token) > MAX_ID_DIGITS:
+                return (
+                    f"{name}: an id of {len(token)} digits; ids must fit in 64 bits (unsigned, at most "
+                    f"{MAX_ID_DIGITS} digits, up to {_MAX_ID}; fleet stores them as int64)"
+                )
+            if len(token) > MAX_TOKEN_BYTES:
+                return f"{name}: a field of {len(token)} bytes, longer than {MAX_TOKEN_BYTES} bytes, the limit for one"
             text = token.decode(errors="replace")
             if is_id and not (text.isascii() and text.isdigit() and int(text) <= _MAX_ID):
-                return f"{name}: {text!r} is not an id (an unsigned 64-bit integer)"
+                return f"{name}: {text!r} is not an id (an unsigned 64-bit integer: ids must fit int64)"
             if not is_id:
                 try:
                     float(text)
                 except ValueError:
                     return f"{name}: {text!r} is not a number"
         at += 1 + count
-    if len(tokens) != at:
-        return f"{len(tokens)} fields where {layout.fields} were expected ({layout.describe()})"
+    if total != at:
+        return f"{total} fields where {layout.fields} were expected ({layout.describe()})"
     return None
 
 

@@ -128,19 +128,57 @@ class OutputMux:
             self.console.print(Text("\n").join(lines), soft_wrap=True)
 
 
+class _FileLoss:
+    """What one log file is missing: lines of this run that did not reach it whole, and why."""
+
+    __slots__ = ("cut", "first", "lines", "opened_at", "total")
+
+    def __init__(self) -> None:
+        self.lines = 0  # lines that did not reach the file whole (a line cut short counts)
+        self.total = 0  # lines the children sent to it, once their streams closed (0: not known)
+        self.first = 0  # number of the first lost line in its child's output (0: not known)
+        self.cut: int | None = None  # a line written in part, when one was
+        self.opened_at = 0  # bytes the file held from earlier runs when this run first opened it
+
+    def add(self, number: int, cut: bool, opened_at: int) -> None:
+        """Line ``number`` (0: not known) did not reach the file whole (``cut``: part of it did)."""
+        if not self.lines:
+            self.opened_at = opened_at
+        self.lines += 1
+        if number and not self.first:
+            self.first = number
+        if cut and self.cut is None:
+            self.cut = number
+
+
 class LostWrites:
-    """What fleetrun could not write into its log directory, for the end of the job. Thread-safe."""
+    """What fleetrun could not write into its log directory, for the end of the job. Thread-safe.
+
+    A log file is appended to (a ``--log-dir`` used again keeps the earlier runs' lines), so a
+    file-size limit or a full disk may cost this run every line while the file still holds an
+    earlier run's: the report says how many of this run's lines are missing, from which line,
+    which line is in the file only in part, and what the file held before this run.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._lines: dict[str, int] = {}  # log file -> lines missing from it
+        self._lines: dict[str, _FileLoss] = {}  # log file -> what it is missing
+        self._seen: dict[str, tuple[int, int]] = {}  # log file -> (lines sent to it, bytes it held at first open)
         self._files: list[str] = []  # files that were not written at all
         self.errors: dict[str, str] = {}  # path -> why ("No space left on device")
 
-    def line(self, path: Path | str, error: OSError) -> None:
+    def line(self, path: Path | str, error: OSError, number: int = 0, cut: bool = False, opened_at: int = 0) -> None:
+        """Line ``number`` (1-based in its child's output; 0: a line of fleetrun's own) did not reach ``path``
+        whole (``cut``: part of it did); the file held ``opened_at`` bytes when this run opened it."""
         with self._lock:
-            self._lines[str(path)] = self._lines.get(str(path), 0) + 1
+            self._lines.setdefault(str(path), _FileLoss()).add(number, cut, opened_at)
             self.errors.setdefault(str(path), error.strerror or str(error))
+
+    def seen(self, path: Path | str, lines: int, opened_at: int = 0) -> None:
+        """A child's stream closed after sending ``lines`` lines for ``path`` (opened at ``opened_at`` bytes)."""
+        with self._lock:
+            total, first_size = self._seen.get(str(path), (0, opened_at))
+            self._seen[str(path)] = (total + lines, first_size)
 
     def file(self, path: Path | str, error: OSError | str) -> None:
         with self._lock:
@@ -152,10 +190,25 @@ class LostWrites:
             return bool(self._lines or self._files)
 
     def describe(self) -> list[str]:
-        """One phrase per lost thing: "1234 lines of worker.0.log (No space left on device)"."""
+        """One phrase per lost thing: "852 of 3001 lines of worker.0.log, from line 2150 on (File too large)"."""
         with self._lock:
-            lost = [f"{n} lines of {path} ({self.errors[path]})" for path, n in self._lines.items()]
+            lost = [self._describe_lines(path, loss) for path, loss in self._lines.items()]
             return lost + [f"{path} ({self.errors[path]})" for path in self._files]
+
+    def _describe_lines(self, path: str, loss: _FileLoss) -> str:
+        total, opened_at = self._seen.get(path, (0, loss.opened_at))
+        count = f"{loss.lines} of {total} lines" if total >= loss.lines else f"{loss.lines} lines"
+        where = []
+        if loss.first and total and loss.lines == total - loss.first + 1:
+            where.append(f"from line {loss.first} on" if loss.first > 1 else "every line")
+        elif loss.first:
+            where.append(f"the first from line {loss.first}")
+        if loss.cut is not None:
+            where.append(f"line {loss.cut} is in the file only in part")
+        if opened_at:
+            where.append(f"the file already held {opened_at} bytes from an earlier run when this one began")
+        details = f", {'; '.join(where)}" if where else ""
+        return f"{count} of {path}{details} ({self.errors[path]})"
 
 
 class ProcessOutput:
@@ -194,26 +247,29 @@ class ProcessOutput:
             return list(self._tail)
 
     def _run(self) -> None:
+        opened_at = number = 0
         try:
             log: IO[bytes] | None = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - closed below
+            opened_at = os.fstat(log.fileno()).st_size  # an earlier run's lines (the same --log-dir)
         except OSError as error:  # the child's output must still be read, or it blocks on a full pipe
             log, opened = None, error
         else:
             opened = None
         try:
             for raw in iter(self._stream.readline, b""):
+                number += 1
                 if log is None:
-                    self.lost.line(self.log_path, opened)
+                    self.lost.line(self.log_path, opened, number, opened_at=opened_at)
                 else:
-                    try:
-                        _write_all(log, raw)
-                    except OSError as error:
-                        self.lost.line(self.log_path, error)
+                    written, error = _write_all(log, raw)
+                    if error is not None:
+                        self.lost.line(self.log_path, error, number, cut=written > 0, opened_at=opened_at)
                 text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                 with self._lock:
                     self._tail.append(text)
                 self.mux.line(self.label, self.style, text)
         finally:
+            self.lost.seen(self.log_path, number, opened_at)
             for closable in (log, self._stream):
                 try:
                     if closable is not None:
@@ -222,11 +278,19 @@ class ProcessOutput:
                     pass
 
 
-def _write_all(log: IO[bytes], data: bytes) -> None:
-    """An unbuffered write may take only part of a line on a nearly full disk: the rest raises, or is written."""
-    view = memoryview(data)
+def _write_all(log: IO[bytes], data: bytes) -> tuple[int, OSError | None]:
+    """Write ``data``: (bytes written, None), or (bytes written before it failed, why).
+
+    An unbuffered write may take only part of a line on a nearly full disk or at a file-size limit:
+    the rest raises, or is written.
+    """
+    view, done = memoryview(data), 0
     while view:
-        written = log.write(view)
+        try:
+            written = log.write(view)
+        except OSError as error:
+            return done, error
         if not written:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        view = view[written:]
+            return done, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view, done = view[written:], done + written
+    return done, None

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from fleet.sparse import nonfinite
 from fleet.sparse.optim import OptimizerSpec, initial_rows
 from fleet.sparse.table import SparseTable
 
@@ -176,6 +177,7 @@ class LocalRows:
         self.table: SparseTable | None = None
         # "given": rows given before the first step (optimizer not known yet); "saved": a loaded save
         self._provisional: str | None = None
+        self.steps = 0  # steps of this table, skipped ones too (named in the non-finite warning)
 
     def adopt(self, table: SparseTable) -> None:
         """Serve from ``table`` from now on (``fleet.load_for_inference``: the rows of an exported model)."""
@@ -221,8 +223,16 @@ class LocalRows:
         """One step of the table; ``grads`` may carry the clicks as a last column (exchanged rows).
 
         ``where`` (the mode, for errors): "in one process", "in collective mode", ...
+
+        A step whose gradients (or lr) hold NaN or Inf is skipped whole, or raises under
+        ``nonfinite="error"`` (:mod:`fleet.sparse.nonfinite`). In collective mode ``grads`` are the
+        exchanged sum, so every worker's replica skips the same steps.
         """
         module = self._module()
+        self.steps += 1
+        if not nonfinite.finite(grads, clicks, lr):
+            nonfinite.refuse(f"sparse table of {type(module).__name__}(dim {module.embedding_dim})", self.steps, where)
+            return
         if self.table is None or self._provisional:
             spec = module.optimizer_override or OptimizerSpec.from_torch(
                 optimizer_class, group, rows=True, where=f"for a fleet.nn.SparseEmbedding {where}"

@@ -19,12 +19,15 @@ this package compares a mode's name or type.
 from __future__ import annotations
 
 import enum
+import math
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any, ClassVar, Protocol
 
 import torch
 
 from fleet.ps.protocol.errors import ShardError
+from fleet.sparse import nonfinite
 
 
 class WorkerHost(Protocol):
@@ -63,17 +66,31 @@ class WorkerPolicy:
         raise TypeError("only an update mode that steps locally (update='geo') syncs on demand")
 
     def push_gradients(self, versioned: bool) -> list[Future]:
-        """Push every dense table's gradient and every sparse table's row gradients (sync and async)."""
+        """Push every dense table's gradient and every sparse table's row gradients (sync and async).
+
+        A table whose gradient holds NaN or Inf is refused here under ``nonfinite="error"``; under
+        "skip" the worker warns and sends that table's pushes with a NaN learning rate, which every
+        shard of it, on every server, skips alike (sync: this worker counts as absent from the step).
+        """
         host = self.host
-        futures = []
-        for entry in host.tables.entries:
-            grad, present = entry.grads()
-            step = entry.version if versioned else 0
-            futures.append(host.client.push_dense_grad(entry.table_id, grad, step, entry.lr, present))
+        rule = nonfinite.policy()
+        grads = [(entry, *entry.grads()) for entry in host.tables.entries]
         pushes = [
             rows.take_push(rows.version if versioned else self.steps, float(host.inner.param_groups[index]["lr"]))
             for _, index, rows in host.sparse
         ]
+        bad = [f"dense table {entry.table_id}" for entry, grad, _ in grads if not nonfinite.finite(grad, entry.lr)]
+        bad += [
+            f"sparse table {push.table}" for push in pushes if not nonfinite.finite(push.grads, push.clicks, push.lr)
+        ]
+        if bad:
+            nonfinite.refuse(" and ".join(bad), self.steps, "a parameter-server push: the servers skip it", rule)
+        futures = []
+        for entry, grad, present in grads:
+            step = entry.version if versioned else 0
+            lr = entry.lr if f"dense table {entry.table_id}" not in bad else math.nan
+            futures.append(host.client.push_dense_grad(entry.table_id, grad, step, lr, present))
+        pushes = [replace(p, lr=math.nan) if f"sparse table {p.table}" in bad else p for p in pushes]
         if pushes:  # every table's rows in one request per server (fleet.ps.client.many)
             futures.append(host.client.push_sparse_grads_many(pushes))
         return futures
@@ -115,7 +132,10 @@ class UpdateMode:
 
     def table_config(self, config: Any) -> dict[str, Any]:
         """The update-mode keys of a create-table config (the wire format the server reads with ``of_config``)."""
-        return {"update": self.name, "backup_workers": int(config.backup_workers)}
+        keys = {"update": self.name, "backup_workers": int(config.backup_workers)}
+        if getattr(config, "nonfinite", "skip") != "skip":  # only when not the default: older saves load alike
+            keys["nonfinite"] = config.nonfinite
+        return keys
 
     # ------------------------------------------------------------------ worker side
     def worker(self, host: WorkerHost, config: Any) -> WorkerPolicy:

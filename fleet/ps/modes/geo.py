@@ -5,6 +5,12 @@ SparseEmbedding rows cached in :class:`~fleet.ps.modes.rows.GeoRows`); every ``k
 changes since the last sync are pushed and the values rebased on the servers'.
 
 Server: a delta is added on arrival; gradients are refused.
+
+Non-finite gradients (:mod:`fleet.sparse.nonfinite`): the local step is where they would enter
+(the user's optimizer state and the cached rows keep a NaN for good), so a step whose dense
+gradients hold NaN or Inf is skipped whole, rows included, as ``GradScaler`` skips it; rows whose
+gradients alone hold NaN or Inf skip their table's local step (:meth:`GeoRows.step`). The servers
+check every delta too.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any
 
 from fleet.ps.modes.base import UpdateMode, WorkerHost, WorkerPolicy
 from fleet.ps.modes.rows import GeoRows
+from fleet.sparse import nonfinite
 
 
 class GeoStep(WorkerPolicy):
@@ -24,6 +31,13 @@ class GeoStep(WorkerPolicy):
     def step(self) -> float:
         host = self.host
         started = time.perf_counter()
+        bad = [e for e in host.tables.entries if not nonfinite.finite(*(p.grad for p in e.params))]
+        if bad:
+            tables = " and ".join(f"dense table {e.table_id}" for e in bad)
+            nonfinite.refuse(tables, self.steps + 1, "geo's local step, skipped whole with its rows")
+            for module, _, _ in host.sparse:
+                module.take_gradients()  # the skipped step's row gradients go with it
+            return time.perf_counter() - started
         host.inner.step()  # the rows too: GeoRows.step, run by the step hook of the optimizer holding them
         for entry in host.tables.entries:
             entry.mark_clean()  # geo's own local step: its change reaches the servers as the next delta

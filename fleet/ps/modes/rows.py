@@ -19,6 +19,7 @@ import torch
 
 from fleet.errors import FleetError
 from fleet.ps.protocol.wire import SparsePush
+from fleet.sparse import nonfinite
 from fleet.sparse.backends import TableModule, per_row_fields
 from fleet.sparse.id_index import IdIndex
 from fleet.sparse.optim import OptimizerSpec
@@ -200,6 +201,9 @@ class GeoRows(_ServerTable):
         """The optimizer holding the module stepped (geo steps the user's optimizer locally): apply the rows'
         gradients to the cached rows; the clicks go to the servers with the next sync's deltas."""
         ids, grads, clicks = self.module.take_gradients()
+        if not nonfinite.finite(grads, clicks, float(group["lr"])):  # the cached rows would keep it for good
+            nonfinite.refuse(f"sparse table {self.table_id}", None, "geo's local step of its cached rows")
+            return
         self.apply(ids, grads, float(group["lr"]))
         if clicks is not None and ids.numel():
             self.clicks.append((ids, clicks))

@@ -24,6 +24,20 @@ per push, not per piece.
 
 Every change to a shard is all-or-nothing: when applying a step fails (out of memory), the
 accumulated gradients stay, the version does not move, and the table is as it was.
+
+**Non-finite pushes never reach a table** (:mod:`fleet.sparse.nonfinite`). A gradient or delta
+push holding NaN or Inf -- in its values, its clicks or its learning rate (a worker that found
+a non-finite gradient of a table sends that table's pushes with a NaN learning rate, so that
+every shard of the table, on every server, sees it alike, empty pushes included) -- is refused
+with an error under the table's ``"nonfinite": "error"``, and otherwise skipped and counted per
+worker (``info()["nonfinite_skipped"]``, in the servers' stats). In sync mode a skipped push
+counts as **absent**: the worker has taken part in the step (the step closes as before) but adds
+nothing, and the step's update is the mean over the pushes that were finite,
+``sum(g_w for finite w) / #finite`` -- what one process computes on the union of the other
+workers' batches, as when a backup worker's late push is dropped. A step whose every push was
+skipped closes without changing the table. In async and geo mode a skipped push is simply not
+applied (the pieces of a split push apply on arrival there, so only a non-finite piece is
+skipped; in sync mode one non-finite piece makes the whole push absent).
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ import torch
 
 from fleet.ps.modes import Admit, UpdateMode, of_config
 from fleet.ps.protocol.errors import ShardError  # raised here, caught by the server loop as agg.ShardError
+from fleet.sparse.nonfinite import POLICIES, finite
 
 #: keys of a shard config that belong to the table itself (the rest is update-mode bookkeeping)
 _DENSE_TABLE_KEYS = ("size", "optimizer")
@@ -103,9 +118,15 @@ class Shard:
                 f"table {table_id}: backup_workers={backup} with {num_workers} workers; "
                 f"it must be in [0, {num_workers - 1}] so that at least one gradient makes a step"
             )
+        nonfinite = config.get("nonfinite", "skip")
+        if nonfinite not in POLICIES:
+            raise ShardError(f"table {table_id}: nonfinite={nonfinite!r}; expected one of {', '.join(POLICIES)}")
         self.table_id = table_id
         self.config = config
         self.key = canonical(config)
+        self.nonfinite: str = nonfinite
+        self.nonfinite_skipped: dict[int, int] = {}  # per worker: pushes skipped for holding NaN or Inf
+        self._absent: set[int] = set()  # sync: workers in _pushed whose push of the step was skipped
         self.mode: UpdateMode = mode
         self.backup_workers = backup
         self.num_workers = num_workers
@@ -136,6 +157,30 @@ class Shard:
             self.stale_dropped[worker] = self.stale_dropped.get(worker, 0) + 1
         return verdict
 
+    def _skips_nonfinite(self, worker: int, step: int, what: str, *values: Any, count: bool = True) -> bool:
+        """True when ``values`` (tensors, the lr) hold NaN or Inf and the push is to be skipped (``count``: once,
+        with its last piece); under ``nonfinite="error"`` it is refused instead."""
+        if finite(*values):
+            return False
+        if self.nonfinite == "error":
+            raise ShardError(
+                f"{self.kind} table {self.table_id}: worker {worker}'s {what} for step {step} holds NaN or Inf; "
+                "refused (nonfinite='error')",
+                {"code": "nonfinite", "table": self.table_id, "worker": worker, "step": step},
+            )
+        if count:
+            self.nonfinite_skipped[worker] = self.nonfinite_skipped.get(worker, 0) + 1
+        return True
+
+    def _contributing(self) -> int:
+        """Sync: the pushes of the current step that add to its update (those not skipped as non-finite)."""
+        return len(self._pushed) - len(self._absent)
+
+    def _mark_absent(self, worker: int) -> None:
+        """Sync: ``worker`` took part in the current step, but its push was skipped (see the module's docstring)."""
+        self._pushed.add(worker)
+        self._absent.add(worker)
+
     def fail_step(self, reason: str) -> None:
         """The complete sync step could not be applied: the workers waiting for it, and later pushes
         for it, hear ``reason`` (cleared by the next step that applies)."""
@@ -163,8 +208,10 @@ class Shard:
             return False
         if len(self._pushed) < self.needs(active) and not (active - at_barrier) <= self._pushed:
             return False
-        self._apply_accumulated(len(self._pushed), self._lr)  # all-or-nothing: on failure nothing moved
+        # all-or-nothing: on failure nothing moved
+        self._apply_accumulated(self._contributing(), self._lr)
         self._pushed.clear()
+        self._absent.clear()
         self.version += 1
         self.step_error = None
         return True
@@ -184,6 +231,7 @@ class Shard:
             "update": self.mode.name,
             "version": self.version,
             "stale_dropped": {str(w): n for w, n in sorted(self.stale_dropped.items())},
+            "nonfinite_skipped": {str(w): n for w, n in sorted(self.nonfinite_skipped.items())},
         }
 
 
@@ -265,6 +313,10 @@ class DenseShard(Shard):
         verdict = self._admit_grad_push(worker, step)
         if verdict is Admit.STALE:
             return False
+        if self._skips_nonfinite(worker, step, "gradient", grad, lr):
+            if verdict is Admit.ACCUMULATE:
+                self._mark_absent(worker)
+            return True
         has_grad = present == HAS_GRAD if present is not None else None
         if verdict is Admit.APPLY:
             self.table.apply_gradient(grad, lr, self._piece_flags(has_grad))
@@ -277,8 +329,8 @@ class DenseShard(Shard):
             if has_grad is not None or counts is not None:
                 one = torch.ones(self.parameters, dtype=torch.int32)
                 flags = has_grad.to(torch.int32) if has_grad is not None else one
-                if counts is None:  # the earlier pushes of this step had every parameter
-                    counts = torch.full((self.parameters,), len(self._pushed), dtype=torch.int32)
+                if counts is None:  # the earlier (finite) pushes of this step had every parameter
+                    counts = torch.full((self.parameters,), self._contributing(), dtype=torch.int32)
                 counts = counts + flags
             # sync: the received buffer is ours (a ZeroMQ frame), so it can be the accumulator itself;
             # adding to it is the push's only change in place, so a failure before it changes nothing
@@ -319,9 +371,11 @@ class DenseShard(Shard):
         )
         raise ShardError(*self.broken)
 
-    def push_delta(self, delta: torch.Tensor) -> None:
+    def push_delta(self, delta: torch.Tensor, worker: int = -1, step: int = 0) -> None:
         self.mode.admit_delta(self.table_id)
         self.check_values("delta", delta)
+        if self._skips_nonfinite(worker, step, "delta", delta):
+            return
         self.table.add_delta(delta)
         self.version += 1
 
@@ -346,6 +400,7 @@ class DenseShard(Shard):
         self.version = int(state["version"])
         self._acc, self._present, self._trainable, self._snapshot_version = None, None, None, -1
         self._pushed.clear()
+        self._absent.clear()
 
     def optimizer_state(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int]:
         """Values, each parameter's step count (-1: not on this shard), optimizer state and table step."""
@@ -397,6 +452,7 @@ class SparseShard(Shard):
         self._complete: dict[int, tuple[list, list, list]] = {}
         # sync: a push arriving in pieces, per worker: (step, ids, grads, clicks) until its last piece
         self._partial: dict[int, tuple[int, list, list, list]] = {}
+        self._poisoned: dict[int, int] = {}  # sync: worker -> step of a push one of whose pieces was non-finite
 
     def check_ids(self, ids: torch.Tensor) -> None:
         if ids.dtype != torch.int64:
@@ -446,11 +502,24 @@ class SparseShard(Shard):
         verdict = self._admit_grad_push(worker, step, last=not more)
         if verdict is Admit.STALE:
             self._partial.pop(worker, None)
+            self._poisoned.pop(worker, None)
             return False
         if verdict is Admit.APPLY:
+            if self._skips_nonfinite(worker, step, "gradient", grads, clicks, lr):
+                return True
             self.table.apply_gradient(ids, grads, lr, clicks, step=step)
             if not more:
                 self.version += 1
+            return True
+        bad = self._skips_nonfinite(worker, step, "gradient", grads, clicks, lr, count=False)
+        if bad or self._poisoned.get(worker) == step:  # one bad piece makes the whole push absent
+            self._partial.pop(worker, None)
+            if more:
+                self._poisoned[worker] = step
+                return True
+            self._poisoned.pop(worker, None)
+            self.nonfinite_skipped[worker] = self.nonfinite_skipped.get(worker, 0) + 1
+            self._mark_absent(worker)
             return True
         step_, ids_list, grads_list, clicks_list = self._partial.pop(worker, None) or (step, [], [], [])
         if step_ != step:  # pieces of an earlier push whose last piece never came
@@ -474,11 +543,14 @@ class SparseShard(Shard):
         step: int = 0,
         more: bool = False,
         clicks: torch.Tensor | None = None,
+        worker: int = -1,
     ) -> None:
         """Geo mode; ``step`` is the worker's own step (the table's clock); ``more`` as for :meth:`push_grad`;
-        ``clicks``: the worker's clicks of these rows since its last sync."""
+        ``clicks``: the worker's clicks of these rows since its last sync; ``worker``: who sent it."""
         self.mode.admit_delta(self.table_id)
         self.check_rows("deltas", ids, deltas)
+        if self._skips_nonfinite(worker, step, "delta", deltas, clicks):
+            return
         self.table.add_delta(ids, deltas, step=step, clicks=clicks)
         if not more:
             self.version += 1
@@ -487,6 +559,7 @@ class SparseShard(Shard):
         stepped = super().maybe_step(active, at_barrier)
         if stepped:
             self._partial.clear()  # pieces of the closed step: their last piece will be stale
+            self._poisoned.clear()
         return stepped
 
     def _apply_accumulated(self, count: int, lr: float) -> None:
@@ -527,7 +600,9 @@ class SparseShard(Shard):
         self.version = int(states[-1]["version"])
         self._complete = {}
         self._partial.clear()
+        self._poisoned.clear()
         self._pushed.clear()
+        self._absent.clear()
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), "dim": self.dim, **self.table.info()}

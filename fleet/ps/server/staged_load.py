@@ -70,6 +70,10 @@ def stage(
             if existing is not None:
                 if "name" not in config:  # saved before tables carried their names: matched by number alone
                     config = {**config, **{k: existing.config[k] for k in ("name", "names") if k in existing.config}}
+                # what a non-finite push does is this job's choice, not the save's
+                config = {k: v for k, v in config.items() if k != "nonfinite"}
+                if "nonfinite" in existing.config:
+                    config["nonfinite"] = existing.config["nonfinite"]
                 check_same(existing, kind, config)
             fresh = (agg.DenseShard if kind == "dense" else agg.SparseShard)(table, config, num_workers)
             fresh.load(states)

@@ -210,13 +210,15 @@ class TableRequests:
                 status = Status.STALE
         elif msg.op == Op.PUSH_DENSE_DELTA:
             shard = self._shard(msg, "dense")
-            shard.push_delta(self._expect(msg, "delta")[0])
+            shard.push_delta(self._expect(msg, "delta")[0], worker=msg.peer, step=msg.step)
         else:
             shard = self._shard(msg, "sparse")
             # Clicks travel only when the worker recorded some.
             ids, deltas, *clicks = msg.tensors if len(msg.tensors) == 3 else self._expect(msg, "ids", "deltas")
             self.limits.check_ids("PUSH_SPARSE_DELTA", msg.table, ids.numel(), shard.dim)
-            shard.push_delta(ids, deltas, step=msg.step, more=more, clicks=clicks[0] if clicks else None)
+            shard.push_delta(
+                ids, deltas, step=msg.step, more=more, clicks=clicks[0] if clicks else None, worker=msg.peer
+            )
         if status == Status.STALE and not more:
             self._counts["stale_dropped"] += 1
         self._close_step(shard)
