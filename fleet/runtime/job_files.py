@@ -129,7 +129,7 @@ def remove_orphaned_files() -> list[str]:
     Cheap (two directory listings) and never raises: run at every ``fleet.init()`` and fleetrun start.
     """
     try:
-        return remove_orphaned(secret_dir(), SHM_DIR)
+        return remove_orphaned(secret_dir(), SHM_DIR) + remove_dead_ps_sockets()
     except Exception:  # noqa: BLE001 - a cleanup must not stop a job from starting
         return []
 
@@ -174,4 +174,54 @@ def remove_ps_sockets(secret_hex: str) -> bool:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         return False  # not one this user made: leave it
     shutil.rmtree(directory, ignore_errors=True)
+    return True
+
+
+def remove_dead_ps_sockets(base: str | None = None) -> list[str]:
+    """This user's parameter-server Unix sockets (``<temp dir>/fleet-ps-*/*.sock``) that no server listens on
+    (a connection is refused: its server was killed), removed, and their directories once empty."""
+    base = base or os.path.dirname(ps_socket_dir("00"))
+    removed = []
+    try:
+        folders = [d for d in os.listdir(base) if d.startswith("fleet-ps-")]
+    except OSError:
+        return []
+    for folder in folders:
+        directory = os.path.join(base, folder)
+        try:
+            info = os.lstat(directory)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(directory, name)
+            if name.endswith(".sock") and not _listening(path):
+                try:
+                    os.unlink(path)
+                    removed.append(path)
+                except OSError:
+                    pass
+        try:
+            os.rmdir(directory)  # only once empty: a live server's socket keeps it
+        except OSError:
+            pass
+    return removed
+
+
+def _listening(path: str) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path`` (anything but a refusal counts as yes)."""
+    import socket
+
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True  # not ours to judge (a timeout, a permission): keep it
+    finally:
+        probe.close()
     return True

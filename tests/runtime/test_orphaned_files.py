@@ -54,3 +54,24 @@ def test_files_of_a_dead_owner_go_and_the_others_stay(tmp_path, monkeypatch) -> 
 def test_a_missing_folder_is_no_error(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "nowhere"))
     assert job_files.remove_orphaned(str(tmp_path / "nowhere")) == []
+
+
+def test_a_parameter_servers_socket_nobody_listens_on_goes(tmp_path) -> None:
+    import socket
+
+    folder = tmp_path / "fleet-ps-0123456789abcdef"
+    folder.mkdir(mode=0o700)
+    dead, live = str(folder / "dead.sock"), str(folder / "live.sock")
+    gone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    gone.bind(dead)  # bound, never listening, then closed: what a killed server leaves
+    gone.close()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(live)
+    server.listen(1)
+    try:
+        assert job_files.remove_dead_ps_sockets(str(tmp_path)) == [dead]
+        assert os.path.exists(live) and folder.exists()
+    finally:
+        server.close()
+    os.unlink(live)
+    assert job_files.remove_dead_ps_sockets(str(tmp_path)) == [] and not folder.exists()  # the empty folder goes
