@@ -353,7 +353,7 @@ def distributed_optimizer(
     """
     _check_initialised(optimizer)
     impl = current_job().wrapping(strategy)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = [p for group in getattr(optimizer, "param_groups", None) or [] for p in group["params"]]
     if _meta_model(impl, params, init):
         return impl.wrap_optimizer(optimizer, init=init)  # type: ignore[call-arg]
     return impl.wrap_optimizer(optimizer)
