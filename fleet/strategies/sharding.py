@@ -31,6 +31,7 @@ rows beside them (:mod:`fleet.sharding.table_rows`).
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,7 +46,7 @@ from fleet.collective.layout import ParamMap
 from fleet.errors import FleetError
 from fleet.nn.rows_state import rows_in_state_dict
 from fleet.sharding import autograd as sharded_autograd
-from fleet.sharding import meta_init, table_rows
+from fleet.sharding import comm_timing, meta_init, table_rows
 from fleet.sharding.order import ShardedOrder
 from fleet.sparse import backends as tables
 from fleet.strategies.base import Runtime, Strategy, check_reduce
@@ -160,6 +161,8 @@ class ShardingStrategy(Strategy):
         for unit in units:
             fully_shard(unit if len(unit) > 1 else unit[0], **options)
         fully_shard(model, **options)
+        for module in [unit[0] for unit in units] + [model]:  # modules sharded as one group share its collectives
+            comm_timing.time_collectives(module, self._order.clock)
         if on_meta:
             meta_init.materialize(model, meta_init.target_device(), init)
             broadcast_tensors(list(model.buffers()), group)  # replicated, not sharded: worker 0's everywhere
@@ -203,6 +206,11 @@ class ShardingStrategy(Strategy):
                     groups[j] = (groups[i][0] + groups[j][0], groups[i][1] | groups[j][1])
                     groups[i] = ([], set())
         return [modules for modules, _ in groups if modules and not _shares_parameters(modules, model)]
+
+    @property
+    def order(self) -> ShardedOrder | None:
+        """The announcements before FSDP2's collectives (and their clock); None until a model is sharded."""
+        return self._order
 
     # --- the Strategy interface ------------------------------------------------------------------
 
@@ -329,11 +337,15 @@ class ShardingOptimizer(WrappedOptimizer):
 
     def step(self, closure=None):
         group = self.strategy.runtime.process_group(self.strategy.config.timeout_s)
+        order = self.strategy.order
         if group is not None:
             params = self.parameters()
             _refuse_unsharded(params)
-            _shard_whole_gradients(params, group, self.strategy._order)
-        return super().step(closure)
+            _shard_whole_gradients(params, group, order)
+        loss = self._inner.step(closure)
+        # FSDP2's gathers and reduce-scatters in forward and backward, fleet's announcements before them
+        self._end_step(comm_s=order.take_comm() if order is not None else 0.0)
+        return loss
 
 
 def _describe(model: torch.nn.Module, earlier: int) -> str:
@@ -430,7 +442,9 @@ def _shard_whole_gradients(params: list[torch.Tensor], group: dist.ProcessGroup,
                 f"shape is {tuple(p.shape)}."
             )
     averages = [p.grad.detach().to(p.dtype, copy=True) for p in chosen]  # the script's tensors stay as they are
+    started = time.perf_counter()
     average_tensors(averages, group, dist.get_world_size(group))
+    order.clock.add(time.perf_counter() - started)
     for p, average in zip(chosen, averages, strict=True):
         p.grad = distribute_tensor(average, p.device_mesh, p.placements, src_data_rank=None)
 
