@@ -13,6 +13,11 @@ then the model itself.
 in place of the old ones, in the same param groups with the same hyper-parameters (an LR
 scheduler built on it keeps working), and any state it already had is sharded the same way.
 
+A model built on the ``meta`` device is sharded first, then each worker materialises and
+initialises only its own shards (:mod:`fleet.sharding.meta_init`; ``init=`` on
+``distributed_optimizer``/``distributed_model``). FSDP2's collectives are timed as the step's
+communication (:mod:`fleet.sharding.comm_timing`).
+
 Stages (``sharding_stage``), mapped onto FSDP2's ``reshard_after_forward``:
 
 - 3 (ZeRO-3, FSDP's FULL_SHARD): a unit's parameters are gathered for its forward, freed,
