@@ -147,7 +147,7 @@ class StepMetrics:
         """A backward pass ended, after ``comm_s`` seconds of communication since the previous one (strategies
         call it where gradients are reduced in backward). Timed per backward only while no optimizer step
         was: a script that updates its weights by hand, never calling ``step()``, still gets its report."""
-        if self.steps:
+        if self._last is not None:  # a step boundary was seen: the job is timed per step
             return
         if self._per_backward is None:
             self._per_backward = StepMetrics(rank=self.rank, restarts=self.restarts, clock=self._clock)
@@ -163,14 +163,14 @@ class StepMetrics:
     @property
     def timed(self) -> bool:
         """Whether there is anything to report: an optimizer step, or else a backward pass, was timed."""
-        return bool(self.steps or (self._per_backward is not None and self._per_backward.steps))
+        return bool(self.steps or (self._last is None and self._per_backward is not None and self._per_backward.steps))
 
     # --- what fleetrun reads ------------------------------------------------------
 
     def summary(self, final: bool = False) -> dict[str, Any]:
         if self.rank is None:
             self.rank = worker_identity()[0]
-        if not self.steps and self._per_backward is not None and self._per_backward.steps:
+        if self._last is None and self._per_backward is not None and self._per_backward.steps:
             by_backward = self._per_backward.summary(final)
             by_backward.update(rank=self.rank, dropped_stale=self.dropped_stale, restarts=self.restarts)
             return {**by_backward, "per": "backward"}
