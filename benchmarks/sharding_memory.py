@@ -19,6 +19,14 @@ Per worker it measures, after the timed steps:
 - **step time**: the median over the timed steps.
 
 Target: with full sharding each worker's state is at most 1/N + 10 % of DDP's.
+
+``--meta`` measures building instead (a model that must not be whole on any worker): per
+worker, the peak RSS growth from before the model is built to the end of
+``fleet.distributed_optimizer``, for the model built whole (then sharded) and built on the
+``meta`` device (sharded, then only this worker's shards materialised and initialised). Then
+the same two builds run under a cap on the address space (``RLIMIT_AS``: what the process
+maps when the build starts plus ``--cap`` x the model's bytes): the whole build fails, the meta
+build succeeds. Target: the meta build's peak at most 1/N of the model + one layer + 10 %.
 """
 
 from __future__ import annotations
@@ -118,13 +126,111 @@ def worker(rank: int, workers: int, port: int, kind: str, args: argparse.Namespa
     fleet.stop_worker()
 
 
-def run(kind: str, workers: int, args: argparse.Namespace) -> dict:
+def build_worker(rank: int, workers: int, port: int, kind: str, args: argparse.Namespace, out: str) -> None:
+    """Build the model whole or on meta, shard it, and say how much memory building took (under a cap, maybe)."""
+    become_local_worker(rank, workers, port)
+    torch.set_num_threads(1)
+    import fleet
+
+    fleet.init()
+    strategy = fleet.DistributedStrategy(mode="sharding")
+    with torch.device("meta"):  # a small model first: what building imports and starts is not the model's cost
+        small = [build_model(1, 8)]
+    small.append(build_model(1, 8))
+    for m in small:
+        fleet.distributed_optimizer(torch.optim.Adam(m.parameters()), strategy)
+    fleet.barrier_worker()
+    model_bytes = (args.layers * (args.width + 1) * args.width + (args.width + 1) * 10) * 4
+    limit = None
+    if args.capped:
+        limit = _status_bytes("VmSize") + int(args.cap * model_bytes)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    _reset_peak()
+    before = _status_bytes("VmRSS")
+    error = None
+    try:
+        if kind == "meta":
+            with torch.device("meta"):
+                model = build_model(args.layers, args.width)
+        else:
+            model = build_model(args.layers, args.width)
+        optimizer = fleet.distributed_optimizer(torch.optim.Adam(model.parameters(), lr=1e-4), strategy)
+    except (RuntimeError, MemoryError) as failure:
+        error = str(failure).splitlines()[0][:120]
+    peak = _status_bytes("VmHWM") - before
+    if limit is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    if error is None and limit is None:  # the model trains: one step, to show the shards are real
+        x = torch.randn(8, args.width)
+        torch.nn.functional.cross_entropy(model(x), torch.zeros(8, dtype=torch.long)).backward()
+        optimizer.step()
+    result = {"kind": kind, "workers": workers, "model_bytes": model_bytes, "build_peak": peak, "error": error}
+    if rank == 0:
+        with open(out, "w") as handle:
+            json.dump(result, handle)
+    fleet.stop_worker()
+
+
+def run_build(kind: str, workers: int, args: argparse.Namespace, capped: bool) -> dict:
+    args = argparse.Namespace(**{**vars(args), "capped": capped})
+    return run(kind, workers, args, target=build_worker)
+
+
+def meta_main(args: argparse.Namespace) -> int:
+    """Building: whole vs meta, peak RSS growth, then both under the address-space cap."""
+    os.environ["MALLOC_ARENA_MAX"] = "2"  # no 64 MiB arena reserved per thread: the cap counts mappings
+    mib = 1 << 20
+    print(f"{'workers':>7} {'build':>6} {'model MiB':>10} {'peak MiB':>9} {'of model':>9} {'under cap':>30}")
+    ok = True
+    points = []
+    for workers in args.workers:
+        row = {}
+        for kind in ("whole", "meta"):
+            free = run_build(kind, workers, args, capped=False)
+            capped = run_build(kind, workers, args, capped=True)
+            share = free["build_peak"] / free["model_bytes"]
+            outcome = "ok" if capped["error"] is None else f"failed: {capped['error'][:22]}"
+            print(
+                f"{workers:>7} {kind:>6} {free['model_bytes'] / mib:10.1f} {free['build_peak'] / mib:9.1f} "
+                f"{share:9.3f} {outcome:>30}"
+            )
+            row[kind] = {"peak_mib": round(free["build_peak"] / mib, 1), "share": round(share, 4), "capped": outcome}
+        layer = (args.width + 1) * args.width * 4 / free["model_bytes"]
+        target = (1 / workers + layer) * 1.10
+        ok &= row["meta"]["share"] <= target and row["meta"]["capped"] == "ok" and row["whole"]["capped"] != "ok"
+        points.append({"workers": workers, "target_share": round(target, 4), **row})
+    print(
+        f"cap: {args.cap} x the model above what each process mapped; target: meta build's peak <= (1/N + one layer) "
+        f"+ 10 % of the model, fits the cap, the whole build does not: " + ("PASS" if ok else "MISS")
+    )
+    last = points[-1]
+    record_result(
+        "sharding_memory",
+        variant="meta build, " + " / ".join(str(p["workers"]) for p in points) + " workers",
+        figure=f"peak RSS growth per worker while building and sharding a {free['model_bytes'] / mib:.0f} MiB model",
+        units="fraction of the model",
+        fleet=last["meta"]["share"],
+        peer="the same model built whole, then sharded",
+        peer_value=last["whole"]["share"],
+        ratio=round(last["meta"]["share"] / last["whole"]["share"], 4),
+        ratio_means="meta build's peak / whole build's",
+        target="<= (1/N + one layer) + 10 %",
+        summary=f"meta build {last['meta']['share']:.3f} of the model, whole build {last['whole']['share']:.3f} at "
+        f"{last['workers']} workers; under a cap of {args.cap} x the model the whole build {last['whole']['capped']}, "
+        f"the meta build {last['meta']['capped']}",
+        headline=False,
+        details={"points": points, "layers": args.layers, "width": args.width, "cap": args.cap},
+    )
+    return 0 if ok else 1
+
+
+def run(kind: str, workers: int, args: argparse.Namespace, target=worker) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
-    mp.start_processes(worker, args=(workers, port, kind, args, out), nprocs=workers, start_method="spawn")
+    mp.start_processes(target, args=(workers, port, kind, args, out), nprocs=workers, start_method="spawn")
     with open(out) as handle:
         result = json.load(handle)
     os.unlink(out)
@@ -138,8 +244,12 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--stage", type=int, choices=[2, 3], default=3, help="sharding stage (3: parameters too)")
+    parser.add_argument("--meta", action="store_true", help="measure building (whole vs on the meta device)")
+    parser.add_argument("--cap", type=float, default=0.75, help="--meta: address-space cap, x the model's bytes")
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)  # the workers free big tensors back to the system
+    if args.meta:
+        return meta_main(args)
     mib = 1 << 20
     print(
         f"{'workers':>7} {'strategy':>9} {'state MiB':>10} {'of DDP':>7} {'target':>7} {'peak RSS MiB':>13} {'step ms':>8}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -339,11 +340,45 @@ def current_job() -> FleetContext:
 
 
 def distributed_optimizer(
-    optimizer: torch.optim.Optimizer, strategy: DistributedStrategy | None = None
+    optimizer: torch.optim.Optimizer,
+    strategy: DistributedStrategy | None = None,
+    *,
+    init: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.optim.Optimizer:
-    """Wrap ``optimizer`` so ``step()`` trains across the job. ``isinstance(result, torch.optim.Optimizer)`` holds."""
+    """Wrap ``optimizer`` so ``step()`` trains across the job. ``isinstance(result, torch.optim.Optimizer)`` holds.
+
+    A model built on the meta device (``mode="sharding"`` only) gets storage for this worker's shards
+    and values from its modules' ``reset_parameters()``, then ``init`` (called on every module, as
+    ``model.apply(init)`` calls it); docs/strategies.md.
+    """
     _check_initialised(optimizer)
-    return current_job().wrapping(strategy).wrap_optimizer(optimizer)
+    impl = current_job().wrapping(strategy)
+    params = [p for group in getattr(optimizer, "param_groups", None) or [] for p in group["params"]]
+    if _meta_model(impl, params, init):
+        return impl.wrap_optimizer(optimizer, init=init)  # type: ignore[call-arg]
+    return impl.wrap_optimizer(optimizer)
+
+
+def _meta_model(impl: Strategy, params: list[torch.Tensor], init: Any) -> bool:
+    """Whether the model is built on the meta device (or ``init`` is given): refused where the strategy keeps
+    whole models, which need storage for every parameter on every worker."""
+    meta = [p for p in params if p.is_meta]
+    if not meta and init is None:
+        return False
+    if not impl.materializes_meta_models:
+        from fleet.training.owners import names_of
+
+        what = (
+            f"parameter {names_of(meta[:1])[0]!r} is on the meta device (built without storage)"
+            if meta
+            else "init= initialises a model built on the meta device"
+        )
+        raise FleetError(
+            f"{what}, but mode={impl.config.mode!r} keeps the whole model on every worker, so every worker would "
+            "have to allocate all of it anyway. Build the model on a real device (cpu, cuda), or use "
+            "mode='sharding', which gives each worker storage for its own shards only."
+        )
+    return True
 
 
 def _check_initialised(optimizer: Any) -> None:
@@ -360,11 +395,21 @@ def _check_initialised(optimizer: Any) -> None:
         )
 
 
-def distributed_model(model: torch.nn.Module, strategy: DistributedStrategy | None = None) -> torch.nn.Module:
-    """Broadcast worker 0's parameters and buffers and keep buffers in step (DDP semantics). Optional."""
+def distributed_model(
+    model: torch.nn.Module,
+    strategy: DistributedStrategy | None = None,
+    *,
+    init: Callable[[torch.nn.Module], None] | None = None,
+) -> torch.nn.Module:
+    """Broadcast worker 0's parameters and buffers and keep buffers in step (DDP semantics). Optional.
+
+    ``init``: as in :func:`distributed_optimizer`, for a model built on the meta device.
+    """
     job = current_job()
     job.models.append(model)
     impl = job.wrapping(strategy)
+    if _meta_model(impl, list(model.parameters()) + list(model.buffers()), init):
+        return _with_ddp_habits(impl.wrap_model(model, init=init))  # type: ignore[call-arg]
     return _with_ddp_habits(impl.wrap_model(model))
 
 

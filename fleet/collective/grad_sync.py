@@ -54,6 +54,7 @@ from fleet.collective.layout import Layout, ParamMap
 from fleet.collective.shm import ChannelError
 from fleet.collective.transports.base import Transport
 from fleet.errors import FleetError, PeerError
+from fleet.telemetry import timing
 from fleet.training.owners import find_owners, is_sparse_embedding_weight
 
 
@@ -308,8 +309,11 @@ class GradSync:
     def _launch(self, bucket: bucketing.Bucket) -> None:
         self._works[bucket.index] = self.transport.launch(bucket, self._scale, self._changed)
 
-    def _finish(self) -> None:
-        """End of the round: launch what is left, exchange sparse gradients, wait, write back."""
+    def _finish(self, in_backward: bool = True) -> None:
+        """End of the round: launch what is left, exchange sparse gradients, wait, write back.
+
+        At the end of a backward it is also a timing boundary, for scripts that never call ``step()``.
+        """
         layout = self._layout
         assert layout is not None
         self._in_round = False
@@ -328,7 +332,12 @@ class GradSync:
                 if work is not None:
                     self._wait(work, f"all-reduce of the sparse gradient of {self._name(param)!r}")
                 param.grad = reduced
-            self._comm_wait_s += time.perf_counter() - started
+            waited = time.perf_counter() - started
+            if self.lockstep is not None:
+                waited += self.lockstep.take_waited()  # the round's agreement, and fleet's exchanges before it
+            self._comm_wait_s += waited
+            if in_backward:
+                timing.recorder().end_backward(waited)
         finally:
             self._changed = set()
             self._early = set()
@@ -360,7 +369,7 @@ class GradSync:
     def catch_up(self) -> None:
         """At optimizer.step(): run this round now if no backward started one since the last step."""
         if self._begin(in_backward=False):
-            self._finish()
+            self._finish(in_backward=False)
         else:
             self._changed = set()
             self._rounds += 1

@@ -44,7 +44,7 @@ from fleet.launch.config import LaunchConfig
 from fleet.launch.output import LostWrites, OutputMux, ProcessOutput, style_for
 from fleet.launch.plan import SERVER, WORKER, JobLayout, ProcessSpec, child_env, local_specs
 from fleet.launch.report import Row, describe, exit_code, failure_block, summary_table
-from fleet.launch.timing import StragglerWatch, clear_metrics, final_report
+from fleet.launch.timing import NO_REPORT, StragglerWatch, clear_metrics, final_report
 from fleet.runtime import env
 from fleet.runtime.job_files import clear_joined, joined_workers, remove_ps_sockets, remove_shm
 
@@ -435,6 +435,8 @@ class Supervisor:
             self.mux.message(f"timing report in {report}")
         elif _full(self.log_dir):  # the workers' timing files could not be written either
             self.lost.file(report, "the workers' timing files could not be written: No space left on device")
+        elif code == 0:
+            self.mux.message(NO_REPORT)
         self.mux.message(f"logs in {self.log_dir}")
         if self.lost:
             self.mux.message(

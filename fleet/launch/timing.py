@@ -73,10 +73,20 @@ def clear_metrics(log_dir: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+NO_REPORT = (
+    "no timing report: no worker timed a step. fleet times a step from one optimizer.step() of the wrapped "
+    "optimizer to the next, or, in a script that never calls step(), from one backward pass to the next where "
+    "gradients are averaged in backward (mode='collective' with several workers, mode='sharding'); a "
+    "parameter-server worker sends its gradients in step(), so it must call it."
+)
+"""What fleetrun says when :func:`final_report` finds nothing to report."""
+
+
 def final_report(
     log_dir: Path, restarts: dict[int, int] | None = None, stragglers: set[int] | None = None
 ) -> tuple[dict[str, Any], RenderableType] | None:
-    """Write ``report.json`` from the workers' metrics files; None when no worker timed a step."""
+    """Write ``report.json`` from the workers' metrics files; None when no worker timed a step (see
+    :data:`NO_REPORT`) or a backward pass."""
     records = {r: rec for r, rec in step_report.read_records(log_dir).items() if rec.get("steps")}
     if not records:
         return None

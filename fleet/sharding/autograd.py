@@ -29,6 +29,7 @@ import torch
 _sharded_models: weakref.WeakSet = weakref.WeakSet()
 _originals: dict[str, Callable[..., Any]] = {}
 _before_backward: list[weakref.WeakMethod] = []  # gone with the strategy that gave it
+_after_backward: list[weakref.WeakMethod] = []
 BACKWARD, AUTOGRAD_GRAD = 1, 2  # what the callbacks are told is about to run
 
 
@@ -46,8 +47,17 @@ def before_backward(callback: Callable[[int], None]) -> None:
     _install()
 
 
-def forget(callback: Callable[[int], None]) -> None:
-    _before_backward[:] = [ref for ref in _before_backward if ref() is not None and ref() != callback]
+def after_backward(callback: Callable[[], None]) -> None:
+    """Call the bound method ``callback`` when a ``torch.autograd.backward`` returned (its gradients reduced),
+    for as long as its object lives and until :func:`forget`."""
+    forget(callback)
+    _after_backward.append(weakref.WeakMethod(callback))
+    _install()
+
+
+def forget(callback: Callable[..., None]) -> None:
+    for callbacks in (_before_backward, _after_backward):
+        callbacks[:] = [ref for ref in callbacks if ref() is not None and ref() != callback]
 
 
 def _run_before_backward(how: int) -> None:
@@ -109,7 +119,12 @@ def _backward(*args: Any, **kwargs: Any) -> Any:
         kwargs["inputs"] = unsharded(kwargs["inputs"])
     elif len(args) > _BACKWARD_INPUTS_AT:
         args = (*args[:_BACKWARD_INPUTS_AT], unsharded(args[_BACKWARD_INPUTS_AT]), *args[_BACKWARD_INPUTS_AT + 1 :])
-    return _originals["backward"](*args, **kwargs)
+    result = _originals["backward"](*args, **kwargs)
+    for ref in list(_after_backward):
+        callback = ref()
+        if callback is not None:
+            callback()
+    return result
 
 
 def _grad(outputs: Any, inputs: Any = None, *args: Any, **kwargs: Any) -> Any:

@@ -35,6 +35,8 @@ from fleet.collective import lockstep
 from fleet.collective.shm import LocalHost
 from fleet.errors import PeerError
 from fleet.sharding import autograd
+from fleet.sharding.comm_timing import CommClock
+from fleet.telemetry import timing
 
 ADVICE = (
     "mode='sharding' (FSDP2) gathers a module's parameters and reduces its gradients on every worker together, "
@@ -54,8 +56,10 @@ class ShardedOrder:
         timeout_s: float,
         diagnose: Callable[[], str | None] | None = None,
         shared_memory: bool = True,
+        clock: CommClock | None = None,
     ):
         self.group = group
+        self.clock = clock if clock is not None else CommClock()  # FSDP2's collectives and the waits here
         # Workers on one host exchange the announcements through shared memory: no gloo round trip
         # (a few microseconds instead of about a millisecond each, some thirty per step).
         host = LocalHost.connect(group, timeout_s) if shared_memory else None
@@ -63,7 +67,9 @@ class ShardedOrder:
         self.names: list[str] = []  # a watched module's index (the same on every worker) -> its name
         self.roots: list[str] = []  # the models sharded, described, in the order they were
         self._ran_forward = False  # a sharded module ran forward since the last backward announced
+        self._in_backward = False  # a backward through sharded modules is running
         autograd.before_backward(self.before_backward)
+        autograd.after_backward(self.after_backward)
 
     def watch(self, modules: list[tuple[str, torch.nn.Module]]) -> None:
         """Announce the forward and the reduce-scatter of each of ``modules`` (already given to fully_shard)."""
@@ -86,6 +92,18 @@ class ShardedOrder:
             self._ran_forward = False
             self.before_collective(lockstep.SHARD_BACKWARD, how)
             self.lockstep.count_step()
+            self._in_backward = how == autograd.BACKWARD
+
+    def after_backward(self) -> None:
+        """A backward through sharded modules ended: a boundary for jobs timed per backward (no ``step()``)."""
+        if self._in_backward:
+            self._in_backward = False
+            timing.recorder().end_backward(self.take_comm(per_step=False))
+
+    def take_comm(self, per_step: bool = True) -> float:
+        """Seconds communicating since the last step (or backward): FSDP2's collectives and the waits here."""
+        self.clock.add(self.lockstep.take_waited())
+        return self.clock.take_step() if per_step else self.clock.take_backward()
 
     def before_reduce(self, index: int, param_group: Any) -> None:
         """Agree on which parameters of the module have a gradient; zeros for those only others have."""
@@ -138,6 +156,7 @@ class ShardedOrder:
 
     def close(self) -> None:
         autograd.forget(self.before_backward)
+        autograd.forget(self.after_backward)
 
     def _mismatch(self, agreement: lockstep.Agreement) -> str:
         groups: dict[str, list[int]] = {}

@@ -76,6 +76,10 @@ class Strategy(ABC):
     """Values of DistributedStrategy.update this strategy runs."""
     reshardable_checkpoints: ClassVar[bool] = False
     """Whether a checkpoint saved with N workers loads with M (save_state/load_state reshard)."""
+    materializes_meta_models: ClassVar[bool] = False
+    """Whether a model built on the meta device may be wrapped: then ``wrap_optimizer`` and
+    ``wrap_model`` take ``init`` (a function called on every module, or None) and give the model
+    storage and values themselves; otherwise ``fleet`` refuses such a model before wrapping."""
 
     def __init__(self, config: DistributedStrategy, runtime: Runtime):
         self.config = config

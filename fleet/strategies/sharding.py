@@ -13,6 +13,11 @@ then the model itself.
 in place of the old ones, in the same param groups with the same hyper-parameters (an LR
 scheduler built on it keeps working), and any state it already had is sharded the same way.
 
+A model built on the ``meta`` device is sharded first, then each worker materialises and
+initialises only its own shards (:mod:`fleet.sharding.meta_init`; ``init=`` on
+``distributed_optimizer``/``distributed_model``). FSDP2's collectives are timed as the step's
+communication (:mod:`fleet.sharding.comm_timing`).
+
 Stages (``sharding_stage``), mapped onto FSDP2's ``reshard_after_forward``:
 
 - 3 (ZeRO-3, FSDP's FULL_SHARD): a unit's parameters are gathered for its forward, freed,
@@ -31,6 +36,7 @@ rows beside them (:mod:`fleet.sharding.table_rows`).
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,7 +51,7 @@ from fleet.collective.layout import ParamMap
 from fleet.errors import FleetError
 from fleet.nn.rows_state import rows_in_state_dict
 from fleet.sharding import autograd as sharded_autograd
-from fleet.sharding import table_rows
+from fleet.sharding import comm_timing, meta_init, table_rows
 from fleet.sharding.order import ShardedOrder
 from fleet.sparse import backends as tables
 from fleet.strategies.base import Runtime, Strategy, check_reduce
@@ -87,6 +93,7 @@ class ShardingStrategy(Strategy):
     def __init__(self, config: DistributedStrategy, runtime: Runtime):
         super().__init__(config, runtime)
         self._sharded: weakref.WeakSet = weakref.WeakSet()  # the models fully_shard was applied to
+        self._materialized: weakref.WeakSet = weakref.WeakSet()  # meta models one worker gave storage (unsharded)
         self._replaced = ParamMap()  # an old parameter (weakly) -> its sharded replacement
         self._optimizers: list[weakref.ref] = []
         self._order: ShardedOrder | None = None  # every worker runs the same sharded modules (made with the group)
@@ -106,19 +113,37 @@ class ShardingStrategy(Strategy):
             )
         return found
 
-    def _shard(self, model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
-        """fully_shard ``model`` (once); return ``id(old parameter) -> its sharded replacement``."""
+    def _shard(self, model: torch.nn.Module, init: meta_init.Init | None = None) -> dict[int, torch.nn.Parameter]:
+        """fully_shard ``model`` (once); return ``id(old parameter) -> its sharded replacement``.
+
+        A model built on the meta device is sharded first, then only this worker's shards get
+        storage and values (:mod:`fleet.sharding.meta_init`).
+        """
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         before = dict(model.named_parameters())
         group = self.runtime.process_group(self.config.timeout_s)
-        if model in self._sharded or group is None:
+        if model in self._sharded or model in self._materialized:
             return {}
         params = list(before.values())
+        on_meta = meta_init.on_meta(params + list(model.buffers()))
+        if init is not None and not on_meta:
+            raise FleetError(
+                f"init= initialises a model built on the meta device, but {type(model).__name__}'s parameters are "
+                f"on {params[0].device if params else 'no device'}: they have their values already. Drop init=, "
+                "or build the model under `with torch.device('meta'):`."
+            )
+        if group is None:  # one worker: nothing to shard, a meta model still needs storage and values
+            if not on_meta:
+                return {}
+            meta_init.materialize(model, meta_init.target_device(), init)
+            self._materialized.add(model)
+            return self._replacements(before, dict(model.named_parameters()))
         check_same_shapes(params, lambda: list(before), group)
-        broadcast_tensors(params + list(model.buffers()), group)  # FSDP2 would shard each worker's own values
-        device = "cuda" if params and params[0].is_cuda else "cpu"
+        if not on_meta:
+            broadcast_tensors(params + list(model.buffers()), group)  # FSDP2 would shard each worker's own values
+        device = meta_init.target_device().type if on_meta else "cuda" if params and params[0].is_cuda else "cpu"
         mesh = init_device_mesh(device, (dist.get_world_size(group),))
         # fleet.nn.SparseEmbedding's placeholder (no elements) names the table: it must stay the same object.
         placeholders = {p for p in params if tables.module_of(p) is not None}
@@ -141,13 +166,22 @@ class ShardingStrategy(Strategy):
         for unit in units:
             fully_shard(unit if len(unit) > 1 else unit[0], **options)
         fully_shard(model, **options)
+        for module in [unit[0] for unit in units] + [model]:  # modules sharded as one group share its collectives
+            comm_timing.time_collectives(module, self._order.clock)
+        if on_meta:
+            meta_init.materialize(model, meta_init.target_device(), init)
+            broadcast_tensors(list(model.buffers()), group)  # replicated, not sharded: worker 0's everywhere
         # FSDP2 picks its root at the first forward and refuses a submodule called before the model
         # ("requires running forward through the root module first"); the model is the root.
         model._get_fsdp_state()._lazy_init()
         sharded_autograd.track(model)  # backward(inputs=...) and autograd.grad on its parameters
         self._order.watch([(f"{root}.{inside[id(m)]}", m) for unit in units for m in unit] + [(root, model)])
         self._sharded.add(model)
-        after = dict(model.named_parameters())
+        return self._replacements(before, dict(model.named_parameters()))
+
+    def _replacements(
+        self, before: dict[str, torch.nn.Parameter], after: dict[str, torch.nn.Parameter]
+    ) -> dict[int, torch.nn.Parameter]:
         for name, old in before.items():
             self._replaced.set(old, after[name])
         return {id(before[name]): after[name] for name in before}
@@ -178,10 +212,17 @@ class ShardingStrategy(Strategy):
                     groups[i] = ([], set())
         return [modules for modules, _ in groups if modules and not _shares_parameters(modules, model)]
 
+    @property
+    def order(self) -> ShardedOrder | None:
+        """The announcements before FSDP2's collectives (and their clock); None until a model is sharded."""
+        return self._order
+
     # --- the Strategy interface ------------------------------------------------------------------
 
-    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        self._shard(model)
+    materializes_meta_models = True
+
+    def wrap_model(self, model: torch.nn.Module, init: meta_init.Init | None = None) -> torch.nn.Module:
+        self._shard(model, init)
         return model
 
     @contextmanager
@@ -195,17 +236,19 @@ class ShardingStrategy(Strategy):
             for model in models:
                 model.set_requires_gradient_sync(True)
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        replaced = self.sharded([p for group in optimizer.param_groups for p in group["params"]])
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, init: meta_init.Init | None = None
+    ) -> torch.optim.Optimizer:
+        replaced = self.sharded([p for group in optimizer.param_groups for p in group["params"]], init)
         if replaced:
             _swap_parameters(optimizer, replaced)
         wrapped = ShardingOptimizer(optimizer, self)
         self._optimizers.append(weakref.ref(wrapped))
         return wrapped
 
-    def sharded(self, params: list[torch.Tensor]) -> dict[int, torch.nn.Parameter]:
+    def sharded(self, params: list[torch.Tensor], init: meta_init.Init | None = None) -> dict[int, torch.nn.Parameter]:
         """Shard the models holding ``params`` (once each); ``id(old parameter) -> its sharded replacement``."""
-        if self.runtime.process_group(self.config.timeout_s) is None:
+        if self.runtime.process_group(self.config.timeout_s) is None and init is None and not meta_init.on_meta(params):
             return {}  # one worker: nothing to shard
         _refuse_sparse_gradients(params)
         # Parameters of a model already sharded (by distributed_model, or another optimizer) were replaced.
@@ -213,7 +256,7 @@ class ShardingStrategy(Strategy):
         fresh = [p for p in params if id(p) not in replaced and not _is_sharded(p)]
         if fresh:
             for model in self._roots(fresh):
-                replaced.update(self._shard(model))
+                replaced.update(self._shard(model, init))
         return replaced
 
     def table_backend(self, module: tables.TableModule) -> tables.TableBackend | None:
@@ -299,11 +342,15 @@ class ShardingOptimizer(WrappedOptimizer):
 
     def step(self, closure=None):
         group = self.strategy.runtime.process_group(self.strategy.config.timeout_s)
+        order = self.strategy.order
         if group is not None:
             params = self.parameters()
             _refuse_unsharded(params)
-            _shard_whole_gradients(params, group, self.strategy._order)
-        return super().step(closure)
+            _shard_whole_gradients(params, group, order)
+        loss = self._inner.step(closure)
+        # FSDP2's gathers and reduce-scatters in forward and backward, fleet's announcements before them
+        self._end_step(comm_s=order.take_comm() if order is not None else 0.0)
+        return loss
 
 
 def _describe(model: torch.nn.Module, earlier: int) -> str:
@@ -400,7 +447,9 @@ def _shard_whole_gradients(params: list[torch.Tensor], group: dist.ProcessGroup,
                 f"shape is {tuple(p.shape)}."
             )
     averages = [p.grad.detach().to(p.dtype, copy=True) for p in chosen]  # the script's tensors stay as they are
+    started = time.perf_counter()
     average_tensors(averages, group, dist.get_world_size(group))
+    order.clock.add(time.perf_counter() - started)
     for p, average in zip(chosen, averages, strict=True):
         p.grad = distribute_tensor(average, p.device_mesh, p.placements, src_data_rank=None)
 

@@ -198,6 +198,8 @@ def build_report(
     rates = [row["samples_per_s"] for row in rows if row["samples_per_s"] is not None]
     workers = len(records)
     return {
+        # "backward": no worker called optimizer.step() (weights updated by hand); a "step" is then a backward pass
+        "per": "backward" if any(records[r].get("per") == "backward" for r in records) else "step",
         "workers": rows,
         "total_samples_per_s": sum(rates) if rates else None,
         "stragglers": sorted(set(stragglers)),
@@ -255,6 +257,11 @@ def report_table(report: dict[str, Any]) -> RenderableType:
     condition = report["speedup_condition"]
     style = {True: "green", False: "bold yellow", None: ""}[condition["holds"]]
     legend = Text(LEGEND + ("; slow: reported as a straggler" if report["stragglers"] else ""), style="dim")
+    if report.get("per") == "backward":
+        legend.append(
+            "; timed per backward pass, from one backward's end to the next: the script never called "
+            "optimizer.step() (it updates the weights itself)"
+        )
     line = Text(
         f"speedup condition T_sync < (R-1)/R x T_comp with R={condition['workers']}: {condition['verdict']}",
         style=style,

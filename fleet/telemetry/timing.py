@@ -17,6 +17,9 @@ backward, communication, update); the first boundary only starts the clock.
   dimension, :mod:`fleet.data.whole_batches`); unknown (samples/s reported as null) without either.
 - stale gradients dropped: :meth:`StepMetrics.add_dropped` / :meth:`StepMetrics.set_dropped`.
 - restarts: ``FLEET_RESTART_COUNT``.
+- a script that never calls ``step()`` (weights updated by hand, ``p.data.add_(p.grad, alpha=-lr)``)
+  is timed per backward instead: strategies that reduce gradients in backward call
+  :meth:`StepMetrics.end_backward` at its end, and the summary says ``"per": "backward"``.
 
 The hot path costs two ``perf_counter`` calls, a few additions and two ``math.log``. At most
 every :data:`WRITE_EVERY_S` seconds (checked at a step boundary), and at interpreter exit,
@@ -96,6 +99,7 @@ class StepMetrics:
         self._comm = 0.0
         self._last: float | None = None
         self._written = 0.0
+        self._per_backward: StepMetrics | None = None  # boundaries at each backward, for scripts without step()
 
     # --- what strategies and users call ------------------------------------------
 
@@ -139,11 +143,37 @@ class StepMetrics:
             self._written = now
             self.write()
 
+    def end_backward(self, comm_s: float = 0.0) -> None:
+        """A backward pass ended, after ``comm_s`` seconds of communication since the previous one (strategies
+        call it where gradients are reduced in backward). Timed per backward only while no optimizer step
+        was: a script that updates its weights by hand, never calling ``step()``, still gets its report."""
+        if self._last is not None:  # a step boundary was seen: the job is timed per step
+            return
+        if self._per_backward is None:
+            self._per_backward = StepMetrics(rank=self.rank, restarts=self.restarts, clock=self._clock)
+        if self.batch_size is not None:
+            self._per_backward.set_batch_size(self.batch_size)
+        self._per_backward.add_comm(comm_s)
+        self._per_backward.end_step()
+        now = self._clock()
+        if self.log_dir is not None and now - self._written >= self.write_every_s:
+            self._written = now
+            self.write()
+
+    @property
+    def timed(self) -> bool:
+        """Whether there is anything to report: an optimizer step, or else a backward pass, was timed."""
+        return bool(self.steps or (self._last is None and self._per_backward is not None and self._per_backward.steps))
+
     # --- what fleetrun reads ------------------------------------------------------
 
     def summary(self, final: bool = False) -> dict[str, Any]:
         if self.rank is None:
             self.rank = worker_identity()[0]
+        if self._last is None and self._per_backward is not None and self._per_backward.steps:
+            by_backward = self._per_backward.summary(final)
+            by_backward.update(rank=self.rank, dropped_stale=self.dropped_stale, restarts=self.restarts)
+            return {**by_backward, "per": "backward"}
         window = list(self.window)
         run: dict[str, Any] = {f"{name}_s_total": round(value, 6) for name, value in self.total.items()}
         for name, hist in self.hist.items():
@@ -154,6 +184,7 @@ class StepMetrics:
             "pid": os.getpid(),
             "time": time.time(),
             "final": final,
+            "per": "step",
             "steps": self.steps,
             "samples": self.samples if self.batch_size is not None else None,
             "batch_size": self.batch_size,
@@ -203,7 +234,7 @@ def recorder() -> StepMetrics:
 
 
 def _final_write() -> None:
-    if _recorder is not None and _recorder.steps:
+    if _recorder is not None and _recorder.timed:
         _recorder.write(final=True)
         if not env.current().has(env.FLEET_ROLE):  # fleetrun reports itself after every worker exited
             step_report.report_at_exit(_recorder, *worker_identity())

@@ -85,8 +85,8 @@ def fresh_context(monkeypatch):
 SIGNATURES = {
     "barrier_worker": "()",
     "distributed_loader": "(loader)",
-    "distributed_model": "(model, strategy=None)",
-    "distributed_optimizer": "(optimizer, strategy=None)",
+    "distributed_model": "(model, strategy=None, *, init=None)",
+    "distributed_optimizer": "(optimizer, strategy=None, *, init=None)",
     "file_shard": "(files)",
     "init": "(role_maker=None, strategy=None, is_collective=None)",
     "init_server": "(dirname=None)",
