@@ -42,6 +42,7 @@ import torch
 from fleet.sparse.growable import grow, row_tensor
 from fleet.sparse.id_index import IdIndex, as_ids
 from fleet.sparse.lifecycle import EVICT_SLACK, Admission, LifeCycle
+from fleet.sparse.native import buf, kernels
 from fleet.sparse.optim import (
     InitializerSpec,
     OptimizerSpec,
@@ -657,12 +658,12 @@ class SparseTable:
         if not self.lifecycle.active:
             slots = self._index.lookup(ids)
             if not bool((slots < 0).any()):
-                rows = self._rows.index_select(0, slots)  # nothing changes: no transaction needed
+                rows = self._gather_rows(slots)  # nothing changes: no transaction needed
                 self._recent.remember(ids, slots)
                 return rows
             with self.transaction():  # the gather below can fail too: then the new rows go again
                 slots = self._slots(ids, slots)  # first: creating rows may replace self._rows
-                rows = self._rows.index_select(0, slots)
+                rows = self._gather_rows(slots)
                 self._recent.remember(ids, slots)  # a failure here takes the rows back and forgets
                 return rows
         slots = self._index.lookup(ids)
@@ -734,6 +735,14 @@ class SparseTable:
                 self._touch(slots, clicks)
                 undo.rows(self._getter("rows"), slots)
                 self._rows.index_add_(0, slots, deltas)
+
+    def _gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """``self._rows[slots]`` as a new tensor: a native gather (prefetching, GIL released, bounds checked)."""
+        out = torch.empty(slots.numel(), self.dim, dtype=torch.float32)
+        if slots.numel():
+            rows = buf(self._rows, "rows", torch.float32, 2)
+            kernels.gather_rows(rows, slots.numpy(), len(self), out.numpy())
+        return out
 
     def _check_clicks(self, clicks: torch.Tensor | None, n: int) -> torch.Tensor | None:
         if clicks is None:
