@@ -17,13 +17,14 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
 // Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
-constexpr long kAbiVersion = 1;
+constexpr long kAbiVersion = 2;
 
 constexpr int64_t kEmpty = -1;      // an entry never used: ends every probe
 constexpr int64_t kTombstone = -2;  // a removed entry: probing goes on past it, inserts may reuse it
@@ -254,12 +255,203 @@ PyObject* py_gather_rows(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+
+// ------------------------------------------------------------------ row optimizers
+enum OptKind { kSgd = 0, kAdagrad = 1, kRowwiseAdagrad = 2, kAdam = 3, kAdamW = 4 };
+
+struct Hyper {
+  int kind;
+  double lr, weight_decay, momentum, dampening;
+  int nesterov;
+  double beta1, beta2, eps, lr_decay;
+  int maximize;
+};
+
+// One row's update, fleet.sparse.optim.ServerOptimizer's row-wise path in float32 (the per-row
+// scalars in float64, rounded once, as there). `g` is the row's summed gradient (scratch: changed).
+void update_row(const Hyper& h, int64_t dim, float* p, float* g, float* s0, float* s1, int64_t step) {
+  const float wd = static_cast<float>(h.weight_decay);
+  for (int64_t j = 0; j < dim; ++j) {
+    float gj = h.maximize ? -g[j] : g[j];
+    if (h.weight_decay != 0 && h.kind != kAdamW) gj = gj + wd * p[j];
+    g[j] = gj;
+  }
+  switch (h.kind) {
+    case kSgd: {
+      const float m = static_cast<float>(h.momentum), damp = static_cast<float>(1 - h.dampening);
+      const float neg_lr = static_cast<float>(-h.lr);
+      for (int64_t j = 0; j < dim; ++j) {
+        float gj = g[j];
+        if (h.momentum != 0) {
+          float b = step == 1 ? gj : s0[j] * m + damp * gj;
+          s0[j] = b;
+          gj = h.nesterov ? gj + m * b : b;
+        }
+        p[j] = p[j] + neg_lr * gj;
+      }
+      break;
+    }
+    case kAdagrad:
+    case kRowwiseAdagrad: {
+      const float neg_clr = static_cast<float>(-h.lr / (1 + (static_cast<double>(step) - 1) * h.lr_decay));
+      const float eps = static_cast<float>(h.eps);
+      if (h.kind == kAdagrad) {
+        for (int64_t j = 0; j < dim; ++j) {
+          s0[j] = s0[j] + g[j] * g[j];
+          p[j] = p[j] + neg_clr * g[j] / (std::sqrt(s0[j]) + eps);
+        }
+      } else {
+        double sq = 0;
+        for (int64_t j = 0; j < dim; ++j) sq += static_cast<double>(g[j]) * g[j];
+        s0[0] = s0[0] + static_cast<float>(sq / static_cast<double>(dim));
+        const float std_ = std::sqrt(s0[0]) + eps;
+        for (int64_t j = 0; j < dim; ++j) p[j] = p[j] + neg_clr * g[j] / std_;
+      }
+      break;
+    }
+    default: {  // adam, adamw
+      if (h.kind == kAdamW && h.weight_decay != 0) {
+        const float decay = static_cast<float>(1 - h.lr * h.weight_decay);
+        for (int64_t j = 0; j < dim; ++j) p[j] = p[j] * decay;
+      }
+      const float w1 = static_cast<float>(1 - h.beta1), b2 = static_cast<float>(h.beta2);
+      const float w2 = static_cast<float>(1 - h.beta2), eps = static_cast<float>(h.eps);
+      const double t = static_cast<double>(step);
+      const float neg_step = static_cast<float>(-h.lr / (1 - std::pow(h.beta1, t)));
+      const float bc2 = static_cast<float>(std::sqrt(1 - std::pow(h.beta2, t)));
+      for (int64_t j = 0; j < dim; ++j) {
+        const float gj = g[j];
+        float m = s0[j];
+        m = w1 < 0.5f ? m + w1 * (gj - m) : gj - (gj - m) * (1 - w1);  // torch's lerp
+        const float v = s1[j] * b2 + w2 * (gj * gj);
+        s0[j] = m;
+        s1[j] = v;
+        p[j] = p[j] + neg_step * m / (std::sqrt(v) / bc2 + eps);
+      }
+    }
+  }
+}
+
+// apply_rows(hyper, rows, state0, state1, steps, scratch, slots, grads, live, acc, old_rows, old_state0,
+// old_state1, old_steps): one row-wise optimizer step on rows[slots]; the gradients of repeated slots are
+// summed first, in batch order. Before a row changes, what it held goes to old_*[i] for every position i
+// (the caller's undo record). state0/state1/steps: None where the optimizer keeps none. Every slot is
+// checked against `live` before anything is written.
+PyObject* py_apply_rows(PyObject*, PyObject* args) {
+  Hyper h;
+  PyObject *rows_o, *s0_o, *s1_o, *steps_o, *scratch_o, *slots_o, *grads_o, *acc_o, *orows_o, *os0_o, *os1_o, *osteps_o;
+  Py_ssize_t live;
+  if (!PyArg_ParseTuple(args, "(iddddpddddp)OOOOOOOnOOOOO:apply_rows", &h.kind, &h.lr, &h.weight_decay, &h.momentum,
+                        &h.dampening, &h.nesterov, &h.beta1, &h.beta2, &h.eps, &h.lr_decay, &h.maximize, &rows_o, &s0_o,
+                        &s1_o, &steps_o, &scratch_o, &slots_o, &grads_o, &live, &acc_o, &orows_o, &os0_o, &os1_o,
+                        &osteps_o))
+    return nullptr;
+  if (h.kind < kSgd || h.kind > kAdamW) return PyErr_Format(PyExc_ValueError, "unknown optimizer kind %d", h.kind);
+  const bool need_s0 = h.kind != kSgd || h.momentum != 0, need_s1 = h.kind == kAdam || h.kind == kAdamW;
+  const bool need_steps = need_s1 || (h.kind == kSgd && h.momentum != 0) || h.lr_decay != 0;
+  Buf rows, s0, s1, steps, scratch, slots, grads, acc, orows, os0, os1, osteps;
+  if (!rows.get(rows_o, "rows", Kind::kFloat32, 2, -1, true)) return nullptr;
+  const Py_ssize_t dim = rows.cols(), width = h.kind == kRowwiseAdagrad ? 1 : dim;
+  if ((s0_o == Py_None) == need_s0 || (s1_o == Py_None) == need_s1)
+    return PyErr_Format(PyExc_ValueError, "apply_rows: optimizer kind %d takes %s state tensors", h.kind,
+                        need_s1 ? "two" : need_s0 ? "one" : "no");
+  if (need_steps && steps_o == Py_None) return PyErr_Format(PyExc_ValueError, "apply_rows: this optimizer needs steps");
+  if (!slots.get(slots_o, "slots", Kind::kInt64, 1, -1, false) || !grads.get(grads_o, "grads", Kind::kFloat32, 2, dim, false) ||
+      !scratch.get(scratch_o, "scratch", Kind::kInt64, 1, -1, true) || !acc.get(acc_o, "acc", Kind::kFloat32, 2, dim, true) ||
+      !orows.get(orows_o, "old rows", Kind::kFloat32, 2, dim, true))
+    return nullptr;
+  const Py_ssize_t n = slots.len();
+  Py_ssize_t capacity = rows.len();
+  if (need_s0) {
+    if (!s0.get(s0_o, "state0", Kind::kFloat32, 2, width, true) || !os0.get(os0_o, "old state0", Kind::kFloat32, 2, width, true))
+      return nullptr;
+    capacity = s0.len() < capacity ? s0.len() : capacity;
+    if (os0.len() != n) return PyErr_Format(PyExc_ValueError, "old state0 has %zd rows for %zd slots", os0.len(), n);
+  }
+  if (need_s1) {
+    if (!s1.get(s1_o, "state1", Kind::kFloat32, 2, dim, true) || !os1.get(os1_o, "old state1", Kind::kFloat32, 2, dim, true))
+      return nullptr;
+    capacity = s1.len() < capacity ? s1.len() : capacity;
+    if (os1.len() != n) return PyErr_Format(PyExc_ValueError, "old state1 has %zd rows for %zd slots", os1.len(), n);
+  }
+  const bool has_steps = steps_o != Py_None;
+  if (has_steps) {
+    if (!steps.get(steps_o, "steps", Kind::kInt64, 1, -1, true) || !osteps.get(osteps_o, "old steps", Kind::kInt64, 1, -1, true))
+      return nullptr;
+    capacity = steps.len() < capacity ? steps.len() : capacity;
+    if (osteps.len() != n) return PyErr_Format(PyExc_ValueError, "old steps has %zd entries for %zd slots", osteps.len(), n);
+  }
+  capacity = scratch.len() < capacity ? scratch.len() : capacity;
+  if (live < 0 || live > capacity)
+    return PyErr_Format(PyExc_ValueError, "live rows %zd outside 0..%zd (the smallest per-row tensor)", live, capacity);
+  if (grads.len() != n || acc.len() != n || orows.len() != n)
+    return PyErr_Format(PyExc_ValueError, "apply_rows: %zd slots but grads %zd, acc %zd, old rows %zd rows", n, grads.len(),
+                        acc.len(), orows.len());
+  const int64_t* sl = slots.i64();
+  int64_t* first = scratch.i64();
+  const float* gr = grads.f32();
+  float *ac = acc.f32(), *pr = rows.f32(), *ps0 = need_s0 ? s0.f32() : nullptr, *ps1 = need_s1 ? s1.f32() : nullptr;
+  float *opr = orows.f32(), *ops0 = need_s0 ? os0.f32() : nullptr, *ops1 = need_s1 ? os1.f32() : nullptr;
+  int64_t *pst = has_steps ? steps.i64() : nullptr, *opst = has_steps ? osteps.i64() : nullptr;
+  int64_t bad = -1;
+  const size_t row_bytes = sizeof(float) * dim, state_bytes = sizeof(float) * width;
+  Py_BEGIN_ALLOW_THREADS;
+  for (int64_t i = 0; i < n; ++i)
+    if (static_cast<uint64_t>(sl[i]) >= static_cast<uint64_t>(live)) {
+      bad = i;
+      break;
+    }
+  if (bad < 0) {
+    for (int64_t i = n - 1; i >= 0; --i) first[sl[i]] = i;  // each slot's first position
+    for (int64_t i = 0; i < n; ++i) {  // totals of repeated slots, added in batch order
+      const int64_t f = first[sl[i]];
+      if (f == i) {
+        std::memcpy(ac + i * dim, gr + i * dim, row_bytes);
+      } else {
+        for (int64_t j = 0; j < dim; ++j) ac[f * dim + j] += gr[i * dim + j];
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kPrefetchAhead < n) {
+        const int64_t ahead = sl[i + kPrefetchAhead];
+        __builtin_prefetch(pr + ahead * dim);
+        if (ps0) __builtin_prefetch(ps0 + ahead * width);
+        if (ps1) __builtin_prefetch(ps1 + ahead * dim);
+      }
+      const int64_t s = sl[i], f = first[s];
+      if (f != i) {  // a repeat: the row changed at its first position; the undo keeps what it held before
+        std::memcpy(opr + i * dim, opr + f * dim, row_bytes);
+        if (ops0) std::memcpy(ops0 + i * width, ops0 + f * width, state_bytes);
+        if (ops1) std::memcpy(ops1 + i * dim, ops1 + f * dim, row_bytes);
+        if (opst) opst[i] = opst[f];
+        continue;
+      }
+      std::memcpy(opr + i * dim, pr + s * dim, row_bytes);
+      if (ops0) std::memcpy(ops0 + i * width, ps0 + s * width, state_bytes);
+      if (ops1) std::memcpy(ops1 + i * dim, ps1 + s * dim, row_bytes);
+      int64_t step = 1;
+      if (pst) {
+        opst[i] = pst[s];
+        step = pst[s] + 1;
+        pst[s] = step;
+      }
+      update_row(h, dim, pr + s * dim, ac + i * dim, ps0 ? ps0 + s * width : nullptr, ps1 ? ps1 + s * dim : nullptr, step);
+    }
+  }
+  Py_END_ALLOW_THREADS;
+  if (bad >= 0)
+    return PyErr_Format(PyExc_IndexError, "slot %lld (at %lld) is outside the %zd live rows", (long long)sl[bad],
+                        (long long)bad, live);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kMethods[] = {
     {"abi_version", abi_version, METH_NOARGS, "The version of these functions' signatures and semantics."},
     {"home", py_home, METH_VARARGS, "home(ids, out, bits): each id's home entry in 2**bits entries."},
     {"lookup", py_lookup, METH_VARARGS, "lookup(entries, ids, out, old_entries): slots, -1 where absent."},
     {"place", py_place, METH_VARARGS, "place(entries, keys, slots, pos_out, old_out): insert unique absent keys."},
     {"gather_rows", py_gather_rows, METH_VARARGS, "gather_rows(rows, slots, live, out): out[i] = rows[slots[i]]."},
+    {"apply_rows", py_apply_rows, METH_VARARGS, "apply_rows(hyper, rows, ...): a row optimizer's step on rows[slots]."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 #: the kernels' interface version this Python code was written for (kAbiVersion in _native.cpp)
-ABI_VERSION = 1
+ABI_VERSION = 2
 _REBUILD = "python setup.py build_ext --inplace"
 
 try:
@@ -48,3 +48,24 @@ def buf(t: Any, name: str, dtype: torch.dtype, ndim: int) -> Any:
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     return t.detach().numpy()
+
+
+_KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3, "adamw": 4}
+
+
+def native_hyper(spec: Any, lr: float) -> tuple:
+    """An :class:`~fleet.sparse.optim.OptimizerSpec`'s rule and hyper-parameters as ``apply_rows`` takes them."""
+    beta1, beta2 = spec.betas
+    return (
+        _KINDS[spec.kind],
+        float(lr),
+        float(spec.weight_decay),
+        float(spec.momentum),
+        float(spec.dampening),
+        bool(spec.nesterov),
+        float(beta1),
+        float(beta2),
+        float(spec.eps),
+        float(spec.lr_decay),
+        bool(spec.maximize),
+    )
