@@ -122,7 +122,7 @@ class IdIndex:
         h = h * _M2
         return (h >> (64 - self._bits)) & (self._capacity - 1)
 
-    def _entries(self) -> object:
+    def _entry_buffer(self) -> object:
         return buf(self._table, "the id index's entries", torch.int64, 2)
 
     # ------------------------------------------------------------------ lookup
@@ -134,8 +134,8 @@ class IdIndex:
         ids = as_ids(ids)
         out = torch.empty(ids.numel(), dtype=torch.int64)
         if ids.numel():
-            old = self._old._entries() if self._old is not None else None
-            kernels.lookup(self._entries(), ids.numpy(), out.numpy(), old)
+            old = self._old._entry_buffer() if self._old is not None else None
+            kernels.lookup(self._entry_buffer(), ids.numpy(), out.numpy(), old)
         return out
 
     # ------------------------------------------------------------------ insert
@@ -289,7 +289,7 @@ class IdIndex:
         pos = torch.empty(n, dtype=torch.int64)
         old = torch.empty(n, 2, dtype=torch.int64)
         keys, vals = keys.contiguous(), vals.contiguous()
-        kernels.place(self._entries(), keys.numpy(), vals.numpy(), pos.numpy(), old.numpy())
+        kernels.place(self._entry_buffer(), keys.numpy(), vals.numpy(), pos.numpy(), old.numpy())
         if undo is not None:
             # recorded after the write: the kernel hands the old entries back (nothing ran in between)
             undo.rows(lambda: self._table, pos, old)
