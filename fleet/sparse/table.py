@@ -690,9 +690,10 @@ class SparseTable:
 
         Repeats are found in O(n) without a sort (each position writes its index into the per-slot
         scratch, last to first, so each slot ends up naming its first position), and each row is
-        updated once with its total: the same sums as ``torch.unique`` + ``index_add_``. The kernel checks every slot before it writes and hands back what each row held, which the
-        undo writes back if a later step fails. Repeated slots get the same old values, so the
-        undo's writes agree whatever their order.
+        updated once with its total: the same sums as ``torch.unique`` + ``index_add_``. The kernel
+        checks every slot before it writes and hands back what each row held, which the undo writes
+        back if a later step fails. Repeated slots get the same old values, so the undo's writes
+        agree whatever their order.
         """
         n, names = slots.numel(), self._opt.state_names
         state = [buf(self._state[name], f"state.{name}", torch.float32, 2) for name in names]
@@ -708,7 +709,7 @@ class SparseTable:
             state[1] if len(names) > 1 else None,
             buf(self._steps, "steps", torch.int64, 1) if self._track_steps else None,
             buf(self._scratch, "scratch", torch.int64, 1),
-            slots.numpy(),
+            slots.contiguous().numpy(),
             buf(grads, "grads", torch.float32, 2),
             len(self),
             torch.empty(n, self.dim).numpy(),
@@ -728,7 +729,7 @@ class SparseTable:
         out = torch.empty(slots.numel(), self.dim, dtype=torch.float32)
         if slots.numel():
             rows = buf(self._rows, "rows", torch.float32, 2)
-            kernels.gather_rows(rows, slots.numpy(), len(self), out.numpy())
+            kernels.gather_rows(rows, slots.contiguous().numpy(), len(self), out.numpy())
         return out
 
     def _check_clicks(self, clicks: torch.Tensor | None, n: int) -> torch.Tensor | None:
