@@ -28,7 +28,15 @@ then run the install again. (CXX=... picks another compiler.)
 def _flags() -> tuple[list[str], list[str]]:
     # No C++ exceptions (errors are Python exceptions set by hand): their cleanup regions kept GCC from
     # vectorising the optimizers' element loops. No errno from sqrt: its vector form needs that.
-    compile_args = ["-std=c++17", "-O3", "-fno-math-errno", "-fno-exceptions", "-fvisibility=hidden", "-Wall", "-Wextra"]
+    compile_args = [
+        "-std=c++17",
+        "-O3",
+        "-fno-math-errno",
+        "-fno-exceptions",
+        "-fvisibility=hidden",
+        "-Wall",
+        "-Wextra",
+    ]
     link_args: list[str] = []
     if os.environ.get("FLEET_NATIVE_SANITIZE"):
         # Run with the sanitizer runtime preloaded (docs/development.md: "Sanitizer build").
