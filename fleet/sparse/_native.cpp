@@ -410,8 +410,12 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
       break;
     }
   if (bad < 0) {
-    for (int64_t i = n - 1; i >= 0; --i) first[sl[i]] = i;  // each slot's first position
+    for (int64_t i = n - 1; i >= 0; --i) {  // each slot's first position
+      if (i >= kPrefetchAhead) __builtin_prefetch(first + sl[i - kPrefetchAhead], 1);
+      first[sl[i]] = i;
+    }
     for (int64_t i = 0; i < n; ++i) {  // totals of repeated slots, added in batch order
+      if (i + kPrefetchAhead < n) __builtin_prefetch(first + sl[i + kPrefetchAhead]);
       const int64_t f = first[sl[i]];
       if (f == i) {
         std::memcpy(ac + i * dim, gr + i * dim, row_bytes);
@@ -425,6 +429,7 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
         __builtin_prefetch(pr + ahead * dim, 1);  // rows and state are written: ask for them exclusive
         if (ps0) __builtin_prefetch(ps0 + ahead * width, 1);
         if (ps1) __builtin_prefetch(ps1 + ahead * dim, 1);
+        if (pst) __builtin_prefetch(pst + ahead, 1);
       }
       const int64_t s = sl[i], f = first[s];
       if (f != i) {  // a repeat: the row changed at its first position; the undo keeps what it held before
