@@ -43,7 +43,7 @@ def _rss() -> int:
 def _tensor_bytes(table: SparseTable) -> int:
     tensors = [table._rows, table._steps, table._dirty, *table._state.values(), *table._stats.values()]
     index = table._index
-    tensors += [index._table, index._claim]
+    tensors.append(index._table)  # the native index keeps no per-entry scratch (the torch one had _claim)
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -1,35 +1,29 @@
-"""Vectorised open-addressing hash index from int64 ids to dense row slots.
+"""Open-addressing hash index from int64 ids to dense row slots, probed by native code.
 
-Why not a Python ``dict``: a parameter server looks up ~13k ids per request and
-must do it at tens of millions of ids per second; a per-id Python loop tops out
-near 5 M/s before any real work. This index does every lookup and insert as a
-handful of whole-batch torch ops ("probe rounds"), so its cost per batch is a
-few dozen kernel launches regardless of the batch size.
+Why native: a parameter server looks up ~13k ids per request at tens of millions of ids per
+second. A per-id Python loop tops out near 5 M/s; the previous index did every lookup as a few
+dozen whole-batch torch ops ("probe rounds", kept as the reference in
+``tests/sparse/reference_id_index.py``). The probe loops now run in C++
+(:mod:`fleet.sparse.native`, GIL released) with the entries of the next lookups prefetched, so a
+lookup costs about one cache miss and the misses of several lookups overlap.
 
-Layout: one ``[capacity, 2]`` int64 tensor of (id, row slot) entries, with
-slot ``-1`` marking a free entry. Occupancy is carried by the slot column, so
-every int64 value (negative, zero, ``2**63 - 1``) is a valid id and none is
-reserved as a sentinel. Lookups gather entries through a ``complex128`` view of
-the same memory: one 16-byte element per entry, so a plain 1-D
-``index_select`` fetches id and slot with one cache miss (torch's 2-D row
-gather is ~2x slower, two separate arrays cost two misses). The table is far
-larger than the caches, so random misses are what a lookup pays for.
+Layout: one ``[capacity, 2]`` int64 tensor of (id, row slot) entries, with slot ``-1`` marking a
+free entry. Occupancy is carried by the slot column, so every int64 value (negative, zero,
+``2**63 - 1``) is a valid id and none is reserved as a sentinel. 16 bytes per entry, and the
+table is far larger than the caches, so random misses are what a lookup pays for. The memory is
+a torch tensor owned here (not by the C++ code): allocation failures raise where the rest of the
+table's do, growth and undo records work as for every other per-table tensor.
 
-Collision handling is linear probing. Lookup reads one entry per query in the
-first round, then a window of consecutive entries per remaining query, so the
-tail costs a few rounds. (Reading a whole 4-entry cache line per query in the
-first round was tried and is ~2.5x slower: with one thread, the number of
-misses in flight is bounded by instructions per miss, and torch's gather
-spends a few per element.) Capacity is a power of two and doubles before the load
-would exceed 0.25 (see ``_MAX_LOAD``). Growth is incremental, so that no single
-request pays for it (a one-shot rehash of 4 M ids took 3.5 s, all inside one request
-of 32k ids): from 3/4 of the limit on, every insert initialises the next slice of the
-doubled arrays; once they are ready they take the inserts, the full arrays stay beside
-them, lookups that miss in the new arrays look in the old, and every insert moves the
-next ``_MIGRATE_ENTRIES`` old entries (at least 16 per inserted id) across. A removed
-entry becomes a tombstone (slot ``-2``, still occupied for probing, free for inserts),
-which is what keeps "an empty entry before any match means absent" correct; a rehash
-drops the tombstones.
+Collision handling is linear probing from a multiply-xorshift-multiply hash's top bits.
+Capacity is a power of two and doubles before the load would exceed 0.25 (see ``_MAX_LOAD``):
+64 to 128 bytes of index per id. Growth is incremental, so that no single request pays for it
+(a one-shot rehash of 4 M ids took 3.5 s with the torch index, all inside one request of 32k
+ids): from 3/4 of the limit on, every insert initialises the next slice of the doubled arrays;
+once they are ready they take the inserts, the full arrays stay beside them, lookups that miss
+in the new arrays look in the old, and every insert moves the next ``_MIGRATE_ENTRIES`` old
+entries (at least 16 per inserted id) across. A removed entry becomes a tombstone (slot ``-2``,
+still occupied for probing, free for inserts), which is what keeps "an empty entry before any
+match means absent" correct; a rehash drops the tombstones.
 
 Slots are handed out densely in creation order (0, 1, 2, ...) so the caller can
 keep rows in a plain growable tensor indexed by slot; :meth:`IdIndex.renumber` removes
@@ -46,14 +40,13 @@ from __future__ import annotations
 
 import torch
 
+from fleet.sparse.native import buf, kernels
 from fleet.sparse.pages import large_empty, prefault
 from fleet.sparse.undo import UndoLog
 
-_TAIL_WINDOWS = (4, 16, 64)  # entries per query in lookup rounds after the first (last repeats)
-_INSERT_WINDOW = 8
-# Grow (x2) beyond this load. 0.25 rather than 0.5: at 0.5 a fifth of the lookups miss their home entry
-# and need extra rounds; measured at 900k ids, 13k-id lookups take ~650 us at 0.25 vs ~840 us at 0.5, for
-# 16 bytes x 4-8 entries per id of index memory.
+# Grow (x2) beyond this load. 0.25 was chosen for the torch index (at 0.5 a fifth of the lookups needed
+# extra probe rounds: ~840 vs ~650 us per 13k ids); the native probe reads the next entries in the same
+# cache line, so a higher load would cost little time. It stays at 0.25 while tests hold capacity >= 4 x len.
 _MAX_LOAD = 0.25
 # Old entries moved per insert while growing (at least 16 per inserted id), and the move ends long before
 # the new arrays fill (they take 0.25 x the old capacity of new ids; the move, 1/16 of it). The floor is
@@ -80,6 +73,8 @@ def as_ids(ids: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}; flatten them first")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"ids must be an integer tensor (int64), got {ids.dtype}")
+    if ids.device.type != "cpu":
+        raise ValueError(f"ids must be on the CPU, got a tensor on {ids.device}")
     return ids.to(torch.int64).contiguous()
 
 
@@ -105,16 +100,8 @@ class IdIndex:
         self._table = large_empty((capacity, 2), torch.int64)
         if fill:  # else the caller fills it (a free entry's id is never read: one contiguous fill)
             self._table.fill_(_EMPTY)
-        self._keys = self._table[:, 0]  # strided views, for the (rare) insert path
+        self._keys = self._table[:, 0]  # strided views, for the whole-array passes (renumber, ids_by_slot)
         self._slots = self._table[:, 1]  # -1: entry is free
-        # The same memory as one 16-byte element per entry: a 1-D index_select of these moves
-        # id and slot together (one cache miss) and is much faster than a 2-D row gather.
-        self._packed = self._table.view(torch.complex128).view(capacity)
-        self._claim = large_empty((capacity,), torch.int32)  # scratch for insert races (pending-key indices)
-
-    def _gather(self, pos: torch.Tensor) -> torch.Tensor:
-        """Entries at ``pos`` as int64 ``[len(pos), 2]`` (id, slot); a bit-exact byte copy."""
-        return torch.view_as_real(self._packed.index_select(0, pos)).view(torch.int64)
 
     def __len__(self) -> int:
         return self._size
@@ -125,7 +112,7 @@ class IdIndex:
         return self._capacity
 
     def _home(self, ids: torch.Tensor) -> torch.Tensor:
-        """Home entry of each id: a multiply-xorshift-multiply hash, top bits kept.
+        """Home entry of each id: a multiply-xorshift-multiply hash, top bits kept (as the native probe does).
 
         Taking the top bits of the product (not the low bits) keeps strided ids
         (multiples of 2**k, common for packed feature ids) spread out.
@@ -135,61 +122,24 @@ class IdIndex:
         h = h * _M2
         return (h >> (64 - self._bits)) & (self._capacity - 1)
 
+    def _entry_buffer(self) -> object:
+        return buf(self._table, "the id index's entries", torch.int64, 2)
+
     # ------------------------------------------------------------------ lookup
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slot of each id, ``-1`` where absent. Duplicates and any order are fine.
 
-        Round 0 reads one entry per query: most resolve there (hit, or a free
-        entry proves the id absent). The rest read a window of consecutive
-        entries per round, so the long tail of linear probing costs a few rounds
-        rather than one per entry. While growing, misses look in the old arrays too.
+        One native pass (GIL released); while growing, misses look in the old arrays too.
         """
         ids = as_ids(ids)
-        out = self._lookup_here(ids)
-        if self._old is not None:
-            miss = (out < 0).nonzero().squeeze(1)
-            if miss.numel():
-                out.index_copy_(0, miss, self._old._lookup_here(ids.index_select(0, miss)))
+        out = torch.empty(ids.numel(), dtype=torch.int64)
+        if ids.numel():
+            old = self._old._entry_buffer() if self._old is not None else None
+            kernels.lookup(self._entry_buffer(), ids.numpy(), out.numpy(), old)
         return out
-
-    def _lookup_here(self, ids: torch.Tensor) -> torch.Tensor:
-        """:meth:`lookup` in these arrays only."""
-        n = ids.numel()
-        if n == 0 or self._size == 0:
-            return torch.full((n,), -1, dtype=torch.int64)
-        pos = self._home(ids)
-        entry = self._gather(pos)
-        slot = entry[:, 1]
-        hit = (entry[:, 0] == ids) & (slot >= 0)
-        out = torch.where(hit, slot, -1)
-        active = ((slot != _EMPTY) & ~hit).nonzero().squeeze(1)
-        if active.numel():
-            self._lookup_tail(ids, pos, active, out)
-        return out
-
-    def _lookup_tail(self, ids: torch.Tensor, pos: torch.Tensor, active: torch.Tensor, out: torch.Tensor) -> None:
-        """Continue probing, a window of entries per round, for queries not resolved at home."""
-        mask = self._capacity - 1
-        q_ids = ids.index_select(0, active)
-        q_pos = pos.index_select(0, active) + 1
-        rnd = 0
-        while active.numel():
-            width = _TAIL_WINDOWS[min(rnd, len(_TAIL_WINDOWS) - 1)]
-            rnd += 1
-            entry = self._gather(((q_pos.unsqueeze(1) + torch.arange(width)) & mask).view(-1)).view(-1, width, 2)
-            occupied = entry[:, :, 1] != _EMPTY
-            match = (entry[:, :, 1] >= 0) & (entry[:, :, 0] == q_ids.unsqueeze(1))
-            flat_hit = match.view(-1).nonzero().squeeze(1)
-            if flat_hit.numel():
-                found = entry.view(-1).index_select(0, flat_hit * 2 + 1)
-                out.index_copy_(0, active.index_select(0, flat_hit // width), found)
-            nxt = (~match.any(1) & occupied.all(1)).nonzero().squeeze(1)
-            active = active.index_select(0, nxt)
-            q_ids = q_ids.index_select(0, nxt)
-            q_pos = q_pos.index_select(0, nxt) + width
 
     # ------------------------------------------------------------------ insert
-    _ARRAYS = ("_capacity", "_bits", "_table", "_keys", "_slots", "_packed", "_claim", "_tombstones")
+    _ARRAYS = ("_capacity", "_bits", "_table", "_keys", "_slots", "_tombstones")
     _GROWTH = ("_old", "_moved", "_next", "_ready")
 
     def insert_new(self, ids: torch.Tensor, undo: UndoLog | None = None) -> torch.Tensor:
@@ -259,7 +209,6 @@ class IdIndex:
         fresh = IdIndex.__new__(IdIndex)
         fresh._alloc(cap, fill=False)  # untouched memory: initialised a slice per step
         prefault(fresh._table)  # meanwhile, its pages are faulted in off the loop (fleet.sparse.pages)
-        prefault(fresh._claim)
         fresh._tombstones = 0
         self._next, self._ready = fresh, 0
 
@@ -268,7 +217,6 @@ class IdIndex:
         assert ahead is not None
         hi = min(ahead._capacity, self._ready + entries)
         ahead._table[self._ready : hi].fill_(_EMPTY)  # not live yet: nothing to undo
-        ahead._claim[self._ready : hi].zero_()  # scratch, but touched now so its pages are not faulted in later
         self._ready = hi
 
     def _switch(self) -> None:
@@ -330,45 +278,21 @@ class IdIndex:
         return pos, old, torch.where(removed, _TOMBSTONE, moved), gone.numel(), self._keys.index_select(0, gone)
 
     def _place(self, keys: torch.Tensor, vals: torch.Tensor, undo: UndoLog | None) -> None:
-        """Write unique, absent keys into free entries, in vectorised claim rounds.
+        """Write unique, absent keys into free entries (native: each from its home to the first free entry).
 
-        Each round, every pending key picks the first free entry of its current
-        window and scatters its own index into a claim array at that entry; the
-        key whose index survives the scatter won the entry and writes itself;
-        the others retry. Keys whose window is full move to the next window.
-        Every entry between a key's home and its final entry is occupied, which
-        is the invariant ``lookup`` relies on. ``undo`` (None for arrays not yet in use) records
-        the entries each round overwrites.
+        Every entry between a key's home and its final entry is occupied, which is the invariant
+        ``lookup`` relies on. ``undo`` (None for arrays not yet in use) records the entries
+        written and what they held. The kernel is all-or-nothing on its own: when no free entry is
+        left it takes its writes back and raises.
         """
-        mask = self._capacity - 1
-        width = _INSERT_WINDOW
-        offsets = torch.arange(width)
-        pending = torch.arange(keys.numel(), dtype=torch.int64)
-        pos = self._home(keys)
-        while pending.numel():
-            win = (pos.unsqueeze(1) + offsets) & mask
-            free = self._slots.index_select(0, win.view(-1)).view(-1, width) < 0
-            has_free = free.any(1)
-            first = free.to(torch.int8).argmax(1)
-            target = win.gather(1, first.unsqueeze(1)).squeeze(1)
-            cand = has_free.nonzero().squeeze(1)
-            c_target = target.index_select(0, cand)
-            c_key = pending.index_select(0, cand)
-            self._claim.index_put_((c_target,), c_key.to(torch.int32))
-            won = self._claim.index_select(0, c_target) == c_key
-            w_target, w_key = c_target[won], c_key[won]
-            new_keys, new_vals = keys.index_select(0, w_key), vals.index_select(0, w_key)
-            if undo is not None:
-                undo.rows(lambda: self._table, w_target)
-            self._keys.index_put_((w_target,), new_keys)
-            self._slots.index_put_((w_target,), new_vals)
-            # Losers retry the same window (now one entry fuller); full windows move on.
-            placed = torch.zeros(pending.numel(), dtype=torch.bool)
-            placed[cand[won]] = True
-            pos = torch.where(has_free, pos, pos + width)
-            keep = (~placed).nonzero().squeeze(1)
-            pending = pending.index_select(0, keep)
-            pos = pos.index_select(0, keep)
+        n = keys.numel()
+        pos = torch.empty(n, dtype=torch.int64)
+        old = torch.empty(n, 2, dtype=torch.int64)
+        keys, vals = keys.contiguous(), vals.contiguous()
+        kernels.place(self._entry_buffer(), keys.numpy(), vals.numpy(), pos.numpy(), old.numpy())
+        if undo is not None:
+            # recorded after the write: the kernel hands the old entries back (nothing ran in between)
+            undo.rows(lambda: self._table, pos, old)
 
     # ------------------------------------------------------------------ helpers
     def get_or_insert(self, ids: torch.Tensor, undo: UndoLog | None = None) -> tuple[torch.Tensor, torch.Tensor]:

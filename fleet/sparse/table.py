@@ -42,6 +42,7 @@ import torch
 from fleet.sparse.growable import grow, row_tensor
 from fleet.sparse.id_index import IdIndex, as_ids
 from fleet.sparse.lifecycle import EVICT_SLACK, Admission, LifeCycle
+from fleet.sparse.native import buf, kernels, native_hyper
 from fleet.sparse.optim import (
     InitializerSpec,
     OptimizerSpec,
@@ -612,40 +613,6 @@ class SparseTable:
             raise ValueError(f"{name} must be a floating-point tensor, got {values.dtype}")
         return values.to(torch.float32)
 
-    def _sum_duplicates(self, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """``values`` with every position of a repeated slot holding that slot's total.
-
-        Why not compact to unique slots: a batch of 13k ids from a 1M space
-        repeats only ~1 % of them, and compacting would copy every gradient
-        row. Instead the update runs on all positions, and positions of one
-        slot carry identical inputs, so they compute identical results and the
-        duplicate writes of the scatter-back agree.
-
-        Finding the repeats costs O(n) without a sort: each position scatters
-        its index into a per-slot scratch array and reads back the survivor;
-        only the few positions that lost (and their survivors) are then
-        grouped exactly. Totals add each group in batch order, the same sum
-        ``torch.unique`` + ``index_add_`` gives, whichever scatter write won.
-        """
-        n = slots.numel()
-        pos = torch.arange(n)
-        self._scratch.scatter_(0, slots, pos)
-        survivor = self._scratch.index_select(0, slots)
-        lost = (survivor != pos).nonzero().squeeze(1)
-        if lost.numel() == 0:
-            return values
-        involved = torch.unique(torch.cat([lost, survivor.index_select(0, lost)]))  # sorted positions
-        groups, group_of = torch.unique(slots.index_select(0, involved), return_inverse=True)
-        first = torch.full((groups.numel(),), n, dtype=torch.int64)
-        first.scatter_reduce_(0, group_of, involved, "amin")
-        first_of = first.index_select(0, group_of)
-        repeat = first_of != involved
-        dup, dup_first = involved[repeat], first_of[repeat]  # dup is in batch order
-        summed = values.clone()
-        summed.index_add_(0, dup_first, values.index_select(0, dup))
-        summed.index_copy_(0, dup, summed.index_select(0, dup_first))
-        return summed
-
     # ------------------------------------------------------------------ requests
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows for ``ids`` as a new float32 ``[len(ids), dim]`` tensor; missing rows are created.
@@ -657,12 +624,12 @@ class SparseTable:
         if not self.lifecycle.active:
             slots = self._index.lookup(ids)
             if not bool((slots < 0).any()):
-                rows = self._rows.index_select(0, slots)  # nothing changes: no transaction needed
+                rows = self._gather_rows(slots)  # nothing changes: no transaction needed
                 self._recent.remember(ids, slots)
                 return rows
             with self.transaction():  # the gather below can fail too: then the new rows go again
                 slots = self._slots(ids, slots)  # first: creating rows may replace self._rows
-                rows = self._rows.index_select(0, slots)
+                rows = self._gather_rows(slots)
                 self._recent.remember(ids, slots)  # a failure here takes the rows back and forgets
                 return rows
         slots = self._index.lookup(ids)
@@ -700,24 +667,7 @@ class SparseTable:
             if slots.numel() == 0:
                 return
             self._touch(slots, clicks)
-            g = self._sum_duplicates(slots, grads)
-            count: int | torch.Tensor = 1
-            if self._track_steps:
-                old_steps = self._steps.index_select(0, slots)
-                count = old_steps + 1
-                undo.rows(self._getter("steps"), slots, old_steps)
-                self._steps.index_copy_(0, slots, count)
-            # The update runs on copies; the gathered originals are what the undo writes back.
-            old_rows = self._rows.index_select(0, slots)
-            old_state = {name: t.index_select(0, slots) for name, t in self._state.items()}
-            rows, state = old_rows.clone(), {name: t.clone() for name, t in old_state.items()}
-            self._opt.update(rows, g, state, count, float(lr))
-            # Repeated slots write identical values (see _sum_duplicates), so the write order is immaterial.
-            undo.rows(self._getter("rows"), slots, old_rows)
-            self._rows.index_copy_(0, slots, rows)
-            for name in self._state:
-                undo.rows(self._getter(f"state.{name}"), slots, old_state[name])
-                self._state[name].index_copy_(0, slots, state[name])
+            self._step_rows(slots, grads, float(lr), undo)
 
     def add_delta(
         self, ids: torch.Tensor, deltas: torch.Tensor, step: int | None = None, clicks: torch.Tensor | None = None
@@ -734,6 +684,53 @@ class SparseTable:
                 self._touch(slots, clicks)
                 undo.rows(self._getter("rows"), slots)
                 self._rows.index_add_(0, slots, deltas)
+
+    def _step_rows(self, slots: torch.Tensor, grads: torch.Tensor, lr: float, undo: UndoLog) -> None:
+        """The row optimizer's step on ``slots`` (duplicates' gradients summed first, in batch order), natively.
+
+        Repeats are found in O(n) without a sort (each position writes its index into the per-slot
+        scratch, last to first, so each slot ends up naming its first position), and each row is
+        updated once with its total: the same sums as ``torch.unique`` + ``index_add_``. The kernel
+        checks every slot before it writes and hands back what each row held, which the undo writes
+        back if a later step fails. Repeated slots get the same old values, so the undo's writes
+        agree whatever their order.
+        """
+        n, names = slots.numel(), self._opt.state_names
+        state = [buf(self._state[name], f"state.{name}", torch.float32, 2) for name in names]
+        old_rows = torch.empty(n, self.dim)
+        old_state = {name: torch.empty(n, self._state[name].shape[1]) for name in names}
+        old_steps = torch.empty(n, dtype=torch.int64) if self._track_steps else None
+        grads = grads.contiguous()
+        old_buffers = [old_state[name].numpy() for name in names] + [None] * (2 - len(names))
+        kernels.apply_rows(
+            native_hyper(self.optimizer, lr),
+            buf(self._rows, "rows", torch.float32, 2),
+            state[0] if names else None,
+            state[1] if len(names) > 1 else None,
+            buf(self._steps, "steps", torch.int64, 1) if self._track_steps else None,
+            buf(self._scratch, "scratch", torch.int64, 1),
+            slots.contiguous().numpy(),
+            buf(grads, "grads", torch.float32, 2),
+            len(self),
+            torch.empty(n, self.dim).numpy(),
+            old_rows.numpy(),
+            *old_buffers,
+            old_steps.numpy() if old_steps is not None else None,
+        )
+        # recorded after the kernel's one write (it either writes everything or raises before writing)
+        undo.rows(self._getter("rows"), slots, old_rows)
+        for name in names:
+            undo.rows(self._getter(f"state.{name}"), slots, old_state[name])
+        if old_steps is not None:
+            undo.rows(self._getter("steps"), slots, old_steps)
+
+    def _gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """``self._rows[slots]`` as a new tensor: a native gather (prefetching, GIL released, bounds checked)."""
+        out = torch.empty(slots.numel(), self.dim, dtype=torch.float32)
+        if slots.numel():
+            rows = buf(self._rows, "rows", torch.float32, 2)
+            kernels.gather_rows(rows, slots.contiguous().numpy(), len(self), out.numpy())
+        return out
 
     def _check_clicks(self, clicks: torch.Tensor | None, n: int) -> torch.Tensor | None:
         if clicks is None:

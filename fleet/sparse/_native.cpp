@@ -1,0 +1,476 @@
+// Native kernels of fleet's sparse-table engine (fleet.sparse.native loads them; see docs/development.md).
+//
+// Why the raw CPython API and no binding library: the module is a handful of loops over flat
+// arrays, so the binding is a few argument checks; without pybind11/nanobind the build needs
+// nothing but setuptools and a C++17 compiler (one translation unit, ~3 s) and imports in well
+// under a millisecond.
+//
+// Why buffers and not torch tensors: the build must not depend on torch (its headers and ABI
+// change with every release). Python passes tensor.numpy() views (zero copy); every entry point
+// checks each buffer's element type, dimensions, C-contiguity, writability and length here, and
+// raises a Python exception on a mismatch. Slots read from a caller's array are bounds-checked
+// before any memory is written, so a bad call changes nothing. The loops run with the GIL released.
+//
+// Memory stays owned by Python (torch tensors): allocation failures, growth, undo records and
+// page prefaulting keep working as they do for the rest of the table (fleet.sparse.undo).
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
+constexpr long kAbiVersion = 2;
+
+constexpr int64_t kEmpty = -1;      // an entry never used: ends every probe
+constexpr int64_t kTombstone = -2;  // a removed entry: probing goes on past it, inserts may reuse it
+constexpr uint64_t kM1 = 0xBF58476D1CE4E5B9ULL;
+constexpr uint64_t kM2 = 0x94D049BB133111EBULL;
+constexpr int64_t kPrefetchAhead = 16;  // lookups in flight: one thread's memory-level parallelism
+
+// The home entry of an id: fleet.sparse.id_index's _home, bit for bit (multiply, xor with the
+// arithmetic right shift by 31, multiply, top `bits` bits).
+inline uint64_t home(int64_t id, int shift) {
+  uint64_t h = static_cast<uint64_t>(id) * kM1;
+  h ^= static_cast<uint64_t>(static_cast<int64_t>(h) >> 31);
+  h *= kM2;
+  return h >> shift;
+}
+
+// ------------------------------------------------------------------ buffers
+enum class Kind { kInt64, kFloat32 };
+
+// A Python buffer checked for element type, dimensions and C-contiguity; released on scope exit.
+class Buf {
+ public:
+  Buf() { std::memset(&view_, 0, sizeof(view_)); }
+  ~Buf() {
+    if (held_) PyBuffer_Release(&view_);
+  }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+
+  // ndim: 1, or 2 with `width` columns (width < 0: any). Returns false with a Python error set.
+  bool get(PyObject* obj, const char* name, Kind kind, int ndim, Py_ssize_t width, bool writable) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &view_, flags) != 0) {
+      PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s CPU array (tensor.numpy())", name,
+                   writable ? ", writable" : "");
+      return false;
+    }
+    held_ = true;
+    const char* fmt = view_.format ? view_.format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@') ++fmt;
+    bool ok = kind == Kind::kInt64 ? (view_.itemsize == 8 && (std::strcmp(fmt, "q") == 0 || std::strcmp(fmt, "l") == 0))
+                                   : (view_.itemsize == 4 && std::strcmp(fmt, "f") == 0);
+    if (!ok) {
+      PyErr_Format(PyExc_TypeError, "%s must hold %s, got format '%s' (%zd bytes per element)", name,
+                   kind == Kind::kInt64 ? "int64" : "float32", view_.format ? view_.format : "B", view_.itemsize);
+      return false;
+    }
+    if (view_.ndim != ndim || (ndim == 2 && width >= 0 && view_.shape[1] != width)) {
+      PyErr_Format(PyExc_ValueError, "%s must be %d-D%s, got %d dimensions", name, ndim,
+                   ndim == 2 && width >= 0 ? " with the expected width" : "", view_.ndim);
+      return false;
+    }
+    return true;
+  }
+  Py_ssize_t len() const { return view_.ndim ? view_.shape[0] : 0; }
+  Py_ssize_t cols() const { return view_.ndim == 2 ? view_.shape[1] : 1; }
+  int64_t* i64() const { return static_cast<int64_t*>(view_.buf); }
+  float* f32() const { return static_cast<float*>(view_.buf); }
+
+ private:
+  Py_buffer view_;
+  bool held_ = false;
+};
+
+// An index's entry array [capacity, 2] (id, slot): capacity a power of two >= 2.
+bool get_entries(Buf& b, PyObject* obj, const char* name, bool writable, uint64_t* mask, int* shift) {
+  if (!b.get(obj, name, Kind::kInt64, 2, 2, writable)) return false;
+  uint64_t cap = static_cast<uint64_t>(b.len());
+  if (cap < 2 || (cap & (cap - 1)) != 0) {
+    PyErr_Format(PyExc_ValueError, "%s must have a power-of-two number of entries >= 2, got %zd", name, b.len());
+    return false;
+  }
+  *mask = cap - 1;
+  *shift = 64 - __builtin_ctzll(cap);
+  return true;
+}
+
+inline int64_t probe(const int64_t* t, uint64_t mask, uint64_t p, int64_t id) {
+  for (uint64_t k = 0; k <= mask; ++k) {
+    int64_t slot = t[2 * p + 1];
+    if (slot == kEmpty) return -1;
+    if (slot >= 0 && t[2 * p] == id) return slot;
+    p = (p + 1) & mask;
+  }
+  return -1;  // every entry occupied, none matches
+}
+
+// ------------------------------------------------------------------ entry points
+PyObject* abi_version(PyObject*, PyObject*) { return PyLong_FromLong(kAbiVersion); }
+
+// home(ids, out, bits): out[i] = home entry of ids[i] in 2**bits entries (for tests).
+PyObject* py_home(PyObject*, PyObject* args) {
+  PyObject *ids_o, *out_o;
+  int bits;
+  if (!PyArg_ParseTuple(args, "OOi:home", &ids_o, &out_o, &bits)) return nullptr;
+  if (bits < 1 || bits > 62) return PyErr_Format(PyExc_ValueError, "bits must be in 1..62, got %d", bits);
+  Buf ids, out;
+  if (!ids.get(ids_o, "ids", Kind::kInt64, 1, -1, false) || !out.get(out_o, "out", Kind::kInt64, 1, -1, true))
+    return nullptr;
+  if (out.len() != ids.len()) return PyErr_Format(PyExc_ValueError, "out has %zd entries for %zd ids", out.len(), ids.len());
+  const int64_t* in = ids.i64();
+  int64_t* o = out.i64();
+  Py_ssize_t n = ids.len();
+  Py_BEGIN_ALLOW_THREADS;
+  for (Py_ssize_t i = 0; i < n; ++i) o[i] = static_cast<int64_t>(home(in[i], 64 - bits));
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+// lookup(entries, ids, out, old_entries or None): out[i] = slot of ids[i], -1 where absent.
+// While an index grows, ids missing from `entries` are looked up in `old_entries` too.
+PyObject* py_lookup(PyObject*, PyObject* args) {
+  PyObject *table_o, *ids_o, *out_o, *old_o;
+  if (!PyArg_ParseTuple(args, "OOOO:lookup", &table_o, &ids_o, &out_o, &old_o)) return nullptr;
+  Buf table, ids, out, old;
+  uint64_t mask, old_mask = 0;
+  int shift, old_shift = 0;
+  if (!get_entries(table, table_o, "entries", false, &mask, &shift)) return nullptr;
+  bool has_old = old_o != Py_None;
+  if (has_old && !get_entries(old, old_o, "old entries", false, &old_mask, &old_shift)) return nullptr;
+  if (!ids.get(ids_o, "ids", Kind::kInt64, 1, -1, false) || !out.get(out_o, "out", Kind::kInt64, 1, -1, true))
+    return nullptr;
+  if (out.len() != ids.len()) return PyErr_Format(PyExc_ValueError, "out has %zd entries for %zd ids", out.len(), ids.len());
+  const int64_t* t = table.i64();
+  const int64_t* ot = has_old ? old.i64() : nullptr;
+  const int64_t* in = ids.i64();
+  int64_t* o = out.i64();
+  const int64_t n = ids.len();
+  Py_BEGIN_ALLOW_THREADS;
+  for (int64_t i = 0; i < n; ++i) {
+    // Ask for the entry a few lookups ahead: the misses overlap instead of queueing.
+    if (i + kPrefetchAhead < n) __builtin_prefetch(t + 2 * home(in[i + kPrefetchAhead], shift));
+    int64_t slot = probe(t, mask, home(in[i], shift), in[i]);
+    if (slot < 0 && ot != nullptr) slot = probe(ot, old_mask, home(in[i], old_shift), in[i]);
+    o[i] = slot;
+  }
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
+// place(entries, keys, slots, pos_out, old_out): write each (key, slot) into the first free or removed
+// entry from the key's home; pos_out[i] is where keys[i] went and old_out[i] what that entry held (the
+// undo record). Keys must be unique and absent (the caller's guarantee, as in the Python index). Slots
+// must be >= 0 (checked first). If the entries run out, every write is taken back and it raises.
+PyObject* py_place(PyObject*, PyObject* args) {
+  PyObject *table_o, *keys_o, *vals_o, *pos_o, *olds_o;
+  if (!PyArg_ParseTuple(args, "OOOOO:place", &table_o, &keys_o, &vals_o, &pos_o, &olds_o)) return nullptr;
+  Buf table, keys, vals, pos, olds;
+  uint64_t mask;
+  int shift;
+  if (!get_entries(table, table_o, "entries", true, &mask, &shift)) return nullptr;
+  if (!keys.get(keys_o, "keys", Kind::kInt64, 1, -1, false) || !vals.get(vals_o, "slots", Kind::kInt64, 1, -1, false) ||
+      !pos.get(pos_o, "pos_out", Kind::kInt64, 1, -1, true) || !olds.get(olds_o, "old_out", Kind::kInt64, 2, 2, true))
+    return nullptr;
+  const int64_t n = keys.len();
+  if (vals.len() != n || pos.len() != n || olds.len() != n)
+    return PyErr_Format(PyExc_ValueError, "place: keys (%zd), slots (%zd), pos_out (%zd), old_out (%zd) differ in length",
+                        keys.len(), vals.len(), pos.len(), olds.len());
+  int64_t* t = table.i64();
+  const int64_t* k = keys.i64();
+  const int64_t* v = vals.i64();
+  int64_t* p_out = pos.i64();
+  int64_t* o_out = olds.i64();
+  int64_t bad = -1, placed = 0;
+  Py_BEGIN_ALLOW_THREADS;
+  for (int64_t i = 0; i < n && bad < 0; ++i)
+    if (v[i] < 0) bad = i;
+  for (int64_t i = 0; bad < 0 && i < n; ++i) {
+    uint64_t p = home(k[i], shift);
+    uint64_t tries = 0;
+    while (t[2 * p + 1] >= 0 && tries <= mask) {
+      p = (p + 1) & mask;
+      ++tries;
+    }
+    if (tries > mask) break;  // full
+    p_out[i] = static_cast<int64_t>(p);
+    o_out[2 * i] = t[2 * p];
+    o_out[2 * i + 1] = t[2 * p + 1];
+    t[2 * p] = k[i];
+    t[2 * p + 1] = v[i];
+    placed = i + 1;
+  }
+  if (bad < 0 && placed < n) {  // ran out of entries: take the writes back, newest first
+    for (int64_t i = placed - 1; i >= 0; --i) {
+      t[2 * p_out[i]] = o_out[2 * i];
+      t[2 * p_out[i] + 1] = o_out[2 * i + 1];
+    }
+  }
+  Py_END_ALLOW_THREADS;
+  if (bad >= 0) return PyErr_Format(PyExc_ValueError, "place: slot %lld (at %lld) is negative", (long long)v[bad], (long long)bad);
+  if (placed < n) return PyErr_Format(PyExc_RuntimeError, "id index full: no free entry for %lld ids", (long long)(n - placed));
+  Py_RETURN_NONE;
+}
+
+// gather_rows(src [rows, dim] float32, slots [n] int64, live, out [n, dim] float32): out[i] = src[slots[i]].
+// Every slot is checked against `live` (the rows in use) before anything is copied.
+PyObject* py_gather_rows(PyObject*, PyObject* args) {
+  PyObject *src_o, *slots_o, *out_o;
+  Py_ssize_t live;
+  if (!PyArg_ParseTuple(args, "OOnO:gather_rows", &src_o, &slots_o, &live, &out_o)) return nullptr;
+  Buf src, slots, out;
+  if (!src.get(src_o, "rows", Kind::kFloat32, 2, -1, false) || !slots.get(slots_o, "slots", Kind::kInt64, 1, -1, false))
+    return nullptr;
+  if (!out.get(out_o, "out", Kind::kFloat32, 2, src.cols(), true)) return nullptr;
+  if (live < 0 || live > src.len()) return PyErr_Format(PyExc_ValueError, "live rows %zd outside 0..%zd", live, src.len());
+  if (out.len() != slots.len()) return PyErr_Format(PyExc_ValueError, "out has %zd rows for %zd slots", out.len(), slots.len());
+  const float* s = src.f32();
+  const int64_t* idx = slots.i64();
+  float* o = out.f32();
+  const int64_t n = slots.len(), dim = src.cols();
+  int64_t bad = -1;
+  Py_BEGIN_ALLOW_THREADS;
+  for (int64_t i = 0; i < n; ++i)
+    if (static_cast<uint64_t>(idx[i]) >= static_cast<uint64_t>(live)) {
+      bad = i;
+      break;
+    }
+  if (bad < 0) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kPrefetchAhead < n) __builtin_prefetch(s + idx[i + kPrefetchAhead] * dim);
+      std::memcpy(o + i * dim, s + idx[i] * dim, sizeof(float) * dim);
+    }
+  }
+  Py_END_ALLOW_THREADS;
+  if (bad >= 0)
+    return PyErr_Format(PyExc_IndexError, "slot %lld (at %lld) is outside the %zd live rows", (long long)idx[bad],
+                        (long long)bad, live);
+  Py_RETURN_NONE;
+}
+
+
+// ------------------------------------------------------------------ row optimizers
+enum OptKind { kSgd = 0, kAdagrad = 1, kRowwiseAdagrad = 2, kAdam = 3, kAdamW = 4 };
+
+struct Hyper {
+  int kind;
+  double lr, weight_decay, momentum, dampening;
+  int nesterov;
+  double beta1, beta2, eps, lr_decay;
+  int maximize;
+  double log_beta1, log_beta2;  // set once per call (Adam's bias corrections)
+};
+
+// One row's update, fleet.sparse.optim.ServerOptimizer's row-wise path in float32 (the per-row
+// scalars in float64, rounded once, as there). `g` is the row's summed gradient (scratch: changed).
+// Branches are hoisted out of the element loops and the pointers are restrict, so that the loops vectorise.
+__attribute__((noinline)) void update_row(const Hyper h, int64_t dim, float* __restrict__ p, float* __restrict__ g, float* __restrict__ s0,
+                float* __restrict__ s1, int64_t step) {
+  if (h.maximize)
+    for (int64_t j = 0; j < dim; ++j) g[j] = -g[j];
+  if (h.weight_decay != 0 && h.kind != kAdamW) {
+    const float wd = static_cast<float>(h.weight_decay);
+    for (int64_t j = 0; j < dim; ++j) g[j] = g[j] + wd * p[j];
+  }
+  switch (h.kind) {
+    case kSgd: {
+      const float m = static_cast<float>(h.momentum), damp = static_cast<float>(1 - h.dampening);
+      const float neg_lr = static_cast<float>(-h.lr);
+      if (h.momentum != 0) {
+        if (step == 1) {
+          for (int64_t j = 0; j < dim; ++j) s0[j] = g[j];
+        } else {
+          for (int64_t j = 0; j < dim; ++j) s0[j] = s0[j] * m + damp * g[j];
+        }
+        if (h.nesterov) {
+          for (int64_t j = 0; j < dim; ++j) g[j] = g[j] + m * s0[j];
+        } else {
+          for (int64_t j = 0; j < dim; ++j) g[j] = s0[j];
+        }
+      }
+      for (int64_t j = 0; j < dim; ++j) p[j] = p[j] + neg_lr * g[j];
+      break;
+    }
+    case kAdagrad:
+    case kRowwiseAdagrad: {
+      const float neg_clr = static_cast<float>(-h.lr / (1 + (static_cast<double>(step) - 1) * h.lr_decay));
+      const float eps = static_cast<float>(h.eps);
+      if (h.kind == kAdagrad) {
+        for (int64_t j = 0; j < dim; ++j) s0[j] = s0[j] + g[j] * g[j];
+        for (int64_t j = 0; j < dim; ++j) p[j] = p[j] + neg_clr * g[j] / (std::sqrt(s0[j]) + eps);
+      } else {
+        double sq = 0;
+        for (int64_t j = 0; j < dim; ++j) sq += static_cast<double>(g[j]) * g[j];
+        s0[0] = s0[0] + static_cast<float>(sq / static_cast<double>(dim));
+        const float std_ = std::sqrt(s0[0]) + eps;
+        for (int64_t j = 0; j < dim; ++j) p[j] = p[j] + neg_clr * g[j] / std_;
+      }
+      break;
+    }
+    default: {  // adam, adamw
+      if (h.kind == kAdamW && h.weight_decay != 0) {
+        const float decay = static_cast<float>(1 - h.lr * h.weight_decay);
+        for (int64_t j = 0; j < dim; ++j) p[j] = p[j] * decay;
+      }
+      const float w1 = static_cast<float>(1 - h.beta1), b2 = static_cast<float>(h.beta2);
+      const float w2 = static_cast<float>(1 - h.beta2), eps = static_cast<float>(h.eps);
+      const double t = static_cast<double>(step);
+      // beta**t as exp(t * log(beta)): a few ulps of float64 from pow (invisible once rounded to float32), at a
+      // fraction of its cost, which dominated Adam's update at dim 16. log(0) = -inf gives 0 as pow does.
+      const float neg_step = static_cast<float>(-h.lr / (1 - std::exp(t * h.log_beta1)));
+      const float bc2 = static_cast<float>(std::sqrt(1 - std::exp(t * h.log_beta2)));
+      if (w1 < 0.5f) {  // torch's lerp, both branches
+        for (int64_t j = 0; j < dim; ++j) s0[j] = s0[j] + w1 * (g[j] - s0[j]);
+      } else {
+        const float rest = 1 - w1;
+        for (int64_t j = 0; j < dim; ++j) s0[j] = g[j] - (g[j] - s0[j]) * rest;
+      }
+      for (int64_t j = 0; j < dim; ++j) s1[j] = s1[j] * b2 + w2 * (g[j] * g[j]);
+      for (int64_t j = 0; j < dim; ++j) p[j] = p[j] + neg_step * s0[j] / (std::sqrt(s1[j]) / bc2 + eps);
+    }
+  }
+}
+
+// apply_rows(hyper, rows, state0, state1, steps, scratch, slots, grads, live, acc, old_rows, old_state0,
+// old_state1, old_steps): one row-wise optimizer step on rows[slots]; the gradients of repeated slots are
+// summed first, in batch order. Before a row changes, what it held goes to old_*[i] for every position i
+// (the caller's undo record). state0/state1/steps: None where the optimizer keeps none. Every slot is
+// checked against `live` before anything is written.
+PyObject* py_apply_rows(PyObject*, PyObject* args) {
+  Hyper h;
+  PyObject *rows_o, *s0_o, *s1_o, *steps_o, *scratch_o, *slots_o, *grads_o, *acc_o, *orows_o, *os0_o, *os1_o, *osteps_o;
+  Py_ssize_t live;
+  if (!PyArg_ParseTuple(args, "(iddddpddddp)OOOOOOOnOOOOO:apply_rows", &h.kind, &h.lr, &h.weight_decay, &h.momentum,
+                        &h.dampening, &h.nesterov, &h.beta1, &h.beta2, &h.eps, &h.lr_decay, &h.maximize, &rows_o, &s0_o,
+                        &s1_o, &steps_o, &scratch_o, &slots_o, &grads_o, &live, &acc_o, &orows_o, &os0_o, &os1_o,
+                        &osteps_o))
+    return nullptr;
+  if (h.kind < kSgd || h.kind > kAdamW) return PyErr_Format(PyExc_ValueError, "unknown optimizer kind %d", h.kind);
+  h.log_beta1 = std::log(h.beta1);
+  h.log_beta2 = std::log(h.beta2);
+  const bool need_s0 = h.kind != kSgd || h.momentum != 0, need_s1 = h.kind == kAdam || h.kind == kAdamW;
+  const bool need_steps = need_s1 || (h.kind == kSgd && h.momentum != 0) || h.lr_decay != 0;
+  Buf rows, s0, s1, steps, scratch, slots, grads, acc, orows, os0, os1, osteps;
+  if (!rows.get(rows_o, "rows", Kind::kFloat32, 2, -1, true)) return nullptr;
+  const Py_ssize_t dim = rows.cols(), width = h.kind == kRowwiseAdagrad ? 1 : dim;
+  if ((s0_o == Py_None) == need_s0 || (s1_o == Py_None) == need_s1)
+    return PyErr_Format(PyExc_ValueError, "apply_rows: optimizer kind %d takes %s state tensors", h.kind,
+                        need_s1 ? "two" : need_s0 ? "one" : "no");
+  if (need_steps && steps_o == Py_None) return PyErr_Format(PyExc_ValueError, "apply_rows: this optimizer needs steps");
+  if (!slots.get(slots_o, "slots", Kind::kInt64, 1, -1, false) || !grads.get(grads_o, "grads", Kind::kFloat32, 2, dim, false) ||
+      !scratch.get(scratch_o, "scratch", Kind::kInt64, 1, -1, true) || !acc.get(acc_o, "acc", Kind::kFloat32, 2, dim, true) ||
+      !orows.get(orows_o, "old rows", Kind::kFloat32, 2, dim, true))
+    return nullptr;
+  const Py_ssize_t n = slots.len();
+  Py_ssize_t capacity = rows.len();
+  if (need_s0) {
+    if (!s0.get(s0_o, "state0", Kind::kFloat32, 2, width, true) || !os0.get(os0_o, "old state0", Kind::kFloat32, 2, width, true))
+      return nullptr;
+    capacity = s0.len() < capacity ? s0.len() : capacity;
+    if (os0.len() != n) return PyErr_Format(PyExc_ValueError, "old state0 has %zd rows for %zd slots", os0.len(), n);
+  }
+  if (need_s1) {
+    if (!s1.get(s1_o, "state1", Kind::kFloat32, 2, dim, true) || !os1.get(os1_o, "old state1", Kind::kFloat32, 2, dim, true))
+      return nullptr;
+    capacity = s1.len() < capacity ? s1.len() : capacity;
+    if (os1.len() != n) return PyErr_Format(PyExc_ValueError, "old state1 has %zd rows for %zd slots", os1.len(), n);
+  }
+  const bool has_steps = steps_o != Py_None;
+  if (has_steps) {
+    if (!steps.get(steps_o, "steps", Kind::kInt64, 1, -1, true) || !osteps.get(osteps_o, "old steps", Kind::kInt64, 1, -1, true))
+      return nullptr;
+    capacity = steps.len() < capacity ? steps.len() : capacity;
+    if (osteps.len() != n) return PyErr_Format(PyExc_ValueError, "old steps has %zd entries for %zd slots", osteps.len(), n);
+  }
+  capacity = scratch.len() < capacity ? scratch.len() : capacity;
+  if (live < 0 || live > capacity)
+    return PyErr_Format(PyExc_ValueError, "live rows %zd outside 0..%zd (the smallest per-row tensor)", live, capacity);
+  if (grads.len() != n || acc.len() != n || orows.len() != n)
+    return PyErr_Format(PyExc_ValueError, "apply_rows: %zd slots but grads %zd, acc %zd, old rows %zd rows", n, grads.len(),
+                        acc.len(), orows.len());
+  const int64_t* sl = slots.i64();
+  int64_t* first = scratch.i64();
+  const float* gr = grads.f32();
+  float *ac = acc.f32(), *pr = rows.f32(), *ps0 = need_s0 ? s0.f32() : nullptr, *ps1 = need_s1 ? s1.f32() : nullptr;
+  float *opr = orows.f32(), *ops0 = need_s0 ? os0.f32() : nullptr, *ops1 = need_s1 ? os1.f32() : nullptr;
+  int64_t *pst = has_steps ? steps.i64() : nullptr, *opst = has_steps ? osteps.i64() : nullptr;
+  int64_t bad = -1;
+  const size_t row_bytes = sizeof(float) * dim, state_bytes = sizeof(float) * width;
+  Py_BEGIN_ALLOW_THREADS;
+  for (int64_t i = 0; i < n; ++i)
+    if (static_cast<uint64_t>(sl[i]) >= static_cast<uint64_t>(live)) {
+      bad = i;
+      break;
+    }
+  if (bad < 0) {
+    for (int64_t i = n - 1; i >= 0; --i) {  // each slot's first position
+      if (i >= kPrefetchAhead) __builtin_prefetch(first + sl[i - kPrefetchAhead], 1);
+      first[sl[i]] = i;
+    }
+    for (int64_t i = 0; i < n; ++i) {  // totals of repeated slots, added in batch order
+      if (i + kPrefetchAhead < n) __builtin_prefetch(first + sl[i + kPrefetchAhead]);
+      const int64_t f = first[sl[i]];
+      if (f == i) {
+        std::memcpy(ac + i * dim, gr + i * dim, row_bytes);
+      } else {
+        for (int64_t j = 0; j < dim; ++j) ac[f * dim + j] += gr[i * dim + j];
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kPrefetchAhead < n) {
+        const int64_t ahead = sl[i + kPrefetchAhead];
+        __builtin_prefetch(pr + ahead * dim, 1);  // rows and state are written: ask for them exclusive
+        if (ps0) __builtin_prefetch(ps0 + ahead * width, 1);
+        if (ps1) __builtin_prefetch(ps1 + ahead * dim, 1);
+        if (pst) __builtin_prefetch(pst + ahead, 1);
+      }
+      const int64_t s = sl[i], f = first[s];
+      if (f != i) {  // a repeat: the row changed at its first position; the undo keeps what it held before
+        std::memcpy(opr + i * dim, opr + f * dim, row_bytes);
+        if (ops0) std::memcpy(ops0 + i * width, ops0 + f * width, state_bytes);
+        if (ops1) std::memcpy(ops1 + i * dim, ops1 + f * dim, row_bytes);
+        if (opst) opst[i] = opst[f];
+        continue;
+      }
+      std::memcpy(opr + i * dim, pr + s * dim, row_bytes);
+      if (ops0) std::memcpy(ops0 + i * width, ps0 + s * width, state_bytes);
+      if (ops1) std::memcpy(ops1 + i * dim, ps1 + s * dim, row_bytes);
+      int64_t step = 1;
+      if (pst) {
+        opst[i] = pst[s];
+        step = pst[s] + 1;
+        pst[s] = step;
+      }
+      update_row(h, dim, pr + s * dim, ac + i * dim, ps0 ? ps0 + s * width : nullptr, ps1 ? ps1 + s * dim : nullptr, step);
+    }
+  }
+  Py_END_ALLOW_THREADS;
+  if (bad >= 0)
+    return PyErr_Format(PyExc_IndexError, "slot %lld (at %lld) is outside the %zd live rows", (long long)sl[bad],
+                        (long long)bad, live);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kMethods[] = {
+    {"abi_version", abi_version, METH_NOARGS, "The version of these functions' signatures and semantics."},
+    {"home", py_home, METH_VARARGS, "home(ids, out, bits): each id's home entry in 2**bits entries."},
+    {"lookup", py_lookup, METH_VARARGS, "lookup(entries, ids, out, old_entries): slots, -1 where absent."},
+    {"place", py_place, METH_VARARGS, "place(entries, keys, slots, pos_out, old_out): insert unique absent keys."},
+    {"gather_rows", py_gather_rows, METH_VARARGS, "gather_rows(rows, slots, live, out): out[i] = rows[slots[i]]."},
+    {"apply_rows", py_apply_rows, METH_VARARGS, "apply_rows(hyper, rows, ...): a row optimizer's step on rows[slots]."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_native", "Native kernels of fleet's sparse-table engine.", -1, kMethods,
+                     nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&kModule); }

@@ -1,0 +1,71 @@
+"""The native kernels of the sparse-table engine (``fleet/sparse/_native.cpp``), and the checks in front of them.
+
+The kernels take buffers (``tensor.numpy()``: zero copy), never torch tensors, so the build does
+not depend on torch. Each tensor is checked here first (a torch tensor, on the CPU, of the
+expected dtype and dimensions, contiguous), so that a mistake names the argument at fault; the
+kernels check element type, dimensions, contiguity, lengths and slot bounds again and raise
+rather than crash. They run with the GIL released.
+
+Built by ``pip install -e .`` / ``pip wheel .``; in a source tree used with ``PYTHONPATH=$PWD``,
+``python setup.py build_ext --inplace`` builds (or rebuilds, after a change to the .cpp) the
+module next to its source (docs/development.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: the kernels' interface version this Python code was written for (kAbiVersion in _native.cpp)
+ABI_VERSION = 2
+_REBUILD = "python setup.py build_ext --inplace"
+
+try:
+    from fleet.sparse import _native as kernels
+except ImportError as err:  # not built: a source tree used without an install
+    raise ImportError(
+        f"fleet's native sparse-table engine is not built ({err}). In a source tree, build it in place with "
+        f"`{_REBUILD}` (needs g++ and the Python headers), or install fleet with `pip install -e .`"
+    ) from err
+if kernels.abi_version() != ABI_VERSION:
+    raise ImportError(
+        f"fleet's native sparse-table engine ({kernels.__file__}) is a stale build (interface "
+        f"{kernels.abi_version()}, this code needs {ABI_VERSION}): rebuild it with `{_REBUILD}` or `pip install -e .`"
+    )
+
+
+def buf(t: Any, name: str, dtype: torch.dtype, ndim: int) -> Any:
+    """``t`` as a zero-copy buffer for a kernel, after checking that it is what the kernel expects."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got a tensor on {t.device}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return t.detach().numpy()
+
+
+_KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3, "adamw": 4}
+
+
+def native_hyper(spec: Any, lr: float) -> tuple:
+    """An :class:`~fleet.sparse.optim.OptimizerSpec`'s rule and hyper-parameters as ``apply_rows`` takes them."""
+    beta1, beta2 = spec.betas
+    return (
+        _KINDS[spec.kind],
+        float(lr),
+        float(spec.weight_decay),
+        float(spec.momentum),
+        float(spec.dampening),
+        bool(spec.nesterov),
+        float(beta1),
+        float(beta2),
+        float(spec.eps),
+        float(spec.lr_decay),
+        bool(spec.maximize),
+    )
