@@ -56,9 +56,20 @@ def test_a_missing_folder_is_no_error(tmp_path, monkeypatch) -> None:
     assert job_files.remove_orphaned(str(tmp_path / "nowhere")) == []
 
 
-def test_a_parameter_servers_socket_nobody_listens_on_goes(tmp_path) -> None:
+def test_a_parameter_servers_socket_nobody_listens_on_goes() -> None:
+    import shutil
     import socket
+    import tempfile
+    from pathlib import Path
 
+    tmp_path = Path(tempfile.mkdtemp(prefix="fo-", dir="/tmp"))  # short: a socket's path holds ~107 bytes
+    try:
+        _sweep_sockets(tmp_path, socket)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _sweep_sockets(tmp_path, socket) -> None:
     folder = tmp_path / "fleet-ps-0123456789abcdef"
     folder.mkdir(mode=0o700)
     dead, live = str(folder / "dead.sock"), str(folder / "live.sock")
