@@ -15,6 +15,7 @@ the same ``batch_size=B`` batchified stream. With the gradients averaged over th
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 from torch import nn
@@ -107,5 +108,11 @@ if __name__ == "__main__":
     parser.add_argument("--batch-size", type=int, default=8, help="columns of the whole job (split over workers)")
     parser.add_argument("--bptt", type=int, default=10)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--report", help="worker 0 writes the job's losses here (JSON)")
     args = parser.parse_args()
-    train(args.batch_size, args.bptt, args.epochs)
+    result = train(args.batch_size, args.bptt, args.epochs)
+    if args.report and fleet.is_first_worker():
+        with open(args.report, "w") as handle:
+            json.dump(
+                {"workers": fleet.worker_num(), "source": fleet.role_info().source, "losses": result["losses"]}, handle
+            )
