@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,14 @@ def test_the_save_recipe_runs_as_a_script_under_fleetrun(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "worker 0: loaded 4 tensors" in done.stdout and "worker 1: loaded 4 tensors" in done.stdout
     assert set(torch.load(out, weights_only=True)["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def test_save_refuses_a_shard_naming_where_it_sits(one_process, monkeypatch, tmp_path):
+    class Shard(torch.Tensor):  # stands in for a DTensor: making a real one needs a process group
+        pass
+
+    monkeypatch.setitem(sys.modules, "torch.distributed.tensor", types.SimpleNamespace(DTensor=Shard))
+    state = {"model": {"fc.weight": torch.zeros(2).as_subclass(Shard)}, "step": 3}
+    with pytest.raises(fleet.FleetError, match=r"obj\['model'\]\['fc.weight'\] is a shard .*save_checkpoint"):
+        fleet.save(state, tmp_path / "state.pt")
+    assert not list(tmp_path.iterdir())
