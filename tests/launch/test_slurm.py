@@ -1,10 +1,10 @@
-"""Under a real Slurm: a one-node controller and daemon on this machine, the recipe under ``srun -n 2``.
+"""Under a real Slurm: a one-node controller and daemon on this machine; ``srun -n 2`` and ``sbatch``.
 
 Needs Debian's ``slurm-wlm`` (slurmctld, slurmd, srun, munged) and root (the daemons run as
 root here); ``.ci/run`` installs it, elsewhere the test is skipped with the reason. The cluster
 lives in a temporary directory with its own munge socket and free ports, and is stopped at the
-end. ``FLEET_TEST_SLURM=1`` also submits ``examples/slurm/collective.sbatch`` with ``sbatch
---wait`` (about 40 s on 2 cores: opt-in).
+end. The documented batch scripts (``examples/slurm/*.sbatch``) are submitted with ``sbatch``,
+given a script to run as their arguments, and waited for.
 """
 
 from __future__ import annotations
@@ -109,37 +109,75 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 process.wait()
 
 
-def _reference_losses(tmp: Path) -> list[float]:
-    report = tmp / "one.json"
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory) -> list[float]:
+    """The bptt recipe's losses in one plain process (no launcher)."""
+    report = tmp_path_factory.mktemp("one") / "one.json"
     command = [sys.executable, str(ROOT / "examples/recipes/bptt_columns.py"), "--epochs", "1", "--report", str(report)]
     done = subprocess.run(command, env={**clean_env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(report.read_text())["losses"]
+    result = json.loads(report.read_text())
+    assert (result["workers"], result["source"]) == (1, "single")
+    return result["losses"]
+
+
+BPTT = ["examples/recipes/bptt_columns.py", "--epochs", "1", "--report"]
 
 
 @pytest.mark.timeout(150)
-def test_srun_two_tasks_train_the_bptt_recipe_as_one_process_would(cluster, tmp_path):
+def test_srun_two_tasks_train_the_bptt_recipe_as_one_process_would(cluster, reference_losses, tmp_path):
     environ, _ = cluster
     report = tmp_path / "srun.json"
     environ = {**environ, "FLEET_SECRET": os.urandom(16).hex()}
-    command = ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "examples/recipes/bptt_columns.py"]
-    command += ["--epochs", "1", "--report", str(report)]
+    command = ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, *BPTT, str(report)]
     done = subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(report.read_text())
     assert (result["workers"], result["source"]) == (2, "slurm")
-    assert result["losses"] == pytest.approx(_reference_losses(tmp_path), abs=1e-5)
+    assert result["losses"] == pytest.approx(reference_losses, abs=1e-5)
+
+
+def _sbatch(environ: dict[str, str], script: str, options: list[str], args: list[str], output: Path) -> str:
+    """One of the documented scripts submitted from the repository root, waited for; the job's output.
+
+    Polled here rather than with ``sbatch --wait``, whose back-off between polls grows to 32 s.
+    """
+    command = ["sbatch", "--parsable", f"--chdir={ROOT}", f"--output={output}", *options, str(ROOT / script), *args]
+    done = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job = done.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 160
+    while True:
+        shown = subprocess.run(["scontrol", "-o", "show", "job", job], env=environ, capture_output=True, text=True)
+        state = dict(field.split("=", 1) for field in shown.stdout.split() if "=" in field)
+        if state.get("JobState") not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", None):
+            break
+        assert time.monotonic() < deadline, f"job {job} still {state.get('JobState')}: {shown.stdout}{shown.stderr}"
+        time.sleep(0.3)
+    text = output.read_text() if output.exists() else ""
+    assert (state["JobState"], state.get("ExitCode")) == ("COMPLETED", "0:0"), shown.stdout + text[-3000:]
+    return text
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.skipif(os.environ.get("FLEET_TEST_SLURM") != "1", reason="opt-in (about 40 s): FLEET_TEST_SLURM=1")
-def test_the_documented_sbatch_script_runs_the_collective_example(cluster, tmp_path):
+def test_the_documented_collective_sbatch_script_runs_the_bptt_recipe(cluster, reference_losses, tmp_path):
     environ, _ = cluster
-    output = tmp_path / "job.out"
-    command = ["sbatch", "--wait", f"--chdir={ROOT}", "--nodes=1", "--ntasks-per-node=2", f"--output={output}"]
-    done = subprocess.run([*command, str(ROOT / "examples/slurm/collective.sbatch")], env=environ,
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
-    text = output.read_text() if output.exists() else ""
-    assert done.returncode == 0, done.stdout + done.stderr + text[-2000:]
-    assert text.count("epoch 2 loss") == 2, text[-2000:]
+    report = tmp_path / "sbatch.json"
+    options = ["--nodes=1", "--ntasks-per-node=2"]  # the script asks for two nodes; this cluster has one
+    _sbatch(environ, "examples/slurm/collective.sbatch", options, [*BPTT, str(report)], tmp_path / "job.out")
+    result = json.loads(report.read_text())
+    assert (result["workers"], result["source"]) == (2, "slurm")
+    assert result["losses"] == pytest.approx(reference_losses, abs=1e-5)
+
+
+@pytest.mark.timeout(200)
+def test_the_documented_ps_sbatch_script_runs_one_server_and_two_workers(cluster, tmp_path):
+    environ, _ = cluster
+    options = ["--overcommit"]  # three tasks on a machine that may have two cores
+    text = _sbatch(
+        environ, "examples/slurm/ps.sbatch", options, ["tests/scripts/tiny_ps_train.py"], tmp_path / "ps.out"
+    )
+    lines = sorted(line for line in text.splitlines() if " of 2 checksum " in line)
+    assert [line.split(" of ")[0] for line in lines] == ["worker 0", "worker 1"], text[-3000:]  # task 0: the server
+    assert len({line.rsplit(" ", 1)[-1] for line in lines}) == 1, lines  # sync: the servers' parameters on both
