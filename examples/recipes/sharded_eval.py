@@ -7,7 +7,7 @@ at most one, and no example is counted twice) and accumulates ``fleet.metrics`` 
 of the whole set, equal to one process evaluating everything.
 
 Not ``fleet.distributed_loader`` here: for training it gives every worker the same number of
-batches, completing a last uneven round with batches from the start of the epoch (a few
+examples, padding an uneven last share with examples from the start of the epoch (a few
 examples seen twice), which is right for training and wrong for a metric.
 
     python examples/recipes/sharded_eval.py

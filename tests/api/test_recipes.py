@@ -37,6 +37,8 @@ def _all_recipes(rank: int, tmp: str) -> dict:
     result = {"bptt": bptt_columns.train(batch_size=8, bptt=10, epochs=2)}
     result["eval"] = sharded_eval.main(size=203)  # shares of 102 and 101
     result["eval_one"] = sharded_eval.evaluate(sharded_eval.build_model(), sharded_eval.evaluation_set(1))
+    padded = fleet.distributed_loader(torch.utils.data.DataLoader(sharded_eval.evaluation_set(203), batch_size=16))
+    result["through_loader"] = sum(len(y) for _, y in padded)  # what the recipe warns about
     result["saved"] = save_once.main(f"{tmp}/model.pt")
     try:
         fleet.save({"x": torch.ones(1)}, f"{tmp}/no-such-dir/model.pt")
@@ -100,6 +102,8 @@ def test_sharded_evaluation_equals_one_process_evaluating_everything(job):
             assert worker[key]["accuracy"] == pytest.approx(accuracy, abs=1e-12), key
     assert [worker["eval"]["examples"] for worker in job] == [102, 101]
     assert [worker["eval_one"]["examples"] for worker in job] == [1, 0]
+    # the training loader would have counted 204: one example twice (why the recipe does not use it)
+    assert sum(worker["through_loader"] for worker in job) == 204
 
 
 @pytest.mark.multiprocess
