@@ -6,7 +6,9 @@ hidden state from one chunk to the next. A DataLoader (and so ``fleet.distribute
 would cut those columns apart, so instead each worker takes its share of the columns and
 keeps its own hidden state for them: worker i of N walks columns ``[i*B/N, (i+1)*B/N)`` of
 the same ``batch_size=B`` batchified stream. With the gradients averaged over the workers
-(equal shares, mean loss) every step equals one process training on all B columns.
+(equal shares, mean loss) every step equals one process training on all B columns. The
+validation loss is evaluated the same way, each worker its columns, summed over the workers
+by ``fleet.metrics.Mean`` (per token, so shares may differ).
 
     python examples/recipes/bptt_columns.py                # one process, B columns
     fleetrun --workers 2 examples/recipes/bptt_columns.py  # two workers, B/2 columns each
@@ -60,16 +62,19 @@ def batchify(data: torch.Tensor, columns: int) -> torch.Tensor:
     return data[: rows * columns].view(columns, rows).t().contiguous()
 
 
-def my_columns(batched: torch.Tensor) -> torch.Tensor:
-    """This worker's contiguous share of the columns (every worker the same number of them)."""
-    total, workers = batched.size(1), fleet.worker_num()
-    if total % workers:
+def my_columns(batched: torch.Tensor, even: bool = True) -> torch.Tensor:
+    """This worker's contiguous share of the columns.
+
+    For training every worker needs the same number of columns (``even``), so that the averaged
+    mean losses weigh every column alike; evaluation sums per-token losses and takes any split.
+    """
+    total, workers, index = batched.size(1), fleet.worker_num(), fleet.worker_index()
+    if even and total % workers:
         raise ValueError(
             f"{total} columns do not split evenly over {workers} workers; make --batch-size a multiple of the "
             "number of workers, so that every worker's mean loss weighs the same as one process's."
         )
-    share = total // workers
-    return batched[:, fleet.worker_index() * share : (fleet.worker_index() + 1) * share]
+    return batched[:, index * total // workers : (index + 1) * total // workers]
 
 
 def get_batch(source: torch.Tensor, i: int, bptt: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,15 +83,31 @@ def get_batch(source: torch.Tensor, i: int, bptt: int) -> tuple[torch.Tensor, to
     return source[i : i + length], source[i + 1 : i + 1 + length].reshape(-1)
 
 
+@torch.no_grad()
+def evaluate(model: LanguageModel, data: torch.Tensor, bptt: int) -> float:
+    """The mean loss per token over every column of ``data``, each worker evaluating its share of them."""
+    mine = my_columns(data, even=False)  # shares may differ: the metric counts tokens, not workers
+    loss = fleet.metrics.Mean()
+    model.eval()
+    hidden = model.init_hidden(mine.size(1))
+    for i in range(0, mine.size(0) - 1, bptt):
+        tokens, targets = get_batch(mine, i, bptt)
+        output, hidden = model(tokens, hidden)
+        loss.update(nn.functional.cross_entropy(output.view(-1, VOCAB), targets, reduction="none"))
+    model.train()
+    return loss.compute()  # a collective: every worker calls it, one with no columns too
+
+
 def train(batch_size: int = 8, bptt: int = 10, epochs: int = 2, lr: float = 0.5) -> dict[str, object]:
-    """Train on this worker's columns; returns the per-step losses of the whole job and the final weights."""
+    """Train on this worker's columns; the per-step losses and validation losses of the whole job, the weights."""
     torch.manual_seed(0)
     model = LanguageModel()
     fleet.init()
     optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=lr))
     data = my_columns(batchify(token_stream(2000), batch_size))
+    validation = batchify(token_stream(500, seed=1), 5)  # 5 columns: 3 and 2 over two workers
     criterion = nn.CrossEntropyLoss()
-    losses = []
+    losses, validation_losses = [], []
     for epoch in range(epochs):
         hidden = model.init_hidden(data.size(1))  # this worker's columns only
         for i in range(0, data.size(0) - 1, bptt):
@@ -98,9 +119,11 @@ def train(batch_size: int = 8, bptt: int = 10, epochs: int = 2, lr: float = 0.5)
             loss.backward()
             optimizer.step()
             losses.append(float(fleet.metrics.sum(loss.detach())) / fleet.worker_num())  # the job's mean loss
+        validation_losses.append(evaluate(model, validation, bptt))
         if fleet.is_first_worker():
-            print(f"epoch {epoch} loss {losses[-1]:.4f}")
-    return {"losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+            print(f"epoch {epoch} loss {losses[-1]:.4f} validation loss {validation_losses[-1]:.4f}")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "validation": validation_losses, "state": state}
 
 
 if __name__ == "__main__":
@@ -113,6 +136,5 @@ if __name__ == "__main__":
     result = train(args.batch_size, args.bptt, args.epochs)
     if args.report and fleet.is_first_worker():
         with open(args.report, "w") as handle:
-            json.dump(
-                {"workers": fleet.worker_num(), "source": fleet.role_info().source, "losses": result["losses"]}, handle
-            )
+            report = {"workers": fleet.worker_num(), "source": fleet.role_info().source}
+            json.dump({**report, "losses": result["losses"], "validation": result["validation"]}, handle)

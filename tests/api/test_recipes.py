@@ -55,12 +55,13 @@ def job(tmp_path_factory) -> list[dict]:
 
 
 def _bptt_reference() -> dict:
-    """word_language_model's loop in one process on all 8 columns, no fleet."""
+    """word_language_model's loop in one process on all 8 columns (validation on all 5), no fleet."""
     torch.manual_seed(0)
     model = bptt_columns.LanguageModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     data = bptt_columns.batchify(bptt_columns.token_stream(2000), 8)
-    losses = []
+    validation = bptt_columns.batchify(bptt_columns.token_stream(500, seed=1), 5)
+    losses, validation_losses = [], []
     for _ in range(2):
         hidden = model.init_hidden(8)
         for i in range(0, data.size(0) - 1, 10):
@@ -72,7 +73,15 @@ def _bptt_reference() -> dict:
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
-    return {"losses": losses, "state": model.state_dict()}
+        with torch.no_grad():  # word_language_model's evaluate: every token of every column, one mean
+            hidden, total, count = model.init_hidden(5), 0.0, 0
+            for i in range(0, validation.size(0) - 1, 10):
+                tokens, targets = bptt_columns.get_batch(validation, i, 10)
+                output, hidden = model(tokens, hidden)
+                total += nn.functional.cross_entropy(output.view(-1, bptt_columns.VOCAB), targets, reduction="sum")
+                count += targets.numel()
+            validation_losses.append(float(total) / count)
+    return {"losses": losses, "validation": validation_losses, "state": model.state_dict()}
 
 
 @pytest.mark.multiprocess
@@ -83,6 +92,7 @@ def test_bptt_columns_over_two_workers_equal_one_process_on_every_column(job):
         got = worker["bptt"]
         assert len(got["losses"]) == len(reference["losses"]) == 50
         assert got["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert got["validation"] == pytest.approx(reference["validation"], abs=1e-5)  # 3 and 2 columns
         for name, value in reference["state"].items():
             torch.testing.assert_close(got["state"][name], value, atol=1e-5, rtol=1e-5, msg=name)
     assert reference["losses"][-1] < reference["losses"][0] - 0.3  # it learned: the comparison is not of noise
