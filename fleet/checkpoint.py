@@ -71,8 +71,8 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
 
     Worker 0 writes under a temporary name and renames it over ``path``, so no reader ever sees
     half a file; every worker returns only once the file is there, so ``torch.load(path)`` right
-    after works on every worker of this machine (or of every machine sharing the filesystem). A
-    failed write raises on every worker: worker 0 its own error, the others a
+    after works on every worker of this machine (or of every machine sharing the filesystem); they
+    wait up to the strategy's ``timeout_s``, as in every collective. A failed write raises on every worker: worker 0 its own error, the others a
     :class:`~fleet.errors.FleetError` naming worker 0. In one process it is ``torch.save`` made atomic.
 
     Every worker must hold the whole ``obj``: a sharded model's ``state_dict()`` (``mode="sharding"``)
@@ -107,13 +107,15 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
 
 
 def _first_shard(obj: Any, where: str = "obj", depth: int = 0) -> str | None:
-    """Where in ``obj`` (dicts, lists, tuples) a DTensor sits, for example ``obj['fc.weight']``; None if nowhere."""
+    """Where in ``obj`` (modules, dicts, lists, tuples) a DTensor sits, e.g. ``obj['fc.weight']``; None if nowhere."""
     tensor_module = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor can exist
     if tensor_module is None or depth > 20:
         return None
     if isinstance(obj, torch.Tensor):
         return where if isinstance(obj, tensor_module.DTensor) else None
-    if isinstance(obj, dict):
+    if isinstance(obj, torch.nn.Module):  # torch.save(model): its parameters and buffers
+        items = obj.state_dict().items()
+    elif isinstance(obj, dict):
         items = obj.items()
     elif isinstance(obj, list | tuple):
         items = enumerate(obj)

@@ -182,4 +182,8 @@ def test_save_refuses_a_shard_naming_where_it_sits(one_process, monkeypatch, tmp
     state = {"model": {"fc.weight": torch.zeros(2).as_subclass(Shard)}, "step": 3}
     with pytest.raises(fleet.FleetError, match=r"obj\['model'\]\['fc.weight'\] is a shard .*save_checkpoint"):
         fleet.save(state, tmp_path / "state.pt")
+    model = torch.nn.Linear(2, 1)
+    model.weight = torch.nn.Parameter(torch.zeros(1, 2).as_subclass(Shard))
+    with pytest.raises(fleet.FleetError, match=r"obj\['weight'\] is a shard"):
+        fleet.save(model, tmp_path / "model.pt")  # torch.save(model) habits: the module itself
     assert not list(tmp_path.iterdir())
