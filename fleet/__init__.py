@@ -40,6 +40,7 @@ _EXPORTS = {
     "init": "fleet.api",
     "init_server": "fleet.api",
     "run_server": "fleet.api",
+    "save": "fleet.checkpoint",
     "save_persistables": "fleet.checkpoint",
     "load_persistables": "fleet.checkpoint",
     "save_checkpoint": "fleet.checkpoint",
@@ -113,7 +114,13 @@ if TYPE_CHECKING:
         worker_index,
         worker_num,
     )
-    from fleet.checkpoint import load_checkpoint, load_persistables, save_checkpoint, save_persistables  # noqa: F401
+    from fleet.checkpoint import (  # noqa: F401
+        load_checkpoint,
+        load_persistables,
+        save,
+        save_checkpoint,
+        save_persistables,
+    )
     from fleet.data.files import file_shard  # noqa: F401
     from fleet.data.slot_dataset import SlotDataset  # noqa: F401
     from fleet.errors import (  # noqa: F401

@@ -24,6 +24,7 @@ and leaves no temporary file behind.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from typing import Any, NamedTuple
@@ -33,7 +34,7 @@ import torch
 from fleet import api
 from fleet.errors import DiskFullError, FleetError, PeerError
 from fleet.nn import rows_state
-from fleet.storage.atomic import is_disk_full
+from fleet.storage.atomic import is_disk_full, save_atomic
 from fleet.storage.layout import STEPS, Layout, LayoutError, Save
 
 META = "meta.pt"
@@ -63,6 +64,68 @@ def save_persistables(dirname: str, mode: str = "base") -> None:
 def load_persistables(dirname: str) -> None:
     """Restore the newest complete save under ``dirname`` (same number of servers); every worker then pulls."""
     api.current_job().implementation(None).load_persistables(dirname)
+
+
+def save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save(obj, path)`` once per job: worker 0 writes, every worker waits. Call on every worker.
+
+    Worker 0 writes under a temporary name and renames it over ``path``, so no reader ever sees
+    half a file; every worker returns only once the file is there, so ``torch.load(path)`` right
+    after works on every worker of this machine (or of every machine sharing the filesystem); they
+    wait up to the strategy's ``timeout_s``, as in every collective. A failed write raises on every worker: worker 0 its own error, the others a
+    :class:`~fleet.errors.FleetError` naming worker 0. In one process it is ``torch.save`` made atomic.
+
+    Every worker must hold the whole ``obj``: a sharded model's ``state_dict()`` (``mode="sharding"``)
+    holds only this worker's shards and is refused; save it with :func:`save_checkpoint` or
+    :func:`~fleet.export_for_inference`.
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(
+            f"fleet.save(obj, path): path must be a file name (str or os.PathLike), got {type(path).__name__}; "
+            "for a file object, call torch.save on worker 0 yourself."
+        )
+    path = os.fspath(path)
+    sharded = _first_shard(obj)
+    if sharded is not None:
+        raise FleetError(
+            f"fleet.save({path!r}): {sharded} is a shard (a DTensor: this worker holds only part of it), so "
+            "worker 0's file would miss the other workers' parts. Save a sharded model with "
+            "fleet.save_checkpoint(dirname, model, optimizer, step), or fleet.export_for_inference(dirname, model) "
+            "for whole tensors."
+        )
+    job = api.current_job()
+    strategy = job.implementation(None)
+    failure: BaseException | None = None
+    if job.role.worker_index == 0:
+        try:
+            save_atomic(obj, path)
+        except Exception as error:  # noqa: BLE001 - every worker hears of it, then this one raises it
+            failure = error
+    _agree(strategy, job, failure, f"fleet.save into {path}")  # doubles as the barrier: the file is there
+    if failure is not None:
+        raise failure
+
+
+def _first_shard(obj: Any, where: str = "obj", depth: int = 0) -> str | None:
+    """Where in ``obj`` (modules, dicts, lists, tuples) a DTensor sits, e.g. ``obj['fc.weight']``; None if nowhere."""
+    tensor_module = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor can exist
+    if tensor_module is None or depth > 20:
+        return None
+    if isinstance(obj, torch.Tensor):
+        return where if isinstance(obj, tensor_module.DTensor) else None
+    if isinstance(obj, torch.nn.Module):  # torch.save(model): its parameters and buffers
+        items = obj.state_dict().items()
+    elif isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, list | tuple):
+        items = enumerate(obj)
+    else:
+        return None
+    for key, value in items:
+        found = _first_shard(value, f"{where}[{key!r}]", depth + 1)
+        if found is not None:
+            return found
+    return None
 
 
 def _rng_state() -> dict[str, Any]:
