@@ -45,6 +45,7 @@ TITLES = {
     "scaling_sim": "Simulation of W4 and beyond",
     "fanout": "Fan-out of synchronous steps",
     "sharding_memory": "Sharding (FSDP2) memory per worker",
+    "sharding_vs_fsdp2": "Sharding vs raw FSDP2 step time",
     "slot_data": "SlotDataset parse rate",
     "rendezvous_join": "Authenticated rendezvous cost",
 }
