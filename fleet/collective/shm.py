@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from fleet.runtime.job_files import SHM_DIR, owner_tag, shm_prefix
+from fleet.runtime.job_files import SHM_DIR, owner_tag, process_alive, shm_prefix
 
 _SPINS = 50  # yields (tens of microseconds) before sleeping in the kernel
 _CHECK_PEERS_S = 0.5
@@ -93,15 +93,6 @@ def attach(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     if os.stat(path).st_size < size:
         raise OSError(f"{path} holds {os.stat(path).st_size} bytes, expected {size}")
     return torch.from_file(path, shared=True, size=numel, dtype=dtype)
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")  # a zombie has exited, even if nobody reaped it yet
 
 
 class Channel:

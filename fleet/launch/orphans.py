@@ -23,6 +23,8 @@ import sys
 import time
 from collections.abc import Iterator
 
+from fleet.runtime.job_files import proc_stat
+
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -46,17 +48,13 @@ def children(parent: int | None = None) -> list[int]:
     for entry in entries:
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after the last ')'
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1 and int(fields[1]) == parent and fields[0] != b"Z":
-            found.append(int(entry))
-        elif len(fields) > 1 and int(fields[1]) == parent:
+        fields = proc_stat(int(entry))
+        if not fields or len(fields) < 2 or int(fields[1]) != parent:
+            continue  # gone meanwhile, or another's child
+        if fields[0] == "Z":
             _reap(int(entry))  # a zombie orphan: only reaping is left
+        else:
+            found.append(int(entry))
     return found
 
 

@@ -216,6 +216,7 @@ class SparseFeatureCollection(nn.Module):
             }
         )
         self._features = {t.name: t.features for t in tables}
+        self._feature_set = frozenset(self.feature_names)
         # The last training forward's per-table layout (each feature's offsets and kept entries), for record_clicks.
         self._layout: dict[str, list[tuple[torch.Tensor, torch.Tensor | None, int]]] = {}
         self._prefetched: tuple[list[torch.Tensor], Any] | None = None  # (each table's unique ids, their future)
@@ -234,7 +235,7 @@ class SparseFeatureCollection(nn.Module):
                 f"{{feature: bags}}; got {type(features).__name__}"
             )
         missing = [f for f in self.feature_names if f not in bags]
-        unknown = [f for f in bags if f not in self._features_set()]
+        unknown = [f for f in bags if f not in self._feature_set]
         if missing or unknown:
             raise ValueError(
                 f"SparseFeatureCollection: features missing from the input: {missing}; not in the collection: "
@@ -251,9 +252,6 @@ class SparseFeatureCollection(nn.Module):
                         f"mode={table.mode!r}"
                     )
         return bags
-
-    def _features_set(self) -> set[str]:
-        return set(self.feature_names)
 
     def _plan(self, bags: dict[str, Bags]) -> list[tuple]:
         """Per table: (name, module, its features' kept ids, keep masks, the unique ids, the inverse index)."""

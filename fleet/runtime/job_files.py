@@ -70,14 +70,26 @@ _OWNED = re.compile(
 )
 
 
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); None when it is gone."""
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ..., start time at index 19); None
+    when the process is gone. The name may hold spaces and parentheses, so the split is after the last ')'."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
+            return handle.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return int(fields[19]) if len(fields) > 19 and fields[0] not in ("Z", "X") else None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has exited, even if nobody reaped it yet)."""
+    fields = proc_stat(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot; None when it is gone."""
+    fields = proc_stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 and fields[0] not in ("Z", "X") else None
 
 
 def owner_tag(pid: int | None = None) -> str:

@@ -3,7 +3,6 @@ worker started with setsid() dies with the job instead of outliving it with the 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fleet.launch import orphans
+from fleet.runtime.job_files import process_alive
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -22,19 +22,10 @@ pytestmark = [  # every test here starts processes
 ]
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, only not reaped yet
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def wait_dead(pid: int, seconds: float = 10.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not alive(pid):
+        if not process_alive(pid):
             return True
         time.sleep(0.05)
     return False

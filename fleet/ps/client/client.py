@@ -44,7 +44,6 @@ import torch
 from fleet.data.files import share_bounds
 from fleet.ps.client import many
 from fleet.ps.client.io import IOThread, Job
-from fleet.ps.client.split import push_pieces
 from fleet.ps.modes import UpdateMode, of_config
 from fleet.ps.protocol import auth
 from fleet.ps.protocol.errors import PSAuthError, PSError, PSServerUnavailable
@@ -54,7 +53,6 @@ from fleet.ps.protocol.wire import (
     DENSE_STATE_GET,
     DENSE_STATE_SET_OPTIMIZER,
     DENSE_STATE_SET_VALUES,
-    MORE_FOLLOWS,
     REDUCE_OPS,
     WRITE_REPLACE,
     Message,
@@ -385,17 +383,11 @@ class PSClient:
         self._io.name_table(table_id, config.get("name"))
         return self._submit(self._all(Op.CREATE_SPARSE, table_id, blob), timeout_s=timeout_s)
 
-    def _split(self, ids: torch.Tensor, every_server: bool) -> list[tuple[int, torch.Tensor]]:
-        """(server, positions in ``ids``) per server; servers without ids are left out unless ``every_server``."""
-        if self.num_servers == 1:
-            return [(0, None)]  # type: ignore[list-item]
-        owner = sparse_owner(ids, self.num_servers)
-        out = []
-        for s in range(self.num_servers):
-            pos = (owner == s).nonzero().squeeze(1)
-            if pos.numel() or every_server:
-                out.append((s, pos))
-        return out
+    def _split(self, ids: torch.Tensor, every_server: bool) -> list[tuple[int, torch.Tensor | None]]:
+        """(server, positions in ``ids`` or None for all) per server; servers without ids are left out unless
+        ``every_server``."""
+        per_server = many.split_by_server([ids], [0], [0], self.num_servers, every_server)
+        return [(server, parts[0].positions) for server, parts in per_server]
 
     def pull_sparse(self, table_id: int, ids: torch.Tensor, min_version: int = 0) -> Future:
         """Future[Tensor]: rows ``[len(ids), dim]`` in the order of ``ids`` (unique ids; missing rows are created).
@@ -441,13 +433,18 @@ class PSClient:
     def push_sparse_grads_many(self, pushes: Sequence[SparsePush]) -> Future:
         """Future[None]: every table's row gradients (as :meth:`push_sparse_grad`), in one request per server
         for all the tables (:mod:`fleet.ps.client.many`); a table's stale push is counted as one."""
+        return self._push_sparse(pushes, Op.PUSH_SPARSE_GRAD)
+
+    def _push_sparse(self, pushes: Sequence[SparsePush], op: Op) -> Future:
+        """Gradient pushes share requests (PUSH_SPARSE_GRAD_MANY); delta pushes go one table per request."""
         pushes = [self._checked_push(p) for p in pushes]
         tables = [p.table for p in pushes]
         dims = [self._sparse_info(t)[0] for t in tables]
         every = any(self._sparse_info(t)[1].pushes_to_every_server for t in tables)
         per_server = many.split_by_server([p.ids for p in pushes], tables, dims, self.num_servers, every)
-        plan = many.pack(per_server, self.limits, many.push_pieces_of(pushes, self.limits))
-        return self._submit([(r.server, many.push_message(r, pushes, self._msg)) for r in plan])
+        share = op == Op.PUSH_SPARSE_GRAD
+        plan = many.pack(per_server, self.limits, many.push_pieces_of(pushes, self.limits), share)
+        return self._submit([(r.server, many.push_message(r, pushes, self._msg, op)) for r in plan])
 
     def _checked_push(self, push: SparsePush) -> SparsePush:
         dim, _ = self._sparse_info(push.table)
@@ -463,39 +460,6 @@ class PSClient:
             if clicks.numel() != ids.numel():
                 raise ValueError(f"sparse table {push.table}: {clicks.numel()} clicks for {ids.numel()} ids")
         return SparsePush(push.table, ids, grads, int(push.step), float(push.lr), clicks)
-
-    def _sparse_push(
-        self,
-        op: Op,
-        table_id: int,
-        ids: torch.Tensor,
-        rows: torch.Tensor,
-        step: int,
-        lr: float,
-        clicks: torch.Tensor | None = None,
-    ) -> Future:
-        dim, mode = self._sparse_info(table_id)  # the table's update mode
-        ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
-        rows = rows.detach().to(torch.float32).contiguous()
-        if list(rows.shape) != [ids.numel(), dim]:
-            raise ValueError(
-                f"sparse table {table_id}: rows of shape {list(rows.shape)} for {ids.numel()} ids, dim {dim}"
-            )
-        if clicks is not None:
-            clicks = clicks.detach().reshape(-1).to(torch.float32).contiguous()
-            if clicks.numel() != ids.numel():
-                raise ValueError(f"sparse table {table_id}: {clicks.numel()} clicks for {ids.numel()} ids")
-        parts = []
-        most = self.limits.ids_per_request(dim)
-        for s, pos in self._split(ids, every_server=mode.pushes_to_every_server):
-            tensors = [ids, rows] if clicks is None else [ids, rows, clicks]
-            if pos is not None:
-                tensors = [t[pos] for t in tensors]
-            pieces = push_pieces(tensors, most, self.limits.piece_ids(dim))
-            for k, piece in enumerate(pieces):
-                more = MORE_FOLLOWS if k < len(pieces) - 1 else 0
-                parts.append((s, self._msg(op, table_id, step=step, lr=lr, arg=more, tensors=piece)))
-        return self._submit(parts)
 
     def push_sparse_grad(
         self,
@@ -517,7 +481,7 @@ class PSClient:
     ) -> Future:
         """Future[None]: geo mode, add ``deltas`` to rows ``ids``; ``step`` is this worker's step count;
         ``clicks`` (one per id, optional) the clicks recorded for those rows since the last sync."""
-        return self._sparse_push(Op.PUSH_SPARSE_DELTA, table_id, ids, deltas, step, 0.0, clicks)
+        return self._push_sparse([SparsePush(table_id, ids, deltas, step, 0.0, clicks)], Op.PUSH_SPARSE_DELTA)
 
     def shrink(self, table_id: int, threshold: float | None = None, timeout_s: float | None = None) -> Future:
         """Future[int]: every server evicts the table's expired rows (and rows scoring below ``threshold``)."""

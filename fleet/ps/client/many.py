@@ -51,9 +51,11 @@ def pack(
     per_server: list[tuple[int, list[TablePart]]],
     limits: RequestLimits,
     oversized: Callable[[int, TablePart], list[Request]],
+    share: bool = True,
 ) -> list[Request]:
     """Requests for each server's parts, in order, under ``limits``; a part over them alone goes as
-    ``oversized(server, part)``'s one-table pieces, the others share requests."""
+    ``oversized(server, part)``'s one-table pieces, the others share requests (unless not ``share``:
+    an op with no composite form, such as a geo delta push)."""
     out: list[Request] = []
     for server, parts in per_server:
         open_request: Request | None = None
@@ -65,6 +67,7 @@ def pack(
             size = part.count * (ID_BYTES + 4 * part.dim)
             if (
                 open_request is None
+                or not share
                 or held_bytes + size > limits.max_bytes
                 or held_ids + part.count > limits.max_ids
                 or len(open_request.parts) >= MAX_MANY_TABLES
@@ -163,14 +166,15 @@ def pull_rows(request: Request, reply: Message) -> list[tuple[TablePart, torch.T
     return out
 
 
-def push_message(request: Request, pushes: list[SparsePush], make) -> Message:
-    """The message of a push ``request`` (``make(op, table, **fields)`` stamps the worker's header)."""
+def push_message(request: Request, pushes: list[SparsePush], make, op: Op = Op.PUSH_SPARSE_GRAD) -> Message:
+    """The message of a push ``request`` (``make(op, table, **fields)`` stamps the worker's header); ``op``:
+    what a one-table request is (a gradient or a geo delta push)."""
     if not request.composite:
         part = request.parts[0]
         push = pushes[part.item]
         tensors = part.piece or [_pick(t, part) for t in (push.ids, push.grads, push.clicks) if t is not None]
         arg = MORE_FOLLOWS if request.more else 0
-        return make(Op.PUSH_SPARSE_GRAD, part.table, step=push.step, lr=push.lr, arg=arg, tensors=tensors)
+        return make(op, part.table, step=push.step, lr=push.lr, arg=arg, tensors=tensors)
     parts = request.parts
     meta = torch.tensor(
         [[p.table, pushes[p.item].step, p.count, int(pushes[p.item].clicks is not None)] for p in parts],
