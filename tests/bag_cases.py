@@ -86,3 +86,18 @@ def rows_of(module: fleet.nn.SparseEmbeddingBag) -> torch.Tensor:
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert got.shape == want.shape, (what, got.shape, want.shape)
     assert torch.allclose(got, want, atol=1e-6, rtol=0), f"{what}: off by {(got - want).abs().max()}"
+
+
+class Both:
+    """Two torch optimizers stepped as one (a reference model's dense SGD beside its tables' Adagrad)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad()
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()

@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 # Tests import helpers from tests/ (dist_harness) and keep runs on one thread per process:
 # the machine has 2 cores and multi-process tests start several interpreters at once.
 sys.path.insert(0, os.path.dirname(__file__))
@@ -10,3 +12,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def pytest_configure(config) -> None:
     # tests/launch/test_slurm.py: a real one-node Slurm cluster (skipped, with the reason, without slurm-wlm)
     config.addinivalue_line("markers", "slurm: starts a one-node Slurm controller and daemon on this machine")
+
+
+@pytest.fixture
+def fresh_fleet():
+    """A test that calls fleet.init() in this process starts, and leaves, with no fleet job set up."""
+    import fleet.api
+
+    fleet.api._reset_for_tests()
+    yield
+    fleet.api._reset_for_tests()

@@ -50,15 +50,6 @@ def test_batches_are_a_pure_function_of_worker_and_step_and_dlrm_shaped() -> Non
     assert torch.equal(both[1][2][1][256:], feats[2][1] + other[1][2][0].numel())
 
 
-@pytest.fixture
-def fresh_fleet():
-    import fleet.api
-
-    fleet.api._reset_for_tests()
-    yield
-    fleet.api._reset_for_tests()
-
-
 @pytest.mark.parametrize("fleet_model", ["bags", "collection"])
 def test_fleet_model_in_one_process_equals_the_nn_embedding_bag_model(fresh_fleet, tmp_path, fleet_model) -> None:
     """With the same initial rows (zeros), fleet's models (a SparseEmbeddingBag per table, or one

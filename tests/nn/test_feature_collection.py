@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bag_cases import BAGS, IDS, LR, PAD, SEED, VOCAB, Bags, close, make_bags, rows_of, union
+from bag_cases import BAGS, IDS, LR, PAD, SEED, VOCAB, Bags, Both, close, make_bags, rows_of, union
 from torch import nn
 
 import fleet
@@ -100,20 +100,7 @@ class Net(nn.Module):
             return torch.optim.SGD(self.parameters(), lr=LR)
         adagrad = list(self.tables["b"].parameters())
         sgd = [p for p in self.parameters() if all(p is not q for q in adagrad)]
-        return _Both(torch.optim.SGD(sgd, lr=LR), torch.optim.Adagrad(adagrad, lr=LR))
-
-
-class _Both:
-    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
-        self.optimizers = optimizers
-
-    def zero_grad(self) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad()
-
-    def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
+        return Both(torch.optim.SGD(sgd, lr=LR), torch.optim.Adagrad(adagrad, lr=LR))
 
 
 def worker_batch(step: int, rank: int) -> tuple[dict[str, Bags], torch.Tensor]:
@@ -189,15 +176,6 @@ def assert_matches(results: list[dict], want: dict) -> None:
         for name, rows in got["rows"].items():
             close(rows, want["rows"][name], f"worker {rank} table {name} rows")
         assert got["num_rows"] == want["num_rows"], (rank, got["num_rows"], want["num_rows"])
-
-
-@pytest.fixture
-def fresh_fleet():
-    import fleet.api
-
-    fleet.api._reset_for_tests()
-    yield
-    fleet.api._reset_for_tests()
 
 
 def test_one_process_equals_nn_embedding_bag_tables(fresh_fleet) -> None:

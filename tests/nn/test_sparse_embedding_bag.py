@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bag_cases import BAGS, DIM, IDS, LR, PAD, SEED, VOCAB, Bags, close, make_bags, reference_bag, rows_of, union  # noqa: F401
+from bag_cases import BAGS, DIM, IDS, LR, PAD, SEED, VOCAB, Bags, Both, close, make_bags, reference_bag, rows_of, union  # noqa: F401
 from torch import nn
 
 import fleet
@@ -181,20 +181,7 @@ class BagNet(nn.Module):
             return torch.optim.SGD(self.parameters(), lr=LR)
         adagrad = [p for name in ADAGRAD for p in self.bags[name].parameters()]
         sgd = [p for p in self.parameters() if all(p is not q for q in adagrad)]
-        return _Both(torch.optim.SGD(sgd, lr=LR), torch.optim.Adagrad(adagrad, lr=LR))
-
-
-class _Both:
-    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
-        self.optimizers = optimizers
-
-    def zero_grad(self) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad()
-
-    def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
+        return Both(torch.optim.SGD(sgd, lr=LR), torch.optim.Adagrad(adagrad, lr=LR))
 
 
 def worker_batch(step: int, rank: int) -> tuple[dict[str, Bags], torch.Tensor]:
@@ -263,15 +250,6 @@ def assert_job_matches(results: list[dict], want: dict) -> None:
         for name, rows in got["rows"].items():
             close(rows, want["rows"][name], f"worker {rank} table {name} rows")
         assert got["num_rows"] == want["num_rows"], (rank, got["num_rows"], want["num_rows"])
-
-
-@pytest.fixture
-def fresh_fleet():
-    import fleet.api
-
-    fleet.api._reset_for_tests()
-    yield
-    fleet.api._reset_for_tests()
 
 
 def test_a_model_of_bags_with_fleet_init_equals_nn_embedding_bag(fresh_fleet) -> None:

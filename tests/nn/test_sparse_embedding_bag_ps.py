@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sparse_embedding_bag import ADAGRAD, BAGS, DIM, FEATURES, IDS, LR, PAD, SEED, close, make_bags, union
+from bag_cases import BAGS, DIM, IDS, LR, PAD, SEED, Both, close, make_bags, union
+from test_sparse_embedding_bag import ADAGRAD, FEATURES
 from torch import nn
 
 import fleet
@@ -87,20 +88,7 @@ class Net(nn.Module):
         adagrad = [p for name in ADAGRAD if name in self.bags and self.variant != "linear"
                    for p in self.bags[name].parameters()]  # fmt: skip
         sgd = [p for p in params if all(p is not q for q in adagrad)]
-        return _Both(torch.optim.SGD(sgd, lr=LR), *([torch.optim.Adagrad(adagrad, lr=LR)] if adagrad else []))
-
-
-class _Both:
-    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
-        self.optimizers = optimizers
-
-    def zero_grad(self) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad()
-
-    def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
+        return Both(torch.optim.SGD(sgd, lr=LR), *([torch.optim.Adagrad(adagrad, lr=LR)] if adagrad else []))
 
 
 def batch_of(variant: str, step: int, rank: int) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -196,15 +184,6 @@ def assert_outputs(got: list, want: list, rank: int, what: str) -> None:
     for step, outputs in enumerate(want):
         for name, pooled in outputs.items():
             close(got[step][name], pooled[rank], f"{what} step {step} table {name} forward")
-
-
-@pytest.fixture
-def fresh_fleet():
-    import fleet.api
-
-    fleet.api._reset_for_tests()
-    yield
-    fleet.api._reset_for_tests()
 
 
 @pytest.mark.timeout(120)

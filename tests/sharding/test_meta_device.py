@@ -57,15 +57,6 @@ def build(meta: bool, seed: int) -> TinyGPT:
         return TinyGPT()
 
 
-@pytest.fixture
-def fresh_fleet():
-    import fleet.api
-
-    fleet.api._reset_for_tests()
-    yield
-    fleet.api._reset_for_tests()
-
-
 def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(10 * step + rank))
 

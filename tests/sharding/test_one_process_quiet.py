@@ -5,19 +5,9 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
 
 import fleet
-
-
-@pytest.fixture
-def fresh_fleet():
-    import fleet.api
-
-    fleet.api._reset_for_tests()
-    yield
-    fleet.api._reset_for_tests()
 
 
 def test_one_process_sharding_checkpoint_warns_nothing(fresh_fleet, tmp_path) -> None:

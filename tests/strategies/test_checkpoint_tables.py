@@ -131,15 +131,6 @@ def test_a_resumed_job_trains_its_tables_exactly_as_the_one_that_saved(tmp_path,
             assert torch.equal(trip["got"], trip["want"]), (job, rank)
 
 
-@pytest.fixture
-def fresh_fleet():
-    import fleet.api
-
-    fleet.api._reset_for_tests()
-    yield
-    fleet.api._reset_for_tests()
-
-
 @pytest.mark.timeout(60)
 def test_one_process_sharding_checkpoint_rows_and_the_mistakes(fresh_fleet, tmp_path) -> None:
     """In one process too; a checkpoint without the rows part warns, one without a table's rows names it."""
