@@ -6,39 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_gpt import VOCAB, TinyGPT
 from torch import nn
 
 from dist_harness import run_workers
 
-DIM, HEADS, BLOCKS, VOCAB, SEQ, BATCH, STEPS = 16, 2, 3, 32, 6, 4, 3
+BLOCKS, SEQ, BATCH, STEPS = 3, 6, 4, 3
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.attn = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(x)
-
-
-class TinyGPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tok(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+def gpt() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(BLOCKS)
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -53,7 +31,7 @@ def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def test_the_default_units_are_the_blocks_inside_containers() -> None:
     from fleet.strategies.sharding import _default_units
 
-    model = TinyGPT()
+    model = gpt()
     units = _default_units(model)
     assert units == [model.tok, *model.layers, model.head]
 
@@ -62,7 +40,7 @@ def gpt_worker(rank: int) -> dict:
     import fleet
 
     fleet.init()
-    model = TinyGPT()
+    model = gpt()
     opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01),
                                       fleet.DistributedStrategy(mode="sharding"))  # fmt: skip
     losses = []
@@ -81,7 +59,7 @@ def gpt_worker(rank: int) -> dict:
 @pytest.mark.timeout(120)
 def test_a_model_of_blocks_in_a_module_list_shards_and_equals_one_process() -> None:
     results = run_workers(gpt_worker, 2, timeout=100)
-    model = TinyGPT()
+    model = gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     for step in range(STEPS):
         opt.zero_grad()

@@ -5,38 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_gpt import VOCAB, TinyGPT
 from torch import nn
 
 from dist_harness import run_workers
 
-DIM, HEADS, BLOCKS, VOCAB, SEQ, BATCH, STEPS = 16, 2, 2, 32, 6, 4, 3
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.attn = nn.MultiheadAttention(DIM, HEADS, batch_first=True)  # torch's _reset_parameters only
-        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(x)
-
-
-class TinyGPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tok(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+BLOCKS, SEQ, BATCH, STEPS = 2, 6, 4, 3
 
 
 def gpt_init(module: nn.Module) -> None:
@@ -52,9 +26,9 @@ def gpt_init(module: nn.Module) -> None:
 def build(meta: bool, seed: int) -> TinyGPT:
     torch.manual_seed(seed)
     if not meta:
-        return TinyGPT()
+        return TinyGPT(BLOCKS)
     with torch.device("meta"):
-        return TinyGPT()
+        return TinyGPT(BLOCKS)
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
