@@ -79,18 +79,17 @@ class WorkerPolicy:
             rows.take_push(rows.version if versioned else self.steps, float(host.inner.param_groups[index]["lr"]))
             for _, index, rows in host.sparse
         ]
-        bad = [f"dense table {entry.table_id}" for entry, grad, _ in grads if not nonfinite.finite(grad, entry.lr)]
-        bad += [
-            f"sparse table {push.table}" for push in pushes if not nonfinite.finite(push.grads, push.clicks, push.lr)
-        ]
-        if bad:
-            nonfinite.refuse(" and ".join(bad), self.steps, "a parameter-server push: the servers skip it", rule)
+        bad_dense = {entry.table_id for entry, grad, _ in grads if not nonfinite.finite(grad, entry.lr)}
+        bad_sparse = {push.table for push in pushes if not nonfinite.finite(push.grads, push.clicks, push.lr)}
+        if bad_dense or bad_sparse:
+            named = [f"dense table {t}" for t in sorted(bad_dense)] + [f"sparse table {t}" for t in sorted(bad_sparse)]
+            nonfinite.refuse(" and ".join(named), self.steps, "a parameter-server push: the servers skip it", rule)
         futures = []
         for entry, grad, present in grads:
             step = entry.version if versioned else 0
-            lr = entry.lr if f"dense table {entry.table_id}" not in bad else math.nan
+            lr = math.nan if entry.table_id in bad_dense else entry.lr
             futures.append(host.client.push_dense_grad(entry.table_id, grad, step, lr, present))
-        pushes = [replace(p, lr=math.nan) if f"sparse table {p.table}" in bad else p for p in pushes]
+        pushes = [replace(p, lr=math.nan) if p.table in bad_sparse else p for p in pushes]
         if pushes:  # every table's rows in one request per server (fleet.ps.client.many)
             futures.append(host.client.push_sparse_grads_many(pushes))
         return futures
