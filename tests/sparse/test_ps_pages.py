@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 
@@ -35,7 +36,10 @@ def test_prefault_keeps_the_contents():
 def test_prefault_makes_fresh_memory_present_without_the_caller_writing_it():
     if not pages._PREFAULTER.supported:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+): prefault is a no-op here")
-    t = torch.empty(64 << 20, dtype=torch.uint8)  # fresh mapping, not touched
+    # a fresh anonymous mapping, never touched: torch.empty may reuse memory the allocator has already
+    # faulted in for an earlier test in this process, which no prefault can make grow the RSS
+    region = mmap.mmap(-1, 64 << 20)
+    t = torch.frombuffer(region, dtype=torch.uint8)
     before = _rss_bytes()
     pages.prefault(t)
     _wait_for_the_helper()
