@@ -211,11 +211,11 @@ def bag_job(rank: int, steps: int, mode: str = "collective") -> dict:
         opt.step()
         outputs.append({name: p.detach() for name, p in pooled.items()})
     fleet.barrier_worker()
-    out = {
-        "outputs": outputs,
-        "num_rows": {name: bag.num_rows() for name, bag in model.bags.items()},
-        "rows": {name: rows_of(bag) for name, bag in model.bags.items()},
-    }
+    num_rows = {name: bag.num_rows() for name, bag in model.bags.items()}
+    # Reading the rows pulls every id, which creates the absent ones on a PS server: every worker
+    # must have counted the rows before any reads them (a slow worker counted 30 for 28 once).
+    fleet.barrier_worker()
+    out = {"outputs": outputs, "num_rows": num_rows, "rows": {name: rows_of(bag) for name, bag in model.bags.items()}}
     fleet.stop_worker()
     return out
 
