@@ -16,11 +16,11 @@ optimizer step, one per backward pass (for scripts that never call ``step()``).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
 import torch
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 
 class CommClock:
@@ -43,35 +43,46 @@ class CommClock:
         return taken
 
 
-class _TimedAllGather(DefaultAllGather):
-    def __init__(self, clock: CommClock) -> None:
-        super().__init__()
-        self.clock = clock
+@functools.cache
+def _timed_collectives() -> tuple[type, type]:
+    """FSDP2's default collectives wrapped in a clock, made on first use.
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):
-        started = time.perf_counter()
-        try:
-            return super().__call__(output_tensor, input_tensor, group, async_op)
-        finally:
-            self.clock.add(time.perf_counter() - started)
+    Why not at import: importing FSDP2 costs 1-2 s, and every process of every mode imports this
+    module (checking a strategy imports all strategies); only sharding jobs need it.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
+    class TimedAllGather(DefaultAllGather):
+        def __init__(self, clock: CommClock) -> None:
+            super().__init__()
+            self.clock = clock
 
-class _TimedReduceScatter(DefaultReduceScatter):
-    def __init__(self, clock: CommClock) -> None:
-        super().__init__()
-        self.clock = clock
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):
+            started = time.perf_counter()
+            try:
+                return super().__call__(output_tensor, input_tensor, group, async_op)
+            finally:
+                self.clock.add(time.perf_counter() - started)
 
-    def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
-    ):
-        started = time.perf_counter()
-        try:
-            return super().__call__(output_tensor, input_tensor, group, op, async_op)
-        finally:
-            self.clock.add(time.perf_counter() - started)
+    class TimedReduceScatter(DefaultReduceScatter):
+        def __init__(self, clock: CommClock) -> None:
+            super().__init__()
+            self.clock = clock
+
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+        ):
+            started = time.perf_counter()
+            try:
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+            finally:
+                self.clock.add(time.perf_counter() - started)
+
+    return TimedAllGather, TimedReduceScatter
 
 
 def time_collectives(module: Any, clock: CommClock) -> None:
     """Count the time ``module``'s (an FSDP2 module's) all-gathers and reduce-scatters take in ``clock``."""
-    module.set_custom_all_gather(_TimedAllGather(clock))
-    module.set_custom_reduce_scatter(_TimedReduceScatter(clock))
+    all_gather, reduce_scatter = _timed_collectives()
+    module.set_custom_all_gather(all_gather(clock))
+    module.set_custom_reduce_scatter(reduce_scatter(clock))

@@ -228,3 +228,18 @@ def test_collective_skips_the_step_of_a_table_whose_exchanged_gradient_is_nonfin
     fleet.api._reset_for_tests()
     reference = _train(1, 0, poison=False, skip=True)  # one process, the union, no table step at BAD_STEPS
     torch.testing.assert_close(a["rows"], reference["rows"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_finite_tells_an_overflowing_sum_of_finite_values_from_a_nan_or_inf(dtype):
+    big = torch.full((1000,), torch.finfo(dtype).max / 2, dtype=dtype)  # finite, but their sum overflows
+    assert nonfinite.finite(big) and nonfinite.finite(-big) and nonfinite.finite(big, 0.1, None)
+    for bad in (math.nan, math.inf, -math.inf):
+        for where in (0, 537, 999):
+            t = torch.randn(1000).to(dtype)
+            t[where] = bad
+            assert not nonfinite.finite(t), (dtype, bad, where)
+            assert not nonfinite.finite(big, t)
+    assert not nonfinite.finite(torch.ones(3), math.nan)
+    both = torch.tensor([math.inf, -math.inf], dtype=dtype)  # inf - inf: still not finite
+    assert not nonfinite.finite(both)
