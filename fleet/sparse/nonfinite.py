@@ -21,6 +21,7 @@ import torch
 
 from fleet.errors import FleetError
 from fleet.runtime import context
+from fleet.sparse.native import kernels
 
 POLICIES = ("skip", "error")
 
@@ -37,7 +38,12 @@ def finite(*values: torch.Tensor | float | None) -> bool:
         if isinstance(value, torch.Tensor):
             if value.is_sparse:
                 value = value.coalesce().values()
-            if value.numel() and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            if not value.numel() or not value.is_floating_point():
+                continue
+            if value.dtype == torch.float32 and value.device.type == "cpu" and value.is_contiguous():
+                if not kernels.all_finite(value.detach().reshape(-1).numpy()):  # one pass, no bool tensor
+                    return False
+            elif not bool(torch.isfinite(value).all()):
                 return False
         elif not math.isfinite(float(value)):
             return False
