@@ -23,11 +23,13 @@ from fleet.sparse.native import kernels
 
 def unique_inverse(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.unique(ids, sorted=True, return_inverse=True)`` for 1-D int64 ``ids`` on the CPU."""
+    if ids.numel() >= 1 << 30:  # beyond the kernel's 32-bit table
+        return torch.unique(ids, sorted=True, return_inverse=True)
     ids = ids.contiguous()
     unique = torch.empty_like(ids)
     inverse = torch.empty_like(ids)
     k = kernels.unique_inverse(ids.numpy(), unique.numpy(), inverse.numpy())
-    return unique[:k], inverse
+    return unique[:k].clone(), inverse  # its own storage: the ids travel on (pushes, saves)
 
 
 class _SumBags(torch.autograd.Function):

@@ -488,38 +488,37 @@ PyObject* py_unique_inverse(PyObject*, PyObject* args) {
   if (uniq.len() != n || inv.len() != n)
     return PyErr_Format(PyExc_ValueError, "unique_inverse: unique_out (%zd) and inverse_out (%zd) must hold %zd ids",
                         uniq.len(), inv.len(), n);
+  if (n >= (int64_t{1} << 30)) return PyErr_Format(PyExc_ValueError, "unique_inverse: %zd ids are too many (< 2**30)", n);
   uint64_t cap = 16;
   while (cap < 2 * static_cast<uint64_t>(n)) cap *= 2;
   const int shift = 64 - __builtin_ctzll(cap);
-  // entries (id, first-seen number) of an open-addressing table, then per first-seen number its rank
-  Scratch table(sizeof(int64_t) * (2 * cap + 3 * static_cast<size_t>(n)));
-  if (!table.ok()) return PyErr_NoMemory();
+  struct Pair {
+    int64_t id, first;
+  };
+  // an open-addressing table of first-seen numbers (int32: a quarter of the memory of (id, number) entries),
+  // the distinct ids with their numbers, then per number its rank
+  Scratch scratch(sizeof(int32_t) * cap + sizeof(Pair) * static_cast<size_t>(n) + sizeof(int64_t) * static_cast<size_t>(n));
+  if (!scratch.ok()) return PyErr_NoMemory();
+  int32_t* t = static_cast<int32_t*>(static_cast<void*>(scratch.i64()));
+  Pair* ps = static_cast<Pair*>(static_cast<void*>(t + cap));
+  int64_t* rank = static_cast<int64_t*>(static_cast<void*>(ps + n));
   const int64_t* in = ids.i64();
   int64_t *u = uniq.i64(), *o = inv.i64();
-  int64_t* t = table.i64();
-  int64_t* pairs = t + 2 * cap;  // [k, 2]: (id, first-seen number), sorted by id
-  int64_t* rank = pairs + 2 * n;
   int64_t k = 0;
   Py_BEGIN_ALLOW_THREADS;
-  for (uint64_t e = 0; e < cap; ++e) t[2 * e + 1] = kEmpty;
+  std::memset(t, 0xFF, sizeof(int32_t) * cap);  // -1: free
   const uint64_t mask = cap - 1;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = in[i];
     uint64_t p = home(id, shift);
-    while (t[2 * p + 1] != kEmpty && t[2 * p] != id) p = (p + 1) & mask;
-    if (t[2 * p + 1] == kEmpty) {
-      t[2 * p] = id;
-      t[2 * p + 1] = k;
-      pairs[2 * k] = id;
-      pairs[2 * k + 1] = k;
+    while (t[p] >= 0 && ps[t[p]].id != id) p = (p + 1) & mask;
+    if (t[p] < 0) {
+      t[p] = static_cast<int32_t>(k);
+      ps[k] = {id, k};
       ++k;
     }
-    o[i] = t[2 * p + 1];
+    o[i] = t[p];
   }
-  struct Pair {
-    int64_t id, first;
-  };
-  Pair* ps = reinterpret_cast<Pair*>(pairs);
   std::sort(ps, ps + k, [](const Pair& a, const Pair& b) { return a.id < b.id; });
   for (int64_t r = 0; r < k; ++r) {
     u[r] = ps[r].id;
