@@ -35,14 +35,13 @@ def unique_inverse(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class _SumBags(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(inverse, offsets)
-        ctx.shape = rows.shape
+        ctx.save_for_backward(rows, inverse, offsets)  # rows: for the gradient's shape (the leaf is alive anyway)
         return F.embedding_bag(inverse, rows, offsets, mode="sum", include_last_offset=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
-        inverse, offsets = ctx.saved_tensors
-        out = torch.zeros(ctx.shape, dtype=grad.dtype)
+        rows, inverse, offsets = ctx.saved_tensors
+        out = torch.zeros_like(rows, dtype=grad.dtype)
         order = inverse.sort().indices
         kernels.bag_sum_backward(
             grad.contiguous().numpy(), offsets.numpy(), inverse.numpy(), order.numpy(), out.numpy()
