@@ -492,16 +492,13 @@ PyObject* py_unique_inverse(PyObject*, PyObject* args) {
   uint64_t cap = 16;
   while (cap < 2 * static_cast<uint64_t>(n)) cap *= 2;
   const int shift = 64 - __builtin_ctzll(cap);
-  struct Pair {
-    int64_t id, first;
-  };
-  // an open-addressing table of first-seen numbers (int32: a quarter of the memory of (id, number) entries),
-  // the distinct ids with their numbers, then per number its rank
-  Scratch scratch(sizeof(int32_t) * cap + sizeof(Pair) * static_cast<size_t>(n) + sizeof(int64_t) * static_cast<size_t>(n));
+  // an open-addressing table of first-seen numbers (int32: compact, so it stays in cache), the distinct
+  // ids in first-seen order, the same sorted, then per first-seen number its rank
+  Scratch scratch(sizeof(int32_t) * cap + 3 * sizeof(int64_t) * static_cast<size_t>(n));
   if (!scratch.ok()) return PyErr_NoMemory();
   int32_t* t = static_cast<int32_t*>(static_cast<void*>(scratch.i64()));
-  Pair* ps = static_cast<Pair*>(static_cast<void*>(t + cap));
-  int64_t* rank = static_cast<int64_t*>(static_cast<void*>(ps + n));
+  int64_t* seen = static_cast<int64_t*>(static_cast<void*>(t + cap));
+  int64_t* rank = seen + n;
   const int64_t* in = ids.i64();
   int64_t *u = uniq.i64(), *o = inv.i64();
   int64_t k = 0;
@@ -511,18 +508,19 @@ PyObject* py_unique_inverse(PyObject*, PyObject* args) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = in[i];
     uint64_t p = home(id, shift);
-    while (t[p] >= 0 && ps[t[p]].id != id) p = (p + 1) & mask;
+    while (t[p] >= 0 && seen[t[p]] != id) p = (p + 1) & mask;
     if (t[p] < 0) {
       t[p] = static_cast<int32_t>(k);
-      ps[k] = {id, k};
-      ++k;
+      seen[k++] = id;
     }
     o[i] = t[p];
   }
-  std::sort(ps, ps + k, [](const Pair& a, const Pair& b) { return a.id < b.id; });
-  for (int64_t r = 0; r < k; ++r) {
-    u[r] = ps[r].id;
-    rank[ps[r].first] = r;
+  std::memcpy(u, seen, sizeof(int64_t) * k);
+  std::sort(u, u + k);  // plain int64 keys: faster than sorting (id, number) pairs
+  for (int64_t r = 0; r < k; ++r) {  // each id's first-seen number, found again in the (cached) table
+    uint64_t p = home(u[r], shift);
+    while (seen[t[p]] != u[r]) p = (p + 1) & mask;
+    rank[t[p]] = r;
   }
   for (int64_t i = 0; i < n; ++i) o[i] = rank[o[i]];
   Py_END_ALLOW_THREADS;
