@@ -460,18 +460,29 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
 }
 
 // ------------------------------------------------------------------ one-process lookups (fleet.nn)
-// Scratch memory for a kernel, taken before the GIL is released; freed on scope exit.
+// Scratch memory for a kernel, taken before the GIL is released. Each thread keeps its block for the next
+// call (grown when too small, never shrunk): these kernels run every step on arrays of a batch's size, and
+// fresh memory each time cost page faults and cache misses. One Scratch per call (they would share the block).
 class Scratch {
  public:
-  explicit Scratch(size_t bytes) : p_(PyMem_RawMalloc(bytes ? bytes : 1)) {}
-  ~Scratch() { PyMem_RawFree(p_); }
+  explicit Scratch(size_t bytes) {
+    thread_local void* block = nullptr;
+    thread_local size_t size = 0;
+    if (bytes > size) {
+      void* grown = PyMem_RawRealloc(block, bytes);
+      if (grown == nullptr) return;  // the old block stays for a later, smaller call
+      block = grown;
+      size = bytes;
+    }
+    p_ = block;
+  }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   int64_t* i64() const { return static_cast<int64_t*>(p_); }
   bool ok() const { return p_ != nullptr; }
 
  private:
-  void* p_;
+  void* p_ = nullptr;
 };
 
 // unique_inverse(ids, unique_out, inverse_out) -> k: unique_out[:k] the distinct ids ascending, inverse_out[i]
