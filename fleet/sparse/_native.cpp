@@ -468,6 +468,7 @@ class Scratch {
   explicit Scratch(size_t bytes) {
     thread_local void* block = nullptr;
     thread_local size_t size = 0;
+    if (bytes == 0) bytes = 1;  // an empty call still gets a block (never a null one)
     if (bytes > size) {
       void* grown = PyMem_RawRealloc(block, bytes);
       if (grown == nullptr) return;  // the old block stays for a later, smaller call

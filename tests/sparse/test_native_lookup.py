@@ -71,6 +71,17 @@ def test_sum_bags_matches_embedding_bag_and_its_gradient(trial: int) -> None:
     assert torch.equal(rows.grad, ref_rows.grad)
 
 
+@pytest.mark.parametrize("offsets", [[0], [0, 0, 0]])
+def test_sum_bags_of_no_ids(offsets: list[int]) -> None:
+    rows = torch.zeros(0, 4, requires_grad=True)
+    out = sum_bags(rows, torch.empty(0, dtype=torch.int64), torch.tensor(offsets))
+    assert torch.equal(out, torch.zeros(len(offsets) - 1, 4))
+    out.sum().backward()
+    assert rows.grad.shape == (0, 4)
+    unique, inverse = unique_inverse(torch.empty(0, dtype=torch.int64))
+    assert unique.numel() == 0 and inverse.numel() == 0
+
+
 def test_bag_kernel_refuses_bad_offsets_and_indices() -> None:
     grad, out = torch.zeros(2, 4), torch.zeros(3, 4)
     inverse = torch.tensor([0, 1, 2])
