@@ -14,10 +14,10 @@ from fleet.sparse.native import kernels
 from fleet.sparse.optim import InitializerSpec, _uniform_rows_torch, initial_rows
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 5000])
-@pytest.mark.parametrize("span", [3, 1000, 1 << 62])
+@pytest.mark.parametrize("n", [0, 1, 7, 64, 5000])
+@pytest.mark.parametrize("span", [3, 1000, 1 << 62, 1 << 63])
 def test_unique_inverse_is_torch_unique(n: int, span: int) -> None:
-    ids = torch.randint(-span, span, (n,), generator=torch.Generator().manual_seed(n + span))
+    ids = torch.randint(-span, span - 1, (n,), generator=torch.Generator().manual_seed(n + span))
     unique, inverse = unique_inverse(ids)
     ref_unique, ref_inverse = torch.unique(ids, sorted=True, return_inverse=True)
     assert torch.equal(unique, ref_unique)
