@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fleet.nn.bag_kernels import unique_inverse
 from fleet.nn.sparse_embedding import SparseEmbedding, refuse_unknown
 from fleet.nn.sparse_embedding_bag import MODES, SparseEmbeddingBag, bag_of_entries, pool
 from fleet.sparse import backends
@@ -262,7 +263,7 @@ class SparseFeatureCollection(nn.Module):
                 ids, keep = table.kept_ids(bags[feature][0])
                 kept.append(ids)
                 keeps.append(keep)
-            unique, inverse = torch.unique(torch.cat(kept), return_inverse=True)
+            unique, inverse = unique_inverse(kept[0] if len(kept) == 1 else torch.cat(kept))
             plans.append((name, table, kept, keeps, unique, inverse))
         return plans
 

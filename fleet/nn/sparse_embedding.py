@@ -333,6 +333,9 @@ class SparseEmbedding(nn.Module):
         pending, self._pending = self._pending, []
         if not pending:
             return torch.empty(0, dtype=torch.int64), torch.empty(0, self.embedding_dim), None
+        if len(pending) == 1:  # one forward a step (the usual case): no copies
+            unique, rows, _, clicks = pending[0]
+            return unique, (rows.grad if rows.grad is not None else torch.zeros_like(rows)).detach(), clicks
         ids = torch.cat([u for u, *_ in pending])
         grads = torch.cat([r.grad if r.grad is not None else torch.zeros_like(r) for _, r, *_ in pending])
         clicks = None

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fleet.nn.bag_kernels import sum_bags
 from fleet.nn.sparse_embedding import SparseEmbedding
 
 MODES = ("sum", "mean", "max")
@@ -163,6 +164,18 @@ def pool(
 ) -> torch.Tensor:
     """Bags of ``rows`` (unique rows; ``inverse``: the row of each kept entry of an input of ``shape``; ``keep``:
     which entries are kept, None for all) pooled as ``nn.EmbeddingBag`` pools them."""
+    if (
+        mode == "sum"
+        and keep is None
+        and weights is None
+        and include_last_offset
+        and offsets is not None
+        and rows.dtype == torch.float32
+        and inverse.dim() == 1
+        and offsets.numel()
+        and int(offsets[-1]) == inverse.numel()
+    ):
+        return sum_bags(rows, inverse, offsets)  # the common case: the same values, a native backward
     padding = None
     if keep is not None:
         # The padding id's entries point at one zero row past the unique rows, which

@@ -21,6 +21,7 @@ import torch
 
 from fleet.errors import FleetError
 from fleet.runtime import context
+from fleet.sparse.native import kernels
 
 POLICIES = ("skip", "error")
 
@@ -51,8 +52,11 @@ def _all_finite(t: torch.Tensor) -> bool:
     slower (3.9 ms for W2's 500k dense gradients, run on every push of every worker and server).
     A NaN or Inf element makes the sum non-finite, so a finite sum settles it in one pass; a
     non-finite sum may also be an overflow of finite values, which ``aminmax`` (NaN-propagating)
-    tells apart.
+    tells apart. A contiguous float32 CPU tensor (every gradient fleet checks) takes the native
+    one-pass, vectorised check of the exponent bits instead.
     """
+    if t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
+        return bool(kernels.all_finite(t.detach().reshape(-1).numpy()))
     if bool(torch.isfinite(t.sum())):
         return True
     low, high = torch.aminmax(t)

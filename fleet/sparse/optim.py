@@ -31,6 +31,7 @@ from typing import Any, Literal
 import pydantic
 import torch
 
+from fleet.sparse.native import kernels
 from fleet.sparse.rowwise_adagrad import RowWiseAdagrad, accumulate_rows
 
 Kind = Literal["sgd", "adam", "adamw", "adagrad", "rowwise_adagrad"]
@@ -265,6 +266,21 @@ def _uniform01(ids: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Ten
     return scratch.to(torch.float64).mul_(2.0**-53)
 
 
+def _uniform_rows(ids: torch.Tensor, dim: int, init: InitializerSpec, seed: int) -> torch.Tensor:
+    """The "uniform" rows, natively: the bits of :func:`_uniform_rows_torch` (creating rows is much of a growing
+    table's pull, and the torch version makes a dozen ``[n, dim]`` int64 passes)."""
+    out = torch.empty(ids.numel(), dim, dtype=torch.float32)
+    seed_key = _signed(_mix_int(seed * _GAMMA + 1))  # _uniform01's key for stream 0
+    kernels.uniform_rows(ids.contiguous().numpy(), seed_key, float(init.low), init.high - init.low, out.numpy())
+    return out
+
+
+def _uniform_rows_torch(ids: torch.Tensor, dim: int, init: InitializerSpec, seed: int) -> torch.Tensor:
+    """The definition of the "uniform" rows (tests hold the kernel to it)."""
+    u = _uniform01(ids, dim, seed, 0) - 2.0**-53  # [0, 1)
+    return (u * (init.high - init.low) + init.low).to(torch.float32)
+
+
 def initial_rows(ids: torch.Tensor, dim: int, init: InitializerSpec, seed: int) -> torch.Tensor:
     """Initial values of the rows for ``ids``: float32 ``[len(ids), dim]``.
 
@@ -282,8 +298,7 @@ def initial_rows(ids: torch.Tensor, dim: int, init: InitializerSpec, seed: int) 
     if init.kind == "constant":
         return torch.full((n, dim), init.value, dtype=torch.float32)
     if init.kind == "uniform":
-        u = _uniform01(ids, dim, seed, 0) - 2.0**-53  # [0, 1)
-        return (u * (init.high - init.low) + init.low).to(torch.float32)
+        return _uniform_rows(ids, dim, init, seed)
     # Box-Muller on two independent streams.
     u1 = _uniform01(ids, dim, seed, 1)
     u2 = _uniform01(ids, dim, seed, 2)

@@ -421,10 +421,13 @@ class SparseTable:
         if not bool(missing.any()):
             return slots
         where = missing.nonzero().squeeze(1)
-        new_ids, inverse = torch.unique(ids.index_select(0, where), sorted=True, return_inverse=True)
+        new_ids = ids.index_select(0, where)
+        inverse = None
+        if not bool((new_ids[1:] > new_ids[:-1]).all()):  # ascending ids (a pull's unique ids) are unique already
+            new_ids, inverse = torch.unique(new_ids, sorted=True, return_inverse=True)
         self._init_rows(len(self), new_ids)
         new_slots = self._index.insert_new(new_ids, self._log())
-        slots.index_copy_(0, where, new_slots.index_select(0, inverse))
+        slots.index_copy_(0, where, new_slots if inverse is None else new_slots.index_select(0, inverse))
         return slots
 
     def _init_rows(self, first: int, new_ids: torch.Tensor) -> None:

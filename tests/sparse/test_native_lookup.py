@@ -1,0 +1,101 @@
+"""The one-process lookup's kernels (fleet/sparse/_native.cpp) against the torch code they replace, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fleet.nn.bag_kernels import sum_bags, unique_inverse
+from fleet.sparse import nonfinite
+from fleet.sparse.native import kernels
+from fleet.sparse.optim import InitializerSpec, _uniform_rows_torch, initial_rows
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 64, 5000])
+@pytest.mark.parametrize("span", [3, 1000, 1 << 62, 1 << 63])
+def test_unique_inverse_is_torch_unique(n: int, span: int) -> None:
+    ids = torch.randint(-span, span - 1, (n,), generator=torch.Generator().manual_seed(n + span))
+    unique, inverse = unique_inverse(ids)
+    ref_unique, ref_inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    assert torch.equal(unique, ref_unique)
+    assert torch.equal(inverse, ref_inverse)
+
+
+@pytest.mark.parametrize("dim", [1, 16, 33, 64])
+@pytest.mark.parametrize("seed", [0, 7, -3])
+@pytest.mark.parametrize(("low", "high"), [(-0.01, 0.01), (-1.5, 3.25), (0.5, 0.5)])
+def test_uniform_rows_are_the_torch_definition(dim: int, seed: int, low: float, high: float) -> None:
+    ids = torch.randint(-(1 << 62), 1 << 62, (500,), generator=torch.Generator().manual_seed(dim))
+    ids[:3] = torch.tensor([0, -1, (1 << 63) - 1])
+    init = InitializerSpec(kind="uniform", low=low, high=high)
+    native = initial_rows(ids, dim, init, seed)
+    assert native.dtype == torch.float32 and native.shape == (500, dim)
+    assert torch.equal(native, _uniform_rows_torch(ids, dim, init, seed))
+    assert initial_rows(ids[:0], dim, init, seed).shape == (0, dim)
+
+
+def test_all_finite_finds_nan_and_inf_anywhere() -> None:
+    values = torch.randn(1001)
+    values[7] = 3e38  # large but finite
+    assert kernels.all_finite(values.numpy()) and nonfinite.finite(values.view(7, 143))
+    for bad in (math.nan, math.inf, -math.inf):
+        for at in (0, 500, 1000):
+            broken = values.clone()
+            broken[at] = bad
+            assert not kernels.all_finite(broken.numpy())
+            assert not nonfinite.finite(broken.view(7, 143))
+            assert not nonfinite.finite(broken.view(143, 7).t())  # non-contiguous: torch's check
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_sum_bags_matches_embedding_bag_and_its_gradient(trial: int) -> None:
+    g = torch.Generator().manual_seed(trial)
+    rows_n = int(torch.randint(1, 800, (), generator=g))
+    n = int(torch.randint(0, 4000, (), generator=g))
+    bags = int(torch.randint(1, 300, (), generator=g))
+    dim = (1, 3, 16, 32, 64, 8)[trial % 6]
+    inverse = torch.randint(0, rows_n, (n,), generator=g)
+    cuts = torch.sort(torch.randint(0, n + 1, (bags - 1,), generator=g)).values
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([n])])  # empty bags too
+    grad_out = torch.randn(bags, dim, generator=g) * torch.rand(bags, 1, generator=g) * 100
+    ref_rows = torch.randn(rows_n, dim, generator=g, requires_grad=True)
+    rows = ref_rows.detach().clone().requires_grad_(True)
+    ref = F.embedding_bag(inverse, ref_rows, offsets, mode="sum", include_last_offset=True)
+    ref.backward(grad_out)
+    out = sum_bags(rows, inverse, offsets)
+    out.backward(grad_out)
+    assert torch.equal(out, ref)
+    assert torch.equal(rows.grad, ref_rows.grad)
+
+
+@pytest.mark.parametrize("offsets", [[0], [0, 0, 0]])
+def test_sum_bags_of_no_ids(offsets: list[int]) -> None:
+    rows = torch.zeros(0, 4, requires_grad=True)
+    out = sum_bags(rows, torch.empty(0, dtype=torch.int64), torch.tensor(offsets))
+    assert torch.equal(out, torch.zeros(len(offsets) - 1, 4))
+    out.sum().backward()
+    assert rows.grad.shape == (0, 4)
+    unique, inverse = unique_inverse(torch.empty(0, dtype=torch.int64))
+    assert unique.numel() == 0 and inverse.numel() == 0
+
+
+def test_bag_kernel_refuses_bad_offsets_and_indices() -> None:
+    grad, out = torch.zeros(2, 4), torch.zeros(3, 4)
+    inverse = torch.tensor([0, 1, 2])
+    order = inverse.sort().indices
+    with pytest.raises(ValueError, match="first offset"):
+        kernels.bag_sum_backward(
+            grad.numpy(), torch.tensor([1, 2, 3]).numpy(), inverse.numpy(), order.numpy(), out.numpy()
+        )
+    with pytest.raises(ValueError, match="non-decreasing"):
+        kernels.bag_sum_backward(
+            grad.numpy(), torch.tensor([0, 2, 1]).numpy(), inverse.numpy(), order.numpy(), out.numpy()
+        )
+    with pytest.raises(ValueError, match="out of range"):
+        kernels.bag_sum_backward(
+            grad.numpy(), torch.tensor([0, 1, 3]).numpy(), torch.tensor([0, 1, 3]).numpy(), order.numpy(), out.numpy()
+        )
+    assert torch.equal(out, torch.zeros(3, 4))  # nothing written
