@@ -30,6 +30,8 @@ constexpr int32_t kEmpty = -1;  // an entry never used: ends every probe (a remo
 constexpr uint64_t kM1 = 0xBF58476D1CE4E5B9ULL;
 constexpr uint64_t kM2 = 0x94D049BB133111EBULL;
 constexpr int64_t kPrefetchAhead = 16;  // lookups in flight: one thread's memory-level parallelism
+constexpr int64_t kGroup = 32;          // ids whose index entries, then records, are fetched together
+constexpr int kScan = 16;               // entries a lookup's first pass reads for a tag match (one cache line)
 
 
 // ------------------------------------------------------------------ buffers
@@ -190,13 +192,16 @@ PyObject* py_home(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// lookup(entries, keys, ids, out, old_entries or None): out[i] = slot of ids[i], -1 where absent.
-// `keys[slot]` is the id at each slot (a strided column). While an index grows, ids missing from
-// `entries` are looked up in `old_entries` too.
+// lookup(entries, keys, ids, out, old_entries or None[, rows, rows_out]): out[i] = slot of ids[i], -1 where
+// absent. `keys[slot]` is the id at each slot (a strided column). While an index grows, ids missing from
+// `entries` are looked up in `old_entries` too. With `rows` (float32 [R, dim], strided: the row field of the
+// records the keys belong to), rows_out[i] = rows[out[i]] for every id found (rows_out[i] untouched for the
+// others): the row is copied while the record's cache lines, just read to confirm the id, are at hand.
 PyObject* py_lookup(PyObject*, PyObject* args) {
-  PyObject *table_o, *keys_o, *ids_o, *out_o, *old_o;
-  if (!PyArg_ParseTuple(args, "OOOOO:lookup", &table_o, &keys_o, &ids_o, &out_o, &old_o)) return nullptr;
-  Buf table, kbuf, ids, out, old;
+  PyObject *table_o, *keys_o, *ids_o, *out_o, *old_o, *rows_o = Py_None, *rows_out_o = Py_None;
+  if (!PyArg_ParseTuple(args, "OOOOO|OO:lookup", &table_o, &keys_o, &ids_o, &out_o, &old_o, &rows_o, &rows_out_o))
+    return nullptr;
+  Buf table, kbuf, ids, out, old, rows, rows_out;
   Entries e, oe;
   Keys keys;
   if (!get_entries(table, table_o, "entries", false, &e) || !get_keys(kbuf, keys_o, &keys)) return nullptr;
@@ -205,25 +210,60 @@ PyObject* py_lookup(PyObject*, PyObject* args) {
   if (!ids.get(ids_o, "ids", Kind::kInt64, 1, -1, false) || !out.get(out_o, "out", Kind::kInt64, 1, -1, true))
     return nullptr;
   if (out.len() != ids.len()) return PyErr_Format(PyExc_ValueError, "out has %zd entries for %zd ids", out.len(), ids.len());
+  const bool has_rows = rows_o != Py_None;
+  int64_t dim = 0, rstride = 0, rlen = 0;
+  if (has_rows) {
+    if (!rows.get(rows_o, "rows", Kind::kFloat32, 2, -1, false, true)) return nullptr;
+    if (!rows_out.get(rows_out_o, "rows_out", Kind::kFloat32, 2, rows.cols(), true)) return nullptr;
+    if (rows_out.len() != ids.len())
+      return PyErr_Format(PyExc_ValueError, "rows_out has %zd rows for %zd ids", rows_out.len(), ids.len());
+    dim = rows.cols();
+    rstride = rows.stride();
+    rlen = rows.len();
+  } else if (rows_out_o != Py_None) {
+    return PyErr_Format(PyExc_ValueError, "lookup: rows_out without rows");
+  }
+  const float* rs = has_rows ? rows.f32() : nullptr;
+  float* ro = has_rows ? rows_out.f32() : nullptr;
   const int64_t* in = ids.i64();
   int64_t* o = out.i64();
   const int64_t n = ids.len();
-  constexpr int64_t kKeyAhead = kPrefetchAhead / 2;
   Py_BEGIN_ALLOW_THREADS;
-  for (int64_t i = 0; i < n; ++i) {
-    // Two stages ahead: the entry a few lookups on, and, once it has arrived, the key its home entry
-    // names -- so the misses of several lookups (entry, then key) overlap instead of queueing.
-    if (i + kPrefetchAhead < n) __builtin_prefetch(e.t + e.home_of(hash(in[i + kPrefetchAhead])));
-    if (i + kKeyAhead < n) {
-      const uint64_t h = hash(in[i + kKeyAhead]);
-      const int32_t v = e.t[e.home_of(h)];
-      if (v >= 0 && (v & e.tag_mask) == e.tag_of(h) && (v >> e.tag_bits) < keys.len)
-        __builtin_prefetch(keys.at(v >> e.tag_bits));
+  // Group prefetching: the home entries of a group of ids are asked for together, then (once the first
+  // has arrived) the records their entries name, then each id is confirmed against its record and its row
+  // copied -- so a group's misses overlap (two memory latencies per group, not two per id).
+  uint64_t hs[kGroup];
+  int64_t cand[kGroup];
+  for (int64_t g = 0; g < n; g += kGroup) {
+    const int64_t m = n - g < kGroup ? n - g : kGroup;
+    for (int64_t j = 0; j < m; ++j) {
+      hs[j] = hash(in[g + j]);
+      __builtin_prefetch(e.t + e.home_of(hs[j]));
     }
-    const uint64_t h = hash(in[i]);
-    int64_t slot = probe(e, keys, h, in[i]);
-    if (slot < 0 && has_old) slot = probe(oe, keys, h, in[i]);
-    o[i] = slot;
+    for (int64_t j = 0; j < m; ++j) {
+      // The first entry from the home on with the id's tag (an id displaced by collisions sits a few
+      // entries on, mostly in the same cache line): its record is almost surely the id's.
+      cand[j] = -1;
+      const int32_t tag = e.tag_of(hs[j]);
+      uint64_t p = e.home_of(hs[j]);
+      for (int k = 0; k < kScan; ++k, p = (p + 1) & e.mask) {
+        const int32_t v = e.t[p];
+        if (v == kEmpty) break;
+        if (v >= 0 && (v & e.tag_mask) == tag && (v >> e.tag_bits) < keys.len) {
+          cand[j] = v >> e.tag_bits;
+          __builtin_prefetch(keys.at(cand[j]));
+          if (has_rows && cand[j] < rlen) __builtin_prefetch(rs + cand[j] * rstride + dim - 1);  // the row's last line
+          break;
+        }
+      }
+    }
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t i = g + j;
+      int64_t slot = cand[j] >= 0 && *keys.at(cand[j]) == in[i] ? cand[j] : probe(e, keys, hs[j], in[i]);
+      if (slot < 0 && has_old) slot = probe(oe, keys, hs[j], in[i]);
+      o[i] = slot;
+      if (has_rows && slot >= 0 && slot < rlen) std::memcpy(ro + i * dim, rs + slot * rstride, sizeof(float) * dim);
+    }
   }
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
@@ -404,7 +444,7 @@ __attribute__((noinline)) void update_row(const Hyper h, int64_t dim, float* __r
 // apply_rows(hyper, rows, state0, state1, steps, scratch, slots, grads, live, acc, old_rows, old_state0,
 // old_state1, old_steps): one row-wise optimizer step on rows[slots]; the gradients of repeated slots are
 // summed first, in batch order. rows, state0, state1 and steps may be strided (fields of fleet.sparse.records:
-// each row's elements adjacent). Before a row changes, what it held goes to old_*[i] for every position i
+// each row's elements adjacent); scratch is int32, one per row. Before a row changes, what it held goes to old_*[i] for every position i
 // (the caller's undo record). state0/state1/steps: None where the optimizer keeps none. Every slot is
 // checked against `live` before anything is written.
 PyObject* py_apply_rows(PyObject*, PyObject* args) {
@@ -429,7 +469,7 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
                         need_s1 ? "two" : need_s0 ? "one" : "no");
   if (need_steps && steps_o == Py_None) return PyErr_Format(PyExc_ValueError, "apply_rows: this optimizer needs steps");
   if (!slots.get(slots_o, "slots", Kind::kInt64, 1, -1, false) || !grads.get(grads_o, "grads", Kind::kFloat32, 2, dim, false) ||
-      !scratch.get(scratch_o, "scratch", Kind::kInt64, 1, -1, true) || !acc.get(acc_o, "acc", Kind::kFloat32, 2, dim, true) ||
+      !scratch.get(scratch_o, "scratch", Kind::kInt32, 1, -1, true) || !acc.get(acc_o, "acc", Kind::kFloat32, 2, dim, true) ||
       !orows.get(orows_o, "old rows", Kind::kFloat32, 2, dim, true))
     return nullptr;
   const Py_ssize_t n = slots.len();
@@ -456,11 +496,12 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
   capacity = scratch.len() < capacity ? scratch.len() : capacity;
   if (live < 0 || live > capacity)
     return PyErr_Format(PyExc_ValueError, "live rows %zd outside 0..%zd (the smallest per-row tensor)", live, capacity);
+  if (n > INT32_MAX) return PyErr_Format(PyExc_ValueError, "apply_rows: %zd slots, at most %d in one call", n, INT32_MAX);
   if (grads.len() != n || acc.len() != n || orows.len() != n)
     return PyErr_Format(PyExc_ValueError, "apply_rows: %zd slots but grads %zd, acc %zd, old rows %zd rows", n, grads.len(),
                         acc.len(), orows.len());
   const int64_t* sl = slots.i64();
-  int64_t* first = scratch.i64();
+  int32_t* first = scratch.i32();  // a batch position per row: int32 halves its memory (4 bytes per row)
   const int64_t rs = rows.stride(), s0s = need_s0 ? s0.stride() : 0, s1s = need_s1 ? s1.stride() : 0;
   const int64_t sts = has_steps ? steps.stride() : 0;
   const float* gr = grads.f32();
@@ -478,7 +519,7 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
   if (bad < 0) {
     for (int64_t i = n - 1; i >= 0; --i) {  // each slot's first position
       if (i >= kPrefetchAhead) __builtin_prefetch(first + sl[i - kPrefetchAhead], 1);
-      first[sl[i]] = i;
+      first[sl[i]] = static_cast<int32_t>(i);
     }
     for (int64_t i = 0; i < n; ++i) {  // totals of repeated slots, added in batch order
       if (i + kPrefetchAhead < n) __builtin_prefetch(first + sl[i + kPrefetchAhead]);

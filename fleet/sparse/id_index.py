@@ -42,9 +42,9 @@ later step of the same operation fails; an own one otherwise).
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Callable
+
+import torch
 
 from fleet.sparse.growable import grow, row_tensor
 from fleet.sparse.native import kernels
@@ -145,10 +145,14 @@ class IdIndex:
         return (h >> (64 - self._bits)) & (self._capacity - 1)
 
     def _key_buffer(self) -> object:
+        """The live part of the key column (an entry naming a slot past it is never followed)."""
         keys = self._keys()
-        if keys.dtype != torch.int64 or keys.dim() != 1:
-            raise ValueError(f"the id index's key column must be 1-D int64, got {keys.dtype} {tuple(keys.shape)}")
-        return keys.detach().numpy()
+        if keys.dtype != torch.int64 or keys.dim() != 1 or keys.shape[0] < self._size:
+            raise ValueError(
+                f"the id index's key column must be 1-D int64 of {self._size}+ ids, got {keys.dtype} "
+                f"{tuple(keys.shape)}"
+            )
+        return keys[: self._size].detach().numpy()
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -162,6 +166,34 @@ class IdIndex:
             old = self._old._table.numpy() if self._old is not None else None
             kernels.lookup(self._table.numpy(), self._key_buffer(), ids.numpy(), out.numpy(), old)
         return out
+
+    def lookup_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(:meth:`lookup`'s slots, ``rows[slot]`` of each id found), in one native pass.
+
+        ``rows``: float32 ``[len(self), dim]``, each row's elements adjacent -- the row field of the records
+        that hold the key column, so each row is copied while its record, read to confirm the id, is in
+        cache. The rows of absent ids are left uninitialised.
+        """
+        ids = as_ids(ids)
+        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[0] != self._size or rows.device.type != "cpu":
+            raise ValueError(
+                f"lookup_rows needs float32 rows [{self._size}, dim] on the CPU, got {rows.dtype} "
+                f"{tuple(rows.shape)} on {rows.device}"
+            )
+        out = torch.empty(ids.numel(), dtype=torch.int64)
+        found = torch.empty(ids.numel(), rows.shape[1], dtype=torch.float32)
+        if ids.numel():
+            old = self._old._table.numpy() if self._old is not None else None
+            kernels.lookup(
+                self._table.numpy(),
+                self._key_buffer(),
+                ids.numpy(),
+                out.numpy(),
+                old,
+                rows.detach().numpy(),
+                found.numpy(),
+            )
+        return out, found
 
     # ------------------------------------------------------------------ insert
     _ARRAYS = ("_capacity", "_bits", "_tag_bits", "_table", "_tombstones")

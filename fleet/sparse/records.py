@@ -10,9 +10,11 @@ Layout, in 4-byte words, fields in this order (each present only when the table 
 ``id`` (2 words, int64), ``step`` (2, int64: only for optimizers whose math reads it -- momentum SGD,
 Adam/AdamW, Adagrad with ``lr_decay``), ``row`` (``dim`` float32), each optimizer state
 (``state_width`` float32 each), the life cycle's ``last_seen`` (int32), ``show`` and ``click``
-(float32); the record is padded to a whole number of 8 bytes so that the int64 fields stay aligned.
-Dim 16: SGD 72 bytes, Adagrad 136, row-wise Adagrad 80, Adam 208; a life cycle adds 12 (16 with
-padding). The fields are strided torch views of the one array (``rows``, ``state[name]``, ``ids``,
+(float32); the record is padded to a whole number of 8 bytes so that the int64 fields stay aligned,
+and where that leaves 4 bytes free, the row's "changed since the last save" flag takes one of them
+(``dirty``; else the table keeps the flags in a tensor of their own, 1 byte per row). Dim 16: SGD 72
+bytes, Adagrad 136, row-wise Adagrad 80 (flag inside), Adam 208; a life cycle adds 12, 16 with the
+padding that then holds the flag. The fields are strided torch views of the one array (``rows``, ``state[name]``, ``ids``,
 ``steps``, ``stats[name]``), so whole-batch torch ops (``index_select``, ``index_copy_``, slicing)
 work on them as on separate tensors, and the native kernels take them with their row stride.
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from fleet.sparse.growable import grow, row_tensor
+from fleet.sparse.growable import row_tensor
 
 #: the life cycle's per-row statistics and their dtypes (4 bytes each: ages fit in int32 steps)
 STAT_DTYPES = {"last_seen": torch.int32, "show": torch.float32, "click": torch.float32}
@@ -60,6 +62,7 @@ class RowRecords:
             for name in STAT_DTYPES:
                 self._stat_words[name] = words
                 words += 1
+        self._dirty_byte = 4 * words if words % 2 else -1  # the first byte of the padding word, if any
         self.words = words + (words % 2)
         self.data = data if data is not None else row_tensor(capacity, (self.words // 2,), torch.int64)
         self._views()
@@ -80,13 +83,13 @@ class RowRecords:
         self.steps = data[:, self._step_word // 2] if self.has_steps else None
         self.rows = f32[:, self._row_word : self._row_word + self.dim]
         self.state = {n: f32[:, w : w + self.state_width] for n, w in self._state_words.items()}
-        self.stats = {
-            n: (i32 if STAT_DTYPES[n] == torch.int32 else f32)[:, w] for n, w in self._stat_words.items()
-        }
+        self.dirty = data.view(torch.bool)[:, self._dirty_byte] if self._dirty_byte >= 0 else None
+        self.stats = {n: (i32 if STAT_DTYPES[n] == torch.int32 else f32)[:, w] for n, w in self._stat_words.items()}
 
-    def grown(self, capacity: int, used: int) -> RowRecords:
-        """These records with room for ``capacity`` rows, the first ``used`` kept (new object; this one unchanged)."""
-        data = grow(self.data, capacity, used)
+    def over(self, data: torch.Tensor) -> RowRecords:
+        """Records of this layout over ``data`` (this array grown by :func:`fleet.sparse.growable.grow`)."""
+        if data.dtype != torch.int64 or tuple(data.shape[1:]) != (self.words // 2,):
+            raise ValueError(f"records of {self.words // 2} int64 words, got {data.dtype} {tuple(data.shape)}")
         return RowRecords(
-            capacity, self.dim, self.state_width, self.state_names, self.has_steps, self.has_stats, data=data
+            data.shape[0], self.dim, self.state_width, self.state_names, self.has_steps, self.has_stats, data=data
         )

@@ -117,9 +117,10 @@ class SparseTable:
         )
         self._index = IdIndex(capacity * 2, keys=self._key_column)
         self._capacity = capacity
-        self._scratch = row_tensor(capacity, (), torch.int64)  # per-slot scratch for de-duplication
+        self._scratch = row_tensor(capacity, (), torch.int32)  # per-slot scratch for de-duplication
         self._prefaulted = 0  # rows whose pages were handed to fleet.sparse.pages.prefault (a hint)
-        self._dirty = row_tensor(capacity, (), torch.bool).zero_()  # changed since the last save
+        if self._rec.dirty is None:  # changed since the last save: in the records where they have room
+            self._dirty = row_tensor(capacity, (), torch.bool).zero_()
 
     def _set_records(self, records: RowRecords) -> None:
         """Take ``records`` as the row storage, with a view of each field."""
@@ -127,6 +128,8 @@ class SparseTable:
         self._records = records.data
         self._rows, self._steps = records.rows, records.steps
         self._state, self._stats = dict(records.state), dict(records.stats)
+        if records.dirty is not None:
+            self._dirty = records.dirty
 
     def _key_column(self) -> torch.Tensor:
         """The id of each slot (the id index's key column): the records' id field."""
@@ -200,7 +203,7 @@ class SparseTable:
 
     #: per-row tensors, by name: what compaction and reordering move (the records hold every saved field and the id)
     def _row_names(self) -> list[str]:
-        return ["records", "dirty"]
+        return ["records"] if self._rec.dirty is not None else ["records", "dirty"]
 
     def _getter(self, name: str) -> Getter:
         """The tensor called ``name`` as the table holds it when the getter runs (storage may grow meanwhile)."""
@@ -287,7 +290,7 @@ class SparseTable:
         """The last :meth:`state_dict` is on disk: the next delta starts from here."""
         with self.transaction() as undo:
             undo.span(self._getter("dirty"), 0, len(self))
-            self._dirty.zero_()
+            self._dirty[: len(self)] = False  # rows past the end are marked when created
             self._deleted, self._deleted_count = [], 0
             self.saved = True
 
@@ -307,7 +310,9 @@ class SparseTable:
             cap *= 2
         with self.transaction() as undo:
             # everything is replaced by new tensors: the undo keeps the old ones
-            undo.attrs(self, "_index", "_capacity", "_rec", "_records", "_rows", "_steps", "_state", "_scratch", "_dirty")
+            undo.attrs(
+                self, "_index", "_capacity", "_rec", "_records", "_rows", "_steps", "_state", "_scratch", "_dirty"
+            )
             undo.attrs(self, "_stats")
             self._reset(cap)
             self._index.insert_new(ids)
@@ -418,10 +423,9 @@ class SparseTable:
         while cap < needed:
             cap *= 2
         n = used
-        records = self._rec.grown(cap, n)
-        dirty = grow(self._dirty, cap, n)
-        dirty[n:] = False
         scratch = grow(self._scratch, cap, 0)
+        records = self._rec.over(grow(self._records, cap, n))
+        dirty = grow(self._dirty, cap, n) if records.dirty is None else records.dirty  # rows past n: marked when made
         if records.data.data_ptr() != self._records.data_ptr():
             self._prefaulted = min(self._prefaulted, n)  # copied into fresh memory: not faulted in yet
         self._set_records(records)
@@ -641,10 +645,10 @@ class SparseTable:
         """
         ids = as_ids(ids)
         if not self.lifecycle.active:
-            slots = self._index.lookup(ids)
+            # one native pass: each row is copied as its id is confirmed in the record (same cache lines)
+            slots, rows = self._index.lookup_rows(ids, self._rows[: len(self)])
             if not bool((slots < 0).any()):
-                rows = self._gather_rows(slots)  # nothing changes: no transaction needed
-                self._recent.remember(ids, slots)
+                self._recent.remember(ids, slots)  # nothing changed: no transaction needed
                 return rows
             with self.transaction():  # the gather below can fail too: then the new rows go again
                 slots = self._slots(ids, slots)  # first: creating rows may replace self._rows
@@ -727,7 +731,7 @@ class SparseTable:
             state[0] if names else None,
             state[1] if len(names) > 1 else None,
             buf(self._steps, "steps", torch.int64, 1, strided=True) if self._track_steps else None,
-            buf(self._scratch, "scratch", torch.int64, 1),
+            buf(self._scratch, "scratch", torch.int32, 1),
             slots.contiguous().numpy(),
             buf(grads, "grads", torch.float32, 2),
             len(self),

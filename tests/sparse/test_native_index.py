@@ -196,6 +196,21 @@ def test_lookup_reads_strided_keys_and_passes_over_bad_slots() -> None:
     assert found.tolist() == [*range(8), -1]
     kernels.lookup(table, records[:4, 0], np.arange(100, 109, dtype=np.int64), found, None)  # slots 4..7 unreadable
     assert found.tolist() == [0, 1, 2, 3, -1, -1, -1, -1, -1]
+    floats = records.view(np.float32)  # [8, 6]: words 2..5 are a row of 4 next to each id
+    floats[:, 2:] = np.arange(32, dtype=np.float32).reshape(8, 4)
+    rows_out = np.full((9, 4), -7, dtype=np.float32)
+    ids = np.array([107, 100, 999, 103, 107, 101, 102, 104, 105], dtype=np.int64)
+    kernels.lookup(table, records[:, 0], ids, found, None, floats[:, 2:], rows_out)
+    assert found.tolist() == [7, 0, -1, 3, 7, 1, 2, 4, 5]
+    assert np.array_equal(rows_out[found >= 0], floats[found[found >= 0], 2:]) and (rows_out[2] == -7).all()
+    with pytest.raises(ValueError, match="rows_out has 3 rows for 9 ids"):
+        kernels.lookup(table, records[:, 0], ids, found, None, floats[:, 2:], rows_out[:3])
+    with pytest.raises(ValueError, match="rows_out without rows"):
+        kernels.lookup(table, records[:, 0], ids, found, None, None, rows_out)
+    with pytest.raises(ValueError, match="rows_out must be 2-D with the expected width"):
+        kernels.lookup(table, records[:, 0], ids, found, None, floats[:, 2:], rows_out[:, :3].copy())
+    kernels.lookup(table, records[:, 0], ids, found, None, floats[:3, 2:], rows_out)  # rows past 3: not copied
+    assert found.tolist() == [7, 0, -1, 3, 7, 1, 2, 4, 5]
 
 
 def test_place_is_all_or_nothing_and_checks_slots() -> None:
