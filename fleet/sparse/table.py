@@ -379,6 +379,7 @@ class SparseTable:
         Given rows: a row without the optional fields starts fresh (optimizer state and statistics as
         for a new row). Rows are created as needed whatever the life cycle's admission says;
         ``replace`` evicts every other row first. Written rows count as changed for the next delta save.
+        ``steps`` are kept only where the optimizer counts them (they read 0 otherwise, as saves say).
         """
         ids = as_ids(ids)
         n = ids.numel()
