@@ -25,25 +25,20 @@
 namespace {
 
 // Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
-constexpr long kAbiVersion = 3;
+constexpr long kAbiVersion = 4;
 
-constexpr int64_t kEmpty = -1;      // an entry never used: ends every probe
-constexpr int64_t kTombstone = -2;  // a removed entry: probing goes on past it, inserts may reuse it
+constexpr int32_t kEmpty = -1;  // an entry never used: ends every probe (a removed one, -2, does not)
 constexpr uint64_t kM1 = 0xBF58476D1CE4E5B9ULL;
 constexpr uint64_t kM2 = 0x94D049BB133111EBULL;
 constexpr int64_t kPrefetchAhead = 16;  // lookups in flight: one thread's memory-level parallelism
+constexpr int64_t kGroup = 32;          // ids whose index entries, then records, are fetched together
+constexpr int kScan = 16;               // entries a lookup's first pass reads for a tag match (one cache line)
 
-// The home entry of an id: fleet.sparse.id_index's _home, bit for bit (multiply, xor with the
-// arithmetic right shift by 31, multiply, top `bits` bits).
-inline uint64_t home(int64_t id, int shift) {
-  uint64_t h = static_cast<uint64_t>(id) * kM1;
-  h ^= static_cast<uint64_t>(static_cast<int64_t>(h) >> 31);
-  h *= kM2;
-  return h >> shift;
-}
 
 // ------------------------------------------------------------------ buffers
-enum class Kind { kInt64, kFloat32 };
+enum class Kind { kInt64, kFloat32, kInt32 };
+
+const char* kind_name(Kind kind) { return kind == Kind::kInt64 ? "int64" : kind == Kind::kInt32 ? "int32" : "float32"; }
 
 // A Python buffer checked for element type, dimensions and C-contiguity; released on scope exit.
 class Buf {
@@ -56,21 +51,24 @@ class Buf {
   Buf& operator=(const Buf&) = delete;
 
   // ndim: 1, or 2 with `width` columns (width < 0: any). Returns false with a Python error set.
-  bool get(PyObject* obj, const char* name, Kind kind, int ndim, Py_ssize_t width, bool writable) {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+  // strided: rows may lie further apart than their width (a column block of a record array, rows
+  // or state as views of fleet.sparse.records) -- each row's elements stay contiguous; else C-contiguous.
+  bool get(PyObject* obj, const char* name, Kind kind, int ndim, Py_ssize_t width, bool writable, bool strided = false) {
+    int flags = (strided ? PyBUF_STRIDES : PyBUF_C_CONTIGUOUS) | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &view_, flags) != 0) {
-      PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s CPU array (tensor.numpy())", name,
-                   writable ? ", writable" : "");
+      PyErr_Format(PyExc_TypeError, "%s must be a %s%s CPU array (tensor.numpy())", name,
+                   strided ? "row-contiguous" : "C-contiguous", writable ? ", writable" : "");
       return false;
     }
     held_ = true;
     const char* fmt = view_.format ? view_.format : "B";
     if (*fmt == '<' || *fmt == '=' || *fmt == '@') ++fmt;
-    bool ok = kind == Kind::kInt64 ? (view_.itemsize == 8 && (std::strcmp(fmt, "q") == 0 || std::strcmp(fmt, "l") == 0))
-                                   : (view_.itemsize == 4 && std::strcmp(fmt, "f") == 0);
+    bool ok = kind == Kind::kInt64   ? (view_.itemsize == 8 && (std::strcmp(fmt, "q") == 0 || std::strcmp(fmt, "l") == 0))
+              : kind == Kind::kInt32 ? (view_.itemsize == 4 && (std::strcmp(fmt, "i") == 0 || std::strcmp(fmt, "l") == 0))
+                                     : (view_.itemsize == 4 && std::strcmp(fmt, "f") == 0);
     if (!ok) {
-      PyErr_Format(PyExc_TypeError, "%s must hold %s, got format '%s' (%zd bytes per element)", name,
-                   kind == Kind::kInt64 ? "int64" : "float32", view_.format ? view_.format : "B", view_.itemsize);
+      PyErr_Format(PyExc_TypeError, "%s must hold %s, got format '%s' (%zd bytes per element)", name, kind_name(kind),
+                   view_.format ? view_.format : "B", view_.itemsize);
       return false;
     }
     if (view_.ndim != ndim || (ndim == 2 && width >= 0 && view_.shape[1] != width)) {
@@ -78,37 +76,97 @@ class Buf {
                    ndim == 2 && width >= 0 ? " with the expected width" : "", view_.ndim);
       return false;
     }
+    stride_ = ndim == 2 ? view_.shape[1] : 1;
+    if (strided && view_.strides != nullptr) {
+      // Row stride in elements: positive, whole elements, at least a row's width; a row's elements adjacent.
+      Py_ssize_t s0 = view_.shape[0] > 1 ? view_.strides[0] : view_.itemsize * stride_, item = view_.itemsize;
+      bool inner_ok = ndim == 1 || view_.shape[1] <= 1 || view_.strides[1] == item;
+      if (s0 <= 0 || s0 % item != 0 || s0 / item < stride_ || !inner_ok) {
+        PyErr_Format(PyExc_ValueError, "%s must have rows of adjacent elements, each row after the last (strides %zd, %zd)",
+                     name, s0, ndim == 2 ? view_.strides[1] : item);
+        return false;
+      }
+      stride_ = s0 / item;
+    }
     return true;
   }
+  // Elements from one row (or element, for 1-D) to the next.
+  Py_ssize_t stride() const { return stride_; }
   Py_ssize_t len() const { return view_.ndim ? view_.shape[0] : 0; }
   Py_ssize_t cols() const { return view_.ndim == 2 ? view_.shape[1] : 1; }
   int64_t* i64() const { return static_cast<int64_t*>(view_.buf); }
+  int32_t* i32() const { return static_cast<int32_t*>(view_.buf); }
   float* f32() const { return static_cast<float*>(view_.buf); }
 
  private:
   Py_buffer view_;
   bool held_ = false;
+  Py_ssize_t stride_ = 1;
 };
 
-// An index's entry array [capacity, 2] (id, slot): capacity a power of two >= 2.
-bool get_entries(Buf& b, PyObject* obj, const char* name, bool writable, uint64_t* mask, int* shift) {
-  if (!b.get(obj, name, Kind::kInt64, 2, 2, writable)) return false;
+// An index's entries: int32 [capacity], capacity a power of two in 2 .. 2**31. A used entry holds
+// (slot << tag_bits) | tag, where tag_bits = 31 - log2(capacity) (slots < capacity always fit) and the
+// tag is the id's hash bits just below its home bits: most entries of other ids are told apart by
+// their tag, without reading their id from the key column (a cache miss each).
+struct Entries {
+  uint64_t mask = 0;
+  int shift = 64, tag_bits = 0;
+  int32_t tag_mask = 0;
+  int32_t* t = nullptr;
+  inline uint64_t home_of(uint64_t h) const { return h >> shift; }
+  inline int32_t tag_of(uint64_t h) const { return static_cast<int32_t>((h >> 33) & static_cast<uint64_t>(tag_mask)); }
+};
+
+inline uint64_t hash(int64_t id) {
+  uint64_t h = static_cast<uint64_t>(id) * kM1;
+  h ^= static_cast<uint64_t>(static_cast<int64_t>(h) >> 31);
+  return h * kM2;
+}
+
+bool get_entries(Buf& b, PyObject* obj, const char* name, bool writable, Entries* e) {
+  if (!b.get(obj, name, Kind::kInt32, 1, -1, writable)) return false;
   uint64_t cap = static_cast<uint64_t>(b.len());
-  if (cap < 2 || (cap & (cap - 1)) != 0) {
-    PyErr_Format(PyExc_ValueError, "%s must have a power-of-two number of entries >= 2, got %zd", name, b.len());
+  if (cap < 2 || cap > (1ULL << 31) || (cap & (cap - 1)) != 0) {
+    PyErr_Format(PyExc_ValueError, "%s must have a power-of-two number of entries in 2 .. 2**31, got %zd", name, b.len());
     return false;
   }
-  *mask = cap - 1;
-  *shift = 64 - __builtin_ctzll(cap);
+  int bits = __builtin_ctzll(cap);
+  e->mask = cap - 1;
+  e->shift = 64 - bits;
+  e->tag_bits = 31 - bits;
+  e->tag_mask = static_cast<int32_t>((1U << e->tag_bits) - 1);
+  e->t = b.i32();
   return true;
 }
 
-inline int64_t probe(const int64_t* t, uint64_t mask, uint64_t p, int64_t id) {
-  for (uint64_t k = 0; k <= mask; ++k) {
-    int64_t slot = t[2 * p + 1];
-    if (slot == kEmpty) return -1;
-    if (slot >= 0 && t[2 * p] == id) return slot;
-    p = (p + 1) & mask;
+// The index's key column: int64 [rows], rows possibly apart (the id field of fleet.sparse.records).
+struct Keys {
+  const int64_t* k = nullptr;
+  int64_t stride = 1, len = 0;
+  inline const int64_t* at(int64_t slot) const { return k + slot * stride; }
+};
+
+bool get_keys(Buf& b, PyObject* obj, Keys* keys) {
+  if (!b.get(obj, "keys", Kind::kInt64, 1, -1, false, true)) return false;
+  keys->k = b.i64();
+  keys->stride = b.stride();
+  keys->len = b.len();
+  return true;
+}
+
+// The slot of `id` (hash h) from its home on, -1 where absent. Entries naming a slot outside the key
+// column are passed over (never read): a corrupt index gives wrong answers, not a crash.
+inline int64_t probe(const Entries& e, const Keys& keys, uint64_t h, int64_t id) {
+  const int32_t tag = e.tag_of(h);
+  uint64_t p = e.home_of(h);
+  for (uint64_t k = 0; k <= e.mask; ++k) {
+    const int32_t v = e.t[p];
+    if (v == kEmpty) return -1;
+    if (v >= 0 && (v & e.tag_mask) == tag) {
+      const int64_t slot = v >> e.tag_bits;
+      if (slot < keys.len && *keys.at(slot) == id) return slot;
+    }
+    p = (p + 1) & e.mask;
   }
   return -1;  // every entry occupied, none matches
 }
@@ -130,104 +188,149 @@ PyObject* py_home(PyObject*, PyObject* args) {
   int64_t* o = out.i64();
   Py_ssize_t n = ids.len();
   Py_BEGIN_ALLOW_THREADS;
-  for (Py_ssize_t i = 0; i < n; ++i) o[i] = static_cast<int64_t>(home(in[i], 64 - bits));
+  for (Py_ssize_t i = 0; i < n; ++i) o[i] = static_cast<int64_t>(hash(in[i]) >> (64 - bits));
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
 }
 
-// lookup(entries, ids, out, old_entries or None): out[i] = slot of ids[i], -1 where absent.
-// While an index grows, ids missing from `entries` are looked up in `old_entries` too.
+// lookup(entries, keys, ids, out, old_entries or None[, rows, rows_out]): out[i] = slot of ids[i], -1 where
+// absent. `keys[slot]` is the id at each slot (a strided column). While an index grows, ids missing from
+// `entries` are looked up in `old_entries` too. With `rows` (float32 [R, dim], strided: the row field of the
+// records the keys belong to), rows_out[i] = rows[out[i]] for every id found (rows_out[i] untouched for the
+// others): the row is copied while the record's cache lines, just read to confirm the id, are at hand.
 PyObject* py_lookup(PyObject*, PyObject* args) {
-  PyObject *table_o, *ids_o, *out_o, *old_o;
-  if (!PyArg_ParseTuple(args, "OOOO:lookup", &table_o, &ids_o, &out_o, &old_o)) return nullptr;
-  Buf table, ids, out, old;
-  uint64_t mask, old_mask = 0;
-  int shift, old_shift = 0;
-  if (!get_entries(table, table_o, "entries", false, &mask, &shift)) return nullptr;
+  PyObject *table_o, *keys_o, *ids_o, *out_o, *old_o, *rows_o = Py_None, *rows_out_o = Py_None;
+  if (!PyArg_ParseTuple(args, "OOOOO|OO:lookup", &table_o, &keys_o, &ids_o, &out_o, &old_o, &rows_o, &rows_out_o))
+    return nullptr;
+  Buf table, kbuf, ids, out, old, rows, rows_out;
+  Entries e, oe;
+  Keys keys;
+  if (!get_entries(table, table_o, "entries", false, &e) || !get_keys(kbuf, keys_o, &keys)) return nullptr;
   bool has_old = old_o != Py_None;
-  if (has_old && !get_entries(old, old_o, "old entries", false, &old_mask, &old_shift)) return nullptr;
+  if (has_old && !get_entries(old, old_o, "old entries", false, &oe)) return nullptr;
   if (!ids.get(ids_o, "ids", Kind::kInt64, 1, -1, false) || !out.get(out_o, "out", Kind::kInt64, 1, -1, true))
     return nullptr;
   if (out.len() != ids.len()) return PyErr_Format(PyExc_ValueError, "out has %zd entries for %zd ids", out.len(), ids.len());
-  const int64_t* t = table.i64();
-  const int64_t* ot = has_old ? old.i64() : nullptr;
+  const bool has_rows = rows_o != Py_None;
+  int64_t dim = 0, rstride = 0, rlen = 0;
+  if (has_rows) {
+    if (!rows.get(rows_o, "rows", Kind::kFloat32, 2, -1, false, true)) return nullptr;
+    if (!rows_out.get(rows_out_o, "rows_out", Kind::kFloat32, 2, rows.cols(), true)) return nullptr;
+    if (rows_out.len() != ids.len())
+      return PyErr_Format(PyExc_ValueError, "rows_out has %zd rows for %zd ids", rows_out.len(), ids.len());
+    dim = rows.cols();
+    rstride = rows.stride();
+    rlen = rows.len();
+  } else if (rows_out_o != Py_None) {
+    return PyErr_Format(PyExc_ValueError, "lookup: rows_out without rows");
+  }
+  const float* rs = has_rows ? rows.f32() : nullptr;
+  float* ro = has_rows ? rows_out.f32() : nullptr;
   const int64_t* in = ids.i64();
   int64_t* o = out.i64();
   const int64_t n = ids.len();
   Py_BEGIN_ALLOW_THREADS;
-  for (int64_t i = 0; i < n; ++i) {
-    // Ask for the entry a few lookups ahead: the misses overlap instead of queueing.
-    if (i + kPrefetchAhead < n) __builtin_prefetch(t + 2 * home(in[i + kPrefetchAhead], shift));
-    int64_t slot = probe(t, mask, home(in[i], shift), in[i]);
-    if (slot < 0 && ot != nullptr) slot = probe(ot, old_mask, home(in[i], old_shift), in[i]);
-    o[i] = slot;
+  // Group prefetching: the home entries of a group of ids are asked for together, then (once the first
+  // has arrived) the records their entries name, then each id is confirmed against its record and its row
+  // copied -- so a group's misses overlap (two memory latencies per group, not two per id).
+  uint64_t hs[kGroup];
+  int64_t cand[kGroup];
+  for (int64_t g = 0; g < n; g += kGroup) {
+    const int64_t m = n - g < kGroup ? n - g : kGroup;
+    for (int64_t j = 0; j < m; ++j) {
+      hs[j] = hash(in[g + j]);
+      __builtin_prefetch(e.t + e.home_of(hs[j]));
+    }
+    for (int64_t j = 0; j < m; ++j) {
+      // The first entry from the home on with the id's tag (an id displaced by collisions sits a few
+      // entries on, mostly in the same cache line): its record is almost surely the id's.
+      cand[j] = -1;
+      const int32_t tag = e.tag_of(hs[j]);
+      uint64_t p = e.home_of(hs[j]);
+      for (int k = 0; k < kScan; ++k, p = (p + 1) & e.mask) {
+        const int32_t v = e.t[p];
+        if (v == kEmpty) break;
+        if (v >= 0 && (v & e.tag_mask) == tag && (v >> e.tag_bits) < keys.len) {
+          cand[j] = v >> e.tag_bits;
+          __builtin_prefetch(keys.at(cand[j]));
+          if (has_rows && cand[j] < rlen) __builtin_prefetch(rs + cand[j] * rstride + dim - 1);  // the row's last line
+          break;
+        }
+      }
+    }
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t i = g + j;
+      int64_t slot = cand[j] >= 0 && *keys.at(cand[j]) == in[i] ? cand[j] : probe(e, keys, hs[j], in[i]);
+      if (slot < 0 && has_old) slot = probe(oe, keys, hs[j], in[i]);
+      o[i] = slot;
+      if (has_rows && slot >= 0 && slot < rlen) std::memcpy(ro + i * dim, rs + slot * rstride, sizeof(float) * dim);
+    }
   }
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
 }
 
-// place(entries, keys, slots, pos_out, old_out): write each (key, slot) into the first free or removed
+// place(entries, keys, slots, pos_out, old_out): enter each (key, slot) into the first free or removed
 // entry from the key's home; pos_out[i] is where keys[i] went and old_out[i] what that entry held (the
 // undo record). Keys must be unique and absent (the caller's guarantee, as in the Python index). Slots
-// must be >= 0 (checked first). If the entries run out, every write is taken back and it raises.
+// must be in 0 .. capacity - 1 (checked first). If the entries run out, every write is taken back and it raises.
 PyObject* py_place(PyObject*, PyObject* args) {
   PyObject *table_o, *keys_o, *vals_o, *pos_o, *olds_o;
   if (!PyArg_ParseTuple(args, "OOOOO:place", &table_o, &keys_o, &vals_o, &pos_o, &olds_o)) return nullptr;
   Buf table, keys, vals, pos, olds;
-  uint64_t mask;
-  int shift;
-  if (!get_entries(table, table_o, "entries", true, &mask, &shift)) return nullptr;
+  Entries e;
+  if (!get_entries(table, table_o, "entries", true, &e)) return nullptr;
   if (!keys.get(keys_o, "keys", Kind::kInt64, 1, -1, false) || !vals.get(vals_o, "slots", Kind::kInt64, 1, -1, false) ||
-      !pos.get(pos_o, "pos_out", Kind::kInt64, 1, -1, true) || !olds.get(olds_o, "old_out", Kind::kInt64, 2, 2, true))
+      !pos.get(pos_o, "pos_out", Kind::kInt64, 1, -1, true) || !olds.get(olds_o, "old_out", Kind::kInt32, 1, -1, true))
     return nullptr;
   const int64_t n = keys.len();
   if (vals.len() != n || pos.len() != n || olds.len() != n)
     return PyErr_Format(PyExc_ValueError, "place: keys (%zd), slots (%zd), pos_out (%zd), old_out (%zd) differ in length",
                         keys.len(), vals.len(), pos.len(), olds.len());
-  int64_t* t = table.i64();
+  int32_t* t = e.t;
   const int64_t* k = keys.i64();
   const int64_t* v = vals.i64();
   int64_t* p_out = pos.i64();
-  int64_t* o_out = olds.i64();
+  int32_t* o_out = olds.i32();
+  const int64_t slot_end = static_cast<int64_t>(e.mask) + 1;
   int64_t bad = -1, placed = 0;
   Py_BEGIN_ALLOW_THREADS;
   for (int64_t i = 0; i < n && bad < 0; ++i)
-    if (v[i] < 0) bad = i;
+    if (v[i] < 0 || v[i] >= slot_end) bad = i;
   for (int64_t i = 0; bad < 0 && i < n; ++i) {
-    uint64_t p = home(k[i], shift);
+    const uint64_t h = hash(k[i]);
+    uint64_t p = e.home_of(h);
     uint64_t tries = 0;
-    while (t[2 * p + 1] >= 0 && tries <= mask) {
-      p = (p + 1) & mask;
+    while (t[p] >= 0 && tries <= e.mask) {
+      p = (p + 1) & e.mask;
       ++tries;
     }
-    if (tries > mask) break;  // full
+    if (tries > e.mask) break;  // full
     p_out[i] = static_cast<int64_t>(p);
-    o_out[2 * i] = t[2 * p];
-    o_out[2 * i + 1] = t[2 * p + 1];
-    t[2 * p] = k[i];
-    t[2 * p + 1] = v[i];
+    o_out[i] = t[p];
+    t[p] = static_cast<int32_t>((v[i] << e.tag_bits) | e.tag_of(h));
     placed = i + 1;
   }
   if (bad < 0 && placed < n) {  // ran out of entries: take the writes back, newest first
-    for (int64_t i = placed - 1; i >= 0; --i) {
-      t[2 * p_out[i]] = o_out[2 * i];
-      t[2 * p_out[i] + 1] = o_out[2 * i + 1];
-    }
+    for (int64_t i = placed - 1; i >= 0; --i) t[p_out[i]] = o_out[i];
   }
   Py_END_ALLOW_THREADS;
-  if (bad >= 0) return PyErr_Format(PyExc_ValueError, "place: slot %lld (at %lld) is negative", (long long)v[bad], (long long)bad);
+  if (bad >= 0)
+    return PyErr_Format(PyExc_ValueError, "place: slot %lld (at %lld) is outside 0 .. %lld", (long long)v[bad],
+                        (long long)bad, (long long)(slot_end - 1));
   if (placed < n) return PyErr_Format(PyExc_RuntimeError, "id index full: no free entry for %lld ids", (long long)(n - placed));
   Py_RETURN_NONE;
 }
 
 // gather_rows(src [rows, dim] float32, slots [n] int64, live, out [n, dim] float32): out[i] = src[slots[i]].
+// src's rows may lie apart (the row field of fleet.sparse.records); each row's elements are adjacent.
 // Every slot is checked against `live` (the rows in use) before anything is copied.
 PyObject* py_gather_rows(PyObject*, PyObject* args) {
   PyObject *src_o, *slots_o, *out_o;
   Py_ssize_t live;
   if (!PyArg_ParseTuple(args, "OOnO:gather_rows", &src_o, &slots_o, &live, &out_o)) return nullptr;
   Buf src, slots, out;
-  if (!src.get(src_o, "rows", Kind::kFloat32, 2, -1, false) || !slots.get(slots_o, "slots", Kind::kInt64, 1, -1, false))
+  if (!src.get(src_o, "rows", Kind::kFloat32, 2, -1, false, true) || !slots.get(slots_o, "slots", Kind::kInt64, 1, -1, false))
     return nullptr;
   if (!out.get(out_o, "out", Kind::kFloat32, 2, src.cols(), true)) return nullptr;
   if (live < 0 || live > src.len()) return PyErr_Format(PyExc_ValueError, "live rows %zd outside 0..%zd", live, src.len());
@@ -235,7 +338,7 @@ PyObject* py_gather_rows(PyObject*, PyObject* args) {
   const float* s = src.f32();
   const int64_t* idx = slots.i64();
   float* o = out.f32();
-  const int64_t n = slots.len(), dim = src.cols();
+  const int64_t n = slots.len(), dim = src.cols(), stride = src.stride();
   int64_t bad = -1;
   Py_BEGIN_ALLOW_THREADS;
   for (int64_t i = 0; i < n; ++i)
@@ -245,8 +348,8 @@ PyObject* py_gather_rows(PyObject*, PyObject* args) {
     }
   if (bad < 0) {
     for (int64_t i = 0; i < n; ++i) {
-      if (i + kPrefetchAhead < n) __builtin_prefetch(s + idx[i + kPrefetchAhead] * dim);
-      std::memcpy(o + i * dim, s + idx[i] * dim, sizeof(float) * dim);
+      if (i + kPrefetchAhead < n) __builtin_prefetch(s + idx[i + kPrefetchAhead] * stride);
+      std::memcpy(o + i * dim, s + idx[i] * stride, sizeof(float) * dim);
     }
   }
   Py_END_ALLOW_THREADS;
@@ -341,7 +444,8 @@ __attribute__((noinline)) void update_row(const Hyper h, int64_t dim, float* __r
 
 // apply_rows(hyper, rows, state0, state1, steps, scratch, slots, grads, live, acc, old_rows, old_state0,
 // old_state1, old_steps): one row-wise optimizer step on rows[slots]; the gradients of repeated slots are
-// summed first, in batch order. Before a row changes, what it held goes to old_*[i] for every position i
+// summed first, in batch order. rows, state0, state1 and steps may be strided (fields of fleet.sparse.records:
+// each row's elements adjacent); scratch is int32, one per row. Before a row changes, what it held goes to old_*[i] for every position i
 // (the caller's undo record). state0/state1/steps: None where the optimizer keeps none. Every slot is
 // checked against `live` before anything is written.
 PyObject* py_apply_rows(PyObject*, PyObject* args) {
@@ -359,33 +463,33 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
   const bool need_s0 = h.kind != kSgd || h.momentum != 0, need_s1 = h.kind == kAdam || h.kind == kAdamW;
   const bool need_steps = need_s1 || (h.kind == kSgd && h.momentum != 0) || h.lr_decay != 0;
   Buf rows, s0, s1, steps, scratch, slots, grads, acc, orows, os0, os1, osteps;
-  if (!rows.get(rows_o, "rows", Kind::kFloat32, 2, -1, true)) return nullptr;
+  if (!rows.get(rows_o, "rows", Kind::kFloat32, 2, -1, true, true)) return nullptr;
   const Py_ssize_t dim = rows.cols(), width = h.kind == kRowwiseAdagrad ? 1 : dim;
   if ((s0_o == Py_None) == need_s0 || (s1_o == Py_None) == need_s1)
     return PyErr_Format(PyExc_ValueError, "apply_rows: optimizer kind %d takes %s state tensors", h.kind,
                         need_s1 ? "two" : need_s0 ? "one" : "no");
   if (need_steps && steps_o == Py_None) return PyErr_Format(PyExc_ValueError, "apply_rows: this optimizer needs steps");
   if (!slots.get(slots_o, "slots", Kind::kInt64, 1, -1, false) || !grads.get(grads_o, "grads", Kind::kFloat32, 2, dim, false) ||
-      !scratch.get(scratch_o, "scratch", Kind::kInt64, 1, -1, true) || !acc.get(acc_o, "acc", Kind::kFloat32, 2, dim, true) ||
+      !scratch.get(scratch_o, "scratch", Kind::kInt32, 1, -1, true) || !acc.get(acc_o, "acc", Kind::kFloat32, 2, dim, true) ||
       !orows.get(orows_o, "old rows", Kind::kFloat32, 2, dim, true))
     return nullptr;
   const Py_ssize_t n = slots.len();
   Py_ssize_t capacity = rows.len();
   if (need_s0) {
-    if (!s0.get(s0_o, "state0", Kind::kFloat32, 2, width, true) || !os0.get(os0_o, "old state0", Kind::kFloat32, 2, width, true))
+    if (!s0.get(s0_o, "state0", Kind::kFloat32, 2, width, true, true) || !os0.get(os0_o, "old state0", Kind::kFloat32, 2, width, true))
       return nullptr;
     capacity = s0.len() < capacity ? s0.len() : capacity;
     if (os0.len() != n) return PyErr_Format(PyExc_ValueError, "old state0 has %zd rows for %zd slots", os0.len(), n);
   }
   if (need_s1) {
-    if (!s1.get(s1_o, "state1", Kind::kFloat32, 2, dim, true) || !os1.get(os1_o, "old state1", Kind::kFloat32, 2, dim, true))
+    if (!s1.get(s1_o, "state1", Kind::kFloat32, 2, dim, true, true) || !os1.get(os1_o, "old state1", Kind::kFloat32, 2, dim, true))
       return nullptr;
     capacity = s1.len() < capacity ? s1.len() : capacity;
     if (os1.len() != n) return PyErr_Format(PyExc_ValueError, "old state1 has %zd rows for %zd slots", os1.len(), n);
   }
   const bool has_steps = steps_o != Py_None;
   if (has_steps) {
-    if (!steps.get(steps_o, "steps", Kind::kInt64, 1, -1, true) || !osteps.get(osteps_o, "old steps", Kind::kInt64, 1, -1, true))
+    if (!steps.get(steps_o, "steps", Kind::kInt64, 1, -1, true, true) || !osteps.get(osteps_o, "old steps", Kind::kInt64, 1, -1, true))
       return nullptr;
     capacity = steps.len() < capacity ? steps.len() : capacity;
     if (osteps.len() != n) return PyErr_Format(PyExc_ValueError, "old steps has %zd entries for %zd slots", osteps.len(), n);
@@ -393,11 +497,14 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
   capacity = scratch.len() < capacity ? scratch.len() : capacity;
   if (live < 0 || live > capacity)
     return PyErr_Format(PyExc_ValueError, "live rows %zd outside 0..%zd (the smallest per-row tensor)", live, capacity);
+  if (n > INT32_MAX) return PyErr_Format(PyExc_ValueError, "apply_rows: %zd slots, at most %d in one call", n, INT32_MAX);
   if (grads.len() != n || acc.len() != n || orows.len() != n)
     return PyErr_Format(PyExc_ValueError, "apply_rows: %zd slots but grads %zd, acc %zd, old rows %zd rows", n, grads.len(),
                         acc.len(), orows.len());
   const int64_t* sl = slots.i64();
-  int64_t* first = scratch.i64();
+  int32_t* first = scratch.i32();  // a batch position per row: int32 halves its memory (4 bytes per row)
+  const int64_t rs = rows.stride(), s0s = need_s0 ? s0.stride() : 0, s1s = need_s1 ? s1.stride() : 0;
+  const int64_t sts = has_steps ? steps.stride() : 0;
   const float* gr = grads.f32();
   float *ac = acc.f32(), *pr = rows.f32(), *ps0 = need_s0 ? s0.f32() : nullptr, *ps1 = need_s1 ? s1.f32() : nullptr;
   float *opr = orows.f32(), *ops0 = need_s0 ? os0.f32() : nullptr, *ops1 = need_s1 ? os1.f32() : nullptr;
@@ -413,7 +520,7 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
   if (bad < 0) {
     for (int64_t i = n - 1; i >= 0; --i) {  // each slot's first position
       if (i >= kPrefetchAhead) __builtin_prefetch(first + sl[i - kPrefetchAhead], 1);
-      first[sl[i]] = i;
+      first[sl[i]] = static_cast<int32_t>(i);
     }
     for (int64_t i = 0; i < n; ++i) {  // totals of repeated slots, added in batch order
       if (i + kPrefetchAhead < n) __builtin_prefetch(first + sl[i + kPrefetchAhead]);
@@ -427,10 +534,10 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
     for (int64_t i = 0; i < n; ++i) {
       if (i + kPrefetchAhead < n) {
         const int64_t ahead = sl[i + kPrefetchAhead];
-        __builtin_prefetch(pr + ahead * dim, 1);  // rows and state are written: ask for them exclusive
-        if (ps0) __builtin_prefetch(ps0 + ahead * width, 1);
-        if (ps1) __builtin_prefetch(ps1 + ahead * dim, 1);
-        if (pst) __builtin_prefetch(pst + ahead, 1);
+        __builtin_prefetch(pr + ahead * rs, 1);  // rows and state are written: ask for them exclusive
+        if (ps0) __builtin_prefetch(ps0 + ahead * s0s, 1);
+        if (ps1) __builtin_prefetch(ps1 + ahead * s1s, 1);
+        if (pst) __builtin_prefetch(pst + ahead * sts, 1);
       }
       const int64_t s = sl[i], f = first[s];
       if (f != i) {  // a repeat: the row changed at its first position; the undo keeps what it held before
@@ -440,16 +547,16 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
         if (opst) opst[i] = opst[f];
         continue;
       }
-      std::memcpy(opr + i * dim, pr + s * dim, row_bytes);
-      if (ops0) std::memcpy(ops0 + i * width, ps0 + s * width, state_bytes);
-      if (ops1) std::memcpy(ops1 + i * dim, ps1 + s * dim, row_bytes);
+      std::memcpy(opr + i * dim, pr + s * rs, row_bytes);
+      if (ops0) std::memcpy(ops0 + i * width, ps0 + s * s0s, state_bytes);
+      if (ops1) std::memcpy(ops1 + i * dim, ps1 + s * s1s, row_bytes);
       int64_t step = 1;
       if (pst) {
-        opst[i] = pst[s];
-        step = pst[s] + 1;
-        pst[s] = step;
+        opst[i] = pst[s * sts];
+        step = pst[s * sts] + 1;
+        pst[s * sts] = step;
       }
-      update_row(h, dim, pr + s * dim, ac + i * dim, ps0 ? ps0 + s * width : nullptr, ps1 ? ps1 + s * dim : nullptr, step);
+      update_row(h, dim, pr + s * rs, ac + i * dim, ps0 ? ps0 + s * s0s : nullptr, ps1 ? ps1 + s * s1s : nullptr, step);
     }
   }
   Py_END_ALLOW_THREADS;

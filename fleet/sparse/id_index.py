@@ -7,27 +7,31 @@ dozen whole-batch torch ops ("probe rounds", kept as the reference in
 (:mod:`fleet.sparse.native`, GIL released) with the entries of the next lookups prefetched, so a
 lookup costs about one cache miss and the misses of several lookups overlap.
 
-Layout: one ``[capacity, 2]`` int64 tensor of (id, row slot) entries, with slot ``-1`` marking a
-free entry. Occupancy is carried by the slot column, so every int64 value (negative, zero,
-``2**63 - 1``) is a valid id and none is reserved as a sentinel. 16 bytes per entry, and the
-table is far larger than the caches, so random misses are what a lookup pays for. The memory is
-a torch tensor owned here (not by the C++ code): allocation failures raise where the rest of the
-table's do, growth and undo records work as for every other per-table tensor.
+Layout: one int32 tensor of ``capacity`` entries, each ``-1`` (free), ``-2`` (removed) or
+``(slot << tag_bits) | tag`` with ``tag_bits = 31 - log2(capacity)`` (a slot is always below the
+capacity, so it fits) and the tag the id's hash bits just below its home bits. The id itself is not in
+the entry: it lives in a key column indexed by slot -- the table's own records
+(:mod:`fleet.sparse.records`: the id next to its row, so confirming a match reads the cache line the
+row gather reads next), or a column the index keeps when used on its own. A probe compares tags
+first, so it reads the id of only the entry that (almost surely) matches. Every int64 value is a
+valid id, none is reserved as a sentinel. 4 bytes per entry at a load of 3/8 to 3/4: 5.3 to 10.7
+bytes of index per id (the entries held (id, slot) pairs of 16 bytes at a load of 1/8 to 1/4 before,
+64 to 128 bytes per id: a fifth to a half of a dim-16 SGD table's memory).
 
 Collision handling is linear probing from a multiply-xorshift-multiply hash's top bits.
-Capacity is a power of two and doubles before the load would exceed 0.25 (see ``_MAX_LOAD``):
-64 to 128 bytes of index per id. Growth is incremental, so that no single request pays for it
-(a one-shot rehash of 4 M ids took 3.5 s with the torch index, all inside one request of 32k
-ids): from 3/4 of the limit on, every insert initialises the next slice of the doubled arrays;
+Capacity is a power of two and doubles before the load would exceed 3/4 (see ``_MAX_LOAD``).
+Growth is incremental, so that no single request pays for it
+(a one-shot rehash of 4 M ids took 3.5 s with the torch index, all inside one request of 32k ids):
+from 3/4 of the limit on, every insert initialises the next slice of the doubled arrays;
 once they are ready they take the inserts, the full arrays stay beside them, lookups that miss
 in the new arrays look in the old, and every insert moves the next ``_MIGRATE_ENTRIES`` old
-entries (at least 16 per inserted id) across. A removed entry becomes a tombstone (slot ``-2``,
+entries (at least 16 per inserted id) across. A removed entry becomes a tombstone (-2,
 still occupied for probing, free for inserts), which is what keeps "an empty entry before any
 match means absent" correct; a rehash drops the tombstones.
 
 Slots are handed out densely in creation order (0, 1, 2, ...) so the caller can
 keep rows in a plain growable tensor indexed by slot; :meth:`IdIndex.renumber` removes
-ids and renumbers the rest after the caller compacted its rows. Not thread-safe: a server
+ids and renumbers the rest before the caller compacts its rows (and its key column). Not thread-safe: a server
 must serialise calls per table.
 
 Changes are all-or-nothing: growth builds the new arrays aside and swaps them in only when
@@ -38,16 +42,20 @@ later step of the same operation fails; an own one otherwise).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from fleet.sparse.native import buf, kernels
+from fleet.sparse.growable import grow, row_tensor
+from fleet.sparse.native import kernels
 from fleet.sparse.pages import large_empty, prefault
 from fleet.sparse.undo import UndoLog
 
-# Grow (x2) beyond this load. 0.25 was chosen for the torch index (at 0.5 a fifth of the lookups needed
-# extra probe rounds: ~840 vs ~650 us per 13k ids); the native probe reads the next entries in the same
-# cache line, so a higher load would cost little time. It stays at 0.25 while tests hold capacity >= 4 x len.
-_MAX_LOAD = 0.25
+# Grow (x2) beyond this load. The torch index needed 0.25 (at 0.5 a fifth of its lookups took extra probe
+# rounds); the native probe reads the next entries in the same cache line and tells other ids apart by their
+# tags, so a lookup at 3/4 still reads one entry line and one key (the matching row's record) -- and the
+# index costs 5.3-10.7 bytes per id instead of 64-128.
+_MAX_LOAD = 0.75
 # Old entries moved per insert while growing (at least 16 per inserted id), and the move ends long before
 # the new arrays fill (they take 0.25 x the old capacity of new ids; the move, 1/16 of it). The floor is
 # ~1 ms of work: at 1 << 18 (~10 ms) every small request paid it, and a worker's 1,024-id request that
@@ -57,8 +65,9 @@ _MIGRATE_ENTRIES = 1 << 15
 # New entries initialised per insert while preparing the doubled arrays (at least 32 per inserted id: they
 # are ready before the current arrays reach the limit, 1/16 of their capacity of ids later).
 _PREPARE_ENTRIES = 1 << 15
-_EMPTY = -1  # slot-column marker; never an id
+_EMPTY = -1  # a free entry
 _TOMBSTONE = -2  # a removed entry: probing goes on past it, inserts may reuse it
+_MAX_CAPACITY = 1 << 31  # int32 entries: (slot << tag_bits) | tag stays below 2**31
 
 # 64-bit odd multipliers (from splitmix64), as signed int64 so torch accepts them.
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -79,9 +88,15 @@ def as_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 class IdIndex:
-    """Map arbitrary int64 ids to dense slots ``0..len-1`` assigned on insertion."""
+    """Map arbitrary int64 ids to dense slots ``0..len-1`` assigned on insertion.
 
-    def __init__(self, capacity: int = 1024) -> None:
+    ``keys``: where the id of each slot lives, as a getter of an int64 column with room for every slot
+    that an insert hands out (a table's record ids: the table grows it before it inserts, compacts it
+    after :meth:`renumber`, and the index writes each new id at its slot). Without one, the index
+    keeps its own column.
+    """
+
+    def __init__(self, capacity: int = 1024, keys: Callable[[], torch.Tensor] | None = None) -> None:
         cap = 64
         while cap < capacity:
             cap *= 2
@@ -92,23 +107,30 @@ class IdIndex:
         self._moved = 0
         self._next: IdIndex | None = None  # before that: the doubled arrays, initialised up to _ready
         self._ready = 0
+        self._own_keys = row_tensor(64, (), torch.int64) if keys is None else None
+        self._keys = keys if keys is not None else self._own_key_column
 
     # ------------------------------------------------------------------ basics
     def _alloc(self, capacity: int, fill: bool = True) -> None:
+        if capacity > _MAX_CAPACITY:
+            raise ValueError(f"id index: {capacity:,} entries needed, at most {_MAX_CAPACITY:,} (2**31) are possible")
         self._capacity = capacity
         self._bits = capacity.bit_length() - 1
-        self._table = large_empty((capacity, 2), torch.int64)
-        if fill:  # else the caller fills it (a free entry's id is never read: one contiguous fill)
+        self._tag_bits = 31 - self._bits
+        self._table = large_empty((capacity,), torch.int32)
+        if fill:  # else the caller fills it
             self._table.fill_(_EMPTY)
-        self._keys = self._table[:, 0]  # strided views, for the whole-array passes (renumber, ids_by_slot)
-        self._slots = self._table[:, 1]  # -1: entry is free
+
+    def _own_key_column(self) -> torch.Tensor:
+        assert self._own_keys is not None
+        return self._own_keys
 
     def __len__(self) -> int:
         return self._size
 
     @property
     def capacity(self) -> int:
-        """Number of hash entries (a power of two, at least four times ``len``)."""
+        """Number of hash entries (a power of two; ``len`` is at most 3/4 of it)."""
         return self._capacity
 
     def _home(self, ids: torch.Tensor) -> torch.Tensor:
@@ -122,8 +144,15 @@ class IdIndex:
         h = h * _M2
         return (h >> (64 - self._bits)) & (self._capacity - 1)
 
-    def _entry_buffer(self) -> object:
-        return buf(self._table, "the id index's entries", torch.int64, 2)
+    def _key_buffer(self) -> object:
+        """The live part of the key column (an entry naming a slot past it is never followed)."""
+        keys = self._keys()
+        if keys.dtype != torch.int64 or keys.dim() != 1 or keys.shape[0] < self._size:
+            raise ValueError(
+                f"the id index's key column must be 1-D int64 of {self._size}+ ids, got {keys.dtype} "
+                f"{tuple(keys.shape)}"
+            )
+        return keys[: self._size].detach().numpy()
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -134,12 +163,40 @@ class IdIndex:
         ids = as_ids(ids)
         out = torch.empty(ids.numel(), dtype=torch.int64)
         if ids.numel():
-            old = self._old._entry_buffer() if self._old is not None else None
-            kernels.lookup(self._entry_buffer(), ids.numpy(), out.numpy(), old)
+            old = self._old._table.numpy() if self._old is not None else None
+            kernels.lookup(self._table.numpy(), self._key_buffer(), ids.numpy(), out.numpy(), old)
         return out
 
+    def lookup_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(:meth:`lookup`'s slots, ``rows[slot]`` of each id found), in one native pass.
+
+        ``rows``: float32 ``[len(self), dim]``, each row's elements adjacent -- the row field of the records
+        that hold the key column, so each row is copied while its record, read to confirm the id, is in
+        cache. The rows of absent ids are left uninitialised.
+        """
+        ids = as_ids(ids)
+        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[0] != self._size or rows.device.type != "cpu":
+            raise ValueError(
+                f"lookup_rows needs float32 rows [{self._size}, dim] on the CPU, got {rows.dtype} "
+                f"{tuple(rows.shape)} on {rows.device}"
+            )
+        out = torch.empty(ids.numel(), dtype=torch.int64)
+        found = torch.empty(ids.numel(), rows.shape[1], dtype=torch.float32)
+        if ids.numel():
+            old = self._old._table.numpy() if self._old is not None else None
+            kernels.lookup(
+                self._table.numpy(),
+                self._key_buffer(),
+                ids.numpy(),
+                out.numpy(),
+                old,
+                rows.detach().numpy(),
+                found.numpy(),
+            )
+        return out, found
+
     # ------------------------------------------------------------------ insert
-    _ARRAYS = ("_capacity", "_bits", "_table", "_keys", "_slots", "_tombstones")
+    _ARRAYS = ("_capacity", "_bits", "_tag_bits", "_table", "_tombstones")
     _GROWTH = ("_old", "_moved", "_next", "_ready")
 
     def insert_new(self, ids: torch.Tensor, undo: UndoLog | None = None) -> torch.Tensor:
@@ -147,7 +204,8 @@ class IdIndex:
 
         The caller guarantees uniqueness and absence (``lookup`` + ``torch.unique``);
         this is what lets insertion skip a membership test. Slots are
-        ``len .. len + n - 1`` in the order given. ``undo``: where to record how to take
+        ``len .. len + n - 1`` in the order given; each id is written at its slot of the key
+        column (past the live length: nothing to undo). ``undo``: where to record how to take
         the insert back (all-or-nothing on its own without one).
         """
         ids = as_ids(ids)
@@ -157,7 +215,16 @@ class IdIndex:
             return slots
         log = undo if undo is not None else UndoLog()
         try:
-            log.attrs(self, "_size", *self._ARRAYS, *self._GROWTH)
+            log.attrs(self, "_size", "_own_keys", *self._ARRAYS, *self._GROWTH)
+            if self._own_keys is not None and self._size + n > self._own_keys.shape[0]:
+                cap = self._own_keys.shape[0]
+                while cap < self._size + n:
+                    cap *= 2
+                self._own_keys = grow(self._own_keys, cap, self._size)
+            keys = self._keys()
+            if keys.shape[0] < self._size + n:
+                raise ValueError(f"id index: the key column has room for {keys.shape[0]} ids, {self._size + n} needed")
+            keys[self._size : self._size + n] = ids
             self._grow_a_step(n, log)
             if self._size + self._tombstones + n > _MAX_LOAD * self._capacity:
                 self._grow_now(n, log)
@@ -236,11 +303,12 @@ class IdIndex:
         old = self._old
         assert old is not None
         lo, hi = self._moved, min(self._moved + entries, old._capacity)
-        live = (old._slots[lo:hi] >= 0).nonzero().squeeze(1) + lo
+        live = (old._table[lo:hi] >= 0).nonzero().squeeze(1) + lo
         if live.numel():
-            self._place(old._keys.index_select(0, live), old._slots.index_select(0, live), undo)
+            slots = (old._table.index_select(0, live) >> old._tag_bits).to(torch.int64)
+            self._place(self._keys().index_select(0, slots), slots, undo)
             undo.rows(lambda: old._table, live)
-            old._slots.index_fill_(0, live, _TOMBSTONE)  # still occupied for the old arrays' probing
+            old._table.index_fill_(0, live, _TOMBSTONE)  # still occupied for the old arrays' probing
         self._moved = hi
         if hi == old._capacity:
             self._old = None
@@ -250,35 +318,51 @@ class IdIndex:
 
         ``new_slot`` has one entry per slot (``len(self)``); the kept ids must map onto
         ``0 .. kept - 1``. One pass over the entries, no rehash (removed entries become tombstones).
-        Everything is computed before the one write, so it is all-or-nothing on its own;
+        A key column of the caller's must still hold the ids at their old slots (the removed ids
+        are read there); the caller moves them afterwards. The index's own column it moves itself.
+        Everything is computed before the first write, so it is all-or-nothing on its own;
         ``undo`` records how to take it back.
         """
         if tuple(new_slot.shape) != (self._size,):
             raise ValueError(f"renumber needs one new slot per id ({self._size}), got shape {tuple(new_slot.shape)}")
-        plans = [(arrays, *arrays._renumbered(new_slot)) for arrays in (self, self._old) if arrays is not None]
+        keys = self._keys()
+        plans = [(arrays, *arrays._renumbered(new_slot, keys)) for arrays in (self, self._old) if arrays is not None]
+        own = self._own_keys
+        if own is not None:
+            src = (new_slot >= 0).nonzero().squeeze(1)
+            moved_keys = own.index_select(0, src)
         if undo is not None:
             undo.attrs(self, "_size", "_tombstones")
+            if own is not None:
+                undo.span(self._own_key_column, 0, self._size)
         removed = []
         for arrays, pos, old, values, gone, removed_ids in plans:
             if undo is not None:
-                undo.rows(lambda arrays=arrays: arrays._slots, pos, old)
-            arrays._slots.index_copy_(0, pos, values)
+                undo.rows(lambda arrays=arrays: arrays._table, pos, old)
+            arrays._table.index_copy_(0, pos, values)
             self._size -= gone
             self._tombstones += gone if arrays is self else 0
             removed.append(removed_ids)
+        if own is not None:
+            own.index_copy_(0, new_slot.index_select(0, src), moved_keys)
         return torch.cat(removed) if len(removed) > 1 else removed[0]
 
-    def _renumbered(self, new_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
-        """For :meth:`renumber`, in these arrays: live positions, their slots, the new slots, removed count, ids."""
-        pos = (self._slots >= 0).nonzero().squeeze(1)
-        old = self._slots.index_select(0, pos)
-        moved = new_slot.index_select(0, old)
+    def _renumbered(
+        self, new_slot: torch.Tensor, keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """For :meth:`renumber`, in these arrays: live positions, their entries, the new entries, removed count, ids."""
+        pos = (self._table >= 0).nonzero().squeeze(1)
+        old = self._table.index_select(0, pos)
+        slot = (old >> self._tag_bits).to(torch.int64)
+        moved = new_slot.index_select(0, slot)
         removed = moved < 0
-        gone = pos[removed]
-        return pos, old, torch.where(removed, _TOMBSTONE, moved), gone.numel(), self._keys.index_select(0, gone)
+        tags = old & ((1 << self._tag_bits) - 1)
+        values = torch.where(removed, _TOMBSTONE, (moved.clamp(min=0).to(torch.int32) << self._tag_bits) | tags)
+        gone = slot[removed]
+        return pos, old, values.to(torch.int32), gone.numel(), keys.index_select(0, gone)
 
     def _place(self, keys: torch.Tensor, vals: torch.Tensor, undo: UndoLog | None) -> None:
-        """Write unique, absent keys into free entries (native: each from its home to the first free entry).
+        """Enter unique, absent keys into free entries (native: each from its home to the first free entry).
 
         Every entry between a key's home and its final entry is occupied, which is the invariant
         ``lookup`` relies on. ``undo`` (None for arrays not yet in use) records the entries
@@ -287,9 +371,9 @@ class IdIndex:
         """
         n = keys.numel()
         pos = torch.empty(n, dtype=torch.int64)
-        old = torch.empty(n, 2, dtype=torch.int64)
+        old = torch.empty(n, dtype=torch.int32)
         keys, vals = keys.contiguous(), vals.contiguous()
-        kernels.place(self._entry_buffer(), keys.numpy(), vals.numpy(), pos.numpy(), old.numpy())
+        kernels.place(self._table.numpy(), keys.numpy(), vals.numpy(), pos.numpy(), old.numpy())
         if undo is not None:
             # recorded after the write: the kernel hands the old entries back (nothing ran in between)
             undo.rows(lambda: self._table, pos, old)
@@ -314,9 +398,4 @@ class IdIndex:
 
     def ids_by_slot(self) -> torch.Tensor:
         """All ids, ordered by slot (``result[s]`` is the id stored at slot ``s``)."""
-        out = torch.empty(self._size, dtype=torch.int64)
-        for arrays in (self, self._old):
-            if arrays is not None:
-                live = arrays._slots >= 0
-                out[arrays._slots[live]] = arrays._keys[live]
-        return out
+        return self._keys()[: self._size].clone()

@@ -228,7 +228,10 @@ class CountSketch:
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
         """``[depth, n]`` flat counter positions of each id."""
         bits = self.width.bit_length() - 1
-        salted = ids ^ (self.seed * _MULTIPLIERS[4])
+        salt = (self.seed * _MULTIPLIERS[4]) & (
+            (1 << 64) - 1
+        )  # wrapped to 64 bits: any seed (was OverflowError from 2 on)
+        salted = ids ^ (salt - (1 << 64) if salt >= 1 << 63 else salt)
         rows = [_shr(_mix(salted, m), 64 - bits) for m in _MULTIPLIERS[:SKETCH_DEPTH]]
         offsets = torch.arange(SKETCH_DEPTH).unsqueeze(1) * self.width
         return torch.stack(rows) + offsets

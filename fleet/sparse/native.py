@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 #: the kernels' interface version this Python code was written for (kAbiVersion in _native.cpp)
-ABI_VERSION = 3
+ABI_VERSION = 4
 _REBUILD = "python setup.py build_ext --inplace"
 
 try:
@@ -35,8 +35,11 @@ if kernels.abi_version() != ABI_VERSION:
     )
 
 
-def buf(t: Any, name: str, dtype: torch.dtype, ndim: int) -> Any:
-    """``t`` as a zero-copy buffer for a kernel, after checking that it is what the kernel expects."""
+def buf(t: Any, name: str, dtype: torch.dtype, ndim: int, strided: bool = False) -> Any:
+    """``t`` as a zero-copy buffer for a kernel, after checking that it is what the kernel expects.
+
+    ``strided``: rows may lie apart (a field of :mod:`fleet.sparse.records`), each row's elements adjacent.
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -45,7 +48,10 @@ def buf(t: Any, name: str, dtype: torch.dtype, ndim: int) -> Any:
         raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if not t.is_contiguous():
+    if strided:
+        if any(st <= 0 for st in t.stride()[:1]) or (ndim == 2 and t.shape[1] > 1 and t.stride(1) != 1):
+            raise ValueError(f"{name} must have rows of adjacent elements, got strides {t.stride()}")
+    elif not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     return t.detach().numpy()
 

@@ -6,11 +6,13 @@ is created the first time any request (pull or push) names its id, with the
 value :func:`fleet.sparse.optim.initial_rows` gives that id, so the result does not
 depend on which worker touched it first or how ids are sharded over servers.
 
-Storage: an :class:`~fleet.sparse.id_index.IdIndex` maps id -> dense slot; rows
-live in a growable ``[capacity, dim]`` float32 tensor indexed by slot, with the
-optimizer's per-row state (momentum buffer, Adam moments, Adagrad sum) and a
-per-row step count in tensors grown alongside (amortised doubling). Every
-operation is a fixed number of whole-batch torch ops; nothing loops over ids.
+Storage: an :class:`~fleet.sparse.id_index.IdIndex` maps id -> dense slot; each slot's
+id, row, optimizer state (momentum buffer, Adam moments, Adagrad sum), step count (where
+the optimizer reads it) and life-cycle statistics are one record of a growable row-major
+array (:mod:`fleet.sparse.records`; amortised doubling of reserved address space), which the
+table reads through strided views of each field (``_rows``, ``_state``, ``_steps``, ``_stats``).
+The index confirms a match by reading the id in the record, next to the row. Every
+operation is a fixed number of whole-batch torch ops or one native pass; nothing loops over ids in Python.
 
 Updates are row-wise ("lazy"): only the rows named in a push change, each with
 its own state and step, so a row that gets a gradient every step follows
@@ -52,6 +54,7 @@ from fleet.sparse.optim import (
 )
 from fleet.sparse.pages import prefault
 from fleet.sparse.recent_slots import RecentSlots
+from fleet.sparse.records import RowRecords
 from fleet.sparse.saves import MAX_REMEMBERED_DELETIONS, TableSaves
 from fleet.sparse.undo import Getter, UndoLog
 
@@ -100,22 +103,37 @@ class SparseTable:
 
     def _reset(self, capacity: int) -> None:
         self._recent.forget()
-        self._index = IdIndex(capacity * 2)
+        # Per-row storage over reserved address space: growing it is a longer view, not a copy.
+        # Steps are kept only where the math reads them (a save holds zeros otherwise, as it always did).
+        self._set_records(
+            RowRecords(
+                capacity,
+                self.dim,
+                self.state_width,
+                self._opt.state_names,
+                steps=self._track_steps,
+                stats=self.lifecycle.active,
+            )
+        )
+        self._index = IdIndex(capacity * 2, keys=self._key_column)
         self._capacity = capacity
-        # Per-row tensors over reserved address space: growing them is a longer view, not a copy.
-        self._rows = row_tensor(capacity, (self.dim,), torch.float32)
-        self._steps = row_tensor(capacity, (), torch.int64)
-        self._state = {n: row_tensor(capacity, (self.state_width,), torch.float32) for n in self._opt.state_names}
-        self._scratch = row_tensor(capacity, (), torch.int64)  # per-slot scratch for de-duplication
+        self._scratch = row_tensor(capacity, (), torch.int32)  # per-slot scratch for de-duplication
         self._prefaulted = 0  # rows whose pages were handed to fleet.sparse.pages.prefault (a hint)
-        self._dirty = row_tensor(capacity, (), torch.bool).zero_()  # changed since the last save
-        self._stats = {}
-        if self.lifecycle.active:
-            self._stats = {
-                "last_seen": row_tensor(capacity, (), torch.int32),
-                "show": row_tensor(capacity, (), torch.float32),
-                "click": row_tensor(capacity, (), torch.float32),
-            }
+        if self._rec.dirty is None:  # changed since the last save: in the records where they have room
+            self._dirty = row_tensor(capacity, (), torch.bool).zero_()
+
+    def _set_records(self, records: RowRecords) -> None:
+        """Take ``records`` as the row storage, with a view of each field."""
+        self._rec = records
+        self._records = records.data
+        self._rows, self._steps = records.rows, records.steps
+        self._state, self._stats = dict(records.state), dict(records.stats)
+        if records.dirty is not None:
+            self._dirty = records.dirty
+
+    def _key_column(self) -> torch.Tensor:
+        """The id of each slot (the id index's key column): the records' id field."""
+        return self._rec.ids
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> SparseTable:
@@ -183,12 +201,9 @@ class SparseTable:
             raise RuntimeError("a sparse table change outside a transaction cannot be undone")
         return self._undo
 
-    #: per-row tensors, by name: what compaction, saves and loads walk over
+    #: per-row tensors, by name: what compaction and reordering move (the records hold every saved field and the id)
     def _row_names(self) -> list[str]:
-        names = ["rows", "steps", "dirty"]
-        names += [f"state.{k}" for k in self._state]
-        names += [f"stats.{k}" for k in self._stats]
-        return names
+        return ["records"] if self._rec.dirty is not None else ["records", "dirty"]
 
     def _getter(self, name: str) -> Getter:
         """The tensor called ``name`` as the table holds it when the getter runs (storage may grow meanwhile)."""
@@ -236,7 +251,10 @@ class SparseTable:
         return self._index.ids_by_slot()
 
     def _saved_fields(self) -> dict[str, torch.Tensor]:
-        out = {"rows": self._rows, "steps": self._steps}
+        """The per-row fields a save holds that the table stores (``steps`` only where the optimizer counts them)."""
+        out = {"rows": self._rows}
+        if self._steps is not None:
+            out["steps"] = self._steps
         out.update({f"state.{k}": t for k, t in self._state.items()})
         out.update({f"stats.{k}": t for k, t in self._stats.items()})
         return out
@@ -244,7 +262,10 @@ class SparseTable:
     def copy_rows(self, pick: slice | torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of the per-row fields (``rows``, ``steps``, ``state.*``, ``stats.*``) of the slots ``pick``."""
         n = len(self)
-        return {name: t[:n][pick].clone() for name, t in self._saved_fields().items()}
+        out = {name: t[:n][pick].clone() for name, t in self._saved_fields().items()}
+        if "steps" not in out:  # not counted by this optimizer: 0, as documented for saves
+            out["steps"] = torch.zeros(out["rows"].shape[0], dtype=torch.int64)
+        return out
 
     def changed_slots(self) -> torch.Tensor:
         """The slots of rows created or changed since :meth:`mark_saved`."""
@@ -269,7 +290,7 @@ class SparseTable:
         """The last :meth:`state_dict` is on disk: the next delta starts from here."""
         with self.transaction() as undo:
             undo.span(self._getter("dirty"), 0, len(self))
-            self._dirty.zero_()
+            self._dirty[: len(self)] = False  # rows past the end are marked when created
             self._deleted, self._deleted_count = [], 0
             self.saved = True
 
@@ -289,7 +310,10 @@ class SparseTable:
             cap *= 2
         with self.transaction() as undo:
             # everything is replaced by new tensors: the undo keeps the old ones
-            undo.attrs(self, "_index", "_capacity", "_rows", "_steps", "_state", "_scratch", "_dirty", "_stats")
+            undo.attrs(
+                self, "_index", "_capacity", "_rec", "_records", "_rows", "_steps", "_state", "_scratch", "_dirty"
+            )
+            undo.attrs(self, "_stats")
             self._reset(cap)
             self._index.insert_new(ids)
             for name, t in self._saved_fields().items():
@@ -355,22 +379,24 @@ class SparseTable:
         Given rows: a row without the optional fields starts fresh (optimizer state and statistics as
         for a new row). Rows are created as needed whatever the life cycle's admission says;
         ``replace`` evicts every other row first. Written rows count as changed for the next delta save.
+        ``steps`` are kept only where the optimizer counts them (they read 0 otherwise, as saves say).
         """
         ids = as_ids(ids)
         n = ids.numel()
         if torch.unique(ids).numel() != n:
             raise ValueError("write_rows: 'ids' contains duplicates")
         names = self._saved_fields()
-        unknown = sorted(set(fields) - set(names))
+        known = set(names) | {"steps"}  # steps: stored where the optimizer counts them, else always 0
+        unknown = sorted(set(fields) - known)
         if unknown or "rows" not in fields:
-            raise ValueError(f"write_rows takes 'rows' and optionally {sorted(set(names) - {'rows'})}, got {unknown}")
+            raise ValueError(f"write_rows takes 'rows' and optionally {sorted(known - {'rows'})}, got {unknown}")
         given = {}
         for name, value in fields.items():
             if name == "rows" or name.startswith("state."):
                 given[name] = self.check_rows(name, value, n, names[name].shape[1])
             elif tuple(value.shape) != (n,):
                 raise ValueError(f"write_rows: '{name}' has shape {tuple(value.shape)}, expected ({n},)")
-            else:
+            elif name in names:
                 given[name] = value.to(names[name].dtype)
         with self.transaction() as undo:
             if replace and len(self):
@@ -398,15 +424,12 @@ class SparseTable:
         while cap < needed:
             cap *= 2
         n = used
-        rows, steps = grow(self._rows, cap, n), grow(self._steps, cap, n)
-        state = {name: grow(t, cap, n) for name, t in self._state.items()}
-        stats = {name: grow(t, cap, n) for name, t in self._stats.items()}
-        dirty = grow(self._dirty, cap, n)
-        dirty[n:] = False
         scratch = grow(self._scratch, cap, 0)
-        if rows.data_ptr() != self._rows.data_ptr():
+        records = self._rec.over(grow(self._records, cap, n))
+        dirty = grow(self._dirty, cap, n) if records.dirty is None else records.dirty  # rows past n: marked when made
+        if records.data.data_ptr() != self._records.data_ptr():
             self._prefaulted = min(self._prefaulted, n)  # copied into fresh memory: not faulted in yet
-        self._rows, self._steps, self._state, self._stats = rows, steps, state, stats
+        self._set_records(records)
         self._dirty, self._scratch, self._capacity = dirty, scratch, cap
 
     def _slots(self, ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -454,7 +477,7 @@ class SparseTable:
 
     def _prefault_ahead(self, end: int) -> None:
         """Have the pages of the rows after ``end`` made present off the loop, a few MiB ahead (fleet.sparse.pages)."""
-        ahead = max(4096, (4 << 20) // (4 * self.dim))
+        ahead = max(4096, (2 << 20) // self._rec.record_bytes)  # about one (huge) page of records
         if end + ahead // 2 < self._prefaulted:
             return
         lo = max(end, self._prefaulted)
@@ -515,6 +538,7 @@ class SparseTable:
         self._recent.forget()  # compaction moves slots
         new_slot = torch.full((n,), -1, dtype=torch.int64)
         new_slot[keep] = torch.arange(m)
+        removed_ids = self._index.renumber(new_slot, undo)  # first: it reads the removed ids at their slots
         for name in self._row_names():
             get = self._getter(name)
             t = get()
@@ -522,7 +546,7 @@ class SparseTable:
             t[:m] = compacted
             # recorded after the write, not before like the others: spreading undoes a compaction only
             undo.add(lambda get=get, removed=removed: _spread(get(), keep, drop, removed))
-        self._remember_deleted(self._index.renumber(new_slot, undo))
+        self._remember_deleted(removed_ids)
         self.counts["evicted"] += count
         return count
 
@@ -625,10 +649,10 @@ class SparseTable:
         """
         ids = as_ids(ids)
         if not self.lifecycle.active:
-            slots = self._index.lookup(ids)
+            # one native pass: each row is copied as its id is confirmed in the record (same cache lines)
+            slots, rows = self._index.lookup_rows(ids, self._rows[: len(self)])
             if not bool((slots < 0).any()):
-                rows = self._gather_rows(slots)  # nothing changes: no transaction needed
-                self._recent.remember(ids, slots)
+                self._recent.remember(ids, slots)  # nothing changed: no transaction needed
                 return rows
             with self.transaction():  # the gather below can fail too: then the new rows go again
                 slots = self._slots(ids, slots)  # first: creating rows may replace self._rows
@@ -699,7 +723,7 @@ class SparseTable:
         agree whatever their order.
         """
         n, names = slots.numel(), self._opt.state_names
-        state = [buf(self._state[name], f"state.{name}", torch.float32, 2) for name in names]
+        state = [buf(self._state[name], f"state.{name}", torch.float32, 2, strided=True) for name in names]
         old_rows = torch.empty(n, self.dim)
         old_state = {name: torch.empty(n, self._state[name].shape[1]) for name in names}
         old_steps = torch.empty(n, dtype=torch.int64) if self._track_steps else None
@@ -707,11 +731,11 @@ class SparseTable:
         old_buffers = [old_state[name].numpy() for name in names] + [None] * (2 - len(names))
         kernels.apply_rows(
             native_hyper(self.optimizer, lr),
-            buf(self._rows, "rows", torch.float32, 2),
+            buf(self._rows, "rows", torch.float32, 2, strided=True),
             state[0] if names else None,
             state[1] if len(names) > 1 else None,
-            buf(self._steps, "steps", torch.int64, 1) if self._track_steps else None,
-            buf(self._scratch, "scratch", torch.int64, 1),
+            buf(self._steps, "steps", torch.int64, 1, strided=True) if self._track_steps else None,
+            buf(self._scratch, "scratch", torch.int32, 1),
             slots.contiguous().numpy(),
             buf(grads, "grads", torch.float32, 2),
             len(self),
@@ -731,7 +755,7 @@ class SparseTable:
         """``self._rows[slots]`` as a new tensor: a native gather (prefetching, GIL released, bounds checked)."""
         out = torch.empty(slots.numel(), self.dim, dtype=torch.float32)
         if slots.numel():
-            rows = buf(self._rows, "rows", torch.float32, 2)
+            rows = buf(self._rows, "rows", torch.float32, 2, strided=True)
             kernels.gather_rows(rows, slots.contiguous().numpy(), len(self), out.numpy())
         return out
 

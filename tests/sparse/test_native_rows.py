@@ -97,7 +97,7 @@ def _args(n: int = 4, cap: int = 8, dim: int = 2, slots: list[int] | None = None
         f32(cap, dim),
         f32(cap, dim),
         np.zeros(cap, dtype=np.int64),
-        np.zeros(cap, dtype=np.int64),
+        np.zeros(cap, dtype=np.int32),  # scratch: a batch position per row
         sl,
         np.ones((n, dim), dtype=np.float32),
         cap,

@@ -1,0 +1,735 @@
+"""The reference of tests/sparse/test_table_differential.py: fleet/sparse/table.py as it was before the
+row records (commit c4b15f1), self-contained.
+
+Changed from that file, and only so that the reference does not depend on what the refactor changes:
+the id index is the pure-torch one (tests/sparse/reference_id_index.py: the same slots, in creation
+order, as the native index it was replaced by), rows are gathered with ``index_select``, and a push
+steps rows with the torch row-wise optimizer (:class:`fleet.sparse.optim.ServerOptimizer`, duplicates
+summed with ``index_add_`` in batch order) instead of the native kernels. Not used by fleet.
+
+The original docstring follows.
+
+One server's shard of a sparse embedding table: rows keyed by arbitrary int64 ids.
+
+Why rows are created on first touch: CTR-style ids come from a huge, open
+space (hashed feature values), so the table cannot be allocated up front. A row
+is created the first time any request (pull or push) names its id, with the
+value :func:`fleet.sparse.optim.initial_rows` gives that id, so the result does not
+depend on which worker touched it first or how ids are sharded over servers.
+
+Storage: an :class:`~fleet.sparse.id_index.IdIndex` maps id -> dense slot; rows
+live in a growable ``[capacity, dim]`` float32 tensor indexed by slot, with the
+optimizer's per-row state (momentum buffer, Adam moments, Adagrad sum) and a
+per-row step count in tensors grown alongside (amortised doubling). Every
+operation is a fixed number of whole-batch torch ops; nothing loops over ids.
+
+Updates are row-wise ("lazy"): only the rows named in a push change, each with
+its own state and step, so a row that gets a gradient every step follows
+``torch.optim`` exactly. Not thread-safe: the server serialises calls per table.
+
+With a life cycle (:mod:`fleet.sparse.lifecycle`: admission, TTL, ``max_rows``) rows are
+created by updates only, once admitted; a pull of an id without a row returns its
+initial value (zeros while an entry has not admitted it) and stores nothing. Every
+table remembers which rows changed since the last save and which ids it evicted, so a
+save can be a delta (:meth:`state_dict` with ``delta=True``, :meth:`apply_delta`). What a save
+holds and how it is checked is :mod:`fleet.sparse.saves` (a :class:`~fleet.sparse.saves.TableSaves`
+the table composes), working through the table's storage methods (:meth:`slot_ids`,
+:meth:`copy_rows`, :meth:`header`, :meth:`replace_rows`, :meth:`merge_rows`, ...).
+
+Every operation is all-or-nothing (:meth:`transaction`, :mod:`fleet.sparse.undo`): if any step
+fails -- an allocation when memory runs out, above all -- the table is rolled back to what
+it was and stays usable. New rows are written into the free slots past the live length
+before the id index learns their ids, so the index never names a slot without a row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from reference_id_index import IdIndex, as_ids
+
+from fleet.sparse.lifecycle import EVICT_SLACK, Admission, LifeCycle
+from fleet.sparse.optim import (
+    InitializerSpec,
+    OptimizerSpec,
+    ServerOptimizer,
+    check_table_config,
+    initial_rows,
+)
+from fleet.sparse.pages import prefault
+from fleet.sparse.recent_slots import RecentSlots
+from fleet.sparse.saves import MAX_REMEMBERED_DELETIONS, TableSaves
+from fleet.sparse.undo import Getter, UndoLog
+from reference_table.growable import grow, row_tensor
+
+_REQUIRED_KEYS = ("dim", "optimizer")
+
+
+class SparseTable:
+    """Rows of width ``dim`` keyed by int64 id, updated by a row-wise server optimizer."""
+
+    #: what a table config may hold (a shard's config has more: the update mode, backup workers)
+    CONFIG_KEYS = ("dim", "optimizer", "initializer", "seed", "servers", *LifeCycle.CONFIG_KEYS)
+
+    def __init__(
+        self,
+        dim: int,
+        optimizer: OptimizerSpec,
+        initializer: InitializerSpec | None = None,
+        seed: int = 0,
+        lifecycle: LifeCycle | None = None,
+    ) -> None:
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"dim must be an int > 0, got {dim!r}")
+        if not isinstance(optimizer, OptimizerSpec):
+            raise TypeError(f"optimizer must be an OptimizerSpec, got {type(optimizer).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.dim = dim
+        self.optimizer = optimizer
+        self.initializer = initializer if initializer is not None else InitializerSpec()
+        self.seed = seed
+        self._opt = ServerOptimizer(optimizer)
+        # Per-row step counts cost two random accesses per row; keep them only where the math reads them.
+        self._track_steps = self._opt.needs_step
+        self.lifecycle = lifecycle if lifecycle is not None else LifeCycle()
+        self._admission = Admission(self.lifecycle.entry, self.lifecycle.sketch_width, seed)
+        self.clock = 0
+        self.counts = {"dropped_gradients": 0, "evicted": 0, "refused_rows": 0}
+        self._next_expiry = 0
+        self._deleted: list[torch.Tensor] | None = []  # None: too many to remember, the next save must be a base
+        self._deleted_count = 0
+        self.saved = False  # whether a save (or load) set the start of the next delta
+        self._undo: UndoLog | None = None  # the open transaction's log
+        self._recent = RecentSlots()  # slots of recent pulls, for the pushes of the same ids
+        self._reset(capacity=1024)
+        self._saves = TableSaves(self)
+
+    def _reset(self, capacity: int) -> None:
+        self._recent.forget()
+        self._index = IdIndex(capacity * 2)
+        self._capacity = capacity
+        # Per-row tensors over reserved address space: growing them is a longer view, not a copy.
+        self._rows = row_tensor(capacity, (self.dim,), torch.float32)
+        self._steps = row_tensor(capacity, (), torch.int64)
+        self._state = {n: row_tensor(capacity, (self.state_width,), torch.float32) for n in self._opt.state_names}
+        self._scratch = row_tensor(capacity, (), torch.int64)  # per-slot scratch for de-duplication
+        self._prefaulted = 0  # rows whose pages were handed to fleet.sparse.pages.prefault (a hint)
+        self._dirty = row_tensor(capacity, (), torch.bool).zero_()  # changed since the last save
+        self._stats = {}
+        if self.lifecycle.active:
+            self._stats = {
+                "last_seen": row_tensor(capacity, (), torch.int32),
+                "show": row_tensor(capacity, (), torch.float32),
+                "click": row_tensor(capacity, (), torch.float32),
+            }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> SparseTable:
+        """Build from ``{"dim", "optimizer", "initializer", "seed"}`` and the life-cycle keys (optional ones).
+
+        ``max_rows`` is the job's cap; with ``servers`` S each shard keeps at most ``max_rows // S``.
+        """
+        check_table_config("sparse", config, cls.CONFIG_KEYS, _REQUIRED_KEYS)
+        dim, seed = config["dim"], config.get("seed", 0)
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"sparse table config: 'dim' must be an int > 0, got {dim!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"sparse table config: 'seed' must be an int, got {seed!r}")
+        try:
+            spec = OptimizerSpec.from_config(config["optimizer"])
+        except ValueError as err:
+            raise ValueError(f"sparse table config: 'optimizer': {err}") from None
+        init = None
+        if config.get("initializer") is not None:
+            try:
+                init = InitializerSpec.from_config(config["initializer"])
+            except ValueError as err:
+                raise ValueError(f"sparse table config: 'initializer': {err}") from None
+        try:
+            lifecycle = LifeCycle.from_config(config, shards=int(config.get("servers", 1)))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"sparse table config: {err}") from None
+        return cls(dim, spec, init, seed, lifecycle)
+
+    def __len__(self) -> int:
+        """Number of rows the table holds now."""
+        return len(self._index)
+
+    def info(self) -> dict[str, Any]:
+        return {"rows": len(self), "clock": self.clock, **self.counts}
+
+    # ------------------------------------------------------------------ transactions
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[UndoLog]:
+        """Every change made inside, or on an exception none: the table is rolled back, then it re-raises.
+
+        Operations open their own; an enclosing one (a load followed by its deltas) makes them
+        one. Grown storage stays grown (its contents are rolled back): capacity is not state.
+        """
+        if self._undo is not None:
+            yield self._undo
+            return
+        undo = UndoLog()
+        undo.attrs(self, "clock", "_next_expiry", "counts", "_deleted", "_deleted_count", "saved")
+        self.counts = dict(self.counts)  # changed in place below: the rollback restores the original
+        if self._deleted is not None:
+            self._deleted = list(self._deleted)
+        self._undo = undo
+        try:
+            yield undo
+        except BaseException:
+            undo.rollback()
+            self._recent.forget()  # the rollback may take back rows that a remembered pull created
+            raise
+        finally:
+            self._undo = None
+
+    def _log(self) -> UndoLog:
+        if self._undo is None:
+            raise RuntimeError("a sparse table change outside a transaction cannot be undone")
+        return self._undo
+
+    #: per-row tensors, by name: what compaction, saves and loads walk over
+    def _row_names(self) -> list[str]:
+        names = ["rows", "steps", "dirty"]
+        names += [f"state.{k}" for k in self._state]
+        names += [f"stats.{k}" for k in self._stats]
+        return names
+
+    def _getter(self, name: str) -> Getter:
+        """The tensor called ``name`` as the table holds it when the getter runs (storage may grow meanwhile)."""
+        kind, _, key = name.partition(".")
+        if kind == "state":
+            return lambda: self._state[key]
+        if kind == "stats":
+            return lambda: self._stats[key]
+        attr = f"_{kind}"
+        return lambda: getattr(self, attr)
+
+    # ------------------------------------------------------------------ saves
+    def state_dict(self, delta: bool = False) -> dict[str, Any]:
+        """See :meth:`fleet.sparse.saves.TableSaves.state_dict`."""
+        return self._saves.state_dict(delta)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """See :meth:`fleet.sparse.saves.TableSaves.load_state_dict`."""
+        self._saves.load_state_dict(state)
+
+    def apply_delta(self, state: dict[str, Any]) -> None:
+        """See :meth:`fleet.sparse.saves.TableSaves.apply_delta`."""
+        self._saves.apply_delta(state)
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, rows) of every row the table holds, for serving (no optimizer state, no statistics)."""
+        return self.slot_ids(), self._rows[: len(self)].clone()
+
+    @property
+    def state_width(self) -> int:
+        """Columns of each per-row optimizer state tensor: ``dim``, or 1 for row-wise Adagrad."""
+        return self._opt.state_width or self.dim
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The optimizer's per-row state tensors (``state.<name>`` in a save)."""
+        return tuple(self._opt.state_names)
+
+    def stat_dtypes(self) -> dict[str, torch.dtype]:
+        """The life cycle's per-row statistics (``stats.<name>`` in a save) and their dtypes."""
+        return {name: t.dtype for name, t in self._stats.items()}
+
+    def slot_ids(self) -> torch.Tensor:
+        """The ids of the rows, in slot order (row ``i`` of :meth:`copy_rows` belongs to ``slot_ids()[i]``)."""
+        return self._index.ids_by_slot()
+
+    def _saved_fields(self) -> dict[str, torch.Tensor]:
+        out = {"rows": self._rows, "steps": self._steps}
+        out.update({f"state.{k}": t for k, t in self._state.items()})
+        out.update({f"stats.{k}": t for k, t in self._stats.items()})
+        return out
+
+    def copy_rows(self, pick: slice | torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of the per-row fields (``rows``, ``steps``, ``state.*``, ``stats.*``) of the slots ``pick``."""
+        n = len(self)
+        return {name: t[:n][pick].clone() for name, t in self._saved_fields().items()}
+
+    def changed_slots(self) -> torch.Tensor:
+        """The slots of rows created or changed since :meth:`mark_saved`."""
+        return self._dirty[: len(self)].nonzero().squeeze(1)
+
+    def evicted_since_save(self) -> torch.Tensor | None:
+        """The ids evicted since :meth:`mark_saved`; None when too many to remember (the next save is a base)."""
+        if self._deleted is None:
+            return None
+        return torch.cat(self._deleted) if self._deleted else torch.empty(0, dtype=torch.int64)
+
+    def header(self) -> dict[str, Any]:
+        """The table-wide state a save holds besides the rows: clock, next expiry, counts, admission."""
+        return {
+            "clock": self.clock,
+            "next_expiry": self._next_expiry,
+            "counts": dict(self.counts),
+            "admission": self._admission.state_dict(),
+        }
+
+    def mark_saved(self) -> None:
+        """The last :meth:`state_dict` is on disk: the next delta starts from here."""
+        with self.transaction() as undo:
+            undo.span(self._getter("dirty"), 0, len(self))
+            self._dirty.zero_()
+            self._deleted, self._deleted_count = [], 0
+            self.saved = True
+
+    def _set_header(self, header: dict[str, Any]) -> None:
+        self.clock = int(header["clock"])
+        self._next_expiry = int(header["next_expiry"])
+        self.counts.update(header["counts"])
+        if self._admission.sketch is not None:
+            self._log().attrs(self._admission.sketch, "counters", "added")
+        self._admission.load_state_dict(header["admission"])
+
+    def replace_rows(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], header: dict[str, Any]) -> None:
+        """Replace every row with ``ids`` and their checked ``fields`` (as :meth:`copy_rows` names them); saved."""
+        n = ids.numel()
+        cap = 1024
+        while cap < n:
+            cap *= 2
+        with self.transaction() as undo:
+            # everything is replaced by new tensors: the undo keeps the old ones
+            undo.attrs(self, "_index", "_capacity", "_rows", "_steps", "_state", "_scratch", "_dirty", "_stats")
+            self._reset(cap)
+            self._index.insert_new(ids)
+            for name, t in self._saved_fields().items():
+                t[:n] = fields[name]
+            self._set_header(header)
+            self.mark_saved()
+
+    def merge_rows(
+        self, deleted: torch.Tensor, ids: torch.Tensor, fields: dict[str, torch.Tensor], header: dict[str, Any]
+    ) -> None:
+        """Evict ``deleted``, then write ``ids``' checked ``fields`` (creating rows as needed); saved."""
+        with self.transaction() as undo:
+            if deleted.numel():
+                slots = self._index.lookup(deleted)
+                gone = torch.zeros(len(self), dtype=torch.bool)
+                gone[slots[slots >= 0]] = True
+                self._remove(gone)
+            slots = self._slots_creating(ids, undo)
+            for name, t in self._saved_fields().items():
+                undo.rows(self._getter(name), slots)
+                t.index_copy_(0, slots, fields[name])
+            self._set_header(header)
+            self.mark_saved()
+
+    def rows_page(self, start: int, count: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(ids, copies of the per-row fields) of the rows in slots ``start .. start+count`` (a bounded read)."""
+        end = min(len(self), max(0, start) + max(0, count))
+        pick = slice(min(max(0, start), end), end)
+        return self.slot_ids()[pick].clone(), self.copy_rows(pick)
+
+    def sort_by_id(self) -> None:
+        """Put the rows in ascending id order (a state dict's order), so that a table loaded from one holds
+        its rows in the same slots as this one: where slots break ties (evicting equal scores), both agree."""
+        n = len(self)
+        ids = self.slot_ids()
+        if n < 2 or bool((ids[1:] > ids[:-1]).all()):
+            return
+        order = torch.argsort(ids)
+        new_slot = torch.empty(n, dtype=torch.int64)
+        new_slot[order] = torch.arange(n)
+        with self.transaction() as undo:
+            self._recent.forget()  # slots move
+            for name in self._row_names():
+                get = self._getter(name)
+                undo.span(get, 0, n)
+                t = get()
+                t[:n] = t[:n].index_select(0, order)
+            self._index.renumber(new_slot, undo)
+
+    def _slots_creating(self, ids: torch.Tensor, undo: Any) -> torch.Tensor:
+        """``ids``' slots, appending a row for each id not in the table yet (undone with ``undo``)."""
+        first = len(self)
+        slots = self._index.lookup(ids)
+        new = (slots < 0).nonzero().squeeze(1)
+        if new.numel():
+            self._grow_to(first + new.numel(), used=first)
+            slots.index_copy_(0, new, self._index.insert_new(ids.index_select(0, new), undo))
+        return slots
+
+    def write_rows(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], replace: bool = False) -> None:
+        """Set rows ``ids`` to ``fields`` (``rows`` required; ``steps``, ``state.*``, ``stats.*`` optional).
+
+        Given rows: a row without the optional fields starts fresh (optimizer state and statistics as
+        for a new row). Rows are created as needed whatever the life cycle's admission says;
+        ``replace`` evicts every other row first. Written rows count as changed for the next delta save.
+        """
+        ids = as_ids(ids)
+        n = ids.numel()
+        if torch.unique(ids).numel() != n:
+            raise ValueError("write_rows: 'ids' contains duplicates")
+        names = self._saved_fields()
+        unknown = sorted(set(fields) - set(names))
+        if unknown or "rows" not in fields:
+            raise ValueError(f"write_rows takes 'rows' and optionally {sorted(set(names) - {'rows'})}, got {unknown}")
+        given = {}
+        for name, value in fields.items():
+            if name == "rows" or name.startswith("state."):
+                given[name] = self.check_rows(name, value, n, names[name].shape[1])
+            elif tuple(value.shape) != (n,):
+                raise ValueError(f"write_rows: '{name}' has shape {tuple(value.shape)}, expected ({n},)")
+            else:
+                given[name] = value.to(names[name].dtype)
+        with self.transaction() as undo:
+            if replace and len(self):
+                self._remove(torch.ones(len(self), dtype=torch.bool))
+            slots = self._slots_creating(ids, undo)
+            fresh = {k: t.new_empty((n, *t.shape[1:])) for k, t in names.items() if k not in given}
+            self._start_fresh(fresh)
+            for name, t in self._saved_fields().items():
+                undo.rows(self._getter(name), slots)
+                t.index_copy_(0, slots, given[name] if name in given else fresh[name])
+            undo.rows(self._getter("dirty"), slots)
+            self._dirty.index_fill_(0, slots, True)
+            self._recent.forget()
+
+    # ------------------------------------------------------------------ storage
+    def _grow_to(self, needed: int, used: int) -> None:
+        """Make room for ``needed`` rows (keeping the first ``used``), doubling so growth is amortised.
+
+        Usually a longer view of reserved memory (:mod:`fleet.sparse.growable`); otherwise every new tensor
+        is made before any is swapped in, so a failed allocation changes nothing.
+        """
+        if needed <= self._capacity:
+            return
+        cap = self._capacity
+        while cap < needed:
+            cap *= 2
+        n = used
+        rows, steps = grow(self._rows, cap, n), grow(self._steps, cap, n)
+        state = {name: grow(t, cap, n) for name, t in self._state.items()}
+        stats = {name: grow(t, cap, n) for name, t in self._stats.items()}
+        dirty = grow(self._dirty, cap, n)
+        dirty[n:] = False
+        scratch = grow(self._scratch, cap, 0)
+        if rows.data_ptr() != self._rows.data_ptr():
+            self._prefaulted = min(self._prefaulted, n)  # copied into fresh memory: not faulted in yet
+        self._rows, self._steps, self._state, self._stats = rows, steps, state, stats
+        self._dirty, self._scratch, self._capacity = dirty, scratch, cap
+
+    def _slots(self, ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots for ``ids`` (any order, duplicates allowed), creating missing rows (in a transaction).
+
+        ``slots``: the index's lookup of ``ids``, when the caller did it already. New ids are
+        de-duplicated and sorted, so their slots follow id order within one call; their rows are
+        written before the index learns them.
+        """
+        slots = self._index.lookup(ids) if slots is None else slots
+        missing = slots < 0
+        if not bool(missing.any()):
+            return slots
+        where = missing.nonzero().squeeze(1)
+        new_ids, inverse = torch.unique(ids.index_select(0, where), sorted=True, return_inverse=True)
+        self._init_rows(len(self), new_ids)
+        new_slots = self._index.insert_new(new_ids, self._log())
+        slots.index_copy_(0, where, new_slots.index_select(0, inverse))
+        return slots
+
+    def _init_rows(self, first: int, new_ids: torch.Tensor) -> None:
+        """Fill the free slots ``first ..`` (past the live length: nothing to undo) for ``new_ids``."""
+        end = first + new_ids.numel()
+        self._grow_to(end, used=first)
+        self._rows[first:end] = initial_rows(new_ids, self.dim, self.initializer, self.seed)
+        self._start_fresh({name: t[first:end] for name, t in self._saved_fields().items() if name != "rows"})
+        self._dirty[first:end] = True
+        self._prefault_ahead(end)
+
+    def _start_fresh(self, fields: dict[str, torch.Tensor]) -> None:
+        """Set per-row ``fields`` (named as :meth:`copy_rows` names them, any but ``rows``) as a new row starts:
+        no steps, the optimizer's initial state, statistics counted from now."""
+        state = {}
+        for name, t in fields.items():
+            if name.startswith("state."):
+                state[name[len("state.") :]] = t
+            elif name == "stats.last_seen":
+                t.fill_(self.clock)
+            else:  # steps, stats.show, stats.click
+                t.zero_()
+        self._opt.fill_new_state(state)
+
+    def _prefault_ahead(self, end: int) -> None:
+        """Have the pages of the rows after ``end`` made present off the loop, a few MiB ahead (fleet.sparse.pages)."""
+        ahead = max(4096, (4 << 20) // (4 * self.dim))
+        if end + ahead // 2 < self._prefaulted:
+            return
+        lo = max(end, self._prefaulted)
+        hi = min(self._capacity, lo + ahead)
+        if hi > lo:
+            for name in self._row_names():
+                prefault(self._getter(name)()[lo:hi])
+            prefault(self._scratch[lo:hi])
+        self._prefaulted = hi
+
+    # ------------------------------------------------------------------ life cycle
+    def tick(self, step: int | None = None) -> None:
+        """Advance the clock: to ``step`` when given (never back), else by one; expire rows past their TTL."""
+        with self.transaction():
+            self.clock = self.clock + 1 if step is None else max(self.clock, int(step))
+            ttl = self.lifecycle.ttl_steps
+            if ttl is not None and self.clock >= self._next_expiry:
+                self._next_expiry = self.clock + max(1, ttl // 8)
+                self._remove(self._expired())
+
+    def _expired(self) -> torch.Tensor:
+        n = len(self)
+        ttl = self.lifecycle.ttl_steps
+        if ttl is None or not n:
+            return torch.zeros(n, dtype=torch.bool)
+        return (self.clock - self._stats["last_seen"][:n]) > ttl
+
+    def scores(self) -> torch.Tensor:
+        """Each row's decayed show/click score (Paddle's CTR accessor score), by slot."""
+        n = len(self)
+        if not self._stats:
+            return torch.zeros(n)
+        age = self.clock - self._stats["last_seen"][:n]
+        lc = self.lifecycle
+        return lc.score(lc.decayed(self._stats["show"][:n], age), lc.decayed(self._stats["click"][:n], age))
+
+    def shrink(self, threshold: float | None = None) -> int:
+        """Remove rows past their TTL and, with ``threshold``, rows scoring below it; return how many went."""
+        with self.transaction():
+            gone = self._expired()
+            if threshold is not None and self._stats:
+                gone |= self.scores() < float(threshold)
+            return self._remove(gone)
+
+    def _remove(self, gone: torch.Tensor) -> int:
+        """Drop the rows whose slot is set in ``gone``, compacting the rest in place (slot order kept).
+
+        The undo keeps only the removed rows: it spreads the kept ones back to their old slots.
+        """
+        count = int(gone.sum())
+        if not count:
+            return 0
+        undo = self._log()
+        n = len(self)
+        keep = (~gone).nonzero().squeeze(1)
+        drop = gone.nonzero().squeeze(1)
+        m = keep.numel()
+        self._recent.forget()  # compaction moves slots
+        new_slot = torch.full((n,), -1, dtype=torch.int64)
+        new_slot[keep] = torch.arange(m)
+        for name in self._row_names():
+            get = self._getter(name)
+            t = get()
+            compacted, removed = t[:n].index_select(0, keep), t[:n].index_select(0, drop)
+            t[:m] = compacted
+            # recorded after the write, not before like the others: spreading undoes a compaction only
+            undo.add(lambda get=get, removed=removed: _spread(get(), keep, drop, removed))
+        self._remember_deleted(self._index.renumber(new_slot, undo))
+        self.counts["evicted"] += count
+        return count
+
+    def _remember_deleted(self, ids: torch.Tensor) -> None:
+        if self._deleted is None:
+            return
+        self._deleted.append(ids)
+        self._deleted_count += ids.numel()
+        if self._deleted_count > max(MAX_REMEMBERED_DELETIONS, 4 * len(self)):
+            self._deleted = None  # unbounded memory otherwise, for a job that never saves a delta
+
+    def _make_room(self, new_ids: torch.Tensor, protect: torch.Tensor) -> torch.Tensor:
+        """Evict lowest-scoring rows (not those in ``protect``) so ``new_ids`` fit under max_rows; return those that fit."""
+        cap = self.lifecycle.max_rows
+        n = len(self)
+        if cap is None or n + new_ids.numel() <= cap:
+            return new_ids
+        target = min(cap - new_ids.numel(), int(cap * (1 - EVICT_SLACK)))
+        score = self.scores()
+        score[protect] = float("inf")
+        evictable = n - int(torch.unique(protect).numel())
+        count = min(max(n - target, 0), evictable)
+        if count:
+            gone = torch.zeros(n, dtype=torch.bool)
+            gone[torch.topk(score, count, largest=False, sorted=False).indices] = True
+            self._remove(gone)
+        room = cap - len(self)
+        if room < new_ids.numel():
+            self.counts["refused_rows"] += new_ids.numel() - room
+            new_ids = new_ids[:room]
+        return new_ids
+
+    def _admitted_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slots for an update's ``ids`` under the life cycle: new ids get rows once admitted; -1 for the rest."""
+        slots = self._index.lookup(ids)
+        missing = slots < 0
+        if not bool(missing.any()):
+            return slots
+        new_ids = torch.unique(ids[missing])
+        admitted = new_ids[self._admission.admit(new_ids, self.clock, self._log())]
+        if admitted.numel():
+            admitted = self._make_room(admitted, protect=slots[~missing])
+            self._init_rows(len(self), admitted)
+            self._index.insert_new(admitted, self._log())
+            slots = self._index.lookup(ids)  # eviction compacts, so every slot may have moved
+        return slots
+
+    def _update_slots(self, ids: torch.Tensor, values: torch.Tensor, clicks: torch.Tensor | None):
+        """Slots, values and clicks of the ids an update may change (dropping, and counting, the unadmitted)."""
+        if not self.lifecycle.active:
+            return self._slots(ids, self._recent.take(ids)), values, clicks
+        slots = self._admitted_slots(ids)
+        kept = slots >= 0
+        if not bool(kept.all()):
+            self.counts["dropped_gradients"] += int((~kept).sum())
+            where = kept.nonzero().squeeze(1)
+            slots, values = slots.index_select(0, where), values.index_select(0, where)
+            clicks = clicks.index_select(0, where) if clicks is not None else None
+        return slots, values, clicks
+
+    def _touch(self, slots: torch.Tensor, clicks: torch.Tensor | None) -> None:
+        """Record an update of ``slots`` (duplicates allowed): dirty, last seen now, one more show, the clicks."""
+        undo = self._log()
+        undo.rows(self._getter("dirty"), slots)
+        self._dirty.index_fill_(0, slots, True)
+        if not self._stats:
+            return
+        lc, last_seen = self.lifecycle, self._stats["last_seen"]
+        seen = last_seen.index_select(0, slots)
+        age = self.clock - seen
+        old_show, old_click = self._stats["show"].index_select(0, slots), self._stats["click"].index_select(0, slots)
+        # Repeated slots compute identical values from the old ones, so their writes agree.
+        new_show, new_click = lc.decayed(old_show, age) + 1.0, lc.decayed(old_click, age)
+        undo.rows(self._getter("stats.show"), slots, old_show)
+        self._stats["show"].index_copy_(0, slots, new_show)
+        undo.rows(self._getter("stats.click"), slots, old_click)
+        self._stats["click"].index_copy_(0, slots, new_click)
+        if clicks is not None:
+            self._stats["click"].index_add_(0, slots, clicks.to(torch.float32))
+        undo.rows(self._getter("stats.last_seen"), slots, seen)
+        last_seen.index_fill_(0, slots, self.clock)
+
+    def check_rows(self, name: str, values: torch.Tensor, n: int, width: int | None = None) -> torch.Tensor:
+        """``values`` as float32 ``[n, width]`` rows (``width``: ``dim`` unless given), or an error naming ``name``."""
+        width = self.dim if width is None else width
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+        if tuple(values.shape) != (n, width):
+            raise ValueError(f"{name} has shape {tuple(values.shape)}, expected ({n}, {width}) for {n} ids")
+        if not values.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got {values.dtype}")
+        return values.to(torch.float32)
+
+    # ------------------------------------------------------------------ requests
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for ``ids`` as a new float32 ``[len(ids), dim]`` tensor; missing rows are created.
+
+        With a life cycle nothing is created: an id without a row reads its initial value, or
+        zeros while an entry has not admitted it.
+        """
+        ids = as_ids(ids)
+        if not self.lifecycle.active:
+            slots = self._index.lookup(ids)
+            if not bool((slots < 0).any()):
+                rows = self._gather_rows(slots)  # nothing changes: no transaction needed
+                self._recent.remember(ids, slots)
+                return rows
+            with self.transaction():  # the gather below can fail too: then the new rows go again
+                slots = self._slots(ids, slots)  # first: creating rows may replace self._rows
+                rows = self._gather_rows(slots)
+                self._recent.remember(ids, slots)  # a failure here takes the rows back and forgets
+                return rows
+        slots = self._index.lookup(ids)
+        out = self._rows.index_select(0, slots.clamp(min=0))
+        missing = (slots < 0).nonzero().squeeze(1)
+        if missing.numel():
+            if self.lifecycle.entry is not None:
+                out.index_fill_(0, missing, 0.0)
+            else:
+                fresh = initial_rows(ids.index_select(0, missing), self.dim, self.initializer, self.seed)
+                out.index_copy_(0, missing, fresh)
+        return out
+
+    def apply_gradient(
+        self,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        clicks: torch.Tensor | None = None,
+        step: int | None = None,
+    ) -> None:
+        """One row-wise optimizer step on the named rows; duplicate ids' gradients are summed first.
+
+        Advances the clock (to ``step`` when given). ``clicks`` (one per id, optional) feed the
+        rows' click counts.
+        """
+        ids = as_ids(ids)
+        grads = self.check_rows("grads", grads, ids.numel())
+        clicks = self._check_clicks(clicks, ids.numel())
+        with self.transaction() as undo:
+            self.tick(step)
+            if ids.numel() == 0:
+                return
+            slots, grads, clicks = self._update_slots(ids, grads, clicks)
+            if slots.numel() == 0:
+                return
+            self._touch(slots, clicks)
+            self._step_rows(slots, grads, float(lr), undo)
+
+    def add_delta(
+        self, ids: torch.Tensor, deltas: torch.Tensor, step: int | None = None, clicks: torch.Tensor | None = None
+    ) -> None:
+        """Geo mode: add per-row parameter changes (duplicates add up); optimizer state untouched. ``clicks``
+        (one per id, optional): the clicks the worker recorded for these rows since its last sync."""
+        ids = as_ids(ids)
+        deltas = self.check_rows("deltas", deltas, ids.numel())
+        clicks = self._check_clicks(clicks, ids.numel())
+        with self.transaction() as undo:
+            self.tick(step)
+            if ids.numel():
+                slots, deltas, clicks = self._update_slots(ids, deltas, clicks)
+                self._touch(slots, clicks)
+                undo.rows(self._getter("rows"), slots)
+                self._rows.index_add_(0, slots, deltas)
+
+    def _step_rows(self, slots: torch.Tensor, grads: torch.Tensor, lr: float, undo: UndoLog) -> None:
+        """The row optimizer's step on ``slots``, duplicates' gradients summed first in batch order (torch)."""
+        uniq, inverse = torch.unique(slots, sorted=True, return_inverse=True)
+        total = torch.zeros(uniq.numel(), self.dim).index_add_(0, inverse, grads)
+        names = self._opt.state_names
+        undo.rows(self._getter("rows"), uniq)
+        for name in names:
+            undo.rows(self._getter(f"state.{name}"), uniq)
+        if self._track_steps:
+            undo.rows(self._getter("steps"), uniq)
+            step = self._steps.index_select(0, uniq) + 1
+            self._steps.index_copy_(0, uniq, step)
+        else:
+            step = torch.ones(uniq.numel(), dtype=torch.int64)
+        param = self._rows.index_select(0, uniq)
+        state = {name: self._state[name].index_select(0, uniq) for name in names}
+        self._opt.update(param, total, state, step, lr)
+        self._rows.index_copy_(0, uniq, param)
+        for name in names:
+            self._state[name].index_copy_(0, uniq, state[name])
+
+    def _gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """``self._rows[slots]`` as a new tensor."""
+        return self._rows.index_select(0, slots)
+
+    def _check_clicks(self, clicks: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        if clicks is None:
+            return None
+        if not isinstance(clicks, torch.Tensor) or tuple(clicks.shape) != (n,) or not clicks.dtype.is_floating_point:
+            raise ValueError(f"clicks must be a float tensor of shape ({n},), one per id")
+        return clicks.to(torch.float32)
+
+
+def _spread(t: torch.Tensor, keep: torch.Tensor, drop: torch.Tensor, removed: torch.Tensor) -> None:
+    """Undo a compaction of ``t``: the kept rows (now first) back to slots ``keep``, ``removed`` to ``drop``."""
+    kept = t[: keep.numel()].clone()
+    t.index_copy_(0, keep, kept)
+    t.index_copy_(0, drop, removed)
