@@ -662,7 +662,7 @@ PyObject* py_unique_inverse(PyObject*, PyObject* args) {
   const uint64_t mask = cap - 1;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t id = in[i];
-    uint64_t p = home(id, shift);
+    uint64_t p = hash(id) >> shift;
     while (t[p] >= 0 && seen[t[p]] != id) p = (p + 1) & mask;
     if (t[p] < 0) {
       t[p] = static_cast<int32_t>(k);
@@ -673,7 +673,7 @@ PyObject* py_unique_inverse(PyObject*, PyObject* args) {
   std::memcpy(u, seen, sizeof(int64_t) * k);
   radix_sort_i64(u, tmp, k);
   for (int64_t r = 0; r < k; ++r) {  // each id's first-seen number, found again in the (cached) table
-    uint64_t p = home(u[r], shift);
+    uint64_t p = hash(u[r]) >> shift;
     while (seen[t[p]] != u[r]) p = (p + 1) & mask;
     rank[t[p]] = r;
   }
