@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -40,6 +41,7 @@ import zmq
 from fleet.errors import DiskFullError
 from fleet.ps.protocol import auth
 from fleet.ps.protocol import local as same_host
+from fleet.ps.protocol import unix as direct_path
 from fleet.ps.protocol.errors import WireError, is_out_of_memory
 from fleet.ps.protocol.limits import BLOB_SLACK, Limit, RequestLimits
 from fleet.ps.protocol.liveness import WorkerLiveness
@@ -55,6 +57,7 @@ from fleet.ps.protocol.wire import (
     read_request_id,
 )
 from fleet.ps.server import aggregator as agg
+from fleet.ps.server.direct_conns import DirectConnections
 from fleet.ps.server.inbox import FairInbox
 from fleet.ps.server.many import ManyRequests, Part, deliver
 from fleet.ps.server.reduce import Reductions, against_barrier
@@ -138,6 +141,9 @@ class ParameterServer:
         #: the Unix socket workers on this host use instead of TCP (None: off, or unusable here)
         self.ipc_path = self._bind_ipc(secret) if same_host.enabled(ipc) else None
         self._host = same_host.host_identity()
+        # Same-host callers' small blocking requests, plain Unix stream (fleet.ps.protocol.unix); never with CURVE.
+        self.incarnation = secrets.randbits(62) + 1
+        self._direct = self._bind_direct(secret) if self.ipc_path and self.encryption == "none" else None
         self._shutdown = threading.Event()
         self._closed = False
         self._shards: dict[int, agg.DenseShard | agg.SparseShard] = {}
@@ -147,9 +153,9 @@ class ParameterServer:
         self.rejoin = rejoin
         self._liveness = WorkerLiveness(dead_after_s=max(3.0, min(self.timeout_s, 10.0)))
         self._started = time.monotonic()
-        # Tells this run of the server from an earlier one at the same endpoint: a worker whose request
-        # ZeroMQ delivered to a restarted server learns from the next HELLO that the state it knew is gone.
-        self.incarnation = secrets.randbits(62) + 1
+        # self.incarnation (set above) tells this run of the server from an earlier one at the same endpoint: a
+        # worker whose request ZeroMQ delivered to a restarted server learns from the next HELLO that the state it
+        # knew is gone.
         self._ops: dict[str, int] = defaultdict(int)
         self._table_ops: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._counts: dict[str, int] = defaultdict(int)
@@ -206,6 +212,20 @@ class ParameterServer:
             return None
         return path
 
+    def _bind_direct(self, secret: bytes) -> DirectConnections | None:
+        """Listen for the direct path beside the ZeroMQ Unix socket; None when that is not possible."""
+        assert self.ipc_path is not None
+        path = self.ipc_path.removesuffix(same_host.SUFFIX) + direct_path.SUFFIX
+        if len(path) > same_host.MAX_PATH:
+            return None
+        try:
+            if os.path.exists(path):  # left by a killed server at this endpoint
+                os.unlink(path)
+            return DirectConnections(path, secret, self.incarnation)
+        except OSError as exc:
+            log.warning("parameter server %d: no direct same-host socket at %s: %s", self.server_index, path, exc)
+            return None
+
     # ------------------------------------------------------------------ loop
     def serve(self) -> dict[str, Any]:
         """Answer requests until all workers stopped or :meth:`shutdown`; then close and return stats.
@@ -220,15 +240,22 @@ class ParameterServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._zap.socket, zmq.POLLIN)
+        if self._direct is not None:
+            self._direct.attach(poller)
         log.info("parameter server %d serving at %s", self.server_index, self.endpoint)
         try:
             while not self._shutdown.is_set() and len(self._stopped | self._finished_gone) < self.num_workers:
                 ready = dict(poller.poll(0 if len(self._inbox) else self._poll_timeout_ms()))
                 if self._zap.socket in ready:
                     self._zap.serve()
+                if self._direct is not None:
+                    self._direct.serve(ready, self._inbox.put)
                 if self._sock in ready or len(self._inbox):
+                    look = self._sock in ready
                     for _ in range(_MAX_BATCH):
-                        self._inbox.take_from(self._sock)  # before each request: a newcomer goes next
+                        if look or len(self._inbox):  # before each request: a newcomer goes next
+                            self._inbox.take_from(self._sock)
+                        look = True
                         frames = self._inbox.next()
                         if frames is None:
                             break
@@ -255,6 +282,8 @@ class ParameterServer:
         for parked in self._waiting.clear():
             self._reply_error(parked.ident, parked.msg, "the parameter server is shutting down")
         self._counts["dropped"] += self._inbox.clear()  # unread, as ZeroMQ drops what its pipes hold
+        if self._direct is not None:
+            self._direct.close()
         self._sock.close()
         self._zap.close()
         self._ctx.term()
@@ -360,6 +389,10 @@ class ParameterServer:
                 Message(reply.op, reply.table, self.server_index, reply.request_id, status=Status.ERROR, blob=text)
             )
         self._counts["bytes_out"] += sum(len(f) for f in frames)
+        if self._direct is not None and self._direct.owns(ident):
+            if not self._direct.send(ident, frames):
+                self._counts["replies_dropped"] += 1
+            return
         try:  # ROUTER drops rather than blocks on a full or unknown peer; NOBLOCK makes sure
             self._sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
@@ -454,6 +487,8 @@ class ParameterServer:
         info = {"server_index": self.server_index, "num_workers": self.num_workers, "endpoint": self.endpoint}
         if self.ipc_path is not None:  # where a worker on this host may reach this server (fleet.ps.protocol.local)
             info.update(ipc=self.ipc_path, host=self._host)
+            if self._direct is not None:
+                info.update(direct=self._direct.path)
         return self._ok(msg, blob=json.dumps(info).encode(), version=self.incarnation)
 
     def _barrier_op(self, ident: bytes, msg: Message) -> None:
@@ -534,6 +569,8 @@ class ParameterServer:
             "auth_rejected": self._zap.rejected,
             "ipc_endpoint": self.ipc_path,
             "peers_admitted": dict(self._zap.admitted),
+            "direct_admitted": self._direct.admitted if self._direct is not None else 0,
+            "direct_rejected": self._direct.rejected if self._direct is not None else 0,
             "dropped": self._counts.get("dropped", 0) + self._counts.get("replies_dropped", 0),
         }
 
