@@ -191,7 +191,10 @@ class IOThread:
         servers = [server for server, _ in job.parts]
         if not servers or len(set(servers)) != len(servers):
             return None
-        if any(s in self._refused or s in self._failing or self._routes[s].direct_path is None for s in servers):
+        if any(
+            s in self._refused or s in self._failing or self._routes[s].direct_path is None or not self._incarnations[s]
+            for s in servers
+        ):
             return None  # no direct socket (another host, TCP, CURVE), or a failure the IO thread reports
         if any(msg.op not in DIRECT_OPS for _, msg in job.parts):
             return None
@@ -211,7 +214,10 @@ class IOThread:
             return future
         parts = [(server, msg, f) for (server, msg), f in zip(job.parts, frames, strict=True)]
         try:
-            routes = [(route.direct_path or "", route.incarnation) for route in self._routes]
+            # the incarnation the server's last HELLO gave (a restarted server's new one, once it answered)
+            routes = [
+                (route.direct_path or "", known) for route, known in zip(self._routes, self._incarnations, strict=True)
+            ]
             replies = self._direct.call(parts, routes, job.timeout_s)
             result = job.combine(replies)
         except BaseException as exc:

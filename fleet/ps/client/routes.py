@@ -88,11 +88,6 @@ class Route:
         self.changed = False
 
     @property
-    def incarnation(self) -> int:
-        """The server process's incarnation, as its HELLO over TCP said (0: not asked yet)."""
-        return self._incarnation
-
-    @property
     def verified(self) -> bool:
         """Whether the server's Unix socket answered as the same process: call :meth:`switch` when nothing is on the wire."""
         return self._state == _VERIFIED
