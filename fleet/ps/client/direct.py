@@ -78,12 +78,20 @@ class DirectCalls:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.connect(path)
-            challenge = bytes(unix.recv_exactly(sock, unix.CHALLENGE_BYTES))
-            sock.sendall(unix.answer(self._secret, challenge))
+            try:
+                sock.connect(path)
+            except OSError as exc:  # no server listening there now (it died; its restart binds it again)
+                why = f"has no direct socket at {path} now ({exc})"
+                raise self._unavailable(server, msg, why, PSServerUnavailable) from None
+            try:
+                challenge = bytes(unix.recv_exactly(sock, unix.CHALLENGE_BYTES))
+                sock.sendall(unix.answer(self._secret, challenge))
+            except OSError as exc:
+                why = f"closed its direct socket during the handshake ({exc})"
+                raise self._unavailable(server, msg, why, PSServerUnavailable) from None
             try:
                 (answered,) = unix.INCARNATION.unpack(unix.recv_exactly(sock, unix.INCARNATION.size))
-            except ConnectionError:
+            except (ConnectionError, BrokenPipeError):
                 why = "refused this worker's credentials on its direct socket: the shared secret (FLEET_SECRET) differs"
                 raise self._unavailable(server, msg, why, PSAuthError) from None
             if answered != incarnation:
@@ -123,11 +131,34 @@ class DirectCalls:
                 path, incarnation = routes[server]
                 conn = used[server] = self._conn(server, path, incarnation, msg, deadline)
                 conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
-                unix.send_all(conn.sock, frames)
+                try:
+                    try:
+                        unix.send_all(conn.sock, frames)
+                    except (BrokenPipeError, ConnectionResetError):
+                        # This thread's connection outlived its server (it died and came back since this thread
+                        # last called it): nothing was delivered, so connect anew (checking the incarnation the
+                        # client knows now) and send once more.
+                        self._drop(server, conn)
+                        conn = used[server] = self._conn(server, path, incarnation, msg, deadline)
+                        unix.send_all(conn.sock, frames)
+                except TimeoutError:
+                    raise self._unavailable(
+                        server, msg, f"took no {op_name(msg.op)} in time", PSServerUnavailable
+                    ) from None
+                except OSError as exc:  # the server exited (a restarted one is found by the next call)
+                    why = (
+                        f"closed the connection (the server exited or crashed: {exc}) before {op_name(msg.op)} was sent"
+                    )
+                    raise self._unavailable(server, msg, why, PSServerUnavailable) from None
             replies = []
             for server, msg, _ in parts:  # each connection answers its one request
                 replies.append(self._answer(server, msg, used[server], deadline))
             return replies
+        except OSError as exc:  # anything the socket says that the cases above do not name
+            for server, conn in used.items():
+                self._drop(server, conn)
+            server, msg, _ = parts[0]
+            raise self._unavailable(server, msg, f"failed on its direct socket ({exc})", PSServerUnavailable) from None
         except BaseException:
             for server, conn in used.items():  # a late answer must not be read as the next call's
                 self._drop(server, conn)
