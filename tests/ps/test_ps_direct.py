@@ -91,8 +91,14 @@ def test_direct_pulls_match_the_io_thread_and_never_overtake_a_push() -> None:
                 many = client.pull_sparse_many([(2, ids, 0), (3, ids[:1], 0)]).result()
             assert torch.equal(many[0], queued_rows)
             assert torch.equal(many[1], client.pull_sparse(3, ids[:1]).result())
+            client.create_sparse(4, {"dim": 64, "optimizer": {"kind": "sgd", "lr": 1.0}, "update": "async"}).result()
+            wide = torch.arange(3000)  # a small request whose answer (768 KB) takes several reads
+            queued_wide = client.pull_sparse(4, wide).result()
+            with client.direct():
+                assert torch.equal(client.pull_sparse(4, wide).result(), queued_wide)
             stats = srv.stats()
             assert stats["direct_admitted"] >= 1 and stats["direct_rejected"] == 0
+            assert stats["ops"]["PULL_SPARSE"] >= 4
         finally:
             client.close()
 

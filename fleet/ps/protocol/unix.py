@@ -127,22 +127,48 @@ def send_all(sock: socket.socket, frames: Sequence[Any]) -> None:
                 sent = 0
 
 
+#: what one read of an answer takes at first: a small answer comes in one system call
+FIRST_READ = 64 << 10
+
+
 def recv_message(sock: socket.socket) -> list[memoryview]:
-    """Read one message from a blocking socket (its frames are views of one buffer)."""
-    count_buf = recv_exactly(sock, COUNT.size)
-    (count,) = COUNT.unpack(count_buf)
+    """Read one message from a blocking socket (its frames are views of one buffer).
+
+    The peer sends nothing after it (one request, one answer), so reading ahead is safe.
+    """
+    buf = bytearray(FIRST_READ)
+    got = sock.recv_into(buf)
+    if got == 0:
+        raise ConnectionResetError("the parameter server closed the connection")
+    while True:
+        parsed = parse(memoryview(buf)[:got])
+        if parsed is not None:
+            return parsed[0]
+        need = _length(buf, got)
+        if need is not None and need > len(buf):
+            buf.extend(bytes(need - len(buf)))
+        elif len(buf) == got:
+            buf.extend(bytes(len(buf)))
+        k = sock.recv_into(memoryview(buf)[got:])
+        if k == 0:
+            raise ConnectionResetError("the parameter server closed the connection")
+        got += k
+
+
+def _length(buf: bytearray, got: int) -> int | None:
+    """The whole message's length once its prefix is in ``buf[:got]`` (else None)."""
+    if got < COUNT.size:
+        return None
+    (count,) = COUNT.unpack_from(buf, 0)
     if not 1 <= count <= MAX_FRAMES:
         raise FramingError(f"a message of {count} frames (1 to {MAX_FRAMES})")
-    sizes = struct.unpack(f"<{count}I", recv_exactly(sock, COUNT.size * count))
-    total = sum(sizes)
+    head = COUNT.size * (1 + count)
+    if got < head:
+        return None
+    total = sum(struct.unpack_from(f"<{count}I", buf, COUNT.size))
     if total > MAX_MESSAGE:
         raise FramingError(f"a message of {total:,} bytes (at most {MAX_MESSAGE:,} on the direct path)")
-    body = memoryview(recv_exactly(sock, total))
-    frames, at = [], 0
-    for size in sizes:
-        frames.append(body[at : at + size])
-        at += size
-    return frames
+    return head + total
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytearray:

@@ -278,7 +278,7 @@ class ParameterServer:
                     for _ in range(_MAX_BATCH):
                         if look or len(self._inbox):  # before each request: a newcomer goes next
                             self._inbox.take_from(self._sock)
-                        look = True
+                        look = False  # with nothing queued the loop polls again, which sees a newcomer
                         frames = self._inbox.next()
                         if frames is None:
                             break
