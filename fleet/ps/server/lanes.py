@@ -27,6 +27,7 @@ The guarantees, and how they are kept:
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -34,6 +35,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: table operations queued in the lanes beyond which the loop stops taking requests until they shrink
 MAX_QUEUED = 256
@@ -148,6 +151,8 @@ class Lanes:
                 task = self._lanes[table].popleft()
                 try:
                     task()
+                except Exception:  # a task answers its own failures; this is a bug, and the lane must go on
+                    log.exception("a table operation of table %d failed outside its handler", table)
                 finally:
                     self.queued -= 1
                     if self._lanes[table]:

@@ -395,6 +395,7 @@ class ParameterServer:
             return None
         if msg.op not in _BESIDE_LANES:
             lanes.drain()  # it sees every earlier table operation done, and none runs beside it
+            self._send_outbox()  # and their answers leave before its own
         return self._dispatch(ident, msg)
 
     def _in_lane(self, ident: Any, msg: Message) -> None:
