@@ -12,7 +12,10 @@
   send 4 MB, receive the 4 MB echo (``sendall`` / ``recv_into(MSG_WAITALL)``,
   no copies beyond the kernel's).
 * small: one 16-byte request and its answer (fleet: PULL_DENSE of a 4-float
-  table; peer: a 16-byte echo).
+  table, waited for at once: ``with client.direct(): client.pull_dense(t).result()``, which
+  on one host goes from the calling thread over the server's direct socket,
+  :mod:`fleet.ps.client.direct`; the same pull through the client's IO thread is the
+  "queued" line; peer: a 16-byte echo).
 * paths: fleet's worker reaches a server on its host through the server's Unix socket
   (ZeroMQ ``ipc://``, the default) and, as a second client with ``ipc=False``, through TCP;
   the peers are the same echo over TCP loopback and over a Unix socket.
@@ -172,7 +175,11 @@ def main() -> None:
             return run
 
         def small(c: PSClient) -> Callable[[], None]:
-            return lambda: c.pull_dense(2).result()
+            def run() -> None:
+                with c.direct():  # the caller waits at once: on this host, its own thread sends and reads
+                    c.pull_dense(2).result()
+
+            return run
 
         big_fns = {f"{p} {k}": f(c) for p, c in paths.items() for k, f in (("big", big), ("pipelined", pipelined))}
         big_t = interleaved(
@@ -182,6 +189,7 @@ def main() -> None:
         small_t = interleaved(
             {
                 **{p: small(c) for p, c in paths.items()},
+                "ipc queued": lambda: near.pull_dense(2).result(),
                 "raw tcp": lambda: echo.round_trip(small_payload),
                 "raw unix": lambda: uecho.round_trip(small_payload),
             },
@@ -204,6 +212,7 @@ def main() -> None:
     row("  ms per iteration", [1e3 * big_t[k] for k in ("ipc big", "tcp big", "raw tcp", "raw unix")], ".2f")
     row("push + pull pipelined: MB/s", [bw["ipc pipelined"], bw["tcp pipelined"], bw["raw tcp"], bw["raw unix"]], ".0f")
     row("16-byte round trip (us)", [1e6 * small_t[k] for k in ("ipc", "tcp", "raw tcp", "raw unix")], ".1f")
+    row("  queued via the IO thread (us)", [1e6 * small_t["ipc queued"]], ".1f")
     rtt = {k: 1e6 * v for k, v in small_t.items()}
     print(
         f"round trip / raw TCP echo: ipc {rtt['ipc'] / rtt['raw tcp']:.2f}x, tcp {rtt['tcp'] / rtt['raw tcp']:.2f}x; "
@@ -246,7 +255,11 @@ def main() -> None:
         ratio_means="fleet (Unix socket) / raw TCP round trip (lower is better)",
         target="<= 2x",
         summary=f"{rtt['ipc']:.0f} us round trip vs {rtt['raw tcp']:.0f} us for raw TCP (fleet over TCP {rtt['tcp']:.0f})",
-        details={"fleet_tcp_us": round(rtt["tcp"], 1), "raw_unix_us": round(rtt["raw unix"], 1)},
+        details={
+            "fleet_tcp_us": round(rtt["tcp"], 1),
+            "raw_unix_us": round(rtt["raw unix"], 1),
+            "fleet_ipc_queued_us": round(rtt["ipc queued"], 1),
+        },
         headline=False,
     )
 

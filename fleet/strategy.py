@@ -86,6 +86,11 @@ class DistributedStrategy(BaseModel):
     ``ipc://``) instead of TCP, found by itself and under the same authentication and limits;
     False keeps TCP everywhere (as does ``FLEET_PS_IPC=0`` in the environment)."""
 
+    ps_server_threads: int | None = Field(None, ge=0, le=256)
+    """PS: threads each server runs its table operations on, one table at a time per table and in
+    arrival order (fleet.ps.server.lanes); 0 runs them all on the server's loop thread. None: none
+    on a machine of 2 cores or fewer, else half the cores, at most 8."""
+
     servers: int = Field(0, ge=0)
     """Under rank-only launchers (torchrun, mpirun, srun): the first ``servers`` ranks serve."""
 

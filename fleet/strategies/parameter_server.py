@@ -103,7 +103,12 @@ class ParameterServerStrategy(Strategy):
 
         if self._server is None:
             self._server = launch_server.init_server(
-                self.runtime, self.config.timeout_s, self._limits(), self.config.ps_encryption, self.config.ps_ipc
+                self.runtime,
+                self.config.timeout_s,
+                self._limits(),
+                self.config.ps_encryption,
+                self.config.ps_ipc,
+                self.config.ps_server_threads,
             )
         if run:
             launch_server.run_server(self._server, self.runtime.role.server_index)

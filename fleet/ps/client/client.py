@@ -34,8 +34,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,7 @@ class PSClient:
         self._dense: dict[int, tuple[int, list[tuple[int, int]]]] = {}  # table -> (size, ranges)
         self._sparse: dict[int, tuple[int, UpdateMode]] = {}  # table -> (dim, update mode)
         self._closed = False
+        self._direct_threads: set[int] = set()  # threads inside direct()
         encryption = auth.check_encryption(encryption)
         self._io = IOThread(self.endpoints, secret, worker_index, max_in_flight, encryption, ipc=ipc)
         self._io.start(timeout_s=10.0)
@@ -153,8 +155,27 @@ class PSClient:
     ) -> Future:
         if self._closed:
             raise PSError("this PSClient is closed")
-        job = Job(Future(), parts, combine, float(timeout_s or self.timeout_s), settle=settle)
+        direct = threading.get_ident() in self._direct_threads
+        job = Job(Future(), parts, combine, float(timeout_s or self.timeout_s), settle=settle, direct=direct)
         return self._io.submit(job)
+
+    @contextmanager
+    def direct(self) -> Iterator[None]:
+        """Inside, this thread's small pulls may be sent and answered on this thread (returning a resolved future).
+
+        For a caller that waits for the answer at once (``client.pull_dense(t).result()``): it saves the
+        two hops through the client's IO thread (:mod:`fleet.ps.client.direct`). A pull that is large, or
+        made while another request of this client is still queued or unanswered, goes through the IO
+        thread as always; either way requests keep their order and the servers' checks.
+        """
+        me = threading.get_ident()
+        nested = me in self._direct_threads
+        self._direct_threads.add(me)
+        try:
+            yield
+        finally:
+            if not nested:
+                self._direct_threads.discard(me)
 
     def _all(self, op: Op, table: int = 0, blob: bytes = b"", **fields: Any) -> list[tuple[int, Message]]:
         return [(s, self._msg(op, table, blob=blob, **fields)) for s in range(self.num_servers)]

@@ -33,6 +33,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from fleet.ps.client.direct import DIRECT_OPS, SMALL_BYTES, DirectCalls, message_bytes
 from fleet.ps.client.routes import Route
 from fleet.ps.protocol import auth
 from fleet.ps.protocol import local as same_host
@@ -90,6 +91,9 @@ class Job:
     settle: bool = False
     error: BaseException | None = None
     held: dict[int, deque] = field(default_factory=dict)  # per server: parts beyond PIECES_ON_THE_WIRE
+    # The caller waits for the result at once: it may be sent and answered on its own thread (fleet.ps.client.direct).
+    direct: bool = False
+    counted: bool = False  # counted in IOThread's outstanding jobs (uncounted once, when it settles)
 
 
 class IOThread:
@@ -132,6 +136,10 @@ class IOThread:
         # that succeeds): requests made meanwhile fail at once with it instead of waiting for their deadline
         self._failing: dict[int, str] = {}
         self._incarnations = [0] * len(endpoints)  # per server, as its last HELLO reply said; 0: not known yet
+        # Jobs submitted and not settled: a caller's own request may go only when none is (fleet.ps.client.direct).
+        self._outstanding = 0
+        self._count_lock = threading.Lock()
+        self._direct = DirectCalls(self.secret, self._unavailable, self._remote)
         self.thread = threading.Thread(target=self._main, name=f"fleet-ps-io-w{worker_index}", daemon=True)
 
     # ------------------------------------------------------ caller side
@@ -143,12 +151,24 @@ class IOThread:
             raise self._startup_error
 
     def submit(self, job: Job) -> Future:
-        """Queue ``job`` (blocks while ``max_in_flight`` jobs are queued, up to the job's timeout)."""
+        """Queue ``job`` (blocks while ``max_in_flight`` jobs are queued, up to the job's timeout).
+
+        A ``direct`` job that may go from the calling thread (see :mod:`fleet.ps.client.direct`) is
+        sent and answered there instead: its future is resolved when this returns.
+        """
         if self._closing.is_set() or not self.thread.is_alive():
             raise PSClientClosed("the parameter-server client is closed")
+        if job.direct:
+            frames = self._direct_frames(job)
+            if frames is not None:
+                return self._call_direct(job, frames)
+        with self._count_lock:
+            self._outstanding += 1
+        job.counted = True
         try:
             self.queue.put(job, timeout=job.timeout_s)
         except queue.Full:
+            self._uncount(job)
             raise PSError(
                 f"{self.max_in_flight} requests stayed queued for {job.timeout_s} s: the parameter servers are not "
                 "answering, or a future callback blocks the client's IO thread"
@@ -157,6 +177,54 @@ class IOThread:
         if not self.thread.is_alive():  # it ended between the check above and the put: nobody will answer
             self._fail_everything(PSClientClosed("the parameter-server client is closed"))
         return job.future
+
+    def _uncount(self, job: Job) -> None:
+        if job.counted:
+            job.counted = False
+            with self._count_lock:
+                self._outstanding -= 1
+
+    def _direct_frames(self, job: Job) -> list[list[Any]] | None:
+        """The encoded messages of ``job`` when it may go from the calling thread, else None."""
+        if self._outstanding or not self._routes:
+            return None  # a request of this client is queued or on the wire: this one must not overtake it
+        servers = [server for server, _ in job.parts]
+        if not servers or len(set(servers)) != len(servers):
+            return None
+        if any(
+            s in self._refused or s in self._failing or self._routes[s].direct_path is None or not self._incarnations[s]
+            for s in servers
+        ):
+            return None  # no direct socket (another host, TCP, CURVE), or a failure the IO thread reports
+        if any(msg.op not in DIRECT_OPS for _, msg in job.parts):
+            return None
+        encoded = []
+        for _, msg in job.parts:
+            msg.request_id = next(self._ids)
+            msg.timeout_ms = int(job.timeout_s * 1000)
+            frames = encode(msg)
+            if message_bytes(frames) > SMALL_BYTES:
+                return None
+            encoded.append(frames)
+        return encoded
+
+    def _call_direct(self, job: Job, frames: list[list[Any]]) -> Future:
+        future = job.future
+        if not future.set_running_or_notify_cancel():
+            return future
+        parts = [(server, msg, f) for (server, msg), f in zip(job.parts, frames, strict=True)]
+        try:
+            # the incarnation the server's last HELLO gave (a restarted server's new one, once it answered)
+            routes = [
+                (route.direct_path or "", known) for route, known in zip(self._routes, self._incarnations, strict=True)
+            ]
+            replies = self._direct.call(parts, routes, job.timeout_s)
+            result = job.combine(replies)
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+        return future
 
     def wake(self) -> None:
         try:
@@ -167,6 +235,7 @@ class IOThread:
     def close(self, timeout_s: float) -> None:
         self._closing.set()
         self.wake()
+        self._direct.close()
         self.thread.join(timeout_s)
         if not self.thread.is_alive():
             for fd in (self._wake_r, self._wake_w):
@@ -270,6 +339,7 @@ class IOThread:
             except queue.Empty:
                 return
             if not job.future.set_running_or_notify_cancel():
+                self._uncount(job)
                 continue
             job.deadline = time.monotonic() + job.timeout_s
             job.replies = [None] * len(job.parts)
@@ -386,6 +456,7 @@ class IOThread:
         job.future.set_exception(exc)
 
     def _retire(self, job: Job) -> None:
+        self._uncount(job)  # before its future resolves: the caller's next request may go from its own thread
         job.done = True
         self._active.discard(job)
         for rid in job.pending:
@@ -488,5 +559,6 @@ class IOThread:
                 job = self.queue.get_nowait()
             except queue.Empty:
                 return
+            self._uncount(job)
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(exc)

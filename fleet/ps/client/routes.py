@@ -69,7 +69,13 @@ class Route:
         self.endpoint = endpoint
         self._ctx, self._configure, self._secret = ctx, configure, secret
         self._worker, self._ids = worker_index, request_ids
-        self.socket, self.monitor = self._open(f"tcp://{endpoint}")
+        #: where :attr:`socket` is connected (a caller's own socket to this server follows it: fleet.ps.client.direct)
+        self.address = f"tcp://{endpoint}"
+        self.socket, self.monitor = self._open(self.address)
+        self._trial_address = ""
+        self._direct_offer: str | None = None
+        #: the server's direct-path socket (fleet.ps.protocol.unix), once requests go over its Unix socket; else None
+        self.direct_path: str | None = None
         #: "tcp" or "ipc": how requests travel now
         self.transport = "tcp"
         self._trial: tuple[zmq.Socket, zmq.Socket] | None = None
@@ -139,11 +145,14 @@ class Route:
             except ValueError:
                 offer = {}
             address = same_host.usable(self._secret, offer, self.endpoint) if isinstance(offer, dict) else None
+            if address is not None:
+                self._direct_offer = same_host.usable_direct(self._secret, offer)
             if address is None:
                 self._settle_on_tcp()
                 return True
             try:
                 self._trial = self._open(address)
+                self._trial_address = address
             except zmq.ZMQError as exc:
                 log.info("parameter server at %s: cannot connect to %s (%s); keeping TCP", self.endpoint, address, exc)
                 self._settle_on_tcp()
@@ -174,6 +183,8 @@ class Route:
         assert self._state == _VERIFIED and self._trial is not None
         _close(self.socket, self.monitor)
         (self.socket, self.monitor), self._trial = self._trial, None
+        self.address = self._trial_address
+        self.direct_path = self._direct_offer
         self._state, self.transport, self.changed = _SETTLED, "ipc", True
         log.debug("parameter server at %s: reached through its Unix socket", self.endpoint)
 

@@ -10,6 +10,7 @@ a server restart.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -97,9 +98,15 @@ class RemoteRows(_ServerTable):
         self.guard: Guard = _unguarded
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.guard(lambda: self.client.pull_sparse(self.table_id, ids, self.version).result())
+        rows = self.guard(lambda: self._waited(lambda: self.client.pull_sparse(self.table_id, ids, self.version)))
         self.adopt_version(rows)
         return rows
+
+    def _waited(self, call: Callable[[], Future]) -> Any:
+        """The result of a pull this thread waits for at once: on the servers' host it may go from this thread."""
+        direct = getattr(self.client, "direct", contextlib.nullcontext)  # stand-in clients have no direct path
+        with direct():
+            return call().result()
 
     def advance(self, version: int | None = None) -> None:
         """Sync: the servers' tables moved one step on (or to ``version``, after a load or a restart)."""
@@ -120,7 +127,7 @@ class RemoteRows(_ServerTable):
         """Rows of each backend's unique ``ids``, in one request per server for all their tables."""
         first = backends[0]
         requests = [(b.table_id, x, b.version if b.sync else 0) for b, x in zip(backends, ids, strict=True)]
-        rows = first.guard(lambda: first.client.pull_sparse_many(requests).result())
+        rows = first.guard(lambda: first._waited(lambda: first.client.pull_sparse_many(requests)))
         for backend, got in zip(backends, rows, strict=True):
             backend.adopt_version(got)
         return rows

@@ -138,3 +138,20 @@ def usable(secret: bytes, offer: dict, dialled: str) -> str | None:
     except OSError:
         return None
     return f"ipc://{path}"
+
+
+def usable_direct(secret: bytes, offer: dict) -> str | None:
+    """Worker side: the server's direct-path socket (:mod:`fleet.ps.protocol.unix`) from its HELLO ``offer``, or None.
+
+    Only inside this job's private directory, as a socket; the caller has checked the rest with :func:`usable`.
+    """
+    path = offer.get("direct")
+    if not isinstance(path, str):
+        return None
+    directory = ps_socket_dir(secret.hex())
+    if os.path.dirname(path) != directory or not _private(directory):
+        return None
+    try:
+        return path if stat.S_ISSOCK(os.lstat(path).st_mode) else None
+    except OSError:
+        return None

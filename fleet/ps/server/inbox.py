@@ -48,6 +48,13 @@ class FairInbox:
             self._messages += 1
             self._bytes += size
 
+    def put(self, frames: list[Any]) -> None:
+        """Queue one message received elsewhere (the direct path: :mod:`fleet.ps.server.direct_conns`)."""
+        size = sum(len(f) for f in frames)
+        self._queues.setdefault(frames[0].bytes, deque()).append((frames, size))
+        self._messages += 1
+        self._bytes += size
+
     def next(self) -> list[Any] | None:
         """The oldest request of the peer whose turn it is (None when empty).
 

@@ -42,12 +42,20 @@ def _bind_host(role: Any) -> str:
     return "127.0.0.1" if not host or rendezvous.is_loopback(host) else host
 
 
-def init_server(runtime: Any, timeout_s: float, limits: Any = None, encryption: str = "none", ipc: bool = True) -> Any:
+def init_server(
+    runtime: Any,
+    timeout_s: float,
+    limits: Any = None,
+    encryption: str = "none",
+    ipc: bool = True,
+    threads: int | None = None,
+) -> Any:
     """Build (bind) this process's ParameterServer; publish its endpoint under rank-only launchers.
 
     ``limits``: the request limits (a :class:`fleet.ps.protocol.limits.RequestLimits`; the defaults when None);
     ``encryption``: the transport's, "none" or "curve" (see :mod:`fleet.ps.protocol.auth`);
-    ``ipc``: also listen on a Unix socket for workers on this host (:mod:`fleet.ps.protocol.local`).
+    ``ipc``: also listen on a Unix socket for workers on this host (:mod:`fleet.ps.protocol.local`);
+    ``threads``: table threads (:mod:`fleet.ps.server.lanes`; None: by the machine's cores).
     """
     from fleet.ps.server.loop import ParameterServer
 
@@ -71,6 +79,7 @@ def init_server(runtime: Any, timeout_s: float, limits: Any = None, encryption: 
             limits=limits,
             encryption=encryption,
             ipc=ipc,
+            threads=threads,
         )
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EADDRINUSE and role.source == "fleetrun":

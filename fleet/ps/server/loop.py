@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -40,6 +41,7 @@ import zmq
 from fleet.errors import DiskFullError
 from fleet.ps.protocol import auth
 from fleet.ps.protocol import local as same_host
+from fleet.ps.protocol import unix as direct_path
 from fleet.ps.protocol.errors import WireError, is_out_of_memory
 from fleet.ps.protocol.limits import BLOB_SLACK, Limit, RequestLimits
 from fleet.ps.protocol.liveness import WorkerLiveness
@@ -55,7 +57,9 @@ from fleet.ps.protocol.wire import (
     read_request_id,
 )
 from fleet.ps.server import aggregator as agg
+from fleet.ps.server.direct_conns import DirectConnections
 from fleet.ps.server.inbox import FairInbox
+from fleet.ps.server.lanes import MAX_QUEUED, Lanes, Outbox, ServerLock, default_threads
 from fleet.ps.server.many import ManyRequests, Part, deliver
 from fleet.ps.server.reduce import Reductions, against_barrier
 from fleet.ps.server.replies import Replies
@@ -71,6 +75,12 @@ _NOT_ON_A_TABLE = frozenset(
     (Op.HELLO, Op.BARRIER, Op.SAVE, Op.LOAD, Op.STATS, Op.STOP, Op.ALL_REDUCE, Op.SHRINK,
      Op.PULL_SPARSE_MANY, Op.PUSH_SPARSE_GRAD_MANY)
 )  # fmt: skip
+# One table's pulls and pushes: run in that table's lane when the server has table threads (fleet.ps.server.lanes).
+_LANE_OPS = frozenset(
+    (Op.PULL_DENSE, Op.PULL_SPARSE, Op.PUSH_DENSE_GRAD, Op.PUSH_SPARSE_GRAD, Op.PUSH_DENSE_DELTA, Op.PUSH_SPARSE_DELTA)
+)
+# Served on the loop thread without waiting for the lanes: they touch no table (a composite's parts go to lanes).
+_BESIDE_LANES = frozenset((Op.HELLO, Op.PULL_SPARSE_MANY, Op.PUSH_SPARSE_GRAD_MANY))
 
 
 def zmq_address(endpoint: str) -> str:
@@ -104,11 +114,14 @@ class ParameterServer:
         torch_threads: int | None = 1,
         checkpoint_record_dir: str | None = None,
         ipc: bool = True,
+        threads: int | None = None,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}; a parameter server needs at least one worker")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}; it must be positive")
+        if threads is not None and not 0 <= threads <= 256:
+            raise ValueError(f"threads={threads}; a parameter server runs its tables on 0 (the loop) to 256 threads")
         self.server_index = server_index
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
@@ -138,6 +151,9 @@ class ParameterServer:
         #: the Unix socket workers on this host use instead of TCP (None: off, or unusable here)
         self.ipc_path = self._bind_ipc(secret) if same_host.enabled(ipc) else None
         self._host = same_host.host_identity()
+        # Same-host callers' small blocking requests, plain Unix stream (fleet.ps.protocol.unix); never with CURVE.
+        self.incarnation = secrets.randbits(62) + 1
+        self._direct = self._bind_direct(secret) if self.ipc_path and self.encryption == "none" else None
         self._shutdown = threading.Event()
         self._closed = False
         self._shards: dict[int, agg.DenseShard | agg.SparseShard] = {}
@@ -147,12 +163,17 @@ class ParameterServer:
         self.rejoin = rejoin
         self._liveness = WorkerLiveness(dead_after_s=max(3.0, min(self.timeout_s, 10.0)))
         self._started = time.monotonic()
-        # Tells this run of the server from an earlier one at the same endpoint: a worker whose request
-        # ZeroMQ delivered to a restarted server learns from the next HELLO that the state it knew is gone.
-        self.incarnation = secrets.randbits(62) + 1
+        # self.incarnation (set above) tells this run of the server from an earlier one at the same endpoint: a
+        # worker whose request ZeroMQ delivered to a restarted server learns from the next HELLO that the state it
+        # knew is gone.
         self._ops: dict[str, int] = defaultdict(int)
         self._table_ops: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._counts: dict[str, int] = defaultdict(int)
+        #: table threads (fleet.ps.server.lanes); 0: every table operation on the loop thread
+        self.threads = default_threads() if threads is None else threads
+        self._lock = ServerLock()
+        self._lanes: Lanes | None = None  # started by serve()
+        self._outbox = Outbox() if self.threads else None
         replies = Replies(
             ok=self._ok, send=self._send, reply_error=self._reply_error, park=self._park, failure=self._failure
         )
@@ -167,9 +188,10 @@ class ParameterServer:
             num_workers=num_workers,
             limits=self.limits,
             checkpoint_record_dir=checkpoint_record_dir,
+            outside=self._lock.outside,
         )
         tables = self.tables
-        many = ManyRequests(self._shards, self._dispatch, self._ok)
+        many = ManyRequests(self._shards, self._route, self._ok)
         self._handlers = {
             Op.HELLO: self._hello,
             Op.CREATE_DENSE: tables.create,
@@ -206,6 +228,20 @@ class ParameterServer:
             return None
         return path
 
+    def _bind_direct(self, secret: bytes) -> DirectConnections | None:
+        """Listen for the direct path beside the ZeroMQ Unix socket; None when that is not possible."""
+        assert self.ipc_path is not None
+        path = self.ipc_path.removesuffix(same_host.SUFFIX) + direct_path.SUFFIX
+        if len(path) > same_host.MAX_PATH:
+            return None
+        try:
+            if os.path.exists(path):  # left by a killed server at this endpoint
+                os.unlink(path)
+            return DirectConnections(path, secret, self.incarnation)
+        except OSError as exc:
+            log.warning("parameter server %d: no direct same-host socket at %s: %s", self.server_index, path, exc)
+            return None
+
     # ------------------------------------------------------------------ loop
     def serve(self) -> dict[str, Any]:
         """Answer requests until all workers stopped or :meth:`shutdown`; then close and return stats.
@@ -217,26 +253,50 @@ class ParameterServer:
         """
         if self.torch_threads is not None:
             torch.set_num_threads(self.torch_threads)
+        if self.threads:
+            self._lanes = Lanes(self.threads, self._lock, name=f"fleet-ps{self.server_index}-table")
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._zap.socket, zmq.POLLIN)
+        if self._direct is not None:
+            self._direct.attach(poller)
+        if self._outbox is not None:
+            poller.register(self._outbox.wake_r, zmq.POLLIN)
+        lock = self._lock.lock
         log.info("parameter server %d serving at %s", self.server_index, self.endpoint)
         try:
             while not self._shutdown.is_set() and len(self._stopped | self._finished_gone) < self.num_workers:
-                ready = dict(poller.poll(0 if len(self._inbox) else self._poll_timeout_ms()))
+                with lock:
+                    timeout = 0 if len(self._inbox) else self._poll_timeout_ms()
+                ready = dict(poller.poll(timeout))  # the table threads have the lock meanwhile
                 if self._zap.socket in ready:
                     self._zap.serve()
+                if self._direct is not None:
+                    self._direct.serve(ready, self._inbox.put)
                 if self._sock in ready or len(self._inbox):
+                    look = self._sock in ready
                     for _ in range(_MAX_BATCH):
-                        self._inbox.take_from(self._sock)  # before each request: a newcomer goes next
+                        if look or len(self._inbox):  # before each request: a newcomer goes next
+                            self._inbox.take_from(self._sock)
+                        look = False  # with nothing queued the loop polls again, which sees a newcomer
                         frames = self._inbox.next()
                         if frames is None:
                             break
-                        self._handle(frames)
-                self._expire(time.monotonic())
+                        with lock:  # per request: the table threads take turns with the loop in between
+                            self._send_outbox()
+                            self._handle(frames)
+                with lock:
+                    self._send_outbox()
+                    self._expire(time.monotonic())
         finally:
             self.close()
         return self.stats()
+
+    def _send_outbox(self) -> None:
+        """Send the replies the table threads made (the loop thread owns the sockets)."""
+        if self._outbox is not None:
+            for ident, reply in self._outbox.take():
+                self._send(ident, reply)
 
     def shutdown(self) -> None:
         """Ask :meth:`serve` to return (thread-safe); parked requests get an error reply."""
@@ -252,14 +312,26 @@ class ParameterServer:
         if self._closed:
             return
         self._closed = True
-        for parked in self._waiting.clear():
-            self._reply_error(parked.ident, parked.msg, "the parameter server is shutting down")
+        with self._lock.lock:
+            if self._lanes is not None:  # what the lanes hold is served and answered before the socket goes
+                self._lanes.drain()
+                self._lanes.close()
+                self._send_outbox()
+            self._close_parked()
+        if self._outbox is not None:
+            self._outbox.close()
         self._counts["dropped"] += self._inbox.clear()  # unread, as ZeroMQ drops what its pipes hold
+        if self._direct is not None:
+            self._direct.close()
         self._sock.close()
         self._zap.close()
         self._ctx.term()
         same_host.remove(self.ipc_path)  # libzmq leaves the file
         log.info("parameter server %d at %s stopped", self.server_index, self.endpoint)
+
+    def _close_parked(self) -> None:
+        for parked in self._waiting.clear():
+            self._reply_error(parked.ident, parked.msg, "the parameter server is shutting down")
 
     # ------------------------------------------------------------- dispatch
     def _budget(self, op: int, table: int) -> Limit | None:
@@ -307,6 +379,29 @@ class ParameterServer:
             return
         if msg.peer not in self._stopped and self._liveness.seen(msg.peer, time.monotonic()):
             log.warning("parameter server %d: worker %d is back", self.server_index, msg.peer)
+        if self._lanes is not None and self._lanes.queued >= MAX_QUEUED:
+            self._lanes.wait_below()  # the table threads are behind: take no more until they catch up
+        reply = self._route(ident, msg)
+        if reply is not None:
+            self._send(ident, reply)
+
+    def _route(self, ident: Any, msg: Message) -> Message | None:
+        """Serve ``msg`` now, or queue it in its table's lane (None: answered later, through ``ident``)."""
+        lanes = self._lanes
+        if lanes is None:
+            return self._dispatch(ident, msg)
+        if msg.op in _LANE_OPS:
+            lanes.submit(msg.table, lambda: self._in_lane(ident, msg))
+            return None
+        if msg.op not in _BESIDE_LANES:
+            lanes.drain()  # it sees every earlier table operation done, and none runs beside it
+            self._send_outbox()  # and their answers leave before its own
+        return self._dispatch(ident, msg)
+
+    def _in_lane(self, ident: Any, msg: Message) -> None:
+        """A table operation on a table thread (holding the server lock but around the table's kernel)."""
+        if isinstance(ident, Part) and ident.gather.answer is not None:
+            return  # an earlier part of its composite failed: the parts after a failure are not served
         reply = self._dispatch(ident, msg)
         if reply is not None:
             self._send(ident, reply)
@@ -346,6 +441,9 @@ class ParameterServer:
         return f"internal error in {where} on parameter server {self.server_index}: {type(exc).__name__}: {exc}"
 
     def _send(self, ident: bytes | Part, reply: Message) -> None:
+        if self._outbox is not None and self._lock.on_pool_thread():
+            self._outbox.put(ident, reply)  # the loop thread sends it: sockets are not thread-safe
+            return
         if isinstance(ident, Part):  # one table's part of a composite request (fleet.ps.server.many)
             due = deliver(ident, reply)
             if due is None:
@@ -360,6 +458,10 @@ class ParameterServer:
                 Message(reply.op, reply.table, self.server_index, reply.request_id, status=Status.ERROR, blob=text)
             )
         self._counts["bytes_out"] += sum(len(f) for f in frames)
+        if self._direct is not None and self._direct.owns(ident):
+            if not self._direct.send(ident, frames):
+                self._counts["replies_dropped"] += 1
+            return
         try:  # ROUTER drops rather than blocks on a full or unknown peer; NOBLOCK makes sure
             self._sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
@@ -421,6 +523,8 @@ class ParameterServer:
                 "; sync steps go on without it until it rejoins" if self.rejoin else "",
             )
             if self.rejoin:
+                if self._lanes is not None:
+                    self._lanes.drain()  # steps close on the loop thread: no table may be working meanwhile
                 self._close_ready_steps()
                 self._release_barrier()
                 self.reductions.release()
@@ -454,6 +558,8 @@ class ParameterServer:
         info = {"server_index": self.server_index, "num_workers": self.num_workers, "endpoint": self.endpoint}
         if self.ipc_path is not None:  # where a worker on this host may reach this server (fleet.ps.protocol.local)
             info.update(ipc=self.ipc_path, host=self._host)
+            if self._direct is not None:
+                info.update(direct=self._direct.path)
         return self._ok(msg, blob=json.dumps(info).encode(), version=self.incarnation)
 
     def _barrier_op(self, ident: bytes, msg: Message) -> None:
@@ -534,7 +640,10 @@ class ParameterServer:
             "auth_rejected": self._zap.rejected,
             "ipc_endpoint": self.ipc_path,
             "peers_admitted": dict(self._zap.admitted),
+            "direct_admitted": self._direct.admitted if self._direct is not None else 0,
+            "direct_rejected": self._direct.rejected if self._direct is not None else 0,
             "dropped": self._counts.get("dropped", 0) + self._counts.get("replies_dropped", 0),
+            "table_threads": self.threads,
         }
 
 
@@ -555,6 +664,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-request-mb", type=float, default=RequestLimits.max_bytes / (1 << 20))
     parser.add_argument("--encryption", choices=auth.ENCRYPTIONS, default="none")
     parser.add_argument("--no-ipc", dest="ipc", action="store_false", help="TCP only, for workers on this host too")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="table threads (0: all on the loop thread; default: by the cores)"
+    )
     args = parser.parse_args(argv)
     secret_hex = env.current().require(env.FLEET_SECRET, "the parameter server authenticates workers with it")
     try:
@@ -573,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
             limits=limits,
             encryption=args.encryption,
             ipc=args.ipc,
+            threads=args.threads,
         )
     except zmq.ZMQError as exc:
         if exc.errno == zmq.EADDRINUSE:

@@ -14,9 +14,11 @@ A sparse request carries at most the ids of the server's :class:`~fleet.ps.proto
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, MutableMapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 from fleet.ps.protocol.limits import RequestLimits
@@ -75,8 +77,12 @@ class TableRequests:
         num_workers: int,
         limits: RequestLimits,
         checkpoint_record_dir: str | None = None,
+        outside: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ):
         self._shards = shards
+        # Around a table's own work (its kernels release the GIL): on a table thread, the server's lock is let
+        # go meanwhile, so that other tables' threads and the loop go on (fleet.ps.server.lanes).
+        self._outside = outside
         self._waiting = waiting
         self._replies = replies
         self._counts = counts
@@ -182,9 +188,9 @@ class TableRequests:
         return self._pull_reply(shard, msg)
 
     def _pull_reply(self, shard: agg.Shard, msg: Message) -> Message:
-        if isinstance(shard, agg.DenseShard):
-            return self._replies.ok(msg, tensors=[shard.snapshot()], version=shard.version)
-        return self._replies.ok(msg, tensors=[shard.pull(msg.tensors[0])], version=shard.version)
+        with self._outside():
+            rows = shard.snapshot() if isinstance(shard, agg.DenseShard) else shard.pull(msg.tensors[0])
+        return self._replies.ok(msg, tensors=[rows], version=shard.version)
 
     def push(self, ident: bytes, msg: Message) -> Message:
         status = Status.OK
@@ -194,7 +200,9 @@ class TableRequests:
             # The presence flags travel only when some parameter has no gradient.
             grad, *present = msg.tensors if len(msg.tensors) == 2 else self._expect(msg, "grad")
             try:
-                if not shard.push_grad(msg.peer, msg.step, grad, msg.lr, present[0] if present else None):
+                with self._outside():
+                    fresh = shard.push_grad(msg.peer, msg.step, grad, msg.lr, present[0] if present else None)
+                if not fresh:
                     status = Status.STALE
             except agg.ShardError as exc:
                 if shard.broken is not None:  # the workers waiting for this step learn why it never comes
@@ -206,19 +214,24 @@ class TableRequests:
             # Clicks travel only when the worker recorded some.
             ids, grads, *clicks = msg.tensors if len(msg.tensors) == 3 else self._expect(msg, "ids", "grads")
             self.limits.check_ids("PUSH_SPARSE_GRAD", msg.table, ids.numel(), shard.dim)
-            if not shard.push_grad(msg.peer, msg.step, ids, grads, msg.lr, clicks[0] if clicks else None, more):
+            with self._outside():
+                fresh = shard.push_grad(msg.peer, msg.step, ids, grads, msg.lr, clicks[0] if clicks else None, more)
+            if not fresh:
                 status = Status.STALE
         elif msg.op == Op.PUSH_DENSE_DELTA:
             shard = self._shard(msg, "dense")
-            shard.push_delta(self._expect(msg, "delta")[0], worker=msg.peer, step=msg.step)
+            delta = self._expect(msg, "delta")[0]
+            with self._outside():
+                shard.push_delta(delta, worker=msg.peer, step=msg.step)
         else:
             shard = self._shard(msg, "sparse")
             # Clicks travel only when the worker recorded some.
             ids, deltas, *clicks = msg.tensors if len(msg.tensors) == 3 else self._expect(msg, "ids", "deltas")
             self.limits.check_ids("PUSH_SPARSE_DELTA", msg.table, ids.numel(), shard.dim)
-            shard.push_delta(
-                ids, deltas, step=msg.step, more=more, clicks=clicks[0] if clicks else None, worker=msg.peer
-            )
+            with self._outside():
+                shard.push_delta(
+                    ids, deltas, step=msg.step, more=more, clicks=clicks[0] if clicks else None, worker=msg.peer
+                )
         if status == Status.STALE and not more:
             self._counts["stale_dropped"] += 1
         self._close_step(shard)

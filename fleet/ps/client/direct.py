@@ -1,0 +1,200 @@
+"""Small blocking requests sent and answered on the calling thread, over the server's direct socket.
+
+Why: a request through the IO thread (:mod:`fleet.ps.client.io`) wakes that thread to send it and
+again to hand back the answer, and ZeroMQ's own IO threads add two hand-offs more on each side; for
+a small pull those waits for a core cost more than the server's work. A caller that waits for the
+answer at once (:meth:`fleet.ps.client.client.PSClient.direct`) writes its request into the server's
+direct Unix socket (:mod:`fleet.ps.protocol.unix`: authenticated by a challenge on the job's secret,
+the same messages and the same server-side limits) and reads the answer there itself.
+
+When (all checked by :meth:`~fleet.ps.client.io.IOThread.submit`): the call is a pull
+(:data:`DIRECT_OPS`), each of its messages goes to a different server whose requests already travel
+over its Unix socket and that offers a direct socket, each message is at most :data:`SMALL_BYTES`,
+and this client has no request queued or unanswered (two connections keep no order between them,
+and a pull must never overtake the push before it). Anything else takes the IO thread as before.
+
+Each thread keeps one connection per server. A server that dies closes it (the call fails at once
+with :class:`~fleet.ps.protocol.errors.PSServerUnavailable`, as on the IO thread); a call that times
+out or fails closes its connections, so an answer that comes late is never read as the next call's.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fleet.ps.protocol import unix
+from fleet.ps.protocol.errors import PSAuthError, PSClientClosed, PSError, PSServerUnavailable, WireError
+from fleet.ps.protocol.wire import Message, Op, Status, decode, op_name
+
+#: the requests that may go from the calling thread: reads, which a worker waits for before it goes on
+DIRECT_OPS = frozenset((Op.PULL_DENSE, Op.PULL_SPARSE, Op.PULL_SPARSE_MANY))
+#: the largest request (all its frames) sent from the calling thread
+SMALL_BYTES = 64 << 10
+
+
+def message_bytes(frames: Sequence[Any]) -> int:
+    """The size on the wire of an encoded message's frames."""
+    return sum(unix.frame_bytes(f) for f in frames)
+
+
+class _Conn:
+    """One thread's connection to one server's direct socket."""
+
+    __slots__ = ("path", "sock")
+
+    def __init__(self, path: str, sock: socket.socket):
+        self.path = path
+        self.sock = sock
+
+
+class DirectCalls:
+    """The calling threads' connections to the servers' direct sockets, and the blocking call over them."""
+
+    def __init__(
+        self,
+        secret: bytes,
+        unavailable: Callable[[int, Message, str, type], PSError],
+        remote: Callable[[int, int, str], PSError],
+    ):
+        self._secret = secret
+        self._unavailable = unavailable
+        self._remote = remote
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._all: set[_Conn] = set()  # every thread's connections, closed with the client
+        self._closed = False
+
+    def _conn(self, server: int, path: str, incarnation: int, msg: Message, deadline: float) -> _Conn:
+        mine: dict[int, _Conn] = self._local.__dict__.setdefault("conns", {})
+        have = mine.get(server)
+        if have is not None and have.path == path:
+            return have
+        if have is not None:
+            self._drop(server, have)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            try:
+                sock.connect(path)
+            except OSError as exc:  # no server listening there now (it died; its restart binds it again)
+                why = f"has no direct socket at {path} now ({exc})"
+                raise self._unavailable(server, msg, why, PSServerUnavailable) from None
+            try:
+                challenge = bytes(unix.recv_exactly(sock, unix.CHALLENGE_BYTES))
+                sock.sendall(unix.answer(self._secret, challenge))
+            except OSError as exc:
+                why = f"closed its direct socket during the handshake ({exc})"
+                raise self._unavailable(server, msg, why, PSServerUnavailable) from None
+            try:
+                (answered,) = unix.INCARNATION.unpack(unix.recv_exactly(sock, unix.INCARNATION.size))
+            except (ConnectionError, BrokenPipeError):
+                why = "refused this worker's credentials on its direct socket: the shared secret (FLEET_SECRET) differs"
+                raise self._unavailable(server, msg, why, PSAuthError) from None
+            if answered != incarnation:
+                why = "was restarted (a new server process answers at its direct socket)"
+                raise self._unavailable(server, msg, why, PSServerUnavailable)
+        except BaseException:
+            sock.close()
+            raise
+        made = _Conn(path, sock)
+        with self._lock:
+            if self._closed:
+                sock.close()
+                raise PSClientClosed("the parameter-server client is closed")
+            self._all.add(made)
+        mine[server] = made
+        return made
+
+    def _drop(self, server: int, conn: _Conn) -> None:
+        conns = self._local.__dict__.get("conns", {})
+        if conns.get(server) is conn:
+            del conns[server]
+        with self._lock:
+            self._all.discard(conn)
+        conn.sock.close()
+
+    def call(
+        self, parts: list[tuple[int, Message, list[Any]]], routes: Sequence[tuple[str, int]], timeout_s: float
+    ) -> list[Message]:
+        """Send each (server, message, its encoded frames), wait for every answer; raise what the IO thread would.
+
+        ``routes``: per server, its direct socket's path and the incarnation its HELLO gave.
+        """
+        deadline = time.monotonic() + timeout_s
+        used: dict[int, _Conn] = {}
+        try:
+            for server, msg, frames in parts:
+                path, incarnation = routes[server]
+                conn = used[server] = self._conn(server, path, incarnation, msg, deadline)
+                conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
+                try:
+                    try:
+                        unix.send_all(conn.sock, frames)
+                    except (BrokenPipeError, ConnectionResetError):
+                        # This thread's connection outlived its server (it died and came back since this thread
+                        # last called it): nothing was delivered, so connect anew (checking the incarnation the
+                        # client knows now) and send once more.
+                        self._drop(server, conn)
+                        conn = used[server] = self._conn(server, path, incarnation, msg, deadline)
+                        unix.send_all(conn.sock, frames)
+                except TimeoutError:
+                    raise self._unavailable(
+                        server, msg, f"took no {op_name(msg.op)} in time", PSServerUnavailable
+                    ) from None
+                except OSError as exc:  # the server exited (a restarted one is found by the next call)
+                    why = (
+                        f"closed the connection (the server exited or crashed: {exc}) before {op_name(msg.op)} was sent"
+                    )
+                    raise self._unavailable(server, msg, why, PSServerUnavailable) from None
+            replies = []
+            for server, msg, _ in parts:  # each connection answers its one request
+                replies.append(self._answer(server, msg, used[server], deadline))
+            return replies
+        except OSError as exc:  # anything the socket says that the cases above do not name
+            for server, conn in used.items():
+                self._drop(server, conn)
+            server, msg, _ = parts[0]
+            raise self._unavailable(server, msg, f"failed on its direct socket ({exc})", PSServerUnavailable) from None
+        except BaseException:
+            for server, conn in used.items():  # a late answer must not be read as the next call's
+                self._drop(server, conn)
+            raise
+
+    def _answer(self, server: int, msg: Message, conn: _Conn, deadline: float) -> Message:
+        try:
+            conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
+            frames = unix.recv_message(conn.sock)
+        except TimeoutError:
+            raise self._unavailable(
+                server, msg, f"did not answer {op_name(msg.op)} in time", PSServerUnavailable
+            ) from None
+        except (OSError, unix.FramingError) as exc:
+            if self._closed:
+                raise PSClientClosed("the parameter-server client was closed during a call") from None
+            why = f"closed the connection (the server exited or crashed: {exc}) while {op_name(msg.op)} was in flight"
+            raise self._unavailable(server, msg, why, PSServerUnavailable) from None
+        try:
+            reply = decode(frames)
+        except WireError as exc:
+            raise self._remote(server, exc.op, f"malformed reply: {exc}") from None
+        if reply.request_id != msg.request_id:
+            raise self._remote(server, reply.op, f"answered request {reply.request_id} for {msg.request_id}")
+        if reply.status == Status.ERROR:
+            raise self._remote(server, reply.op, reply.text())
+        return reply
+
+    def close(self) -> None:
+        """Close every thread's connections (a call still waiting on one fails with PSClientClosed)."""
+        with self._lock:
+            self._closed = True
+            conns, self._all = self._all, set()
+        for conn in conns:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+            except OSError:
+                pass
+            conn.sock.close()

@@ -1,0 +1,222 @@
+"""The server's end of the direct same-host path (:mod:`fleet.ps.protocol.unix`): a listening Unix socket and its connections.
+
+Polled by the server loop with its ZeroMQ sockets (one poller, one thread: nothing here blocks).
+A connection is challenged first; once its answer and its user check out, every complete message
+it sends goes into the loop's inbox under a routing identity of its own (never one ZeroMQ makes:
+those start with a zero byte), and the reply to that identity is written back on it. A connection
+that sends anything else (a wrong answer, a message over the path's bounds) is closed.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import socket
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from fleet.ps.protocol import unix
+
+log = logging.getLogger(__name__)
+
+_READ = 1 << 16
+_MAX_CONNECTIONS = 1024
+
+
+class Ident:
+    """A routing identity as the inbox and the loop read it from a received message's first frame."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self, value: bytes):
+        self.bytes = value
+
+    def __len__(self) -> int:
+        return len(self.bytes)
+
+
+class _Conn:
+    __slots__ = ("challenge", "ident", "inbuf", "out", "ready", "sock")
+
+    def __init__(self, sock: socket.socket, ident: bytes):
+        self.sock = sock
+        self.ident = ident
+        self.challenge = secrets.token_bytes(unix.CHALLENGE_BYTES)
+        self.ready = False
+        self.inbuf = bytearray()
+        self.out: deque[memoryview] = deque()
+
+    def admit(self, incarnation: int) -> None:
+        """The challenge was answered: from now on its bytes are messages; the peer learns the incarnation."""
+        self.ready, self.inbuf = True, bytearray()
+        self.out.append(memoryview(unix.INCARNATION.pack(incarnation)))
+
+
+class DirectConnections:
+    """Accept, authenticate and read the direct path's connections; write replies to them."""
+
+    def __init__(self, path: str, secret: bytes, incarnation: int):
+        self.path = path
+        self._secret = secret
+        self._incarnation = incarnation
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._listener.bind(path)
+            os.chmod(path, 0o600)
+            self._listener.listen(64)
+            self._listener.setblocking(False)
+        except OSError:
+            self._listener.close()
+            raise
+        self._conns: dict[int, _Conn] = {}  # by file descriptor
+        self._by_ident: dict[bytes, _Conn] = {}
+        self._next = 0
+        self._poller: zmq.Poller | None = None
+        self.admitted = 0
+        self.rejected = 0
+
+    def attach(self, poller: zmq.Poller) -> None:
+        """Have ``poller`` watch the listening socket and every connection."""
+        self._poller = poller
+        poller.register(self._listener.fileno(), zmq.POLLIN)
+
+    def serve(self, ready: dict[Any, int], put: Callable[[list[Any]], None]) -> None:
+        """Act on what ``ready`` (the poller's answer) says; each complete request goes to ``put``."""
+        if ready.get(self._listener.fileno(), 0) & zmq.POLLIN:
+            self._accept()
+        for fd, flags in ready.items():
+            conn = self._conns.get(fd) if isinstance(fd, int) else None
+            if conn is None:
+                continue
+            if flags & zmq.POLLOUT:
+                self._flush(conn)
+            if flags & (zmq.POLLIN | zmq.POLLERR) and fd in self._conns:
+                self._read(conn, put)
+
+    def owns(self, ident: Any) -> bool:
+        return isinstance(ident, bytes) and ident in self._by_ident
+
+    def send(self, ident: bytes, frames: list[Any]) -> bool:
+        """Write a reply to the connection ``ident`` (False when it is gone: the reply is dropped)."""
+        conn = self._by_ident.get(ident)
+        if conn is None:
+            return False
+        conn.out.extend(unix.buffers(frames))
+        self._flush(conn)
+        return True
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("direct path: accept failed: %s", exc)
+                return
+            if len(self._conns) >= _MAX_CONNECTIONS or not unix.same_user(sock):
+                self.rejected += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            self._next += 1
+            conn = _Conn(sock, b"\xffdirect" + self._next.to_bytes(8, "little"))
+            self._conns[sock.fileno()] = conn
+            self._by_ident[conn.ident] = conn
+            assert self._poller is not None
+            self._poller.register(sock.fileno(), zmq.POLLIN)
+            conn.out.append(memoryview(conn.challenge))
+            self._flush(conn)
+
+    def _read(self, conn: _Conn, put: Callable[[list[Any]], None]) -> None:
+        try:
+            data = conn.sock.recv(_READ)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn)
+            return
+        conn.inbuf.extend(data)
+        if not conn.ready:
+            if len(conn.inbuf) < unix.CHALLENGE_BYTES:
+                return
+            got = bytes(conn.inbuf[: unix.CHALLENGE_BYTES])
+            if len(conn.inbuf) > unix.CHALLENGE_BYTES or not unix.check_answer(self._secret, conn.challenge, got):
+                self.rejected += 1
+                log.warning("direct path: a peer's answer to the challenge is wrong; connection closed")
+                self._close(conn)
+                return
+            conn.admit(self._incarnation)
+            self.admitted += 1
+            self._flush(conn)
+            return
+        start = 0
+        try:
+            while True:
+                parsed = unix.parse(conn.inbuf, start)
+                if parsed is None:
+                    break
+                frames, start = parsed
+                put([Ident(conn.ident), *[bytearray(f) for f in frames]])  # copies: the buffer is reused
+                for f in frames:
+                    f.release()
+        except unix.FramingError as exc:
+            log.warning("direct path: %s; connection closed", exc)
+            self._close(conn)
+            return
+        if start:
+            del conn.inbuf[:start]
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.out:
+            try:
+                sent = conn.sock.sendmsg(list(conn.out)[:64])
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+                    log.warning("direct path: send failed: %s", exc)
+                self._close(conn)
+                return
+            while sent and conn.out:
+                head = conn.out[0]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    conn.out.popleft()
+                else:
+                    conn.out[0] = head[sent:]
+                    sent = 0
+        if self._poller is not None and conn.sock.fileno() in self._conns:
+            self._poller.modify(conn.sock.fileno(), zmq.POLLIN | (zmq.POLLOUT if conn.out else 0))
+
+    def _close(self, conn: _Conn) -> None:
+        fd = conn.sock.fileno()
+        self._conns.pop(fd, None)
+        self._by_ident.pop(conn.ident, None)
+        if self._poller is not None:
+            try:
+                self._poller.unregister(fd)
+            except KeyError:
+                pass
+        conn.sock.close()
+
+    def close(self) -> None:
+        for conn in list(self._conns.values()):
+            self._close(conn)
+        if self._poller is not None:
+            try:
+                self._poller.unregister(self._listener.fileno())
+            except KeyError:
+                pass
+        self._listener.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass

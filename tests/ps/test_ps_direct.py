@@ -1,0 +1,191 @@
+"""The direct same-host path: a caller that waits at once sends small pulls on its own thread.
+
+Checked here: a pull inside ``client.direct()`` goes over the server's direct socket and gives
+what the IO thread gives; it never overtakes a push of the same client still unanswered; a peer
+without the secret (or with a garbled message) is cut off before anything is served; the request
+limits hold there; CURVE and ``ipc=False`` keep everything on ZeroMQ; a server that dies fails a
+waiting direct pull at once, naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from fleet.ps.client.client import PSClient
+from fleet.ps.protocol import unix
+from fleet.ps.protocol.errors import PSRemoteError, PSServerUnavailable
+from fleet.ps.protocol.limits import RequestLimits
+from fleet.ps.protocol.wire import Message, Op, Status, decode, encode
+from fleet.ps.server.loop import ParameterServer
+
+SECRET = b"direct-path-secret-0123"
+ASYNC_SGD = {"optimizer": {"kind": "sgd", "lr": 1.0}, "update": "async"}
+
+
+@contextlib.contextmanager
+def server(**options) -> Iterator[tuple[ParameterServer, threading.Thread]]:
+    srv = ParameterServer("127.0.0.1:0", SECRET, 0, 2, 5.0, torch_threads=None, **options)
+    thread = threading.Thread(target=srv.serve, daemon=True)
+    thread.start()
+    try:
+        yield srv, thread
+    finally:
+        srv.shutdown()
+        thread.join(5)
+        assert not thread.is_alive()
+
+
+def on_ipc(client: PSClient, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.transports[0] != "ipc" and time.monotonic() < deadline:
+        client.hello().result()
+        time.sleep(0.02)
+    assert client.transports == ["ipc"]
+
+
+def direct_socket(srv: ParameterServer) -> str:
+    path = srv.ipc_path.removesuffix(".sock") + unix.SUFFIX
+    assert os.path.exists(path)
+    return path
+
+
+def authenticated(path: str, secret: bytes = SECRET) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(path)
+    challenge = bytes(unix.recv_exactly(sock, unix.CHALLENGE_BYTES))
+    sock.sendall(unix.answer(secret, challenge))
+    unix.recv_exactly(sock, unix.INCARNATION.size)
+    return sock
+
+
+def test_direct_pulls_match_the_io_thread_and_never_overtake_a_push() -> None:
+    with server() as (srv, _):
+        client = PSClient([srv.endpoint], SECRET, 0, timeout_s=5.0)
+        try:
+            client.create_dense(1, torch.zeros(4), ASYNC_SGD).result()
+            for table in (2, 3):
+                client.create_sparse(
+                    table, {"dim": 3, "optimizer": {"kind": "sgd", "lr": 1.0}, "update": "async"}
+                ).result()
+            on_ipc(client)
+            ids = torch.tensor([5, 9, 5000])
+            queued_rows = client.pull_sparse(2, ids).result()
+            with client.direct():
+                rows = client.pull_sparse(2, ids).result()
+                assert torch.equal(rows, queued_rows)
+                for i in range(20):  # each push is sent and not waited for: the pull behind it must see it
+                    pushed = client.push_dense_grad(1, torch.full((4,), 1.0), i, 1.0)
+                    values = client.pull_dense(1).result()
+                    pushed.result()
+                    assert torch.equal(values, torch.full((4,), -(i + 1.0))), (i, values)
+                assert torch.equal(client.pull_dense(1).result(), torch.full((4,), -20.0))
+                many = client.pull_sparse_many([(2, ids, 0), (3, ids[:1], 0)]).result()
+            assert torch.equal(many[0], queued_rows)
+            assert torch.equal(many[1], client.pull_sparse(3, ids[:1]).result())
+            client.create_sparse(4, {"dim": 64, "optimizer": {"kind": "sgd", "lr": 1.0}, "update": "async"}).result()
+            wide = torch.arange(3000)  # a small request whose answer (768 KB) takes several reads
+            queued_wide = client.pull_sparse(4, wide).result()
+            with client.direct():
+                assert torch.equal(client.pull_sparse(4, wide).result(), queued_wide)
+            stats = srv.stats()
+            assert stats["direct_admitted"] >= 1 and stats["direct_rejected"] == 0
+            assert stats["ops"]["PULL_SPARSE"] >= 4
+        finally:
+            client.close()
+
+
+def test_the_direct_socket_refuses_a_wrong_secret_and_garbled_messages() -> None:
+    with server() as (srv, _):
+        path = direct_socket(srv)
+        assert stat_mode(path) == 0o600
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(path)
+        challenge = bytes(unix.recv_exactly(sock, unix.CHALLENGE_BYTES))
+        sock.sendall(unix.answer(b"not-the-secret", challenge))
+        assert sock.recv(64) == b""  # closed, no incarnation
+        sock.close()
+        # a request sent before answering the challenge is never served
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(path)
+        unix.recv_exactly(sock, unix.CHALLENGE_BYTES)
+        unix.send_all(sock, encode(Message(op=Op.HELLO, peer=0, request_id=1)))
+        assert sock.recv(64) == b""
+        sock.close()
+        sock = authenticated(path)  # then a message of too many frames
+        sock.sendall(unix.COUNT.pack(unix.MAX_FRAMES + 1))
+        assert sock.recv(64) == b""
+        sock.close()
+        assert srv.stats()["direct_rejected"] == 2
+        assert srv.stats()["ops"] == {}
+
+
+def stat_mode(path: str) -> int:
+    return os.stat(path).st_mode & 0o777
+
+
+def test_the_request_limits_hold_on_the_direct_socket() -> None:
+    with server(limits=RequestLimits(max_ids=8)) as (srv, _):
+        client = PSClient([srv.endpoint], SECRET, 0, timeout_s=5.0)
+        try:
+            client.create_sparse(2, {"dim": 3, "optimizer": {"kind": "sgd", "lr": 1.0}, "update": "async"}).result()
+            sock = authenticated(direct_socket(srv))
+            ids = torch.arange(9)
+            unix.send_all(sock, encode(Message(op=Op.PULL_SPARSE, table=2, peer=0, request_id=7, tensors=[ids])))
+            reply = decode(unix.recv_message(sock))
+            assert reply.status == Status.ERROR and reply.request_id == 7
+            assert "carries 9 ids" in reply.text() and "at most 8" in reply.text(), reply.text()
+            unix.send_all(sock, encode(Message(op=Op.PULL_SPARSE, table=2, peer=5, request_id=8, tensors=[ids[:8]])))
+            reply = decode(unix.recv_message(sock))
+            assert reply.status == Status.ERROR and "worker index 5" in reply.text()
+            sock.close()
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("how", ["curve", "no-ipc"])
+def test_curve_and_ipc_off_keep_direct_calls_on_zeromq(how: str) -> None:
+    options = {"encryption": "curve"} if how == "curve" else {}
+    import zmq
+
+    if how == "curve" and not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    with server(**options) as (srv, _):
+        if how == "curve":
+            assert not os.path.exists(srv.ipc_path.removesuffix(".sock") + unix.SUFFIX)
+        client = PSClient([srv.endpoint], SECRET, 0, timeout_s=5.0, ipc=how != "no-ipc", **options)
+        try:
+            client.create_dense(1, torch.arange(4.0), ASYNC_SGD).result()
+            with client.direct():
+                assert torch.equal(client.pull_dense(1).result(), torch.arange(4.0))
+            assert srv.stats()["direct_admitted"] == 0
+        finally:
+            client.close()
+
+
+def test_a_server_that_dies_fails_a_waiting_direct_pull_at_once() -> None:
+    with server() as (srv, thread):
+        client = PSClient([srv.endpoint], SECRET, 0, timeout_s=30.0)
+        try:
+            client.create_dense(1, torch.zeros(4), {**ASYNC_SGD, "update": "sync"}).result()
+            on_ipc(client)
+            with client.direct():
+                client.pull_dense(1).result()  # connected
+                threading.Timer(0.3, srv.shutdown).start()
+                started = time.monotonic()
+                with pytest.raises((PSServerUnavailable, PSRemoteError)) as info:
+                    client.pull_dense(1, min_version=5).result()  # parked: waits for pushes that never come
+            assert time.monotonic() - started < 10, "the failure waited for the timeout"
+            assert "parameter server 0" in str(info.value)
+        finally:
+            client.close(stop_servers_for_me=False)
