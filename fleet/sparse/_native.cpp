@@ -19,12 +19,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace {
 
 // Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
-constexpr long kAbiVersion = 2;
+constexpr long kAbiVersion = 3;
 
 constexpr int64_t kEmpty = -1;      // an entry never used: ends every probe
 constexpr int64_t kTombstone = -2;  // a removed entry: probing goes on past it, inserts may reuse it
@@ -268,11 +269,48 @@ struct Hyper {
   double log_beta1, log_beta2;  // set once per call (Adam's bias corrections)
 };
 
+// Per-thread working memory of apply_rows (the de-duplication's hash and chains), kept between calls:
+// a fresh buffer per call cost a page fault per 4 KiB of it, and tables are stepped from one thread
+// (or a few), so at most a few of these live. Released after a call that needed more than kKeepBytes.
+constexpr size_t kKeepBytes = 16 << 20;
+struct WorkMemory {
+  void* p = nullptr;
+  size_t bytes = 0;
+  ~WorkMemory() { std::free(p); }
+  void* get(size_t want) {
+    if (want > bytes) {
+      std::free(p);
+      p = std::malloc(want);
+      bytes = p ? want : 0;
+    }
+    return p;
+  }
+  void trim() {
+    if (bytes > kKeepBytes) {
+      std::free(p);
+      p = nullptr;
+      bytes = 0;
+    }
+  }
+};
+thread_local WorkMemory tl_work;
+
+// Adam's bias corrections depend on the row's step only: remembered for a few recent steps, since
+// the two exp() per row cost as much as the rest of its update. Same inputs, same function: same bits.
+struct BiasCache {
+  static constexpr int kSize = 64;
+  int64_t step[kSize];
+  float neg_step[kSize], bc2[kSize];
+  BiasCache() {
+    for (int k = 0; k < kSize; ++k) step[k] = -1;
+  }
+};
+
 // One row's update, fleet.sparse.optim.ServerOptimizer's row-wise path in float32 (the per-row
 // scalars in float64, rounded once, as there). `g` is the row's summed gradient (scratch: changed).
 // Branches are hoisted out of the element loops and the pointers are restrict, so that the loops vectorise.
-__attribute__((noinline)) void update_row(const Hyper h, int64_t dim, float* __restrict__ p, float* __restrict__ g, float* __restrict__ s0,
-                float* __restrict__ s1, int64_t step) {
+__attribute__((noinline)) void update_row(const Hyper& h, int64_t dim, float* __restrict__ p, float* __restrict__ g,
+                                          float* __restrict__ s0, float* __restrict__ s1, int64_t step, BiasCache& bias) {
   if (h.maximize)
     for (int64_t j = 0; j < dim; ++j) g[j] = -g[j];
   if (h.weight_decay != 0 && h.kind != kAdamW) {
@@ -321,11 +359,16 @@ __attribute__((noinline)) void update_row(const Hyper h, int64_t dim, float* __r
       }
       const float w1 = static_cast<float>(1 - h.beta1), b2 = static_cast<float>(h.beta2);
       const float w2 = static_cast<float>(1 - h.beta2), eps = static_cast<float>(h.eps);
-      const double t = static_cast<double>(step);
-      // beta**t as exp(t * log(beta)): a few ulps of float64 from pow (invisible once rounded to float32), at a
-      // fraction of its cost, which dominated Adam's update at dim 16. log(0) = -inf gives 0 as pow does.
-      const float neg_step = static_cast<float>(-h.lr / (1 - std::exp(t * h.log_beta1)));
-      const float bc2 = static_cast<float>(std::sqrt(1 - std::exp(t * h.log_beta2)));
+      const int k = static_cast<int>(static_cast<uint64_t>(step) % BiasCache::kSize);
+      if (bias.step[k] != step) {
+        const double t = static_cast<double>(step);
+        // beta**t as exp(t * log(beta)): a few ulps of float64 from pow (invisible once rounded to float32), at a
+        // fraction of its cost, which dominated Adam's update at dim 16. log(0) = -inf gives 0 as pow does.
+        bias.neg_step[k] = static_cast<float>(-h.lr / (1 - std::exp(t * h.log_beta1)));
+        bias.bc2[k] = static_cast<float>(std::sqrt(1 - std::exp(t * h.log_beta2)));
+        bias.step[k] = step;
+      }
+      const float neg_step = bias.neg_step[k], bc2 = bias.bc2[k];
       if (w1 < 0.5f) {  // torch's lerp, both branches
         for (int64_t j = 0; j < dim; ++j) s0[j] = s0[j] + w1 * (g[j] - s0[j]);
       } else {
@@ -338,92 +381,112 @@ __attribute__((noinline)) void update_row(const Hyper h, int64_t dim, float* __r
   }
 }
 
-// apply_rows(hyper, rows, state0, state1, steps, scratch, slots, grads, live, acc, old_rows, old_state0,
-// old_state1, old_steps): one row-wise optimizer step on rows[slots]; the gradients of repeated slots are
-// summed first, in batch order. Before a row changes, what it held goes to old_*[i] for every position i
-// (the caller's undo record). state0/state1/steps: None where the optimizer keeps none. Every slot is
-// checked against `live` before anything is written.
+// apply_rows(hyper, rows, state0, state1, steps, slots, grads, live, old_rows, old_state0, old_state1,
+// old_steps): one row-wise optimizer step on rows[slots]; the gradients of repeated slots are summed
+// first, in batch order (torch.unique + index_add_'s sums, bit for bit), and each row is updated once,
+// at its first position. state0/state1/steps: None where the optimizer keeps none.
+//
+// old_*: the undo record, or all None for none. Given, what each row held before goes to old_*[i] for
+// every position i. None is for a caller whose operation ends with this call: every slot is checked
+// against `live` before anything is written, and nothing after the checks can fail, so the write
+// either happens whole or not at all and there is nothing to take back.
 PyObject* py_apply_rows(PyObject*, PyObject* args) {
   Hyper h;
-  PyObject *rows_o, *s0_o, *s1_o, *steps_o, *scratch_o, *slots_o, *grads_o, *acc_o, *orows_o, *os0_o, *os1_o, *osteps_o;
+  PyObject *rows_o, *s0_o, *s1_o, *steps_o, *slots_o, *grads_o, *orows_o, *os0_o, *os1_o, *osteps_o;
   Py_ssize_t live;
-  if (!PyArg_ParseTuple(args, "(iddddpddddp)OOOOOOOnOOOOO:apply_rows", &h.kind, &h.lr, &h.weight_decay, &h.momentum,
+  if (!PyArg_ParseTuple(args, "(iddddpddddp)OOOOOOnOOOO:apply_rows", &h.kind, &h.lr, &h.weight_decay, &h.momentum,
                         &h.dampening, &h.nesterov, &h.beta1, &h.beta2, &h.eps, &h.lr_decay, &h.maximize, &rows_o, &s0_o,
-                        &s1_o, &steps_o, &scratch_o, &slots_o, &grads_o, &live, &acc_o, &orows_o, &os0_o, &os1_o,
-                        &osteps_o))
+                        &s1_o, &steps_o, &slots_o, &grads_o, &live, &orows_o, &os0_o, &os1_o, &osteps_o))
     return nullptr;
   if (h.kind < kSgd || h.kind > kAdamW) return PyErr_Format(PyExc_ValueError, "unknown optimizer kind %d", h.kind);
   h.log_beta1 = std::log(h.beta1);
   h.log_beta2 = std::log(h.beta2);
   const bool need_s0 = h.kind != kSgd || h.momentum != 0, need_s1 = h.kind == kAdam || h.kind == kAdamW;
   const bool need_steps = need_s1 || (h.kind == kSgd && h.momentum != 0) || h.lr_decay != 0;
-  Buf rows, s0, s1, steps, scratch, slots, grads, acc, orows, os0, os1, osteps;
+  const bool record = orows_o != Py_None;
+  if (!record && (os0_o != Py_None || os1_o != Py_None || osteps_o != Py_None))
+    return PyErr_Format(PyExc_ValueError, "apply_rows: old rows None but other old_* given (all or none)");
+  Buf rows, s0, s1, steps, slots, grads, orows, os0, os1, osteps;
   if (!rows.get(rows_o, "rows", Kind::kFloat32, 2, -1, true)) return nullptr;
   const Py_ssize_t dim = rows.cols(), width = h.kind == kRowwiseAdagrad ? 1 : dim;
   if ((s0_o == Py_None) == need_s0 || (s1_o == Py_None) == need_s1)
     return PyErr_Format(PyExc_ValueError, "apply_rows: optimizer kind %d takes %s state tensors", h.kind,
                         need_s1 ? "two" : need_s0 ? "one" : "no");
   if (need_steps && steps_o == Py_None) return PyErr_Format(PyExc_ValueError, "apply_rows: this optimizer needs steps");
-  if (!slots.get(slots_o, "slots", Kind::kInt64, 1, -1, false) || !grads.get(grads_o, "grads", Kind::kFloat32, 2, dim, false) ||
-      !scratch.get(scratch_o, "scratch", Kind::kInt64, 1, -1, true) || !acc.get(acc_o, "acc", Kind::kFloat32, 2, dim, true) ||
-      !orows.get(orows_o, "old rows", Kind::kFloat32, 2, dim, true))
+  if (!slots.get(slots_o, "slots", Kind::kInt64, 1, -1, false) || !grads.get(grads_o, "grads", Kind::kFloat32, 2, dim, false))
     return nullptr;
+  if (record && !orows.get(orows_o, "old rows", Kind::kFloat32, 2, dim, true)) return nullptr;
   const Py_ssize_t n = slots.len();
+  if (n >= INT32_MAX) return PyErr_Format(PyExc_ValueError, "apply_rows: %zd slots in one call (at most 2**31 - 2)", n);
   Py_ssize_t capacity = rows.len();
   if (need_s0) {
-    if (!s0.get(s0_o, "state0", Kind::kFloat32, 2, width, true) || !os0.get(os0_o, "old state0", Kind::kFloat32, 2, width, true))
-      return nullptr;
+    if (!s0.get(s0_o, "state0", Kind::kFloat32, 2, width, true)) return nullptr;
+    if (record && !os0.get(os0_o, "old state0", Kind::kFloat32, 2, width, true)) return nullptr;
     capacity = s0.len() < capacity ? s0.len() : capacity;
-    if (os0.len() != n) return PyErr_Format(PyExc_ValueError, "old state0 has %zd rows for %zd slots", os0.len(), n);
+    if (record && os0.len() != n) return PyErr_Format(PyExc_ValueError, "old state0 has %zd rows for %zd slots", os0.len(), n);
   }
   if (need_s1) {
-    if (!s1.get(s1_o, "state1", Kind::kFloat32, 2, dim, true) || !os1.get(os1_o, "old state1", Kind::kFloat32, 2, dim, true))
-      return nullptr;
+    if (!s1.get(s1_o, "state1", Kind::kFloat32, 2, dim, true)) return nullptr;
+    if (record && !os1.get(os1_o, "old state1", Kind::kFloat32, 2, dim, true)) return nullptr;
     capacity = s1.len() < capacity ? s1.len() : capacity;
-    if (os1.len() != n) return PyErr_Format(PyExc_ValueError, "old state1 has %zd rows for %zd slots", os1.len(), n);
+    if (record && os1.len() != n) return PyErr_Format(PyExc_ValueError, "old state1 has %zd rows for %zd slots", os1.len(), n);
   }
   const bool has_steps = steps_o != Py_None;
   if (has_steps) {
-    if (!steps.get(steps_o, "steps", Kind::kInt64, 1, -1, true) || !osteps.get(osteps_o, "old steps", Kind::kInt64, 1, -1, true))
-      return nullptr;
+    if (!steps.get(steps_o, "steps", Kind::kInt64, 1, -1, true)) return nullptr;
+    if (record && !osteps.get(osteps_o, "old steps", Kind::kInt64, 1, -1, true)) return nullptr;
     capacity = steps.len() < capacity ? steps.len() : capacity;
-    if (osteps.len() != n) return PyErr_Format(PyExc_ValueError, "old steps has %zd entries for %zd slots", osteps.len(), n);
+    if (record && osteps.len() != n)
+      return PyErr_Format(PyExc_ValueError, "old steps has %zd entries for %zd slots", osteps.len(), n);
   }
-  capacity = scratch.len() < capacity ? scratch.len() : capacity;
   if (live < 0 || live > capacity)
     return PyErr_Format(PyExc_ValueError, "live rows %zd outside 0..%zd (the smallest per-row tensor)", live, capacity);
-  if (grads.len() != n || acc.len() != n || orows.len() != n)
-    return PyErr_Format(PyExc_ValueError, "apply_rows: %zd slots but grads %zd, acc %zd, old rows %zd rows", n, grads.len(),
-                        acc.len(), orows.len());
+  if (grads.len() != n || (record && orows.len() != n))
+    return PyErr_Format(PyExc_ValueError, "apply_rows: %zd slots but grads %zd, old rows %zd rows", n, grads.len(),
+                        record ? orows.len() : n);
+  // Working memory: an open-addressing hash of slot -> first position (2n..4n entries), and per position
+  // the first position of its slot and the next position with the same slot (-1: none).
+  uint64_t hcap = 2;
+  while (hcap < 2 * static_cast<uint64_t>(n)) hcap *= 2;
+  const int hshift = 64 - __builtin_ctzll(hcap);
+  int32_t* work = static_cast<int32_t*>(tl_work.get(sizeof(int32_t) * (hcap + 3 * static_cast<size_t>(n))));
+  if (work == nullptr) return PyErr_NoMemory();
+  int32_t *hash = work, *first = work + hcap, *next = first + n, *tail = next + n;
   const int64_t* sl = slots.i64();
-  int64_t* first = scratch.i64();
   const float* gr = grads.f32();
-  float *ac = acc.f32(), *pr = rows.f32(), *ps0 = need_s0 ? s0.f32() : nullptr, *ps1 = need_s1 ? s1.f32() : nullptr;
-  float *opr = orows.f32(), *ops0 = need_s0 ? os0.f32() : nullptr, *ops1 = need_s1 ? os1.f32() : nullptr;
-  int64_t *pst = has_steps ? steps.i64() : nullptr, *opst = has_steps ? osteps.i64() : nullptr;
+  float *pr = rows.f32(), *ps0 = need_s0 ? s0.f32() : nullptr, *ps1 = need_s1 ? s1.f32() : nullptr;
+  float *opr = record ? orows.f32() : nullptr, *ops0 = record && need_s0 ? os0.f32() : nullptr;
+  float *ops1 = record && need_s1 ? os1.f32() : nullptr;
+  int64_t *pst = has_steps ? steps.i64() : nullptr, *opst = record && has_steps ? osteps.i64() : nullptr;
   int64_t bad = -1;
   const size_t row_bytes = sizeof(float) * dim, state_bytes = sizeof(float) * width;
   Py_BEGIN_ALLOW_THREADS;
-  for (int64_t i = 0; i < n; ++i)
-    if (static_cast<uint64_t>(sl[i]) >= static_cast<uint64_t>(live)) {
+  std::memset(hash, 0xff, sizeof(int32_t) * hcap);  // -1: empty
+  for (int64_t i = 0; i < n; ++i) {  // checks every slot, and finds each one's first position
+    const int64_t s = sl[i];
+    if (static_cast<uint64_t>(s) >= static_cast<uint64_t>(live)) {
       bad = i;
       break;
     }
+    uint64_t p = (static_cast<uint64_t>(s) * kM1) >> hshift;
+    while (hash[p] >= 0 && sl[hash[p]] != s) p = (p + 1) & (hcap - 1);
+    next[i] = -1;
+    const int32_t f = hash[p];
+    if (f < 0) {
+      hash[p] = static_cast<int32_t>(i);
+      first[i] = tail[i] = static_cast<int32_t>(i);
+    } else {
+      first[i] = f;
+      next[tail[f]] = static_cast<int32_t>(i);
+      tail[f] = static_cast<int32_t>(i);
+    }
+  }
   if (bad < 0) {
-    for (int64_t i = n - 1; i >= 0; --i) {  // each slot's first position
-      if (i >= kPrefetchAhead) __builtin_prefetch(first + sl[i - kPrefetchAhead], 1);
-      first[sl[i]] = i;
-    }
-    for (int64_t i = 0; i < n; ++i) {  // totals of repeated slots, added in batch order
-      if (i + kPrefetchAhead < n) __builtin_prefetch(first + sl[i + kPrefetchAhead]);
-      const int64_t f = first[sl[i]];
-      if (f == i) {
-        std::memcpy(ac + i * dim, gr + i * dim, row_bytes);
-      } else {
-        for (int64_t j = 0; j < dim; ++j) ac[f * dim + j] += gr[i * dim + j];
-      }
-    }
-    for (int64_t i = 0; i < n; ++i) {
+    BiasCache bias;
+    float acc[256];  // the row's summed gradient, on the stack for rows up to 256 wide
+    float* heap_acc = dim > 256 ? static_cast<float*>(std::malloc(row_bytes)) : nullptr;
+    float* g = dim > 256 ? heap_acc : acc;
+    for (int64_t i = 0; g != nullptr && i < n; ++i) {
       if (i + kPrefetchAhead < n) {
         const int64_t ahead = sl[i + kPrefetchAhead];
         __builtin_prefetch(pr + ahead * dim, 1);  // rows and state are written: ask for them exclusive
@@ -431,27 +494,41 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
         if (ps1) __builtin_prefetch(ps1 + ahead * dim, 1);
         if (pst) __builtin_prefetch(pst + ahead, 1);
       }
-      const int64_t s = sl[i], f = first[s];
+      const int64_t s = sl[i], f = first[i];
       if (f != i) {  // a repeat: the row changed at its first position; the undo keeps what it held before
-        std::memcpy(opr + i * dim, opr + f * dim, row_bytes);
-        if (ops0) std::memcpy(ops0 + i * width, ops0 + f * width, state_bytes);
-        if (ops1) std::memcpy(ops1 + i * dim, ops1 + f * dim, row_bytes);
-        if (opst) opst[i] = opst[f];
+        if (record) {
+          std::memcpy(opr + i * dim, opr + f * dim, row_bytes);
+          if (ops0) std::memcpy(ops0 + i * width, ops0 + f * width, state_bytes);
+          if (ops1) std::memcpy(ops1 + i * dim, ops1 + f * dim, row_bytes);
+          if (opst) opst[i] = opst[f];
+        }
         continue;
       }
-      std::memcpy(opr + i * dim, pr + s * dim, row_bytes);
-      if (ops0) std::memcpy(ops0 + i * width, ps0 + s * width, state_bytes);
-      if (ops1) std::memcpy(ops1 + i * dim, ps1 + s * dim, row_bytes);
+      if (record) {
+        std::memcpy(opr + i * dim, pr + s * dim, row_bytes);
+        if (ops0) std::memcpy(ops0 + i * width, ps0 + s * width, state_bytes);
+        if (ops1) std::memcpy(ops1 + i * dim, ps1 + s * dim, row_bytes);
+        if (opst) opst[i] = pst[s];
+      }
       int64_t step = 1;
       if (pst) {
-        opst[i] = pst[s];
         step = pst[s] + 1;
         pst[s] = step;
       }
-      update_row(h, dim, pr + s * dim, ac + i * dim, ps0 ? ps0 + s * width : nullptr, ps1 ? ps1 + s * dim : nullptr, step);
+      const float* gi = gr + i * dim;
+      for (int64_t j = 0; j < dim; ++j) g[j] = gi[j];
+      for (int64_t k = next[i]; k >= 0; k = next[k]) {  // the repeats' gradients, in batch order
+        const float* gk = gr + k * dim;
+        for (int64_t j = 0; j < dim; ++j) g[j] += gk[j];
+      }
+      update_row(h, dim, pr + s * dim, g, ps0 ? ps0 + s * width : nullptr, ps1 ? ps1 + s * dim : nullptr, step, bias);
     }
+    if (g == nullptr) bad = -2;  // no memory for a wide row's sum: checked before any write
+    std::free(heap_acc);
   }
+  tl_work.trim();
   Py_END_ALLOW_THREADS;
+  if (bad == -2) return PyErr_NoMemory();
   if (bad >= 0)
     return PyErr_Format(PyExc_IndexError, "slot %lld (at %lld) is outside the %zd live rows", (long long)sl[bad],
                         (long long)bad, live);

@@ -659,6 +659,9 @@ class SparseTable:
         ids = as_ids(ids)
         grads = self.check_rows("grads", grads, ids.numel())
         clicks = self._check_clicks(clicks, ids.numel())
+        # Outermost, this operation ends with the kernel's all-or-nothing write: it needs no undo record.
+        # Inside an enclosing transaction a later operation may fail, and the rows must go back then.
+        nested = self._undo is not None
         with self.transaction() as undo:
             self.tick(step)
             if ids.numel() == 0:
@@ -667,7 +670,7 @@ class SparseTable:
             if slots.numel() == 0:
                 return
             self._touch(slots, clicks)
-            self._step_rows(slots, grads, float(lr), undo)
+            self._step_rows(slots, grads, float(lr), undo if nested else None)  # the last change: keep it last
 
     def add_delta(
         self, ids: torch.Tensor, deltas: torch.Tensor, step: int | None = None, clicks: torch.Tensor | None = None
@@ -685,38 +688,40 @@ class SparseTable:
                 undo.rows(self._getter("rows"), slots)
                 self._rows.index_add_(0, slots, deltas)
 
-    def _step_rows(self, slots: torch.Tensor, grads: torch.Tensor, lr: float, undo: UndoLog) -> None:
+    def _step_rows(self, slots: torch.Tensor, grads: torch.Tensor, lr: float, undo: UndoLog | None) -> None:
         """The row optimizer's step on ``slots`` (duplicates' gradients summed first, in batch order), natively.
 
-        Repeats are found in O(n) without a sort (each position writes its index into the per-slot
-        scratch, last to first, so each slot ends up naming its first position), and each row is
-        updated once with its total: the same sums as ``torch.unique`` + ``index_add_``. The kernel
-        checks every slot before it writes and hands back what each row held, which the undo writes
-        back if a later step fails. Repeated slots get the same old values, so the undo's writes
-        agree whatever their order.
+        The kernel finds repeated slots with a hash of the batch (no sort) and updates each row once
+        with its total: the same sums as ``torch.unique`` + ``index_add_``. It checks every slot before
+        it writes. With ``undo`` it hands back what each row held, which the undo writes back if a later
+        step fails (repeated slots get the same old values, so the undo's writes agree whatever their
+        order); ``undo`` None is for a caller whose operation ends with this step (nothing after it can
+        fail), which spares copying every touched row of every state tensor.
         """
-        n, names = slots.numel(), self._opt.state_names
+        names = self._opt.state_names
         state = [buf(self._state[name], f"state.{name}", torch.float32, 2) for name in names]
-        old_rows = torch.empty(n, self.dim)
-        old_state = {name: torch.empty(n, self._state[name].shape[1]) for name in names}
-        old_steps = torch.empty(n, dtype=torch.int64) if self._track_steps else None
-        grads = grads.contiguous()
-        old_buffers = [old_state[name].numpy() for name in names] + [None] * (2 - len(names))
+        steps = buf(self._steps, "steps", torch.int64, 1) if self._track_steps else None
+        old: list[Any] = [None] * 4
+        if undo is not None:
+            n = slots.numel()
+            old_rows = torch.empty(n, self.dim)
+            old_state = {name: torch.empty(n, self._state[name].shape[1]) for name in names}
+            old_steps = torch.empty(n, dtype=torch.int64) if self._track_steps else None
+            old = [old_rows.numpy()] + [old_state[name].numpy() for name in names] + [None] * (2 - len(names))
+            old.append(old_steps.numpy() if old_steps is not None else None)
         kernels.apply_rows(
             native_hyper(self.optimizer, lr),
             buf(self._rows, "rows", torch.float32, 2),
             state[0] if names else None,
             state[1] if len(names) > 1 else None,
-            buf(self._steps, "steps", torch.int64, 1) if self._track_steps else None,
-            buf(self._scratch, "scratch", torch.int64, 1),
+            steps,
             slots.contiguous().numpy(),
-            buf(grads, "grads", torch.float32, 2),
+            buf(grads.contiguous(), "grads", torch.float32, 2),
             len(self),
-            torch.empty(n, self.dim).numpy(),
-            old_rows.numpy(),
-            *old_buffers,
-            old_steps.numpy() if old_steps is not None else None,
+            *old,
         )
+        if undo is None:
+            return
         # recorded after the kernel's one write (it either writes everything or raises before writing)
         undo.rows(self._getter("rows"), slots, old_rows)
         for name in names:

@@ -97,11 +97,9 @@ def _args(n: int = 4, cap: int = 8, dim: int = 2, slots: list[int] | None = None
         f32(cap, dim),
         f32(cap, dim),
         np.zeros(cap, dtype=np.int64),
-        np.zeros(cap, dtype=np.int64),
         sl,
         np.ones((n, dim), dtype=np.float32),
         cap,
-        f32(n, dim),
         f32(n, dim),
         f32(n, dim),
         f32(n, dim),
@@ -114,7 +112,7 @@ def test_apply_rows_checks_before_writing() -> None:
     kernels.apply_rows(*args)
     assert args[1][:4].any() and args[4][:4].tolist() == [1, 1, 1, 1]
     args = _args(slots=[0, 3, 5, 1])
-    args[8] = 5  # 5 live rows: slot 5 is out
+    args[7] = 5  # 5 live rows: slot 5 is out
     with pytest.raises(IndexError, match="slot 5 .* outside the 5 live rows"):
         kernels.apply_rows(*args)
     assert not args[1].any() and not args[4].any()
@@ -122,7 +120,7 @@ def test_apply_rows_checks_before_writing() -> None:
     with pytest.raises(IndexError, match="slot -2"):
         kernels.apply_rows(*args)
     args = _args()
-    args[8] = 9
+    args[7] = 9
     with pytest.raises(ValueError, match="live rows 9"):
         kernels.apply_rows(*args)
     args = _args()
@@ -130,11 +128,11 @@ def test_apply_rows_checks_before_writing() -> None:
     with pytest.raises(ValueError, match="two state tensors"):
         kernels.apply_rows(*args)
     args = _args()
-    args[7] = np.ones((4, 3), dtype=np.float32)
+    args[6] = np.ones((4, 3), dtype=np.float32)
     with pytest.raises(ValueError, match="grads must be 2-D with the expected width"):
         kernels.apply_rows(*args)
     args = _args()
-    args[10] = args[10][:3]
+    args[8] = args[8][:3]
     with pytest.raises(ValueError, match="old rows 3"):
         kernels.apply_rows(*args)
     args = _args()
@@ -145,3 +143,37 @@ def test_apply_rows_checks_before_writing() -> None:
     args[1] = args[1].astype(np.float64)
     with pytest.raises(TypeError, match="rows must hold float32"):
         kernels.apply_rows(*args)
+
+
+def test_apply_rows_without_an_undo_record_writes_the_same() -> None:
+    """old_* all None: the same update, nothing recorded; some None and some given is refused."""
+    args = _args(slots=[0, 3, 0, 1])
+    kernels.apply_rows(*args)
+    bare = _args(slots=[0, 3, 0, 1])
+    bare[8:] = [None] * 4
+    kernels.apply_rows(*bare)
+    for k in (1, 2, 3, 4):
+        assert np.array_equal(args[k], bare[k])
+    mixed = _args()
+    mixed[8] = None
+    with pytest.raises(ValueError, match="all or none"):
+        kernels.apply_rows(*mixed)
+    assert not mixed[1].any()
+
+
+def test_a_push_inside_an_enclosing_transaction_goes_back_with_it() -> None:
+    """Only an outermost push skips the undo record: inside a larger transaction that fails later, it is undone."""
+    table = SparseTable(8, OptimizerSpec(kind="adam", lr=0.1), seed=3)
+    ids = torch.arange(500) * 11
+    table.pull(ids)
+    table.apply_gradient(ids[:100], torch.randn(100, 8), 0.1)
+    before = _fields(table)
+    dirty = table.changed_slots()
+    batch = torch.cat([ids[50:300], ids[60:70], torch.tensor([10**9])])  # repeats, and a new row
+    with pytest.raises(RuntimeError, match="later failure"), table.transaction():
+        table.apply_gradient(batch, torch.randn(batch.numel(), 8), 0.1)
+        raise RuntimeError("a later failure")
+    after = _fields(table)
+    assert len(table) == 500 and torch.equal(table.changed_slots(), dirty)
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
