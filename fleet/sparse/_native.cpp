@@ -25,7 +25,7 @@
 namespace {
 
 // Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
-constexpr long kAbiVersion = 3;
+constexpr long kAbiVersion = 4;
 
 constexpr int64_t kEmpty = -1;      // an entry never used: ends every probe
 constexpr int64_t kTombstone = -2;  // a removed entry: probing goes on past it, inserts may reuse it
@@ -43,7 +43,7 @@ inline uint64_t home(int64_t id, int shift) {
 }
 
 // ------------------------------------------------------------------ buffers
-enum class Kind { kInt64, kFloat32 };
+enum class Kind { kInt64, kFloat32, kBool };
 
 // A Python buffer checked for element type, dimensions and C-contiguity; released on scope exit.
 class Buf {
@@ -66,11 +66,13 @@ class Buf {
     held_ = true;
     const char* fmt = view_.format ? view_.format : "B";
     if (*fmt == '<' || *fmt == '=' || *fmt == '@') ++fmt;
-    bool ok = kind == Kind::kInt64 ? (view_.itemsize == 8 && (std::strcmp(fmt, "q") == 0 || std::strcmp(fmt, "l") == 0))
-                                   : (view_.itemsize == 4 && std::strcmp(fmt, "f") == 0);
+    bool ok = kind == Kind::kInt64   ? (view_.itemsize == 8 && (std::strcmp(fmt, "q") == 0 || std::strcmp(fmt, "l") == 0))
+              : kind == Kind::kFloat32 ? (view_.itemsize == 4 && std::strcmp(fmt, "f") == 0)
+                                       : (view_.itemsize == 1 && std::strcmp(fmt, "?") == 0);
     if (!ok) {
-      PyErr_Format(PyExc_TypeError, "%s must hold %s, got format '%s' (%zd bytes per element)", name,
-                   kind == Kind::kInt64 ? "int64" : "float32", view_.format ? view_.format : "B", view_.itemsize);
+      const char* want = kind == Kind::kInt64 ? "int64" : kind == Kind::kFloat32 ? "float32" : "bool";
+      PyErr_Format(PyExc_TypeError, "%s must hold %s, got format '%s' (%zd bytes per element)", name, want,
+                   view_.format ? view_.format : "B", view_.itemsize);
       return false;
     }
     if (view_.ndim != ndim || (ndim == 2 && width >= 0 && view_.shape[1] != width)) {
@@ -84,6 +86,7 @@ class Buf {
   Py_ssize_t cols() const { return view_.ndim == 2 ? view_.shape[1] : 1; }
   int64_t* i64() const { return static_cast<int64_t*>(view_.buf); }
   float* f32() const { return static_cast<float*>(view_.buf); }
+  bool* flags() const { return static_cast<bool*>(view_.buf); }
 
  private:
   Py_buffer view_;
@@ -381,10 +384,11 @@ __attribute__((noinline)) void update_row(const Hyper& h, int64_t dim, float* __
   }
 }
 
-// apply_rows(hyper, rows, state0, state1, steps, slots, grads, live, old_rows, old_state0, old_state1,
+// apply_rows(hyper, rows, state0, state1, steps, dirty, slots, grads, live, old_rows, old_state0, old_state1,
 // old_steps): one row-wise optimizer step on rows[slots]; the gradients of repeated slots are summed
 // first, in batch order (torch.unique + index_add_'s sums, bit for bit), and each row is updated once,
-// at its first position. state0/state1/steps: None where the optimizer keeps none.
+// at its first position. state0/state1/steps: None where the optimizer keeps none. dirty (bool per row,
+// or None): set for every row updated (the table's changed-since-save flags).
 //
 // old_*: the undo record, or all None for none. Given, what each row held before goes to old_*[i] for
 // every position i. None is for a caller whose operation ends with this call: every slot is checked
@@ -392,11 +396,11 @@ __attribute__((noinline)) void update_row(const Hyper& h, int64_t dim, float* __
 // either happens whole or not at all and there is nothing to take back.
 PyObject* py_apply_rows(PyObject*, PyObject* args) {
   Hyper h;
-  PyObject *rows_o, *s0_o, *s1_o, *steps_o, *slots_o, *grads_o, *orows_o, *os0_o, *os1_o, *osteps_o;
+  PyObject *rows_o, *s0_o, *s1_o, *steps_o, *dirty_o, *slots_o, *grads_o, *orows_o, *os0_o, *os1_o, *osteps_o;
   Py_ssize_t live;
-  if (!PyArg_ParseTuple(args, "(iddddpddddp)OOOOOOnOOOO:apply_rows", &h.kind, &h.lr, &h.weight_decay, &h.momentum,
+  if (!PyArg_ParseTuple(args, "(iddddpddddp)OOOOOOOnOOOO:apply_rows", &h.kind, &h.lr, &h.weight_decay, &h.momentum,
                         &h.dampening, &h.nesterov, &h.beta1, &h.beta2, &h.eps, &h.lr_decay, &h.maximize, &rows_o, &s0_o,
-                        &s1_o, &steps_o, &slots_o, &grads_o, &live, &orows_o, &os0_o, &os1_o, &osteps_o))
+                        &s1_o, &steps_o, &dirty_o, &slots_o, &grads_o, &live, &orows_o, &os0_o, &os1_o, &osteps_o))
     return nullptr;
   if (h.kind < kSgd || h.kind > kAdamW) return PyErr_Format(PyExc_ValueError, "unknown optimizer kind %d", h.kind);
   h.log_beta1 = std::log(h.beta1);
@@ -406,7 +410,7 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
   const bool record = orows_o != Py_None;
   if (!record && (os0_o != Py_None || os1_o != Py_None || osteps_o != Py_None))
     return PyErr_Format(PyExc_ValueError, "apply_rows: old rows None but other old_* given (all or none)");
-  Buf rows, s0, s1, steps, slots, grads, orows, os0, os1, osteps;
+  Buf rows, s0, s1, steps, dirty, slots, grads, orows, os0, os1, osteps;
   if (!rows.get(rows_o, "rows", Kind::kFloat32, 2, -1, true)) return nullptr;
   const Py_ssize_t dim = rows.cols(), width = h.kind == kRowwiseAdagrad ? 1 : dim;
   if ((s0_o == Py_None) == need_s0 || (s1_o == Py_None) == need_s1)
@@ -439,6 +443,11 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
     if (record && osteps.len() != n)
       return PyErr_Format(PyExc_ValueError, "old steps has %zd entries for %zd slots", osteps.len(), n);
   }
+  const bool has_dirty = dirty_o != Py_None;
+  if (has_dirty) {
+    if (!dirty.get(dirty_o, "dirty", Kind::kBool, 1, -1, true)) return nullptr;
+    capacity = dirty.len() < capacity ? dirty.len() : capacity;
+  }
   if (live < 0 || live > capacity)
     return PyErr_Format(PyExc_ValueError, "live rows %zd outside 0..%zd (the smallest per-row tensor)", live, capacity);
   if (grads.len() != n || (record && orows.len() != n))
@@ -458,6 +467,7 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
   float *opr = record ? orows.f32() : nullptr, *ops0 = record && need_s0 ? os0.f32() : nullptr;
   float *ops1 = record && need_s1 ? os1.f32() : nullptr;
   int64_t *pst = has_steps ? steps.i64() : nullptr, *opst = record && has_steps ? osteps.i64() : nullptr;
+  bool* pdirty = has_dirty ? dirty.flags() : nullptr;
   int64_t bad = -1;
   const size_t row_bytes = sizeof(float) * dim, state_bytes = sizeof(float) * width;
   Py_BEGIN_ALLOW_THREADS;
@@ -493,6 +503,7 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
         if (ps0) __builtin_prefetch(ps0 + ahead * width, 1);
         if (ps1) __builtin_prefetch(ps1 + ahead * dim, 1);
         if (pst) __builtin_prefetch(pst + ahead, 1);
+        if (pdirty) __builtin_prefetch(pdirty + ahead, 1);
       }
       const int64_t s = sl[i], f = first[i];
       if (f != i) {  // a repeat: the row changed at its first position; the undo keeps what it held before
@@ -510,6 +521,7 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
         if (ops1) std::memcpy(ops1 + i * dim, ps1 + s * dim, row_bytes);
         if (opst) opst[i] = pst[s];
       }
+      if (pdirty) pdirty[s] = true;
       int64_t step = 1;
       if (pst) {
         step = pst[s] + 1;

@@ -580,11 +580,15 @@ class SparseTable:
             clicks = clicks.index_select(0, where) if clicks is not None else None
         return slots, values, clicks
 
-    def _touch(self, slots: torch.Tensor, clicks: torch.Tensor | None) -> None:
-        """Record an update of ``slots`` (duplicates allowed): dirty, last seen now, one more show, the clicks."""
+    def _touch(self, slots: torch.Tensor, clicks: torch.Tensor | None, mark_dirty: bool = True) -> None:
+        """Record an update of ``slots`` (duplicates allowed): dirty, last seen now, one more show, the clicks.
+
+        ``mark_dirty`` False: the caller's kernel sets the dirty flags itself (with no undo record).
+        """
         undo = self._log()
-        undo.rows(self._getter("dirty"), slots)
-        self._dirty.index_fill_(0, slots, True)
+        if mark_dirty:
+            undo.rows(self._getter("dirty"), slots)
+            self._dirty.index_fill_(0, slots, True)
         if not self._stats:
             return
         lc, last_seen = self.lifecycle, self._stats["last_seen"]
@@ -669,7 +673,7 @@ class SparseTable:
             slots, grads, clicks = self._update_slots(ids, grads, clicks)
             if slots.numel() == 0:
                 return
-            self._touch(slots, clicks)
+            self._touch(slots, clicks, mark_dirty=nested)  # outermost, the kernel marks the rows changed
             self._step_rows(slots, grads, float(lr), undo if nested else None)  # the last change: keep it last
 
     def add_delta(
@@ -696,11 +700,13 @@ class SparseTable:
         it writes. With ``undo`` it hands back what each row held, which the undo writes back if a later
         step fails (repeated slots get the same old values, so the undo's writes agree whatever their
         order); ``undo`` None is for a caller whose operation ends with this step (nothing after it can
-        fail), which spares copying every touched row of every state tensor.
+        fail), which spares copying every touched row of every state tensor; the kernel then also sets
+        the rows' dirty flags (else :meth:`_touch` did, with their undo record).
         """
         names = self._opt.state_names
         state = [buf(self._state[name], f"state.{name}", torch.float32, 2) for name in names]
         steps = buf(self._steps, "steps", torch.int64, 1) if self._track_steps else None
+        dirty = buf(self._dirty, "dirty", torch.bool, 1) if undo is None else None  # else marked by _touch
         old: list[Any] = [None] * 4
         if undo is not None:
             n = slots.numel()
@@ -715,6 +721,7 @@ class SparseTable:
             state[0] if names else None,
             state[1] if len(names) > 1 else None,
             steps,
+            dirty,
             slots.contiguous().numpy(),
             buf(grads.contiguous(), "grads", torch.float32, 2),
             len(self),

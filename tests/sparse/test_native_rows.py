@@ -97,6 +97,7 @@ def _args(n: int = 4, cap: int = 8, dim: int = 2, slots: list[int] | None = None
         f32(cap, dim),
         f32(cap, dim),
         np.zeros(cap, dtype=np.int64),
+        np.zeros(cap, dtype=np.bool_),
         sl,
         np.ones((n, dim), dtype=np.float32),
         cap,
@@ -112,7 +113,7 @@ def test_apply_rows_checks_before_writing() -> None:
     kernels.apply_rows(*args)
     assert args[1][:4].any() and args[4][:4].tolist() == [1, 1, 1, 1]
     args = _args(slots=[0, 3, 5, 1])
-    args[7] = 5  # 5 live rows: slot 5 is out
+    args[8] = 5  # 5 live rows: slot 5 is out
     with pytest.raises(IndexError, match="slot 5 .* outside the 5 live rows"):
         kernels.apply_rows(*args)
     assert not args[1].any() and not args[4].any()
@@ -120,7 +121,7 @@ def test_apply_rows_checks_before_writing() -> None:
     with pytest.raises(IndexError, match="slot -2"):
         kernels.apply_rows(*args)
     args = _args()
-    args[7] = 9
+    args[8] = 9
     with pytest.raises(ValueError, match="live rows 9"):
         kernels.apply_rows(*args)
     args = _args()
@@ -128,11 +129,11 @@ def test_apply_rows_checks_before_writing() -> None:
     with pytest.raises(ValueError, match="two state tensors"):
         kernels.apply_rows(*args)
     args = _args()
-    args[6] = np.ones((4, 3), dtype=np.float32)
+    args[7] = np.ones((4, 3), dtype=np.float32)
     with pytest.raises(ValueError, match="grads must be 2-D with the expected width"):
         kernels.apply_rows(*args)
     args = _args()
-    args[8] = args[8][:3]
+    args[9] = args[9][:3]
     with pytest.raises(ValueError, match="old rows 3"):
         kernels.apply_rows(*args)
     args = _args()
@@ -150,12 +151,18 @@ def test_apply_rows_without_an_undo_record_writes_the_same() -> None:
     args = _args(slots=[0, 3, 0, 1])
     kernels.apply_rows(*args)
     bare = _args(slots=[0, 3, 0, 1])
-    bare[8:] = [None] * 4
+    bare[9:] = [None] * 4
     kernels.apply_rows(*bare)
-    for k in (1, 2, 3, 4):
+    for k in (1, 2, 3, 4, 5):
         assert np.array_equal(args[k], bare[k])
+    assert bare[5].tolist() == [True, True, False, True, False, False, False, False]  # the rows changed
+    refused = _args(slots=[0, 3, 5, 1])
+    refused[8] = 5
+    with pytest.raises(IndexError, match="slot 5"):
+        kernels.apply_rows(*refused)
+    assert not refused[5].any() and not refused[1].any()
     mixed = _args()
-    mixed[8] = None
+    mixed[9] = None
     with pytest.raises(ValueError, match="all or none"):
         kernels.apply_rows(*mixed)
     assert not mixed[1].any()
