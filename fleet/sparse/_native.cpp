@@ -22,6 +22,25 @@
 #include <cstdlib>
 #include <cstring>
 
+// Results must not depend on the machine: no multiply-add contracted into an FMA (one rounding instead of
+// two), which the AVX-512 and AVX2 versions below would otherwise allow. setup.py passes -ffp-contract=off
+// as well; these keep a build without it exact.
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+// The row updates are built for AVX-512, AVX2 and the baseline, picked at load time (GCC's function
+// multiversioning, Linux x86-64): a dim-16 row is one AVX-512 register, and its square roots and
+// divisions were most of Adam's and Adagrad's time with SSE (4 lanes). IEEE arithmetic, same order,
+// no FMA: the same bits on every path.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define FLEET_ROW_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FLEET_ROW_CLONES
+#endif
+
 namespace {
 
 // Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
@@ -32,6 +51,10 @@ constexpr int64_t kTombstone = -2;  // a removed entry: probing goes on past it,
 constexpr uint64_t kM1 = 0xBF58476D1CE4E5B9ULL;
 constexpr uint64_t kM2 = 0x94D049BB133111EBULL;
 constexpr int64_t kPrefetchAhead = 16;  // lookups in flight: one thread's memory-level parallelism
+#ifndef APPLY_AHEAD
+#define APPLY_AHEAD 16
+#endif
+constexpr int64_t kApplyAhead = APPLY_AHEAD;  // rows asked for ahead by apply_rows
 
 // The home entry of an id: fleet.sparse.id_index's _home, bit for bit (multiply, xor with the
 // arithmetic right shift by 31, multiply, top `bits` bits).
@@ -309,11 +332,44 @@ struct BiasCache {
   }
 };
 
+// The element loops of one row's update. Each reads everything an element needs before it writes
+// anything (one fused loop per rule, not one loop per formula): a row and its state sit at the same
+// offset of equally aligned tensors, so a store to one and a later load from another share their low
+// 12 address bits, which the core takes for a possible dependence (4K aliasing) and makes the load wait
+// for the store; loop after loop this tripled Adam's time per row. The arithmetic, element by element
+// and in its order, is that of fleet.sparse.optim's torch math.
+template <bool kFirst, bool kNesterov>
+inline __attribute__((always_inline)) void sgd_momentum(int64_t dim, float* __restrict__ p, const float* __restrict__ g, float* __restrict__ s0, float m,
+                  float damp, float neg_lr) {
+  for (int64_t j = 0; j < dim; ++j) {
+    const float gj = g[j], pj = p[j];
+    const float b = kFirst ? gj : s0[j] * m + damp * gj;
+    s0[j] = b;
+    p[j] = pj + neg_lr * (kNesterov ? gj + m * b : b);
+  }
+}
+
+template <bool kLerpLow, bool kDecay>
+inline __attribute__((always_inline)) void adam_row(int64_t dim, float* __restrict__ p, const float* __restrict__ g, float* __restrict__ s0,
+              float* __restrict__ s1, float decay, float w1, float b2, float w2, float eps, float neg_step, float bc2) {
+  const float rest = 1 - w1;
+  for (int64_t j = 0; j < dim; ++j) {
+    const float gj = g[j], m0 = s0[j], v0 = s1[j];
+    const float pj = kDecay ? p[j] * decay : p[j];
+    const float m = kLerpLow ? m0 + w1 * (gj - m0) : gj - (gj - m0) * rest;  // torch's lerp, both branches
+    const float v = v0 * b2 + w2 * (gj * gj);
+    s0[j] = m;
+    s1[j] = v;
+    p[j] = pj + neg_step * m / (std::sqrt(v) / bc2 + eps);
+  }
+}
+
 // One row's update, fleet.sparse.optim.ServerOptimizer's row-wise path in float32 (the per-row
 // scalars in float64, rounded once, as there). `g` is the row's summed gradient (scratch: changed).
 // Branches are hoisted out of the element loops and the pointers are restrict, so that the loops vectorise.
-__attribute__((noinline)) void update_row(const Hyper& h, int64_t dim, float* __restrict__ p, float* __restrict__ g,
+FLEET_ROW_CLONES __attribute__((noinline)) void update_row(const Hyper& h, int64_t dim, float* __restrict__ p, float* __restrict__ g,
                                           float* __restrict__ s0, float* __restrict__ s1, int64_t step, BiasCache& bias) {
+  // g is the caller's stack buffer: these two loops write nothing of the table's
   if (h.maximize)
     for (int64_t j = 0; j < dim; ++j) g[j] = -g[j];
   if (h.weight_decay != 0 && h.kind != kAdamW) {
@@ -324,19 +380,19 @@ __attribute__((noinline)) void update_row(const Hyper& h, int64_t dim, float* __
     case kSgd: {
       const float m = static_cast<float>(h.momentum), damp = static_cast<float>(1 - h.dampening);
       const float neg_lr = static_cast<float>(-h.lr);
-      if (h.momentum != 0) {
-        if (step == 1) {
-          for (int64_t j = 0; j < dim; ++j) s0[j] = g[j];
-        } else {
-          for (int64_t j = 0; j < dim; ++j) s0[j] = s0[j] * m + damp * g[j];
-        }
-        if (h.nesterov) {
-          for (int64_t j = 0; j < dim; ++j) g[j] = g[j] + m * s0[j];
-        } else {
-          for (int64_t j = 0; j < dim; ++j) g[j] = s0[j];
-        }
+      if (h.momentum == 0) {
+        for (int64_t j = 0; j < dim; ++j) p[j] = p[j] + neg_lr * g[j];
+      } else if (step == 1) {
+        if (h.nesterov)
+          sgd_momentum<true, true>(dim, p, g, s0, m, damp, neg_lr);
+        else
+          sgd_momentum<true, false>(dim, p, g, s0, m, damp, neg_lr);
+      } else {
+        if (h.nesterov)
+          sgd_momentum<false, true>(dim, p, g, s0, m, damp, neg_lr);
+        else
+          sgd_momentum<false, false>(dim, p, g, s0, m, damp, neg_lr);
       }
-      for (int64_t j = 0; j < dim; ++j) p[j] = p[j] + neg_lr * g[j];
       break;
     }
     case kAdagrad:
@@ -344,8 +400,12 @@ __attribute__((noinline)) void update_row(const Hyper& h, int64_t dim, float* __
       const float neg_clr = static_cast<float>(-h.lr / (1 + (static_cast<double>(step) - 1) * h.lr_decay));
       const float eps = static_cast<float>(h.eps);
       if (h.kind == kAdagrad) {
-        for (int64_t j = 0; j < dim; ++j) s0[j] = s0[j] + g[j] * g[j];
-        for (int64_t j = 0; j < dim; ++j) p[j] = p[j] + neg_clr * g[j] / (std::sqrt(s0[j]) + eps);
+        for (int64_t j = 0; j < dim; ++j) {
+          const float gj = g[j], pj = p[j];
+          const float sum = s0[j] + gj * gj;
+          s0[j] = sum;
+          p[j] = pj + neg_clr * gj / (std::sqrt(sum) + eps);
+        }
       } else {
         double sq = 0;
         for (int64_t j = 0; j < dim; ++j) sq += static_cast<double>(g[j]) * g[j];
@@ -356,10 +416,8 @@ __attribute__((noinline)) void update_row(const Hyper& h, int64_t dim, float* __
       break;
     }
     default: {  // adam, adamw
-      if (h.kind == kAdamW && h.weight_decay != 0) {
-        const float decay = static_cast<float>(1 - h.lr * h.weight_decay);
-        for (int64_t j = 0; j < dim; ++j) p[j] = p[j] * decay;
-      }
+      const bool decay = h.kind == kAdamW && h.weight_decay != 0;
+      const float decay_by = static_cast<float>(1 - h.lr * h.weight_decay);
       const float w1 = static_cast<float>(1 - h.beta1), b2 = static_cast<float>(h.beta2);
       const float w2 = static_cast<float>(1 - h.beta2), eps = static_cast<float>(h.eps);
       const int k = static_cast<int>(static_cast<uint64_t>(step) % BiasCache::kSize);
@@ -372,14 +430,14 @@ __attribute__((noinline)) void update_row(const Hyper& h, int64_t dim, float* __
         bias.step[k] = step;
       }
       const float neg_step = bias.neg_step[k], bc2 = bias.bc2[k];
-      if (w1 < 0.5f) {  // torch's lerp, both branches
-        for (int64_t j = 0; j < dim; ++j) s0[j] = s0[j] + w1 * (g[j] - s0[j]);
-      } else {
-        const float rest = 1 - w1;
-        for (int64_t j = 0; j < dim; ++j) s0[j] = g[j] - (g[j] - s0[j]) * rest;
-      }
-      for (int64_t j = 0; j < dim; ++j) s1[j] = s1[j] * b2 + w2 * (g[j] * g[j]);
-      for (int64_t j = 0; j < dim; ++j) p[j] = p[j] + neg_step * s0[j] / (std::sqrt(s1[j]) / bc2 + eps);
+      if (w1 < 0.5f && decay)
+        adam_row<true, true>(dim, p, g, s0, s1, decay_by, w1, b2, w2, eps, neg_step, bc2);
+      else if (w1 < 0.5f)
+        adam_row<true, false>(dim, p, g, s0, s1, decay_by, w1, b2, w2, eps, neg_step, bc2);
+      else if (decay)
+        adam_row<false, true>(dim, p, g, s0, s1, decay_by, w1, b2, w2, eps, neg_step, bc2);
+      else
+        adam_row<false, false>(dim, p, g, s0, s1, decay_by, w1, b2, w2, eps, neg_step, bc2);
     }
   }
 }
@@ -497,8 +555,8 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
     float* heap_acc = dim > 256 ? static_cast<float*>(std::malloc(row_bytes)) : nullptr;
     float* g = dim > 256 ? heap_acc : acc;
     for (int64_t i = 0; g != nullptr && i < n; ++i) {
-      if (i + kPrefetchAhead < n) {
-        const int64_t ahead = sl[i + kPrefetchAhead];
+      if (i + kApplyAhead < n) {
+        const int64_t ahead = sl[i + kApplyAhead];
         __builtin_prefetch(pr + ahead * dim, 1);  // rows and state are written: ask for them exclusive
         if (ps0) __builtin_prefetch(ps0 + ahead * width, 1);
         if (ps1) __builtin_prefetch(ps1 + ahead * dim, 1);
