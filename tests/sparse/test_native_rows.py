@@ -184,3 +184,20 @@ def test_a_push_inside_an_enclosing_transaction_goes_back_with_it() -> None:
     assert len(table) == 500 and torch.equal(table.changed_slots(), dirty)
     for name, value in before.items():
         assert torch.equal(after[name], value), name
+
+
+def test_finite_checks_every_value_natively_and_otherwise() -> None:
+    """fleet.sparse.nonfinite.finite: the native pass (float32, CPU, contiguous) and torch's agree, NaN and both infs."""
+    from fleet.sparse.nonfinite import finite
+
+    base = torch.randn(1000, 16, generator=torch.Generator().manual_seed(0))
+    base[3, 4] = torch.finfo(torch.float32).max  # large and tiny values are finite
+    base[5, 6] = torch.finfo(torch.float32).tiny / 4
+    assert finite(base, base.t(), base.double(), base.requires_grad_(False), 0.1)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in ((0, 0), (500, 7), (999, 15)):
+            x = base.clone()
+            x[where] = bad
+            assert not kernels.all_finite(x.reshape(-1).numpy())
+            assert not finite(x) and not finite(x.t()) and not finite(x.double()) and not finite(x.requires_grad_())
+    assert finite(torch.empty(0)) and not finite(base, float("nan"))
