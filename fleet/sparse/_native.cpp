@@ -435,11 +435,10 @@ struct BiasCache {
 };
 
 // The element loops of one row's update. Each reads everything an element needs before it writes
-// anything (one fused loop per rule, not one loop per formula): a row and its state sit at the same
-// offset of equally aligned tensors, so a store to one and a later load from another share their low
-// 12 address bits, which the core takes for a possible dependence (4K aliasing) and makes the load wait
-// for the store; loop after loop this tripled Adam's time per row. The arithmetic, element by element
-// and in its order, is that of fleet.sparse.optim's torch math.
+// anything (one fused loop per rule, not one loop per formula): one pass over the row and its state
+// (fields of one record, or separate tensors whose stores and later loads could falsely alias, 4K
+// aliasing), each element loaded once and stored once. The arithmetic, element by element and in its
+// order, is that of fleet.sparse.optim's torch math.
 template <bool kFirst, bool kNesterov>
 inline __attribute__((always_inline)) void sgd_momentum(int64_t dim, float* __restrict__ p, const float* __restrict__ g, float* __restrict__ s0, float m,
                   float damp, float neg_lr) {
@@ -471,7 +470,7 @@ inline __attribute__((always_inline)) void adam_row(int64_t dim, float* __restri
 // Branches are hoisted out of the element loops and the pointers are restrict, so that the loops vectorise.
 FLEET_ROW_CLONES __attribute__((noinline)) void update_row(const Hyper& h, int64_t dim, float* __restrict__ p, float* __restrict__ g,
                                           float* __restrict__ s0, float* __restrict__ s1, int64_t step, BiasCache& bias) {
-  // g is the caller's stack buffer: these two loops write nothing of the table's
+  // g is the caller's scratch (the row's summed gradient): these two loops write nothing of the table's
   if (h.maximize)
     for (int64_t j = 0; j < dim; ++j) g[j] = -g[j];
   if (h.weight_decay != 0 && h.kind != kAdamW) {
