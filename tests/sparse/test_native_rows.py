@@ -168,6 +168,33 @@ def test_apply_rows_without_an_undo_record_writes_the_same() -> None:
     assert not mixed[1].any()
 
 
+def test_apply_rows_on_strided_record_fields_writes_the_same() -> None:
+    """rows, state, steps and dirty flags as fields of one record array (fleet.sparse.records): the same update
+    as on separate arrays, the flags set in their record byte only; a row whose elements are not adjacent is refused."""
+    cap, dim, slots = 8, 3, [0, 3, 0, 1]
+    plain = _args(cap=cap, dim=dim, slots=slots)
+    plain[1][:] = np.arange(cap * dim, dtype=np.float32).reshape(cap, dim) / 7
+    plain[9:] = [None] * 4
+    words = 2 + 3 * dim + 1  # step (int64), row, two states, a word holding the flag: 12 words, 48 bytes
+    records = np.zeros((cap, words // 2), dtype=np.int64)
+    as_f32 = records.view(np.float32)
+    rows, s0, s1 = (as_f32[:, 2 + k * dim : 2 + (k + 1) * dim] for k in range(3))
+    rows[:] = plain[1]
+    steps = records[:, 0]
+    dirty = records.view(np.bool_)[:, 4 * (words - 1)]
+    strided = [plain[0], rows, s0, s1, steps, dirty, *plain[6:9], None, None, None, None]
+    kernels.apply_rows(*plain)
+    kernels.apply_rows(*strided)
+    for k in (1, 2, 3, 4, 5):
+        assert np.array_equal(plain[k], strided[k]), k
+    assert dirty.tolist() == [True, True, False, True, False, False, False, False]
+    assert not records.view(np.bool_)[:, 4 * (words - 1) + 1 :].any()  # the flag's neighbours untouched
+    bad = list(strided)
+    bad[1] = as_f32[:, 2 : 2 + 2 * dim : 2]  # every other element: not a row of adjacent elements
+    with pytest.raises(ValueError, match="rows must have rows of adjacent elements"):
+        kernels.apply_rows(*bad)
+
+
 def test_a_push_inside_an_enclosing_transaction_goes_back_with_it() -> None:
     """Only an outermost push skips the undo record: inside a larger transaction that fails later, it is undone."""
     table = SparseTable(8, OptimizerSpec(kind="adam", lr=0.1), seed=3)
