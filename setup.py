@@ -32,6 +32,7 @@ def _flags() -> tuple[list[str], list[str]]:
         "-std=c++17",
         "-O3",
         "-fno-math-errno",
+        "-ffp-contract=off",  # no FMA contraction: the same bits as torch on every CPU (see _native.cpp)
         "-fno-exceptions",
         "-fvisibility=hidden",
         "-Wall",

@@ -117,7 +117,6 @@ class SparseTable:
         )
         self._index = IdIndex(capacity * 2, keys=self._key_column)
         self._capacity = capacity
-        self._scratch = row_tensor(capacity, (), torch.int32)  # per-slot scratch for de-duplication
         self._prefaulted = 0  # rows whose pages were handed to fleet.sparse.pages.prefault (a hint)
         if self._rec.dirty is None:  # changed since the last save: in the records where they have room
             self._dirty = row_tensor(capacity, (), torch.bool).zero_()
@@ -310,9 +309,7 @@ class SparseTable:
             cap *= 2
         with self.transaction() as undo:
             # everything is replaced by new tensors: the undo keeps the old ones
-            undo.attrs(
-                self, "_index", "_capacity", "_rec", "_records", "_rows", "_steps", "_state", "_scratch", "_dirty"
-            )
+            undo.attrs(self, "_index", "_capacity", "_rec", "_records", "_rows", "_steps", "_state", "_dirty")
             undo.attrs(self, "_stats")
             self._reset(cap)
             self._index.insert_new(ids)
@@ -424,13 +421,12 @@ class SparseTable:
         while cap < needed:
             cap *= 2
         n = used
-        scratch = grow(self._scratch, cap, 0)
         records = self._rec.over(grow(self._records, cap, n))
         dirty = grow(self._dirty, cap, n) if records.dirty is None else records.dirty  # rows past n: marked when made
         if records.data.data_ptr() != self._records.data_ptr():
             self._prefaulted = min(self._prefaulted, n)  # copied into fresh memory: not faulted in yet
         self._set_records(records)
-        self._dirty, self._scratch, self._capacity = dirty, scratch, cap
+        self._dirty, self._capacity = dirty, cap
 
     def _slots(self, ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Slots for ``ids`` (any order, duplicates allowed), creating missing rows (in a transaction).
@@ -485,7 +481,6 @@ class SparseTable:
         if hi > lo:
             for name in self._row_names():
                 prefault(self._getter(name)()[lo:hi])
-            prefault(self._scratch[lo:hi])
         self._prefaulted = hi
 
     # ------------------------------------------------------------------ life cycle
@@ -607,11 +602,15 @@ class SparseTable:
             clicks = clicks.index_select(0, where) if clicks is not None else None
         return slots, values, clicks
 
-    def _touch(self, slots: torch.Tensor, clicks: torch.Tensor | None) -> None:
-        """Record an update of ``slots`` (duplicates allowed): dirty, last seen now, one more show, the clicks."""
+    def _touch(self, slots: torch.Tensor, clicks: torch.Tensor | None, mark_dirty: bool = True) -> None:
+        """Record an update of ``slots`` (duplicates allowed): dirty, last seen now, one more show, the clicks.
+
+        ``mark_dirty`` False: the caller's kernel sets the dirty flags itself (with no undo record).
+        """
         undo = self._log()
-        undo.rows(self._getter("dirty"), slots)
-        self._dirty.index_fill_(0, slots, True)
+        if mark_dirty:
+            undo.rows(self._getter("dirty"), slots)
+            self._dirty.index_fill_(0, slots, True)
         if not self._stats:
             return
         lc, last_seen = self.lifecycle, self._stats["last_seen"]
@@ -686,6 +685,9 @@ class SparseTable:
         ids = as_ids(ids)
         grads = self.check_rows("grads", grads, ids.numel())
         clicks = self._check_clicks(clicks, ids.numel())
+        # Outermost, this operation ends with the kernel's all-or-nothing write: it needs no undo record.
+        # Inside an enclosing transaction a later operation may fail, and the rows must go back then.
+        nested = self._undo is not None
         with self.transaction() as undo:
             self.tick(step)
             if ids.numel() == 0:
@@ -693,8 +695,8 @@ class SparseTable:
             slots, grads, clicks = self._update_slots(ids, grads, clicks)
             if slots.numel() == 0:
                 return
-            self._touch(slots, clicks)
-            self._step_rows(slots, grads, float(lr), undo)
+            self._touch(slots, clicks, mark_dirty=nested)  # outermost, the kernel marks the rows changed
+            self._step_rows(slots, grads, float(lr), undo if nested else None)  # the last change: keep it last
 
     def add_delta(
         self, ids: torch.Tensor, deltas: torch.Tensor, step: int | None = None, clicks: torch.Tensor | None = None
@@ -712,38 +714,44 @@ class SparseTable:
                 undo.rows(self._getter("rows"), slots)
                 self._rows.index_add_(0, slots, deltas)
 
-    def _step_rows(self, slots: torch.Tensor, grads: torch.Tensor, lr: float, undo: UndoLog) -> None:
+    def _step_rows(self, slots: torch.Tensor, grads: torch.Tensor, lr: float, undo: UndoLog | None) -> None:
         """The row optimizer's step on ``slots`` (duplicates' gradients summed first, in batch order), natively.
 
-        Repeats are found in O(n) without a sort (each position writes its index into the per-slot
-        scratch, last to first, so each slot ends up naming its first position), and each row is
-        updated once with its total: the same sums as ``torch.unique`` + ``index_add_``. The kernel
-        checks every slot before it writes and hands back what each row held, which the undo writes
-        back if a later step fails. Repeated slots get the same old values, so the undo's writes
-        agree whatever their order.
+        The kernel finds repeated slots with a hash of the batch (no sort) and updates each row once
+        with its total: the same sums as ``torch.unique`` + ``index_add_``. It checks every slot before
+        it writes. With ``undo`` it hands back what each row held, which the undo writes back if a later
+        step fails (repeated slots get the same old values, so the undo's writes agree whatever their
+        order); ``undo`` None is for a caller whose operation ends with this step (nothing after it can
+        fail), which spares copying every touched row of every state tensor; the kernel then also sets
+        the rows' dirty flags (else :meth:`_touch` did, with their undo record).
         """
-        n, names = slots.numel(), self._opt.state_names
+        names = self._opt.state_names
         state = [buf(self._state[name], f"state.{name}", torch.float32, 2, strided=True) for name in names]
-        old_rows = torch.empty(n, self.dim)
-        old_state = {name: torch.empty(n, self._state[name].shape[1]) for name in names}
-        old_steps = torch.empty(n, dtype=torch.int64) if self._track_steps else None
-        grads = grads.contiguous()
-        old_buffers = [old_state[name].numpy() for name in names] + [None] * (2 - len(names))
+        steps = buf(self._steps, "steps", torch.int64, 1, strided=True) if self._track_steps else None
+        # else marked by _touch; a strided view where the records hold the flags
+        dirty = buf(self._dirty, "dirty", torch.bool, 1, strided=True) if undo is None else None
+        old: list[Any] = [None] * 4
+        if undo is not None:
+            n = slots.numel()
+            old_rows = torch.empty(n, self.dim)
+            old_state = {name: torch.empty(n, self._state[name].shape[1]) for name in names}
+            old_steps = torch.empty(n, dtype=torch.int64) if self._track_steps else None
+            old = [old_rows.numpy()] + [old_state[name].numpy() for name in names] + [None] * (2 - len(names))
+            old.append(old_steps.numpy() if old_steps is not None else None)
         kernels.apply_rows(
             native_hyper(self.optimizer, lr),
             buf(self._rows, "rows", torch.float32, 2, strided=True),
             state[0] if names else None,
             state[1] if len(names) > 1 else None,
-            buf(self._steps, "steps", torch.int64, 1, strided=True) if self._track_steps else None,
-            buf(self._scratch, "scratch", torch.int32, 1),
+            steps,
+            dirty,
             slots.contiguous().numpy(),
-            buf(grads, "grads", torch.float32, 2),
+            buf(grads.contiguous(), "grads", torch.float32, 2),
             len(self),
-            torch.empty(n, self.dim).numpy(),
-            old_rows.numpy(),
-            *old_buffers,
-            old_steps.numpy() if old_steps is not None else None,
+            *old,
         )
+        if undo is None:
+            return
         # recorded after the kernel's one write (it either writes everything or raises before writing)
         undo.rows(self._getter("rows"), slots, old_rows)
         for name in names:

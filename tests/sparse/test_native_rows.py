@@ -97,11 +97,10 @@ def _args(n: int = 4, cap: int = 8, dim: int = 2, slots: list[int] | None = None
         f32(cap, dim),
         f32(cap, dim),
         np.zeros(cap, dtype=np.int64),
-        np.zeros(cap, dtype=np.int32),  # scratch: a batch position per row
+        np.zeros(cap, dtype=np.bool_),  # dirty flags
         sl,
         np.ones((n, dim), dtype=np.float32),
         cap,
-        f32(n, dim),
         f32(n, dim),
         f32(n, dim),
         f32(n, dim),
@@ -134,7 +133,7 @@ def test_apply_rows_checks_before_writing() -> None:
     with pytest.raises(ValueError, match="grads must be 2-D with the expected width"):
         kernels.apply_rows(*args)
     args = _args()
-    args[10] = args[10][:3]
+    args[9] = args[9][:3]
     with pytest.raises(ValueError, match="old rows 3"):
         kernels.apply_rows(*args)
     args = _args()
@@ -145,3 +144,87 @@ def test_apply_rows_checks_before_writing() -> None:
     args[1] = args[1].astype(np.float64)
     with pytest.raises(TypeError, match="rows must hold float32"):
         kernels.apply_rows(*args)
+
+
+def test_apply_rows_without_an_undo_record_writes_the_same() -> None:
+    """old_* all None: the same update, nothing recorded; some None and some given is refused."""
+    args = _args(slots=[0, 3, 0, 1])
+    kernels.apply_rows(*args)
+    bare = _args(slots=[0, 3, 0, 1])
+    bare[9:] = [None] * 4
+    kernels.apply_rows(*bare)
+    for k in (1, 2, 3, 4, 5):
+        assert np.array_equal(args[k], bare[k])
+    assert bare[5].tolist() == [True, True, False, True, False, False, False, False]  # the rows changed
+    refused = _args(slots=[0, 3, 5, 1])
+    refused[8] = 5
+    with pytest.raises(IndexError, match="slot 5"):
+        kernels.apply_rows(*refused)
+    assert not refused[5].any() and not refused[1].any()
+    mixed = _args()
+    mixed[9] = None
+    with pytest.raises(ValueError, match="all or none"):
+        kernels.apply_rows(*mixed)
+    assert not mixed[1].any()
+
+
+def test_apply_rows_on_strided_record_fields_writes_the_same() -> None:
+    """rows, state, steps and dirty flags as fields of one record array (fleet.sparse.records): the same update
+    as on separate arrays, the flags set in their record byte only; a row whose elements are not adjacent is refused."""
+    cap, dim, slots = 8, 3, [0, 3, 0, 1]
+    plain = _args(cap=cap, dim=dim, slots=slots)
+    plain[1][:] = np.arange(cap * dim, dtype=np.float32).reshape(cap, dim) / 7
+    plain[9:] = [None] * 4
+    words = 2 + 3 * dim + 1  # step (int64), row, two states, a word holding the flag: 12 words, 48 bytes
+    records = np.zeros((cap, words // 2), dtype=np.int64)
+    as_f32 = records.view(np.float32)
+    rows, s0, s1 = (as_f32[:, 2 + k * dim : 2 + (k + 1) * dim] for k in range(3))
+    rows[:] = plain[1]
+    steps = records[:, 0]
+    dirty = records.view(np.bool_)[:, 4 * (words - 1)]
+    strided = [plain[0], rows, s0, s1, steps, dirty, *plain[6:9], None, None, None, None]
+    kernels.apply_rows(*plain)
+    kernels.apply_rows(*strided)
+    for k in (1, 2, 3, 4, 5):
+        assert np.array_equal(plain[k], strided[k]), k
+    assert dirty.tolist() == [True, True, False, True, False, False, False, False]
+    assert not records.view(np.bool_)[:, 4 * (words - 1) + 1 :].any()  # the flag's neighbours untouched
+    bad = list(strided)
+    bad[1] = as_f32[:, 2 : 2 + 2 * dim : 2]  # every other element: not a row of adjacent elements
+    with pytest.raises(ValueError, match="rows must have rows of adjacent elements"):
+        kernels.apply_rows(*bad)
+
+
+def test_a_push_inside_an_enclosing_transaction_goes_back_with_it() -> None:
+    """Only an outermost push skips the undo record: inside a larger transaction that fails later, it is undone."""
+    table = SparseTable(8, OptimizerSpec(kind="adam", lr=0.1), seed=3)
+    ids = torch.arange(500) * 11
+    table.pull(ids)
+    table.apply_gradient(ids[:100], torch.randn(100, 8), 0.1)
+    before = _fields(table)
+    dirty = table.changed_slots()
+    batch = torch.cat([ids[50:300], ids[60:70], torch.tensor([10**9])])  # repeats, and a new row
+    with pytest.raises(RuntimeError, match="later failure"), table.transaction():
+        table.apply_gradient(batch, torch.randn(batch.numel(), 8), 0.1)
+        raise RuntimeError("a later failure")
+    after = _fields(table)
+    assert len(table) == 500 and torch.equal(table.changed_slots(), dirty)
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+
+
+def test_finite_checks_every_value_natively_and_otherwise() -> None:
+    """fleet.sparse.nonfinite.finite: the native pass (float32, CPU, contiguous) and torch's agree, NaN and both infs."""
+    from fleet.sparse.nonfinite import finite
+
+    base = torch.randn(1000, 16, generator=torch.Generator().manual_seed(0))
+    base[3, 4] = torch.finfo(torch.float32).max  # large and tiny values are finite
+    base[5, 6] = torch.finfo(torch.float32).tiny / 4
+    assert finite(base, base.t(), base.double(), base.requires_grad_(False), 0.1)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in ((0, 0), (500, 7), (999, 15)):
+            x = base.clone()
+            x[where] = bad
+            assert not kernels.all_finite(x.reshape(-1).numpy())
+            assert not finite(x) and not finite(x.t()) and not finite(x.double()) and not finite(x.requires_grad_())
+    assert finite(torch.empty(0)) and not finite(base, float("nan"))
