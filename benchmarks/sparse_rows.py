@@ -56,7 +56,7 @@ def _malloc_trim() -> None:
 
 def _tensor_bytes(table: SparseTable) -> int:
     """Bytes of every per-row tensor the table holds, at its capacity (reserved but unwritten rows included)."""
-    tensors = [table._records, table._scratch]  # records: ids, rows, state, steps, statistics (and flags)
+    tensors = [table._records]  # records: ids, rows, state, steps, statistics (and flags)
     if table._dirty.untyped_storage().data_ptr() != table._records.untyped_storage().data_ptr():
         tensors.append(table._dirty)  # the changed-since-save flags, where the records had no room
     index = table._index
