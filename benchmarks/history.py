@@ -35,6 +35,7 @@ TITLES = {
     "w2_peers": "W2 against TorchRec and PaddlePaddle",
     "w3_transport": "W3: parameter-server transport vs raw TCP",
     "w3_sparse_table": "W3: sparse table pulls and pushes",
+    "w3_server_threads": "W3: one server's table threads, 1 vs 2",
     "ps_hardening": "PS fairness: a huge batch beside a normal worker",
     "sparse_rows": "Bytes per sparse row",
     "bag_pooling": "Multi-hot pooling: SparseEmbeddingBag vs rows per looked-up id",

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 import torch
+from _common import record_result
 
 SECRET = secrets.token_bytes(16)  # the spawned workers get it as an argument (they import anew)
 DIM = 16
@@ -125,6 +126,7 @@ def main() -> None:
     parser.add_argument(
         "--threads", default="1,2", help="comma-separated table thread counts (the first two give the ratio)"
     )
+    parser.add_argument("--no-record", dest="record", action="store_false", help="do not write benchmarks/results/")
     args = parser.parse_args()
     counts = [int(t) for t in args.threads.split(",")]
     got: dict[int, list[float]] = {t: [] for t in counts}
@@ -143,6 +145,21 @@ def main() -> None:
         a, b = counts[0], counts[1]
         print(f"threads {a} vs {b}: {med[b] / med[a]:.2f}x")
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    if args.record and len(counts) >= 2:
+        record_result(
+            "w3_server_threads",
+            variant=f"{args.optimizer} table threads {a} vs {b}",
+            figure=f"rows/s through one server, {args.tables} {args.optimizer} tables, 2 workers pulling and pushing",
+            units="M rows/s",
+            fleet=round(med[b] / 1e6, 3),
+            peer=f"the same server with {a} table thread(s)",
+            peer_value=round(med[a] / 1e6, 3),
+            ratio=round(med[b] / med[a], 3),
+            ratio_means=f"rows/s with {b} table threads over rows/s with {a} (higher is better)",
+            summary=f"{b} table threads {med[b] / med[a]:.2f}x {a} ({med[b] / 1e6:.2f} vs {med[a] / 1e6:.2f} M rows/s, "
+            f"{os.cpu_count()} CPUs, shared with both workers)",
+            details={"runs_rows_per_s": {str(t): v for t, v in got.items()}},
+        )
 
 
 if __name__ == "__main__":
