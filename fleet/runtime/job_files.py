@@ -189,9 +189,13 @@ def remove_ps_sockets(secret_hex: str) -> bool:
     return True
 
 
+# A server's ZeroMQ ipc:// socket (fleet.ps.protocol.local) and its direct socket (fleet.ps.protocol.unix).
+_PS_SOCKET_SUFFIXES = (".sock", ".direct")
+
+
 def remove_dead_ps_sockets(base: str | None = None) -> list[str]:
-    """This user's parameter-server Unix sockets (``<temp dir>/fleet-ps-*/*.sock``) that no server listens on
-    (a connection is refused: its server was killed), removed, and their directories once empty."""
+    """This user's parameter-server Unix sockets (``<temp dir>/fleet-ps-*/*.sock`` and ``*.direct``) that no
+    server listens on (a connection is refused: its server was killed), removed, and their directories once empty."""
     base = base or os.path.dirname(ps_socket_dir("00"))
     removed = []
     try:
@@ -209,7 +213,7 @@ def remove_dead_ps_sockets(base: str | None = None) -> list[str]:
             continue
         for name in names:
             path = os.path.join(directory, name)
-            if name.endswith(".sock") and not _listening(path):
+            if name.endswith(_PS_SOCKET_SUFFIXES) and not _listening(path):
                 try:
                     os.unlink(path)
                     removed.append(path)

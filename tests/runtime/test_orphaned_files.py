@@ -41,8 +41,10 @@ def test_files_of_a_dead_owner_go_and_the_others_stay(tmp_path, monkeypatch) -> 
         with open(path, "w") as f:
             f.write("x")
     try:
-        removed = job_files.remove_orphaned_files()
-        assert sorted(removed) == sorted([str(left), shm_left])
+        # The sweep also takes whatever else this user left on the host (e.g. a killed test server's sockets
+        # in /tmp): only this test's files are judged here.
+        removed = set(job_files.remove_orphaned_files())
+        assert {str(left), shm_left} <= removed and not removed & {str(kept), str(other), shm_kept}
         assert kept.exists() and other.exists() and os.path.exists(shm_kept)
         assert not left.exists() and not os.path.exists(shm_left)
     finally:
@@ -73,16 +75,26 @@ def _sweep_sockets(tmp_path, socket) -> None:
     folder = tmp_path / "fleet-ps-0123456789abcdef"
     folder.mkdir(mode=0o700)
     dead, live = str(folder / "dead.sock"), str(folder / "live.sock")
-    gone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    gone.bind(dead)  # bound, never listening, then closed: what a killed server leaves
-    gone.close()
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(live)
-    server.listen(1)
+    dead_direct, live_direct = str(folder / "dead.direct"), str(folder / "live.direct")  # a server's direct sockets
+    for path in (dead, dead_direct):
+        gone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        gone.bind(path)  # bound, never listening, then closed: what a killed server leaves
+        gone.close()
+    servers = []
+    for path in (live, live_direct):
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen(1)
+        servers.append(server)
+    other = folder / "notes.txt"  # not a server's socket: never touched
+    other.write_text("x")
     try:
-        assert job_files.remove_dead_ps_sockets(str(tmp_path)) == [dead]
-        assert os.path.exists(live) and folder.exists()
+        assert sorted(job_files.remove_dead_ps_sockets(str(tmp_path))) == sorted([dead, dead_direct])
+        assert os.path.exists(live) and os.path.exists(live_direct) and other.exists()
     finally:
-        server.close()
+        for server in servers:
+            server.close()
     os.unlink(live)
+    os.unlink(live_direct)
+    other.unlink()
     assert job_files.remove_dead_ps_sockets(str(tmp_path)) == [] and not folder.exists()  # the empty folder goes
