@@ -76,6 +76,7 @@ def _scenario(model, wrap, ranks: list[int], barrier) -> dict[str, Any]:
     }
     out["weight"] = model.emb.dense_weight(3)
     out["elsewhere"] = _sorted(table_rows(elsewhere.state_dict()))
+    barrier()  # every worker has read its state dict (in pieces, on a PS) before anyone adds LATE_IDS' rows
     model.emb.load_rows(LATE_IDS, given(3, 2))
     barrier()
     model.eval()
