@@ -142,8 +142,11 @@ def collection_job(rank: int, steps: int, mode: str = "collective") -> dict:
         "outputs": outputs,
         "ops": server_ops() if mode == "ps" else None,
         "num_rows": {name: t.num_rows() for name, t in model.features.tables.items()},
-        "rows": {name: rows_of(t) for name, t in model.features.tables.items()},
     }
+    # Reading the rows pulls every id (creating absent rows on a PS server, and counting as pulls): every
+    # worker must have counted rows and requests before any reads them (a slow worker counted 30 for 29).
+    fleet.barrier_worker()
+    out["rows"] = {name: rows_of(t) for name, t in model.features.tables.items()}
     fleet.stop_worker()
     return out
 
