@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from fleet.sparse.native import kernels
+
 EVICT_SLACK = 0.05  # a max_rows eviction frees this share of the table, so it runs once per that many new rows
 SKETCH_DEPTH = 4
 DEFAULT_SKETCH_WIDTH = 1 << 22  # 4 x 4 Mi uint8 counters: 16 MiB per table (per server shard)
@@ -225,16 +227,10 @@ class CountSketch:
         self.counters = torch.zeros(SKETCH_DEPTH, width, dtype=torch.uint8)
         self.added = 0
 
-    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[depth, n]`` flat counter positions of each id."""
-        bits = self.width.bit_length() - 1
-        salt = (self.seed * _MULTIPLIERS[4]) & (
-            (1 << 64) - 1
-        )  # wrapped to 64 bits: any seed (was OverflowError from 2 on)
-        salted = ids ^ (salt - (1 << 64) if salt >= 1 << 63 else salt)
-        rows = [_shr(_mix(salted, m), 64 - bits) for m in _MULTIPLIERS[:SKETCH_DEPTH]]
-        offsets = torch.arange(SKETCH_DEPTH).unsqueeze(1) * self.width
-        return torch.stack(rows) + offsets
+    def _salt(self) -> int:
+        """The seed's salt as a signed 64-bit value (wrapped: any seed; was OverflowError from 2 on)."""
+        salt = (self.seed * _MULTIPLIERS[4]) & ((1 << 64) - 1)
+        return salt - (1 << 64) if salt >= 1 << 63 else salt
 
     def add(self, ids: torch.Tensor, undo: Any = None) -> torch.Tensor:
         """Count each (unique) id once more; return every id's count after this.
@@ -243,20 +239,31 @@ class CountSketch:
         """
         if ids.numel() == 0:
             return torch.zeros(0, dtype=torch.int64)
-        pos = self._positions(ids)
-        flat = self.counters.view(-1)
-        current = flat.index_select(0, pos.view(-1)).view(SKETCH_DEPTH, -1)
-        new = (current.min(0).values.to(torch.int16) + 1).clamp_(max=255).to(torch.uint8)
-        result = new.to(torch.int64)
-        if undo is not None:
-            undo.rows(lambda: self.counters.view(-1), pos.view(-1), current.view(-1))
+        ids = ids.contiguous()
+        n = ids.numel()
+        counts = torch.empty(n, dtype=torch.int64)
+        pos = torch.empty(SKETCH_DEPTH * n, dtype=torch.int64)
+        old = torch.empty(SKETCH_DEPTH * n, dtype=torch.uint8)
+        bits = self.width.bit_length() - 1
+        # One native pass (fleet.sparse.native): the counters' positions, their old values and the new counts.
+        kernels.sketch_add(
+            self.counters.view(-1).numpy(),
+            ids.numpy(),
+            self._salt(),
+            SKETCH_DEPTH,
+            bits,
+            counts.numpy(),
+            pos.numpy(),
+            old.numpy(),
+        )
+        if undo is not None:  # after the kernel, which checks everything before it writes, and fills pos and old
+            undo.rows(lambda: self.counters.view(-1), pos, old)
             undo.attrs(self, "counters", "added")  # undone first: the rows go back into the old counters
-        flat.scatter_reduce_(0, pos.view(-1), new.repeat(SKETCH_DEPTH), "amax")
-        self.added += ids.numel()
+        self.added += n
         if self.added >= self.window(self.width):
             self.counters = self.counters >> 1  # new counters, so that an undo can keep the old ones
             self.added //= 2
-        return result
+        return counts
 
     def state_dict(self) -> dict[str, Any]:
         return {"counters": self.counters.clone(), "added": self.added}

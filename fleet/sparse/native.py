@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 #: the kernels' interface version this Python code was written for (kAbiVersion in _native.cpp)
-ABI_VERSION = 6
+ABI_VERSION = 7
 _REBUILD = "python setup.py build_ext --inplace"
 
 try:

@@ -583,10 +583,15 @@ class SparseTable:
         new_ids = torch.unique(ids[missing])
         admitted = new_ids[self._admission.admit(new_ids, self.clock, self._log())]
         if admitted.numel():
+            before = len(self)
             admitted = self._make_room(admitted, protect=slots[~missing])
+            evicted = len(self) != before
             self._init_rows(len(self), admitted)
             self._index.insert_new(admitted, self._log())
-            slots = self._index.lookup(ids)  # eviction compacts, so every slot may have moved
+            if evicted:  # eviction compacts, so every slot may have moved
+                return self._index.lookup(ids)
+            where = missing.nonzero().squeeze(1)
+            slots = slots.index_copy(0, where, self._index.lookup(ids.index_select(0, where)))
         return slots
 
     def _update_slots(self, ids: torch.Tensor, values: torch.Tensor, clicks: torch.Tensor | None):
@@ -613,20 +618,28 @@ class SparseTable:
             self._dirty.index_fill_(0, slots, True)
         if not self._stats:
             return
-        lc, last_seen = self.lifecycle, self._stats["last_seen"]
-        seen = last_seen.index_select(0, slots)
-        age = self.clock - seen
-        old_show, old_click = self._stats["show"].index_select(0, slots), self._stats["click"].index_select(0, slots)
-        # Repeated slots compute identical values from the old ones, so their writes agree.
-        new_show, new_click = lc.decayed(old_show, age) + 1.0, lc.decayed(old_click, age)
+        lc, stats = self.lifecycle, self._stats
+        factors = None
+        if lc.decay != 1.0:  # the decay factor in torch (its exp), the rest in one native pass
+            factors = lc.decayed(torch.ones(slots.numel()), self.clock - stats["last_seen"].index_select(0, slots))
+        n = slots.numel()
+        seen, old_show, old_click = torch.empty(n, dtype=torch.int32), torch.empty(n), torch.empty(n)
+        kernels.touch_stats(
+            stats["last_seen"].numpy(),
+            stats["show"].numpy(),
+            stats["click"].numpy(),
+            slots.contiguous().numpy(),
+            factors.numpy() if factors is not None else None,
+            clicks.to(torch.float32).contiguous().numpy() if clicks is not None else None,
+            self.clock,
+            seen.numpy(),
+            old_show.numpy(),
+            old_click.numpy(),
+        )
+        # After the kernel (it checks everything before it writes): undone in reverse, all three come back.
         undo.rows(self._getter("stats.show"), slots, old_show)
-        self._stats["show"].index_copy_(0, slots, new_show)
         undo.rows(self._getter("stats.click"), slots, old_click)
-        self._stats["click"].index_copy_(0, slots, new_click)
-        if clicks is not None:
-            self._stats["click"].index_add_(0, slots, clicks.to(torch.float32))
         undo.rows(self._getter("stats.last_seen"), slots, seen)
-        last_seen.index_fill_(0, slots, self.clock)
 
     def check_rows(self, name: str, values: torch.Tensor, n: int, width: int | None = None) -> torch.Tensor:
         """``values`` as float32 ``[n, width]`` rows (``width``: ``dim`` unless given), or an error naming ``name``."""
@@ -658,8 +671,7 @@ class SparseTable:
                 rows = self._gather_rows(slots)
                 self._recent.remember(ids, slots)  # a failure here takes the rows back and forgets
                 return rows
-        slots = self._index.lookup(ids)
-        out = self._rows.index_select(0, slots.clamp(min=0))
+        slots, out = self._index.lookup_rows(ids, self._rows[: len(self)])  # absent ids' rows: filled below
         missing = (slots < 0).nonzero().squeeze(1)
         if missing.numel():
             if self.lifecycle.entry is not None:

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from reference_id_index import IdIndex, as_ids
 
-from fleet.sparse.lifecycle import EVICT_SLACK, Admission, LifeCycle
+from fleet.sparse.lifecycle import EVICT_SLACK, LifeCycle
 from fleet.sparse.optim import (
     InitializerSpec,
     OptimizerSpec,
@@ -63,6 +63,7 @@ from fleet.sparse.pages import prefault
 from fleet.sparse.recent_slots import RecentSlots
 from fleet.sparse.saves import MAX_REMEMBERED_DELETIONS, TableSaves
 from fleet.sparse.undo import Getter, UndoLog
+from reference_table.admission import Admission
 from reference_table.growable import grow, row_tensor
 
 _REQUIRED_KEYS = ("dim", "optimizer")
