@@ -1,6 +1,6 @@
-"""Builds fleet's native sparse-table kernels (``fleet/sparse/_native.cpp``); the rest is in pyproject.toml.
+"""Builds fleet's native sparse-table kernels (``fleet/sparse/csrc``); the rest is in pyproject.toml.
 
-One C++17 translation unit on the raw CPython API: no build dependency but setuptools and a
+A few C++17 translation units on the raw CPython API: no build dependency but setuptools and a
 compiler. ``pip install -e .`` and ``pip wheel .`` build it; in a source tree run with
 ``PYTHONPATH=$PWD``, rebuild it in place with ``python setup.py build_ext --inplace``
 (docs/development.md). ``FLEET_NATIVE_SANITIZE=1`` builds it with AddressSanitizer and UBSan.
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 _NO_COMPILER = """
-fleet: cannot build its native sparse-table engine (fleet/sparse/_native.cpp): {reason}
+fleet: cannot build its native sparse-table engine (fleet/sparse/csrc): {reason}
 
 It needs a C++17 compiler (g++ 8 or later, or clang++ 7 or later) and the Python headers:
   Debian/Ubuntu:  apt-get install g++ python3-dev
@@ -32,7 +33,7 @@ def _flags() -> tuple[list[str], list[str]]:
         "-std=c++17",
         "-O3",
         "-fno-math-errno",
-        "-ffp-contract=off",  # no FMA contraction: the same bits as torch on every CPU (see _native.cpp)
+        "-ffp-contract=off",  # no FMA contraction: the same bits as torch on every CPU (see csrc/common.h)
         "-fno-exceptions",
         "-fvisibility=hidden",
         "-Wall",
@@ -74,7 +75,8 @@ setup(
     ext_modules=[
         Extension(
             "fleet.sparse._native",
-            sources=["fleet/sparse/_native.cpp"],
+            sources=sorted(str(p) for p in Path("fleet/sparse/csrc").glob("*.cpp")),
+            depends=["fleet/sparse/csrc/common.h"],
             language="c++",
             extra_compile_args=_compile_args,
             extra_link_args=_link_args,

@@ -4,7 +4,7 @@ Why: in a DLRM-shaped step (W6: 8 tables, bags of ~10 ids, 512 samples) ``torch.
 every id of every table, and ``embedding_bag``'s backward for a dense weight (the unique rows of a
 sparse table are one) sorted them again and built per-bag bookkeeping: together about a third of
 fleet's step beside plain ``nn.EmbeddingBag``. Both are replaced by kernels of
-``fleet/sparse/_native.cpp`` that give the same values bit for bit:
+``fleet/sparse/csrc/bags.cpp`` that give the same values bit for bit:
 
 - :func:`unique_inverse` is ``torch.unique(ids, sorted=True, return_inverse=True)``: one hashing
   pass over the ids, then a sort of the distinct ones only;

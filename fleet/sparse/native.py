@@ -1,4 +1,4 @@
-"""The native kernels of the sparse-table engine (``fleet/sparse/_native.cpp``), and the checks in front of them.
+"""The native kernels of the sparse-table engine (``fleet/sparse/csrc/``), and the checks in front of them.
 
 The kernels take buffers (``tensor.numpy()``: zero copy), never torch tensors, so the build does
 not depend on torch. Each tensor is checked here first (a torch tensor, on the CPU, of the
@@ -7,7 +7,7 @@ kernels check element type, dimensions, contiguity, lengths and slot bounds agai
 rather than crash. They run with the GIL released.
 
 Built by ``pip install -e .`` / ``pip wheel .``; in a source tree used with ``PYTHONPATH=$PWD``,
-``python setup.py build_ext --inplace`` builds (or rebuilds, after a change to the .cpp) the
+``python setup.py build_ext --inplace`` builds (or rebuilds, after a change under ``csrc/``) the
 module next to its source (docs/development.md).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-#: the kernels' interface version this Python code was written for (kAbiVersion in _native.cpp)
+#: the kernels' interface version this Python code was written for (kAbiVersion in csrc/module.cpp)
 ABI_VERSION = 7
 _REBUILD = "python setup.py build_ext --inplace"
 

@@ -1,4 +1,4 @@
-"""The life cycle's kernels (fleet/sparse/_native.cpp: sketch_add, touch_stats) against the torch code they replace."""
+"""The life cycle's kernels (fleet/sparse/csrc/lifecycle.cpp: sketch_add, touch_stats) against the torch code they replace."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one-process lookup's kernels (fleet/sparse/_native.cpp) against the torch code they replace, bit for bit."""
+"""The one-process lookup's kernels (fleet/sparse/csrc/bags.cpp) against the torch code they replace, bit for bit."""
 
 from __future__ import annotations
 
