@@ -45,7 +45,7 @@ SMALL_BYTES = 64 << 10
 
 def message_bytes(frames: Sequence[Any]) -> int:
     """The size on the wire of an encoded message's frames."""
-    return sum(unix.frame_bytes(f) for f in frames)
+    return sum(map(unix.frame_bytes, frames))
 
 
 #: a deadline may pass by this much before a kernel bound on a wait is lowered to it (each change is two calls)
@@ -126,6 +126,30 @@ class _Conn:
         parsed = unix.parse(buf)
         assert parsed is not None
         return parsed[0]
+
+
+class DirectScope:
+    """The ``with`` block of :meth:`~fleet.ps.client.client.PSClient.direct`: this thread is in ``threads`` inside it.
+
+    A class, not a generator: it is entered around every small call, and a generator's context
+    manager costs several calls more each time.
+    """
+
+    __slots__ = ("_me", "_nested", "_threads")
+
+    def __init__(self, threads: set[int]):
+        self._threads = threads
+        self._me = 0
+        self._nested = False
+
+    def __enter__(self) -> None:
+        self._me = me = threading.get_ident()
+        self._nested = me in self._threads
+        self._threads.add(me)
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._nested:
+            self._threads.discard(self._me)
 
 
 class DirectCalls:

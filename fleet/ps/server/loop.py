@@ -410,6 +410,7 @@ class ParameterServer:
                 return False
             self._send_outbox()  # what the table threads answered leaves first, as on the usual way
             self._counts["bytes_in"] += sum(map(len, frames))
+            self._counts["direct_quick"] += 1
             self._serve(ident, msg, here=True)
         return True
 
@@ -673,6 +674,7 @@ class ParameterServer:
             "peers_admitted": dict(self._zap.admitted),
             "direct_admitted": self._direct.admitted if self._direct is not None else 0,
             "direct_rejected": self._direct.rejected if self._direct is not None else 0,
+            "direct_quick": self._counts.get("direct_quick", 0),  # pulls served as read (fleet.ps.server.quick_pulls)
             "dropped": self._counts.get("dropped", 0) + self._counts.get("replies_dropped", 0),
             "table_threads": self.threads,
         }
