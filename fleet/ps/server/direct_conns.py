@@ -58,6 +58,11 @@ class _Conn:
         self.out: deque[memoryview] = deque()
         self.watching_out = False  # whether the poller watches it for POLLOUT (only while ``out`` waits)
 
+    def watch_out(self, want: bool) -> bool:
+        """Record whether the poller should watch for POLLOUT; True when that changed."""
+        changed, self.watching_out = want != self.watching_out, want
+        return changed
+
     def admit(self, incarnation: int) -> None:
         """The challenge was answered: from now on its bytes are messages; the peer learns the incarnation."""
         self.ready, self.inbuf = True, bytearray()
@@ -246,7 +251,7 @@ class DirectConnections:
                     sent = 0
         want_out = bool(conn.out)
         if want_out != conn.watching_out and self._poller is not None and conn.sock.fileno() in self._conns:
-            conn.watching_out = want_out
+            conn.watch_out(want_out)
             self._poller.modify(conn.sock.fileno(), _POLLIN | (_POLLOUT if want_out else 0))
 
     def _close(self, conn: _Conn) -> None:
