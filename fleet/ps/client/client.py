@@ -34,9 +34,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +43,7 @@ import torch
 
 from fleet.data.files import share_bounds
 from fleet.ps.client import many
+from fleet.ps.client.direct import DirectScope
 from fleet.ps.client.io import IOThread, Job
 from fleet.ps.modes import UpdateMode, of_config
 from fleet.ps.protocol import auth
@@ -89,7 +89,7 @@ class DenseState:
 
 def _versioned(t: torch.Tensor, replies: Sequence[Message]) -> torch.Tensor:
     """Attach the shards' versions: ``ps_version`` (the minimum) and ``ps_versions`` (per server)."""
-    versions = tuple(r.arg for r in replies)
+    versions = tuple([r.arg for r in replies])
     t.ps_versions = versions  # type: ignore[attr-defined]
     t.ps_version = min(versions) if versions else 0  # type: ignore[attr-defined]
     return t
@@ -159,8 +159,7 @@ class PSClient:
         job = Job(Future(), parts, combine, float(timeout_s or self.timeout_s), settle=settle, direct=direct)
         return self._io.submit(job)
 
-    @contextmanager
-    def direct(self) -> Iterator[None]:
+    def direct(self) -> DirectScope:
         """Inside, this thread's small pulls may be sent and answered on this thread (returning a resolved future).
 
         For a caller that waits for the answer at once (``client.pull_dense(t).result()``): it saves the
@@ -168,14 +167,7 @@ class PSClient:
         made while another request of this client is still queued or unanswered, goes through the IO
         thread as always; either way requests keep their order and the servers' checks.
         """
-        me = threading.get_ident()
-        nested = me in self._direct_threads
-        self._direct_threads.add(me)
-        try:
-            yield
-        finally:
-            if not nested:
-                self._direct_threads.discard(me)
+        return DirectScope(self._direct_threads)
 
     def _all(self, op: Op, table: int = 0, blob: bytes = b"", **fields: Any) -> list[tuple[int, Message]]:
         return [(s, self._msg(op, table, blob=blob, **fields)) for s in range(self.num_servers)]

@@ -16,11 +16,18 @@ and a pull must never overtake the push before it). Anything else takes the IO t
 Each thread keeps one connection per server. A server that dies closes it (the call fails at once
 with :class:`~fleet.ps.protocol.errors.PSServerUnavailable`, as on the IO thread); a call that times
 out or fails closes its connections, so an answer that comes late is never read as the next call's.
+
+A call costs two system calls, like a raw echo: one ``sendmsg`` of the whole request and one
+``recv_into`` of a small answer. The sockets block in the kernel, which bounds each wait
+(``SO_SNDTIMEO``/``SO_RCVTIMEO``, set when the call's deadline needs a shorter bound than the
+last one); a socket timeout in Python would add a ``poll`` before every send and read, and two
+``fcntl`` calls each time it is set.
 """
 
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,17 +45,111 @@ SMALL_BYTES = 64 << 10
 
 def message_bytes(frames: Sequence[Any]) -> int:
     """The size on the wire of an encoded message's frames."""
-    return sum(unix.frame_bytes(f) for f in frames)
+    return sum(map(unix.frame_bytes, frames))
+
+
+#: a deadline may pass by this much before a kernel bound on a wait is lowered to it (each change is two calls)
+_SLACK_S = 0.02
+_TIMEVAL = struct.Struct("@ll")
 
 
 class _Conn:
     """One thread's connection to one server's direct socket."""
 
-    __slots__ = ("path", "sock")
+    __slots__ = ("bound", "path", "scratch", "sock")
 
     def __init__(self, path: str, sock: socket.socket):
         self.path = path
         self.sock = sock
+        self.bound = 0.0  # seconds the kernel lets one send or read on it wait (0: not set yet)
+        # answers are read here first (their own buffer gets their exact size: the caller keeps their tensors)
+        self.scratch = memoryview(bytearray(unix.FIRST_READ))
+
+    def within(self, deadline: float) -> None:
+        """Bound the socket's next waits by ``deadline``; TimeoutError once it has passed."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call's deadline passed")
+        if self.bound and left <= self.bound <= left + _SLACK_S:
+            return
+        wait = max(left, 0.001)  # (0 would be no bound at all)
+        whole = int(wait)
+        tv = _TIMEVAL.pack(whole, int((wait - whole) * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self.bound = left
+
+    def send(self, frames: Sequence[Any], deadline: float) -> None:
+        """Write one request (usually one ``sendmsg``)."""
+        pending = unix.buffers(frames)
+        self.within(deadline)
+        while pending:
+            try:
+                sent = self.sock.sendmsg(pending)
+            except BlockingIOError:  # the bound passed: the deadline, or a bound set for a later one
+                self.within(deadline)
+                continue
+            while sent and pending:
+                if sent >= pending[0].nbytes:
+                    sent -= pending[0].nbytes
+                    pending.pop(0)
+                else:
+                    pending[0] = pending[0][sent:]
+                    sent = 0
+
+    def _read(self, view: memoryview, deadline: float) -> int:
+        while True:
+            try:
+                got = self.sock.recv_into(view)
+            except BlockingIOError:
+                self.within(deadline)
+                continue
+            if got == 0:
+                raise ConnectionResetError("the parameter server closed the connection")
+            return got
+
+    def receive(self, deadline: float) -> list[memoryview]:
+        """Read one answer (usually one ``recv_into``): its frames, views of a buffer of its own."""
+        scratch = self.scratch
+        self.within(deadline)
+        got = self._read(scratch, deadline)
+        need = unix.message_length(scratch, got)
+        while need is None:  # the length prefix came in pieces
+            got += self._read(scratch[got:], deadline)
+            need = unix.message_length(scratch, got)
+        buf = bytearray(need)
+        have = min(got, need)  # the server sends nothing after its one answer
+        buf[:have] = scratch[:have]
+        view = memoryview(buf)
+        while have < need:
+            have += self._read(view[have:], deadline)
+        parsed = unix.parse(buf)
+        assert parsed is not None
+        return parsed[0]
+
+
+class DirectScope:
+    """The ``with`` block of :meth:`~fleet.ps.client.client.PSClient.direct`: this thread is in ``threads`` inside it.
+
+    A class, not a generator: it is entered around every small call, and a generator's context
+    manager costs several calls more each time.
+    """
+
+    __slots__ = ("_me", "_nested", "_threads")
+
+    def __init__(self, threads: set[int]):
+        self._threads = threads
+        self._me = 0
+        self._nested = False
+
+    def __enter__(self) -> None:
+        self._me = me = threading.get_ident()
+        self._nested = me in self._threads
+        self._threads.add(me)
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._nested:
+            self._threads.discard(self._me)
 
 
 class DirectCalls:
@@ -100,6 +201,7 @@ class DirectCalls:
         except BaseException:
             sock.close()
             raise
+        sock.settimeout(None)  # blocking from now on: the kernel bounds each wait (_Conn.within)
         made = _Conn(path, sock)
         with self._lock:
             if self._closed:
@@ -130,17 +232,16 @@ class DirectCalls:
             for server, msg, frames in parts:
                 path, incarnation = routes[server]
                 conn = used[server] = self._conn(server, path, incarnation, msg, deadline)
-                conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
                 try:
                     try:
-                        unix.send_all(conn.sock, frames)
+                        conn.send(frames, deadline)
                     except (BrokenPipeError, ConnectionResetError):
                         # This thread's connection outlived its server (it died and came back since this thread
                         # last called it): nothing was delivered, so connect anew (checking the incarnation the
                         # client knows now) and send once more.
                         self._drop(server, conn)
                         conn = used[server] = self._conn(server, path, incarnation, msg, deadline)
-                        unix.send_all(conn.sock, frames)
+                        conn.send(frames, deadline)
                 except TimeoutError:
                     raise self._unavailable(
                         server, msg, f"took no {op_name(msg.op)} in time", PSServerUnavailable
@@ -166,8 +267,7 @@ class DirectCalls:
 
     def _answer(self, server: int, msg: Message, conn: _Conn, deadline: float) -> Message:
         try:
-            conn.sock.settimeout(max(0.001, deadline - time.monotonic()))
-            frames = unix.recv_message(conn.sock)
+            frames = conn.receive(deadline)
         except TimeoutError:
             raise self._unavailable(
                 server, msg, f"did not answer {op_name(msg.op)} in time", PSServerUnavailable

@@ -186,22 +186,25 @@ class IOThread:
 
     def _direct_frames(self, job: Job) -> list[list[Any]] | None:
         """The encoded messages of ``job`` when it may go from the calling thread, else None."""
-        if self._outstanding or not self._routes:
+        if self._outstanding or not self._routes or not job.parts:
             return None  # a request of this client is queued or on the wire: this one must not overtake it
-        servers = [server for server, _ in job.parts]
-        if not servers or len(set(servers)) != len(servers):
-            return None
-        if any(
-            s in self._refused or s in self._failing or self._routes[s].direct_path is None or not self._incarnations[s]
-            for s in servers
-        ):
-            return None  # no direct socket (another host, TCP, CURVE), or a failure the IO thread reports
-        if any(msg.op not in DIRECT_OPS for _, msg in job.parts):
-            return None
+        routes, seen = self._routes, set()
+        for server, msg in job.parts:
+            if (
+                server in seen
+                or msg.op not in DIRECT_OPS
+                or server in self._refused
+                or server in self._failing
+                or routes[server].direct_path is None
+                or not self._incarnations[server]
+            ):
+                return None  # no direct socket (another host, TCP, CURVE), or a failure the IO thread reports
+            seen.add(server)
         encoded = []
+        timeout_ms = int(job.timeout_s * 1000)
         for _, msg in job.parts:
             msg.request_id = next(self._ids)
-            msg.timeout_ms = int(job.timeout_s * 1000)
+            msg.timeout_ms = timeout_ms
             frames = encode(msg)
             if message_bytes(frames) > SMALL_BYTES:
                 return None
@@ -209,9 +212,7 @@ class IOThread:
         return encoded
 
     def _call_direct(self, job: Job, frames: list[list[Any]]) -> Future:
-        future = job.future
-        if not future.set_running_or_notify_cancel():
-            return future
+        future = job.future  # nobody else has it yet: it cannot have been cancelled
         parts = [(server, msg, f) for (server, msg), f in zip(job.parts, frames, strict=True)]
         try:
             # the incarnation the server's last HELLO gave (a restarted server's new one, once it answered)

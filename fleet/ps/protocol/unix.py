@@ -69,19 +69,32 @@ def frame_bytes(frame: Any) -> int:
     return frame.nbytes if isinstance(frame, memoryview) else len(frame)
 
 
+_PREFIXES = [struct.Struct(f"<I{n}I") for n in range(MAX_FRAMES + 1)]
+_SIZES = [struct.Struct(f"<{n}I") for n in range(MAX_FRAMES + 1)]
+
+
+def _pack_prefix(sizes: list[int]) -> bytes:
+    n = len(sizes)
+    return (_PREFIXES[n] if n <= MAX_FRAMES else struct.Struct(f"<I{n}I")).pack(n, *sizes)
+
+
 def prefix(frames: Sequence[Any]) -> bytes:
     """The length prefix of a message of ``frames``."""
-    sizes = [frame_bytes(f) for f in frames]
-    return struct.pack(f"<I{len(sizes)}I", len(sizes), *sizes)
+    return _pack_prefix([frame_bytes(f) for f in frames])
 
 
 def buffers(frames: Sequence[Any]) -> list[memoryview]:
     """The bytes to write for ``frames``, prefix first, each as a flat byte view (no copy)."""
-    out = [memoryview(prefix(frames))]
+    out: list[memoryview] = [memoryview(b"")]
+    sizes = []
     for f in frames:
         view = memoryview(f)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        sizes.append(view.nbytes)
         if view.nbytes:
-            out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+            out.append(view)
+    out[0] = memoryview(_pack_prefix(sizes))
     return out
 
 
@@ -99,7 +112,7 @@ def parse(buf: bytearray | memoryview, start: int = 0) -> tuple[list[memoryview]
     head = COUNT.size * (1 + count)
     if have < head:
         return None
-    sizes = struct.unpack_from(f"<{count}I", buf, start + COUNT.size)
+    sizes = _SIZES[count].unpack_from(buf, start + COUNT.size)
     total = sum(sizes)
     if total > MAX_MESSAGE:
         raise FramingError(f"a message of {total:,} bytes (at most {MAX_MESSAGE:,} on the direct path)")
@@ -144,7 +157,7 @@ def recv_message(sock: socket.socket) -> list[memoryview]:
         parsed = parse(memoryview(buf)[:got])
         if parsed is not None:
             return parsed[0]
-        need = _length(buf, got)
+        need = message_length(buf, got)
         if need is not None and need > len(buf):
             buf.extend(bytes(need - len(buf)))
         elif len(buf) == got:
@@ -155,7 +168,7 @@ def recv_message(sock: socket.socket) -> list[memoryview]:
         got += k
 
 
-def _length(buf: bytearray, got: int) -> int | None:
+def message_length(buf: bytearray | memoryview, got: int) -> int | None:
     """The whole message's length once its prefix is in ``buf[:got]`` (else None)."""
     if got < COUNT.size:
         return None
@@ -165,7 +178,7 @@ def _length(buf: bytearray, got: int) -> int | None:
     head = COUNT.size * (1 + count)
     if got < head:
         return None
-    total = sum(struct.unpack_from(f"<{count}I", buf, COUNT.size))
+    total = sum(_SIZES[count].unpack_from(buf, COUNT.size))
     if total > MAX_MESSAGE:
         raise FramingError(f"a message of {total:,} bytes (at most {MAX_MESSAGE:,} on the direct path)")
     return head + total

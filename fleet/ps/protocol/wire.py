@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from fleet.ps.protocol.errors import WireError
@@ -167,6 +168,15 @@ _DTYPES: tuple[torch.dtype, ...] = (
 DTYPE_CODES: dict[torch.dtype, int] = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
 CODE_DTYPES: dict[int, torch.dtype] = {i + 1: dt for i, dt in enumerate(_DTYPES)}
 _ITEMSIZE: dict[int, int] = {code: torch.empty((), dtype=dt).element_size() for code, dt in CODE_DTYPES.items()}
+_STATUS_CODES = frozenset(int(s) for s in Status)
+_OP_CODES = frozenset(int(o) for o in Op)
+_OP_NAMES = {int(o): o.name for o in Op}
+_NO_DIMS = (0,) * MAX_NDIM
+_UINT8 = np.uint8
+#: dtypes whose tensors ``.numpy()`` takes as they are (bfloat16 and friends go through a uint8 view first)
+_NUMPY_BYTES = frozenset(
+    (torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+)
 
 
 @dataclass(slots=True)
@@ -199,10 +209,8 @@ class Message:
 
 
 def op_name(op: int) -> str:
-    try:
-        return Op(op).name
-    except ValueError:
-        return f"op {op}"
+    name = _OP_NAMES.get(op)
+    return name if name is not None else f"op {op}"
 
 
 def tensor_buffer(t: torch.Tensor) -> Any:
@@ -211,12 +219,16 @@ def tensor_buffer(t: torch.Tensor) -> Any:
     The byte view works for every dtype numpy lacks (bfloat16) and for bool.
     Non-contiguous or non-CPU tensors are copied once, here, on purpose.
     """
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         t = t.cpu()
     if not t.is_contiguous():
         t = t.contiguous()
     if t.numel() == 0:
         return b""
+    if (
+        t.dtype in _NUMPY_BYTES and not t.requires_grad
+    ):  # one call where numpy has the dtype (a small reply's cost is these calls)
+        return t.numpy().reshape(-1).view(_UINT8)
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -224,7 +236,8 @@ def encode(msg: Message) -> list[Any]:
     """Frames for ``msg``; tensor frames reference the tensors' memory (no copy)."""
     if len(msg.tensors) > MAX_TENSORS:
         raise WireError(f"{len(msg.tensors)} tensors in one message; at most {MAX_TENSORS}")
-    head = bytearray(HEADER.size + DESCRIPTOR.size * len(msg.tensors))
+    ntensors = len(msg.tensors)
+    head = bytearray(HEADER.size + DESCRIPTOR.size * ntensors)
     HEADER.pack_into(
         head,
         0,
@@ -232,7 +245,7 @@ def encode(msg: Message) -> list[Any]:
         PROTOCOL_VERSION,
         int(msg.op),
         int(msg.status),
-        len(msg.tensors),
+        ntensors,
         msg.table,
         msg.peer,
         msg.request_id,
@@ -248,8 +261,8 @@ def encode(msg: Message) -> list[Any]:
             raise WireError(f"tensor {i} has dtype {t.dtype}, which the wire format does not carry")
         if t.dim() > MAX_NDIM:
             raise WireError(f"tensor {i} has {t.dim()} dims; the wire format carries at most {MAX_NDIM}")
-        dims = list(t.shape) + [0] * (MAX_NDIM - t.dim())
-        DESCRIPTOR.pack_into(head, HEADER.size + i * DESCRIPTOR.size, code, t.dim(), *dims)
+        shape = t.shape
+        DESCRIPTOR.pack_into(head, HEADER.size + i * DESCRIPTOR.size, code, len(shape), *shape, *_NO_DIMS[len(shape) :])
         buf = tensor_buffer(t)
         if len(buf) <= FRAME_BYTES:
             data.append(buf)
@@ -267,6 +280,8 @@ def frame_count(nbytes: int) -> int:
 
 def _buffer(frame: Any) -> memoryview:
     """The bytes of a received frame: a zmq.Frame (copy=False) or plain bytes."""
+    if type(frame) is memoryview:
+        return frame
     buf = getattr(frame, "buffer", None)
     return buf if buf is not None else memoryview(frame)
 
@@ -301,15 +316,10 @@ def decode(frames: Sequence[Any], budget: Budget | None = None) -> Message:
         raise WireError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}", rid, op)
     if version != PROTOCOL_VERSION:
         raise WireError(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}", rid, op)
-    try:
-        Status(status)
-    except ValueError:
-        raise WireError(f"unknown status {status}", rid, op) from None
-    if status != Status.ERROR:  # an error reply may echo the unknown op it complains about
-        try:
-            Op(op)
-        except ValueError:
-            raise WireError(f"unknown op {op}", rid, op) from None
+    if status not in _STATUS_CODES:
+        raise WireError(f"unknown status {status}", rid, op)
+    if status != Status.ERROR and op not in _OP_CODES:  # an error reply may echo the unknown op it complains about
+        raise WireError(f"unknown op {op}", rid, op)
     if ntensors > MAX_TENSORS:
         raise WireError(f"{ntensors} tensors announced; at most {MAX_TENSORS}", rid, op)
     want = HEADER.size + DESCRIPTOR.size * ntensors
@@ -318,7 +328,7 @@ def decode(frames: Sequence[Any], budget: Budget | None = None) -> Message:
     specs = [
         _spec(i, DESCRIPTOR.unpack_from(head, HEADER.size + i * DESCRIPTOR.size), rid, op) for i in range(ntensors)
     ]
-    counts = [frame_count(nbytes) for _, _, nbytes in specs]
+    counts = [frame_count(nbytes) for _, _, nbytes in specs] if ntensors else []
     if len(frames) != 2 + sum(counts):
         raise WireError(
             f"{len(frames)} frames, expected {2 + sum(counts)} (header, blob, {ntensors} tensors in {sum(counts)})",
@@ -333,8 +343,10 @@ def decode(frames: Sequence[Any], budget: Budget | None = None) -> Message:
             raise RequestTooLarge(f"{op_name(op)} carries {carried:,} bytes; {limit.explain}", rid, op)
     tensors, at = [], 2
     for i, (dtype, shape, nbytes) in enumerate(specs):
-        tensors.append(_tensor(i, dtype, shape, nbytes, [_buffer(f) for f in frames[at : at + counts[i]]], rid, op))
-        at += counts[i]
+        count = counts[i]
+        parts = [_buffer(frames[at])] if count == 1 else [_buffer(f) for f in frames[at : at + count]]
+        tensors.append(_tensor(i, dtype, shape, nbytes, parts, rid, op))
+        at += count
     return Message(op, table, peer, rid, step, arg, lr, timeout_ms, status, tensors, blob)
 
 
@@ -348,41 +360,47 @@ Budget = Callable[[int, int], "Limit | None"]
 
 def _spec(i: int, fields: tuple[int, ...], rid: int, op: int) -> tuple[torch.dtype, list[int], int]:
     """(dtype, shape, byte count) of tensor ``i`` from its descriptor, checked."""
-    code, ndim, *dims = fields
+    code, ndim = fields[0], fields[1]
+    dims = fields[2:]
     dtype = CODE_DTYPES.get(code)
     if dtype is None:
         raise WireError(f"tensor {i}: unknown dtype code {code}", rid, op)
     if ndim > MAX_NDIM:
         raise WireError(f"tensor {i}: {ndim} dims, at most {MAX_NDIM}", rid, op)
-    shape = dims[:ndim]
-    if any(d < 0 for d in shape) or any(d != 0 for d in dims[ndim:]):
-        raise WireError(f"tensor {i}: invalid shape {dims[:ndim]} (ndim {ndim}, dims {dims})", rid, op)
-    numel = 1
-    for d in shape:
-        numel *= d
-    return dtype, shape, numel * _ITEMSIZE[code]
+    shape = list(dims[:ndim])
+    if (shape and min(shape) < 0) or any(dims[ndim:]):
+        raise WireError(f"tensor {i}: invalid shape {shape} (ndim {ndim}, dims {list(dims)})", rid, op)
+    return dtype, shape, math.prod(shape) * _ITEMSIZE[code]
 
 
 def _tensor(
     i: int, dtype: torch.dtype, shape: list[int], nbytes: int, parts: list[memoryview], rid: int, op: int
 ) -> torch.Tensor:
+    if len(parts) == 1:  # the usual case, checked in fewer steps
+        data = parts[0]
+        if len(data) != nbytes:
+            raise WireError(f"tensor {i}: {len(data)} data bytes, but shape {shape} of {dtype} needs {nbytes}", rid, op)
+        return _one_frame(dtype, shape, nbytes, data)
     got = sum(len(p) for p in parts)
     if got != nbytes or any(len(p) != FRAME_BYTES for p in parts[:-1]):
-        sizes = "" if len(parts) == 1 else f" in frames of {[len(p) for p in parts]}"
+        sizes = f" in frames of {[len(p) for p in parts]}"
         raise WireError(f"tensor {i}: {got} data bytes{sizes}, but shape {shape} of {dtype} needs {nbytes}", rid, op)
+    out = torch.empty(nbytes, dtype=torch.uint8)  # a tensor over several frames: joined, one copy
+    view, at = memoryview(out.numpy()), 0
+    for p in parts:
+        view[at : at + len(p)] = p
+        at += len(p)
+    return out.view(dtype).view(shape)
+
+
+def _one_frame(dtype: torch.dtype, shape: list[int], nbytes: int, data: memoryview) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    if len(parts) > 1:
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        view, at = memoryview(out.numpy()), 0
-        for p in parts:
-            view[at : at + len(p)] = p
-            at += len(p)
-        return out.view(dtype).view(shape)
-    data = parts[0]
     if data.readonly:  # plain bytes (copy=True receives, tests); zmq frames are writable
         data = memoryview(bytearray(data))
-    t = torch.frombuffer(data, dtype=dtype).view(shape)
+    t = torch.frombuffer(data, dtype=dtype)
+    if len(shape) != 1:
+        t = t.view(shape)
     if t.data_ptr() % t.element_size():
         t = t.clone()  # small frames can sit at odd offsets inside ZeroMQ's batch buffer
     return t

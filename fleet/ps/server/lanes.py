@@ -33,13 +33,14 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 #: table operations queued in the lanes beyond which the loop stops taking requests until they shrink
 MAX_QUEUED = 256
+_AS_IT_IS: AbstractContextManager[None] = nullcontext()
 
 
 def default_threads(cpus: int | None = None) -> int:
@@ -63,12 +64,14 @@ class ServerLock:
     def on_pool_thread(self) -> bool:
         return threading.get_ident() in self._pool
 
-    @contextmanager
-    def outside(self) -> Iterator[None]:
+    def outside(self) -> AbstractContextManager[None]:
         """Run the body without the lock when on a pool thread (the caller's lane owns its table)."""
-        if not self.on_pool_thread():
-            yield
-            return
+        if not self._pool or threading.get_ident() not in self._pool:
+            return _AS_IT_IS  # the loop thread (every request, when there are no table threads)
+        return self._released()
+
+    @contextmanager
+    def _released(self) -> Iterator[None]:
         self.lock.release()
         try:
             yield

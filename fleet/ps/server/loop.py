@@ -61,6 +61,7 @@ from fleet.ps.server.direct_conns import DirectConnections
 from fleet.ps.server.inbox import FairInbox
 from fleet.ps.server.lanes import MAX_QUEUED, Lanes, Outbox, ServerLock, default_threads
 from fleet.ps.server.many import ManyRequests, Part, deliver
+from fleet.ps.server.quick_pulls import plain_pull
 from fleet.ps.server.reduce import Reductions, against_barrier
 from fleet.ps.server.replies import Replies
 from fleet.ps.server.table_ops import TableRequests
@@ -272,7 +273,7 @@ class ParameterServer:
                 if self._zap.socket in ready:
                     self._zap.serve()
                 if self._direct is not None:
-                    self._direct.serve(ready, self._inbox.put)
+                    self._direct.serve(ready, self._inbox.put, self._serve_direct)
                 if self._sock in ready or len(self._inbox):
                     look = self._sock in ready
                     for _ in range(_MAX_BATCH):
@@ -369,6 +370,10 @@ class ParameterServer:
             rid, op = read_request_id(frames[1])
             self._reply_error(ident, Message(op=op, request_id=rid), self._failure(exc, op_name(op), None))
             return
+        self._serve(ident, msg)
+
+    def _serve(self, ident: Any, msg: Message, here: bool = False) -> None:
+        """Check and serve a decoded request (``here``: on this thread, the lanes being idle)."""
         name = op_name(msg.op)
         self._ops[name] += 1
         if msg.status != Status.REQUEST:
@@ -379,11 +384,35 @@ class ParameterServer:
             return
         if msg.peer not in self._stopped and self._liveness.seen(msg.peer, time.monotonic()):
             log.warning("parameter server %d: worker %d is back", self.server_index, msg.peer)
-        if self._lanes is not None and self._lanes.queued >= MAX_QUEUED:
-            self._lanes.wait_below()  # the table threads are behind: take no more until they catch up
-        reply = self._route(ident, msg)
+        if here:
+            reply = self._dispatch(ident, msg)
+        else:
+            if self._lanes is not None and self._lanes.queued >= MAX_QUEUED:
+                self._lanes.wait_below()  # the table threads are behind: take no more until they catch up
+            reply = self._route(ident, msg)
         if reply is not None:
             self._send(ident, reply)
+
+    def _serve_direct(self, ident: bytes, frames: list[memoryview]) -> bool:
+        """Serve a small pull from a direct connection as it is read (:mod:`fleet.ps.server.quick_pulls`).
+
+        False (it then takes the usual way, through the inbox): it is not a plain pull, or other requests
+        wait in the inbox (they go first, in their turns), or a table thread is busy (it must see its
+        table alone).
+        """
+        if len(self._inbox):
+            return False
+        msg = plain_pull(frames, self._request_budget.bytes)
+        if msg is None:
+            return False
+        with self._lock.lock:
+            if self._lanes is not None and self._lanes.queued:
+                return False
+            self._send_outbox()  # what the table threads answered leaves first, as on the usual way
+            self._counts["bytes_in"] += sum(map(len, frames))
+            self._counts["direct_quick"] += 1
+            self._serve(ident, msg, here=True)
+        return True
 
     def _route(self, ident: Any, msg: Message) -> Message | None:
         """Serve ``msg`` now, or queue it in its table's lane (None: answered later, through ``ident``)."""
@@ -413,7 +442,8 @@ class ParameterServer:
         if on_table:
             self._table_ops[msg.table][name] += 1
         try:
-            return self._handlers[Op(msg.op)](ident, msg)
+            handler = self._handlers.get(msg.op)  # keyed by Op, which hashes as its int
+            return (handler or self._handlers[Op(msg.op)])(ident, msg)
         except agg.ShardError as exc:
             return self._error(msg, str(exc), exc.details)
         except (ValueError, KeyError, TypeError) as exc:
@@ -457,7 +487,7 @@ class ParameterServer:
             frames = encode(
                 Message(reply.op, reply.table, self.server_index, reply.request_id, status=Status.ERROR, blob=text)
             )
-        self._counts["bytes_out"] += sum(len(f) for f in frames)
+        self._counts["bytes_out"] += sum(map(len, frames))
         if self._direct is not None and self._direct.owns(ident):
             if not self._direct.send(ident, frames):
                 self._counts["replies_dropped"] += 1
@@ -591,6 +621,8 @@ class ParameterServer:
     # ------------------------------------------------------------- deadlines
     def _expire(self, now: float) -> None:
         self._check_liveness(now)
+        if self._waiting.empty():
+            return
         pulls, creates, barrier = self._waiting.expired(now)
         for table, parked in pulls:
             shard = self._shards[table]
@@ -642,6 +674,7 @@ class ParameterServer:
             "peers_admitted": dict(self._zap.admitted),
             "direct_admitted": self._direct.admitted if self._direct is not None else 0,
             "direct_rejected": self._direct.rejected if self._direct is not None else 0,
+            "direct_quick": self._counts.get("direct_quick", 0),  # pulls served as read (fleet.ps.server.quick_pulls)
             "dropped": self._counts.get("dropped", 0) + self._counts.get("replies_dropped", 0),
             "table_threads": self.threads,
         }

@@ -46,7 +46,13 @@ class Waitlist:
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
+    def empty(self) -> bool:
+        """Whether nothing is parked (cheap: the server loop asks on every turn)."""
+        return not (self.barrier or self.reduce or any(self.pulls.values()) or any(self.creates.values()))
+
     def next_deadline(self, default: float) -> float:
+        if self.empty():
+            return default
         return min((p.deadline for p in self), default=default)
 
     def ready_pulls(self, table: int, version: int) -> list[Parked]:
