@@ -12,10 +12,13 @@ It gives a job single-process semantics on ordinary training code, without a fla
   (:mod:`fleet.collective.lockstep`) carries the layout's fingerprint: a worker that froze
   a layer the others did not fails at once, naming the parameter and the workers.
 - **Round.** A backward that accumulates a gradient into any layout parameter starts a round
-  from the first post-accumulate-grad hook: the header is exchanged, and the parameters
+  from the first post-accumulate-grad hook: the header is sent, and the parameters
   whose gradient accumulator the autograd engine will not run in this backward (unused this
   step: a branch not taken, a frozen layer) are marked ready at once, so the buckets launch,
-  strictly in index order, as backward produces the rest. At the end of backward the
+  strictly in index order, as backward produces the rest. The others' headers are waited for
+  (and checked) only when the first bucket is ready, at the end of backward, or before any
+  other exchange this worker starts, whichever comes first: the round trip overlaps backward
+  (through gloo it cost about 2 ms of W1's step), and no bucket leaves before the agreement. At the end of backward the
   buckets are waited for and written back (see :mod:`fleet.collective.buckets`): a
   parameter that got a gradient on no worker keeps ``.grad`` as it was (``None`` stays
   ``None``); one that got a gradient on some workers gets the average over the workers
