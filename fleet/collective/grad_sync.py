@@ -12,10 +12,13 @@ It gives a job single-process semantics on ordinary training code, without a fla
   (:mod:`fleet.collective.lockstep`) carries the layout's fingerprint: a worker that froze
   a layer the others did not fails at once, naming the parameter and the workers.
 - **Round.** A backward that accumulates a gradient into any layout parameter starts a round
-  from the first post-accumulate-grad hook: the header is exchanged, and the parameters
+  from the first post-accumulate-grad hook: the header is sent, and the parameters
   whose gradient accumulator the autograd engine will not run in this backward (unused this
   step: a branch not taken, a frozen layer) are marked ready at once, so the buckets launch,
-  strictly in index order, as backward produces the rest. At the end of backward the
+  strictly in index order, as backward produces the rest. The others' headers are waited for
+  (and checked) only when the first bucket is ready, at the end of backward, or before any
+  other exchange this worker starts, whichever comes first: the round trip overlaps backward
+  (through gloo it cost about 2 ms of W1's step), and no bucket leaves before the agreement. At the end of backward the
   buckets are waited for and written back (see :mod:`fleet.collective.buckets`): a
   parameter that got a gradient on no worker keeps ``.grad`` as it was (``None`` stays
   ``None``); one that got a gradient on some workers gets the average over the workers
@@ -38,6 +41,7 @@ parameters this worker happened to use, so collectives cannot pair wrongly by co
 from __future__ import annotations
 
 import gc
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -99,6 +103,7 @@ class GradSync:
         self._early: set[int] = set()  # this round: judged unused at its start
         self._idle: dict[int, tuple[Any, int]] = {}  # every registered parameter's gradient at the last round's end
         self._in_round = False
+        self._header: lockstep.InFlight | None = None  # this round's header, started and not yet waited for
         self._next = 0
         self._pending: list[int] = []  # this round, per bucket: gradients backward has still to produce
         self._works: list[Any] = []  # this round, per bucket: the transport's work in flight
@@ -252,25 +257,27 @@ class GradSync:
             self._launch_ready()
 
     def _begin(self, in_backward: bool) -> bool:
-        """Start a round: agree on the layout, judge which parameters stay unused; False if nothing to do."""
+        """Start a round: agree on the layout, judge which parameters stay unused; False if nothing to do.
+
+        In backward the agreement is only started here: the header travels while backward
+        computes, and :meth:`_settle` waits for it and acts on it before the first bucket
+        launches (or at the end of backward), so every collective of the round still follows
+        the agreed layout.
+        """
         self._in_round = True
         try:
             layout = self.refresh()
             self._changed |= self._set_by_hand(layout)
-            active = 1
-            if self.lockstep is not None:
-                layout, agreement = self._agree(layout)
-                active = len(agreement.active)
-                if any(h.c for h in agreement.headers):
-                    self._check_added_values()
-                if not any(h.b for h in agreement.headers if h.kind == lockstep.ROUND):
-                    self._in_round = False
-                    return False  # a catch-up round where no worker has any gradient: nothing to send
-            self.transport.bind(layout.buckets)  # collective the first time: after the workers agreed
+            if self.lockstep is not None and in_backward:
+                header = (len(self._changed), self._unverified())  # b > 0: this worker has a gradient to send
+                self._header = self.lockstep.start(lockstep.ROUND, layout.fingerprint, *header, settle=self._settle)
+            elif not self._agree(layout, None):
+                self._in_round = False
+                return False  # a catch-up round where no worker has any gradient: nothing to send
         except BaseException:
             self._in_round = False
             raise
-        self._scale = 1.0 / (active * self.accumulation)
+        layout = self._layout  # type: ignore[assignment]  # _agree may have rebuilt it
         self._early = set()
         self._pending = [0] * len(layout.buckets)
         self._works = [None] * len(layout.buckets)
@@ -285,23 +292,64 @@ class GradSync:
         self._launch_ready()
         return True
 
-    def _agree(self, layout: Layout) -> tuple[Layout, lockstep.Agreement]:
-        """Exchange this round's header; the layouts must agree (see :mod:`fleet.collective.lockstep`)."""
+    def _unverified(self) -> int:
+        return sum(1 for p in self.registered() if p not in self._verified)
+
+    def _agree(self, layout: Layout, header: lockstep.InFlight | None) -> bool:
+        """Agree on this round (see :mod:`fleet.collective.lockstep`), from the header ``header`` started, or
+        exchanged now; the layouts must agree. Then bind the buckets and set the scale; False if no worker
+        has a gradient. The layout the round runs on is ``self._layout`` afterwards."""
         lock = self.lockstep
-        assert lock is not None
-        unverified = sum(1 for p in self.registered() if p not in self._verified)
-        agreement = lock.exchange(lockstep.ROUND, layout.fingerprint, len(self._changed), unverified)
-        if agreement.fingerprints_differ():
-            # An optimizer the script dropped may be awaiting the garbage collector on some workers only
-            # (a reference cycle, e.g. through an LR scheduler): collect everywhere, then compare again.
-            gc.collect()
-            layout = self.refresh()
-            agreement = lock.exchange(lockstep.ROUND, layout.fingerprint, len(self._changed), unverified)
-        lock.check(agreement, lockstep.ROUND, layout.fingerprint, self.explain_layout)
-        return layout, agreement
+        if lock is None:
+            active = 1
+        else:
+            unverified = self._unverified()
+            if header is None:
+                agreement = lock.exchange(lockstep.ROUND, layout.fingerprint, len(self._changed), unverified)
+            else:
+                agreement = lock.collect(header)
+            if agreement.fingerprints_differ():
+                # An optimizer the script dropped may be awaiting the garbage collector on some workers only
+                # (a reference cycle, e.g. through an LR scheduler): collect everywhere, then compare again.
+                gc.collect()
+                layout = self.refresh()
+                agreement = lock.exchange(lockstep.ROUND, layout.fingerprint, len(self._changed), unverified)
+            lock.check(agreement, lockstep.ROUND, layout.fingerprint, self.explain_layout)
+            active = len(agreement.active)
+            if any(h.c for h in agreement.headers):
+                self._check_added_values()
+            if not any(h.b for h in agreement.headers if h.kind == lockstep.ROUND):
+                return False
+        self.transport.bind(layout.buckets)  # collective the first time: after the workers agreed
+        self._scale = 1.0 / (active * self.accumulation)
+        return True
+
+    def _settle(self) -> None:
+        """Wait for the header this backward's round started, and act on the agreement: before the round's
+        first bucket launches, at the end of backward, or before any other exchange of this worker."""
+        header, self._header = self._header, None
+        if header is None:
+            return
+        started = self._layout
+        try:
+            agreed = self._agree(started, header)  # type: ignore[arg-type]
+        except BaseException:
+            self._in_round = False
+            raise
+        assert agreed, "this worker has a gradient in this round"
+        layout = self._layout
+        if layout is not started:
+            # The layout changed after a garbage collection (see _agree) while backward ran: what it already
+            # produced counted for the old buckets. Hold every bucket until the end of backward, which launches
+            # them all with every gradient in place (no overlap, this one round).
+            self._pending = [sys.maxsize] * len(layout.buckets)  # type: ignore[union-attr]
+            self._works = [None] * len(layout.buckets)  # type: ignore[union-attr]
 
     def _launch_ready(self) -> None:
         buckets = self._layout.buckets  # type: ignore[union-attr]
+        if self._header is not None and self._next < len(buckets) and self._pending[self._next] <= 0:
+            self._settle()
+            buckets = self._layout.buckets  # type: ignore[union-attr]
         while self._next < len(buckets) and self._pending[self._next] <= 0:
             self._launch(buckets[self._next])
             self._next += 1
@@ -314,6 +362,8 @@ class GradSync:
 
         At the end of a backward it is also a timing boundary, for scripts that never call ``step()``.
         """
+        if self._header is not None:
+            self._settle()  # no bucket was ready before the end of backward
         layout = self._layout
         assert layout is not None
         self._in_round = False

@@ -126,6 +126,21 @@ class Agreement:
         return any(h.kind == ROUND for h in self.headers) and len(fingerprints) > 1
 
 
+class InFlight:
+    """A header exchange :meth:`Lockstep.start` began; :meth:`Lockstep.collect` waits for it."""
+
+    def __init__(self, kind: int, wait: Callable[[], list[list[int]]]):
+        self.kind = kind
+        self._wait = wait
+        self._rows: list[list[int]] | None = None
+
+    def wait(self) -> list[list[int]]:
+        """Every worker's header fields, by rank (waits the first time only)."""
+        if self._rows is None:
+            self._rows = self._wait()
+        return self._rows
+
+
 class Lockstep:
     """Announces collectives over ``group`` (rank = this worker's rank in it).
 
@@ -153,6 +168,8 @@ class Lockstep:
         self._joined = False
         self._finished = False
         self._waited_s = 0.0  # time spent in header exchanges: waiting for peers, reported as communication
+        # An exchange started and not yet collected, with what its starter does with the agreement.
+        self._in_flight: tuple[InFlight, Callable[[], None]] | None = None
 
     @property
     def joined(self) -> bool:
@@ -200,31 +217,66 @@ class Lockstep:
 
     def exchange(self, kind: int, a: int = 0, b: int = 0, c: int = 0) -> Agreement:
         """All-gather the headers; raises PeerError if a peer is gone."""
-        started = time.perf_counter()
+        return self.collect(self.start(kind, a, b, c))
+
+    def start(
+        self, kind: int, a: int = 0, b: int = 0, c: int = 0, settle: Callable[[], None] | None = None
+    ) -> InFlight:
+        """Send this worker's header and return without waiting; :meth:`collect` gives the agreement.
+
+        So a gradient round's header travels while backward computes, instead of costing a round
+        trip at its first gradient (through gloo, about 2 ms of W1's step). ``settle``: what the
+        caller does with the agreement; it must run before any other collective of this worker,
+        so an exchange started meanwhile (a buffer broadcast of a forward recomputed during
+        backward) calls it first, and it must :meth:`collect` this exchange.
+        """
+        self._settle_in_flight()
+        values = [kind, a, b, c, self._steps, 0]
         if self.channel is not None:
+            seq = self.channel.post(values)
+            flight = InFlight(kind, lambda: self.channel.collect(seq))  # type: ignore[union-attr]
+        else:
+            mine = torch.tensor(values, dtype=torch.int64)
+            gathered = torch.empty(self.world * _FIELDS, dtype=torch.int64)
             try:
-                rows = self.channel.exchange([kind, a, b, c, self._steps, 0])
-            except shm.ChannelError as error:
-                what = f"agreeing on the next collective ({WHAT[kind]})"
-                dead = "died" in str(error)
-                raise PeerError.from_collective(what, error, None if dead else self._diagnosis(), plain=dead) from None
-            finally:
-                self._waited_s += time.perf_counter() - started
-            return Agreement([Header(r, *row[:5]) for r, row in enumerate(rows)])
-        mine = torch.tensor([kind, a, b, c, self._steps, 0], dtype=torch.int64)
-        gathered = torch.empty(self.world * _FIELDS, dtype=torch.int64)
+                work = dist.all_gather_single(gathered, mine, group=self.group, async_op=True)
+            except RuntimeError as error:
+                raise self._failed(kind, error) from None
+
+            def wait() -> list[list[int]]:
+                work.wait(self._timeout)
+                return gathered.view(self.world, _FIELDS).tolist()
+
+            flight = InFlight(kind, wait)
+        if settle is not None:
+            self._in_flight = (flight, settle)
+        return flight
+
+    def collect(self, flight: InFlight) -> Agreement:
+        """Wait for an exchange :meth:`start` began (once); raises PeerError if a peer is gone."""
+        if self._in_flight is not None and self._in_flight[0] is flight:
+            self._in_flight = None
+        started = time.perf_counter()
         try:
-            work = dist.all_gather_single(gathered, mine, group=self.group, async_op=True)
-            work.wait(self._timeout)
+            rows = flight.wait()
         except RuntimeError as error:
-            diagnosis = self._diagnosis()
-            raise PeerError.from_collective(
-                f"agreeing on the next collective ({WHAT[kind]})", error, diagnosis
-            ) from None
+            raise self._failed(flight.kind, error) from None
         finally:
             self._waited_s += time.perf_counter() - started
-        rows = gathered.view(self.world, _FIELDS).tolist()
         return Agreement([Header(r, *row[:5]) for r, row in enumerate(rows)])
+
+    def _settle_in_flight(self) -> None:
+        if self._in_flight is not None:
+            _, settle = self._in_flight
+            self._in_flight = None
+            settle()
+
+    def _failed(self, kind: int, error: RuntimeError) -> PeerError:
+        what = f"agreeing on the next collective ({WHAT[kind]})"
+        if isinstance(error, shm.ChannelError):
+            dead = "died" in str(error)
+            return PeerError.from_collective(what, error, None if dead else self._diagnosis(), plain=dead)
+        return PeerError.from_collective(what, error, self._diagnosis())
 
     def _diagnosis(self) -> str | None:
         return self.diagnose() if self.diagnose is not None else None

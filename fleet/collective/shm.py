@@ -126,11 +126,22 @@ class Channel:
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         """Every worker's ``values`` (``width`` ints), by rank."""
+        return self.collect(self.post(values))
+
+    def post(self, values: list[int]) -> int:
+        """The first half of :meth:`exchange`: publish ``values`` and return at once; :meth:`collect` the
+        returned sequence before posting again (the double buffer holds for one exchange in flight)."""
         self.seq += 1
         start = 2 + (self.seq % 2) * self.width
         self.table[self.rank, start : start + len(values)] = torch.tensor(values, dtype=torch.int64)
         self._arrive()
-        self._wait(self.seq)
+        return self.seq
+
+    def collect(self, seq: int) -> list[list[int]]:
+        """The second half of :meth:`exchange`: wait for every worker's values of ``seq``, by rank."""
+        assert seq == self.seq, "collect the exchange in flight before posting another"
+        self._wait(seq)
+        start = 2 + (seq % 2) * self.width
         return self.table[:, start : start + self.width].tolist()
 
     def _wait(self, seq: int) -> None:
