@@ -34,6 +34,7 @@ FSDP2's own collectives (NCCL) for them.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 import time
@@ -85,7 +86,7 @@ class SharedMemoryCollectives:
             return True
         if self._refused is not None:
             return False
-        half = max(-(-nbytes // _ALIGN) * _ALIGN, 2 * self._half)
+        half = -(-nbytes // _ALIGN) * _ALIGN  # the biggest unit's gradients: grows during the first step only
         path = self._path(self.rank, self._generation + 1)
         try:
             segment = shm.create(path, 2 * half, torch.uint8)
@@ -238,21 +239,22 @@ def _fsdp_classes() -> tuple[type, type]:
     class SharedMemoryReduceScatter(ReduceScatter):
         def __init__(self, collectives: SharedMemoryCollectives, clock: CommClock, what: str) -> None:
             self.collectives, self.clock, self.what = collectives, clock, what
-            self._input_next = True  # FSDP2 allocates the input, then the output, then calls
+            self._input: int | None = None  # the size of the input handed out, until the call
 
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            input_next, self._input_next = self._input_next, False
-            if input_next and torch.device(device).type == "cpu":
-                numel = 1
-                for s in size:
-                    numel *= int(s)
-                return self.collectives.input_buffer(numel, dtype).view(*size)
-            return torch.empty(*size, dtype=dtype, device=device)
+            """FSDP2 asks for the input, then the output (1/world of it), then calls: the input is
+            written straight into shared memory; the output, which becomes the gradients, is private."""
+            numel = math.prod(int(s) for s in size)
+            handed, self._input = self._input, None
+            if torch.device(device).type != "cpu" or (handed is not None and numel * self.collectives.world == handed):
+                return torch.empty(*size, dtype=dtype, device=device)
+            self._input = numel
+            return self.collectives.input_buffer(numel, dtype).view(*size)
 
         def __call__(
             self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
         ):
-            self._input_next = True
+            self._input = None
             started = time.perf_counter()
             try:
                 self.collectives.reduce_scatter(output_tensor, input_tensor, group, op, self.what)
