@@ -108,7 +108,8 @@ class SharedMemoryCollectives:
 
     def _theirs(self, rank: int, parity: int, nbytes: int) -> torch.Tensor:
         segment = self._peers[rank]
-        assert segment is not None, "mapped in the meeting"
+        if segment is None:  # nothing was ever sent: only for an empty collective
+            return torch.empty(nbytes, dtype=torch.uint8)
         half = segment.numel() // 2
         return segment[parity * half : parity * half + nbytes]
 
@@ -174,8 +175,9 @@ class SharedMemoryCollectives:
             parity = self._parity()
             if _overlaps(output, self._mine):
                 raise RuntimeError(
-                    "fleet: FSDP2 asked for its reduce-scatter buffers in another order than fleet's shared-memory "
-                    "collectives expect (input, then output); run with DistributedStrategy(shared_memory=False)"
+                    "fleet: FSDP2's reduce-scatter output (its sharded gradients) was given shared memory meant for "
+                    "its input: this torch asks for the buffers in another way than fleet expects (input, then an "
+                    "output 1/world its size); run with DistributedStrategy(shared_memory=False)"
                 )
             ok = self._room(nbytes)
             own = self._own(parity, nbytes) if ok else None
