@@ -1,6 +1,6 @@
 """fleet's sharding against raw FSDP2 on the same transformer, alternately in one run.
 
-    python benchmarks/sharding_vs_fsdp2.py [--workers 2] [--rounds 40] [--steps 1]
+    python benchmarks/sharding_vs_fsdp2.py [--workers 2] [--rounds 40] [--steps 1] [--no-shared-memory]
 
 A GPT-style model (token embedding, 4 blocks of attention + MLP in an ``nn.ModuleList``, head;
 dim 256, sequence 64, batch 8 per worker, AdamW) trained in the same two processes over the same
@@ -8,7 +8,9 @@ gloo group, one intra-op thread each: once through ``fleet.distributed_optimizer
 DistributedStrategy(mode="sharding"))`` with its default units, once as FSDP2's own recipe
 (``fully_shard`` on every block, then the root) with the same optimizer. Steps alternate
 (fleet, FSDP2, FSDP2, fleet, ...) so drift in the machine's load hits both alike. Prints the
-median step time of each and the ratio fleet / FSDP2 (issue 27's target: at most 1.0).
+median step time of each and the ratio fleet / FSDP2 (issue 27's target: at most 1.0). Fleet's
+collectives go through shared memory (the workers share this host); ``--no-shared-memory`` sends
+them through gloo as FSDP2's do, as workers on several hosts would (a secondary figure).
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def worker(rank: int, workers: int, port: int, args: argparse.Namespace, out: st
 
     fleet_model = GPT()
     fleet_opt = fleet.distributed_optimizer(
-        torch.optim.AdamW(fleet_model.parameters(), lr=1e-3), fleet.DistributedStrategy(mode="sharding")
+        torch.optim.AdamW(fleet_model.parameters(), lr=1e-3),
+        fleet.DistributedStrategy(mode="sharding", shared_memory=not args.no_shared_memory),
     )
     raw_model = GPT()
     for block in raw_model.layers:
@@ -115,6 +118,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=40, help="alternations (fleet then FSDP2, then the reverse)")
     parser.add_argument("--steps", type=int, default=1, help="steps of each in one alternation")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--no-shared-memory",
+        action="store_true",
+        help="fleet's collectives through gloo (shared_memory=False), as workers on several hosts do",
+    )
     args = parser.parse_args()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -128,9 +136,10 @@ def main() -> int:
     fleet_ms = statistics.median(times["fleet"]) * 1000
     raw_ms = statistics.median(times["fsdp2"]) * 1000
     params = sum(p.numel() for p in GPT().parameters())
+    path = "gloo (shared_memory=False)" if args.no_shared_memory else "shared memory"
     print(
         f"sharding vs FSDP2: GPT {params / 1e6:.1f} M params ({BLOCKS} blocks in a ModuleList, dim {DIM}), "
-        f"batch {BATCH}x{SEQ}/worker, {args.workers} workers, 1 thread each, gloo"
+        f"batch {BATCH}x{SEQ}/worker, {args.workers} workers, 1 thread each, gloo; fleet through {path}"
     )
     print(f"{'':10}{'median ms/step':>16}{'steps':>8}")
     for name, ms in (("fleet", fleet_ms), ("FSDP2", raw_ms)):
@@ -141,7 +150,7 @@ def main() -> int:
     print(f"same losses step by step (1e-4): {same}")
     record_result(
         "sharding_vs_fsdp2",
-        variant="GPT, blocks in a ModuleList",
+        variant="GPT, blocks in a ModuleList" + (", gloo" if args.no_shared_memory else ""),
         figure=f"median step time, {args.workers} workers on one host, 1 thread each, alternating every step",
         units="ms",
         fleet=round(fleet_ms, 2),
@@ -150,7 +159,9 @@ def main() -> int:
         ratio=round(ratio, 4),
         ratio_means="fleet sharding / raw FSDP2 median step time (lower is better)",
         target="<= 1.0",
-        summary=f"{ratio:.3f} x FSDP2's step time (fleet {fleet_ms:.1f} ms, FSDP2 {raw_ms:.1f} ms)",
+        summary=f"{ratio:.3f} x FSDP2's step time (fleet {fleet_ms:.1f} ms, FSDP2 {raw_ms:.1f} ms)"
+        + (", fleet through gloo" if args.no_shared_memory else ""),
+        headline=not args.no_shared_memory,
         details={"rounds": args.rounds, "workers": args.workers, "same_losses": same},
     )
     return 0

@@ -105,7 +105,8 @@ class DistributedStrategy(BaseModel):
 
     shared_memory: bool = True
     """Collective: when every worker runs on one host, sum CPU gradient buckets through shared
-    memory (/dev/shm) instead of the process group (uncompressed buckets only)."""
+    memory (/dev/shm) instead of the process group (uncompressed buckets only). Sharding: FSDP2's
+    all-gathers and reduce-scatters of CPU parameters too."""
 
     sharding_stage: Literal[2, 3] = 3
     """Sharding: 3 shards the parameters too and gathers each layer's again in backward (ZeRO-3,

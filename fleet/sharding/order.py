@@ -62,8 +62,9 @@ class ShardedOrder:
         self.clock = clock if clock is not None else CommClock()  # FSDP2's collectives and the waits here
         # Workers on one host exchange the announcements through shared memory: no gloo round trip
         # (a few microseconds instead of about a millisecond each, some thirty per step).
-        host = LocalHost.connect(group, timeout_s) if shared_memory else None
-        self.lockstep = lockstep.Lockstep(group, timeout_s, diagnose, host.lockstep if host is not None else None)
+        self.host = LocalHost.connect(group, timeout_s) if shared_memory else None  # also FSDP2's collectives'
+        channel = self.host.lockstep if self.host is not None else None
+        self.lockstep = lockstep.Lockstep(group, timeout_s, diagnose, channel)
         self.names: list[str] = []  # a watched module's index (the same on every worker) -> its name
         self.roots: list[str] = []  # the models sharded, described, in the order they were
         self._ran_forward = False  # a sharded module ran forward since the last backward announced

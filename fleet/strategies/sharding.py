@@ -16,7 +16,9 @@ scheduler built on it keeps working), and any state it already had is sharded th
 A model built on the ``meta`` device is sharded first, then each worker materialises and
 initialises only its own shards (:mod:`fleet.sharding.meta_init`; ``init=`` on
 ``distributed_optimizer``/``distributed_model``). FSDP2's collectives are timed as the step's
-communication (:mod:`fleet.sharding.comm_timing`).
+communication (:mod:`fleet.sharding.comm_timing`); with CPU workers all on one host they go
+through shared memory instead of gloo (:mod:`fleet.sharding.shm_collectives`; ``shared_memory=False``
+keeps gloo).
 
 Stages (``sharding_stage``), mapped onto FSDP2's ``reshard_after_forward``:
 
@@ -51,7 +53,7 @@ from fleet.collective.layout import ParamMap
 from fleet.errors import FleetError
 from fleet.nn.rows_state import rows_in_state_dict
 from fleet.sharding import autograd as sharded_autograd
-from fleet.sharding import comm_timing, meta_init, table_rows
+from fleet.sharding import comm_timing, meta_init, shm_collectives, table_rows
 from fleet.sharding.order import ShardedOrder
 from fleet.sparse import backends as tables
 from fleet.strategies.base import Runtime, Strategy, check_reduce
@@ -97,6 +99,7 @@ class ShardingStrategy(Strategy):
         self._replaced = ParamMap()  # an old parameter (weakly) -> its sharded replacement
         self._optimizers: list[weakref.ref] = []
         self._order: ShardedOrder | None = None  # every worker runs the same sharded modules (made with the group)
+        self._shared: shm_collectives.SharedMemoryCollectives | None = None  # CPU workers on one host
 
     # --- sharding the model ----------------------------------------------------------------
 
@@ -166,8 +169,13 @@ class ShardingStrategy(Strategy):
         for unit in units:
             fully_shard(unit if len(unit) > 1 else unit[0], **options)
         fully_shard(model, **options)
+        shared = self._shared_collectives(device)
         for module in [unit[0] for unit in units] + [model]:  # modules sharded as one group share its collectives
-            comm_timing.time_collectives(module, self._order.clock)
+            if shared is not None:
+                name = f"{root}.{inside[id(module)]}" if module is not model else root
+                shm_collectives.install(module, name, shared, self._order.clock)
+            else:
+                comm_timing.time_collectives(module, self._order.clock)
         if on_meta:
             meta_init.materialize(model, meta_init.target_device(), init)
             broadcast_tensors(list(model.buffers()), group)  # replicated, not sharded: worker 0's everywhere
@@ -211,6 +219,15 @@ class ShardingStrategy(Strategy):
                     groups[j] = (groups[i][0] + groups[j][0], groups[i][1] | groups[j][1])
                     groups[i] = ([], set())
         return [modules for modules, _ in groups if modules and not _shares_parameters(modules, model)]
+
+    def _shared_collectives(self, device: str) -> shm_collectives.SharedMemoryCollectives | None:
+        """FSDP2's collectives through shared memory: CPU workers all on this host, ``shared_memory`` on."""
+        assert self._order is not None
+        if device != "cpu" or self._order.host is None:
+            return None  # CUDA keeps FSDP2's own (NCCL); across hosts, gloo
+        if self._shared is None:
+            self._shared = shm_collectives.SharedMemoryCollectives(self._order.host, self.runtime.diagnose_peers)
+        return self._shared
 
     @property
     def order(self) -> ShardedOrder | None:
@@ -281,6 +298,8 @@ class ShardingStrategy(Strategy):
     def shutdown(self) -> None:
         if self._order is not None:
             self._order.close()
+        if self._shared is not None:
+            self._shared.close()
         super().shutdown()
 
     def barrier(self) -> None:

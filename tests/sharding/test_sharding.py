@@ -70,10 +70,16 @@ def sharded_worker(
         _train_step(model, opt, scheduler, [batch(rank, step)])
         if save_at is not None and step + 1 == save_at:
             fleet.save_checkpoint(ckpt, model, opt, step + 1)
-    out = {"params": _full(model), "shards": shards, "lr": opt.param_groups[0]["lr"]}
+    out = {"params": _full(model), "shards": shards, "lr": opt.param_groups[0]["lr"], "comms": _comms(model)}
     if stop:
         fleet.stop_worker()
     return out
+
+
+def _comms(model: torch.nn.Module) -> set[str]:
+    """The classes of the collectives FSDP2 runs for ``model``'s units."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    return {type(c).__name__ for g in groups if g is not None for c in (g._all_gather_comm, g._reduce_scatter_comm)}
 
 
 def both_optimizers_worker(rank: int, stage: int, steps: int, workers: int) -> dict:
@@ -98,6 +104,10 @@ def test_sharding_equals_single_process_on_union(workers, stage):
                 assert torch.allclose(got, expected, atol=1e-5), (kind, rank, (got - expected).abs().max())
             lr = make_optimizer(kind, [torch.zeros(1)]).param_groups[0]["lr"]
             assert got_all["lr"] == pytest.approx(0.8**steps * lr)
+        # 2 workers on one host: shared memory; 3 (shared_memory=False): gloo, timed as communication
+        want_comms = {"SharedMemoryAllGather", "SharedMemoryReduceScatter"} if workers == 2 else \
+            {"TimedAllGather", "TimedReduceScatter"}  # fmt: skip
+        assert all(result[kind]["comms"] == want_comms for result in results), [r[kind]["comms"] for r in results]
         first_weight = results[0][kind]["shards"][0]
         assert first_weight[0] == -(-16 // workers), "each worker holds its share of the rows, not the whole weight"
 
