@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,14 +176,6 @@ class PSClient:
         finally:
             if not nested:
                 self._direct_threads.discard(me)
-
-    def batched(self) -> AbstractContextManager[None]:
-        """Inside, this thread's requests are queued and the IO thread woken once, on the way out.
-
-        For a caller that starts several requests together (a step's pushes and pulls): the requests go
-        in the same order, a little later; one hand-over to the IO thread instead of one per request.
-        """
-        return self._io.defer_wakes()
 
     def _all(self, op: Op, table: int = 0, blob: bytes = b"", **fields: Any) -> list[tuple[int, Message]]:
         return [(s, self._msg(op, table, blob=blob, **fields)) for s in range(self.num_servers)]

@@ -25,9 +25,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +140,6 @@ class IOThread:
         self._outstanding = 0
         self._count_lock = threading.Lock()
         self._direct = DirectCalls(self.secret, self._unavailable, self._remote)
-        self._owed: dict[int, bool] = {}  # thread id -> whether it owes a wake (only threads inside defer_wakes())
         self.thread = threading.Thread(target=self._main, name=f"fleet-ps-io-w{worker_index}", daemon=True)
 
     # ------------------------------------------------------ caller side
@@ -167,10 +165,6 @@ class IOThread:
         with self._count_lock:
             self._outstanding += 1
         job.counted = True
-        me = threading.get_ident()
-        deferring = me in self._owed
-        if deferring and self.queue.full():
-            self.wake()  # the IO thread must make room now, not at the end of defer_wakes()
         try:
             self.queue.put(job, timeout=job.timeout_s)
         except queue.Full:
@@ -179,10 +173,7 @@ class IOThread:
                 f"{self.max_in_flight} requests stayed queued for {job.timeout_s} s: the parameter servers are not "
                 "answering, or a future callback blocks the client's IO thread"
             ) from None
-        if deferring:
-            self._owed[me] = True
-        else:
-            self.wake()
+        self.wake()
         if not self.thread.is_alive():  # it ended between the check above and the put: nobody will answer
             self._fail_everything(PSClientClosed("the parameter-server client is closed"))
         return job.future
@@ -234,24 +225,6 @@ class IOThread:
         else:
             future.set_result(result)
         return future
-
-    @contextmanager
-    def defer_wakes(self) -> Iterator[None]:
-        """Inside, this thread's jobs are queued without waking the IO thread, which is woken once on the way out.
-
-        Why: each wake hands the GIL to the IO thread, and the caller waits to get it back; a training
-        step that queues its pushes and its pull together pays that once instead of once per job.
-        """
-        me = threading.get_ident()
-        if me in self._owed:  # nested: the outermost wakes
-            yield
-            return
-        self._owed[me] = False
-        try:
-            yield
-        finally:
-            if self._owed.pop(me):
-                self.wake()
 
     def wake(self) -> None:
         try:

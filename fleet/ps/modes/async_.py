@@ -7,7 +7,6 @@ prefetched, since they may be a step old anyway.
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
@@ -16,12 +15,6 @@ from fleet.ps.modes.base import Admit, UpdateMode, WorkerHost, WorkerPolicy
 from fleet.ps.modes.rows import RemoteRows
 
 MAX_IN_FLIGHT = 4  # pushes waiting for an answer before step() blocks on the oldest
-
-
-def _batched(client: Any) -> contextlib.AbstractContextManager[None]:
-    """``client.batched()``, or nothing for a client without it (a test's stand-in)."""
-    batched = getattr(client, "batched", None)
-    return batched() if batched is not None else contextlib.nullcontext()
 
 
 class AsyncStep(WorkerPolicy):
@@ -33,17 +26,14 @@ class AsyncStep(WorkerPolicy):
     def step(self) -> float:
         self.steps += 1
         tables = self.host.tables
-        # The pushes and the dense pull go to the IO thread together: one hand-over (of the GIL) a step.
-        # Nothing inside waits for a request, since none of those queued here has been sent yet.
-        with _batched(self.host.client):
-            self._pushes.extend(self.push_gradients(versioned=False))
-            if self._pull is not None and all(f.done() for f in self._pull):
-                tables.adopt(self._pull, version=False)
-                self._pull = None
-            if self._pull is None and tables.entries:
-                self._pull = tables.pull()
+        self._pushes.extend(self.push_gradients(versioned=False))
         while self._pushes and (len(self._pushes) > MAX_IN_FLIGHT or self._pushes[0].done()):
             self._pushes.popleft().result()
+        if self._pull is not None and all(f.done() for f in self._pull):
+            tables.adopt(self._pull, version=False)
+            self._pull = None
+        if self._pull is None and tables.entries:
+            self._pull = tables.pull()
         return 0.0
 
     def flush(self) -> None:
