@@ -220,7 +220,8 @@ class SparseFeatureCollection(nn.Module):
         self._feature_set = frozenset(self.feature_names)
         # The last training forward's per-table layout (each feature's offsets and kept entries), for record_clicks.
         self._layout: dict[str, list[tuple[torch.Tensor, torch.Tensor | None, int]]] = {}
-        self._prefetched: tuple[list[torch.Tensor], Any] | None = None  # (each table's unique ids, their future)
+        # A prefetch: (a copy of each feature's ids, the plans made of them, the future of their rows)
+        self._prefetched: tuple[list[torch.Tensor], list[tuple], Any] | None = None
 
     def extra_repr(self) -> str:
         return f"features={self.feature_names}"
@@ -275,25 +276,36 @@ class SparseFeatureCollection(nn.Module):
         it does nothing. Call it with the next batch before this step's ``optimizer.step()``; the
         forward whose batch has the same ids uses it.
         """
-        plans = self._plan(self._bags(features))
+        bags = self._bags(features)
+        plans = self._plan(bags)
         future = backends.prefetch_many([(table.backend(), unique) for _, table, _, _, unique, _ in plans])
-        self._prefetched = ([unique for *_, unique, _ in plans], future) if future is not None else None
+        # A copy of the ids (the caller may refill its tensors in place before the forward): the forward whose
+        # ids equal them takes these plans (unique ids, inverse) and rows instead of making them again.
+        seen = [bags[f][0].clone() for f in self.feature_names]
+        self._prefetched = (seen, plans, future) if future is not None else None
 
-    def _pull(self, plans: list[tuple]) -> list[torch.Tensor]:
+    def _take_prefetch(self, bags: dict[str, Bags]) -> tuple[list[tuple], Any] | None:
+        """The prefetch made of exactly these bags' ids (its plans and rows' future), else None; used once."""
         prefetched, self._prefetched = self._prefetched, None
-        uniques = [unique for *_, unique, _ in plans]
-        if prefetched is not None:
-            seen, future = prefetched
-            if len(seen) == len(uniques) and all(torch.equal(a, b) for a, b in zip(seen, uniques, strict=True)):
-                rows = backends.collect_many(future)
-                if rows is not None:
-                    return rows
+        if prefetched is None:
+            return None
+        seen, plans, future = prefetched
+        if not all(torch.equal(bags[f][0], ids) for f, ids in zip(self.feature_names, seen, strict=True)):
+            return None
+        return plans, future
+
+    def _pull(self, plans: list[tuple], future: Any = None) -> list[torch.Tensor]:
+        if future is not None:
+            rows = backends.collect_many(future)
+            if rows is not None:
+                return rows
         return backends.pull_many([(table.backend(), unique) for _, table, _, _, unique, _ in plans])
 
     def forward(self, features: Any) -> dict[str, torch.Tensor]:
         bags = self._bags(features)
-        plans = self._plan(bags)
-        pulled = self._pull(plans)
+        prefetched = self._take_prefetch(bags)
+        plans, future = prefetched if prefetched is not None else (self._plan(bags), None)
+        pulled = self._pull(plans, future)
         out: dict[str, torch.Tensor] = {}
         training = torch.is_grad_enabled() and self.training
         for (name, table, kept, keeps, unique, inverse), rows in zip(plans, pulled, strict=True):

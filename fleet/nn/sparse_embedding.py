@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from fleet.nn import rows_state
+from fleet.nn.bag_kernels import unique_inverse
 from fleet.runtime import context
 from fleet.sparse import backends as tables
 from fleet.sparse.lifecycle import Entry, LifeCycle
@@ -259,9 +260,10 @@ class SparseEmbedding(nn.Module):
         ids before this step's ``optimizer.step()``; the forward that gets the same ids uses it.
         """
         ids = self._check_ids(ids)
-        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        unique, inverse = unique_inverse(ids.reshape(-1))
         future = getattr(self.backend(), "prefetch", lambda _: None)(unique)
-        self._prefetched = (ids, unique, inverse, future) if future is not None else None
+        # a copy: the caller may refill its ids tensor in place before the forward, which must then pull again
+        self._prefetched = (ids.clone(), unique, inverse, future) if future is not None else None
 
     @staticmethod
     def _check_ids(ids: torch.Tensor) -> torch.Tensor:
@@ -274,11 +276,11 @@ class SparseEmbedding(nn.Module):
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
             seen, unique, inverse, future = prefetched
-            if seen is ids or (seen.shape == ids.shape and torch.equal(seen, ids)):
+            if seen.shape == ids.shape and torch.equal(seen, ids):
                 rows = self.backend().collect(future)
                 if rows is not None:
                     return unique, rows, inverse
-        unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        unique, inverse = unique_inverse(ids.reshape(-1))
         return unique, self.backend().pull(unique), inverse
 
     def _gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -666,9 +666,11 @@ class SparseTable:
             if not bool((slots < 0).any()):
                 self._recent.remember(ids, slots)  # nothing changed: no transaction needed
                 return rows
+            new = (slots < 0).nonzero().squeeze(1)  # before _slots, which fills these slots in
             with self.transaction():  # the gather below can fail too: then the new rows go again
                 slots = self._slots(ids, slots)  # first: creating rows may replace self._rows
-                rows = self._gather_rows(slots)
+                # the rows found were copied by the lookup: only the new ones (their initial values) are gathered
+                rows.index_copy_(0, new, self._gather_rows(slots.index_select(0, new)))
                 self._recent.remember(ids, slots)  # a failure here takes the rows back and forgets
                 return rows
         slots, out = self._index.lookup_rows(ids, self._rows[: len(self)])  # absent ids' rows: filled below
