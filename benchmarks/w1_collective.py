@@ -5,7 +5,8 @@
 Both run in the same two processes over the same gloo group, same model, data and seed,
 one intra-op thread per process. Steps alternate (fleet, DDP, DDP, fleet, ...) so drift
 in the shared machine's load hits both alike. Prints the median step time of each and the ratio
-fleet / DDP (target <= 0.90: issue 8; benchmarks/README.md).
+fleet / DDP (targets: <= 0.90 through shared memory, issue 8; <= 1.0 through gloo, issue 27;
+benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -113,7 +114,10 @@ def main() -> int:
         print(f"{name:10}{ms:16.1f}{p90:14.1f}{len(samples):8d}")
     ratio = fleet_ms / ddp_ms
     paired = statistics.median(times["pair_ratios"])
-    print(f"ratio fleet/DDP (median step time): {ratio:.3f}  (target <= 0.90) {'PASS' if ratio <= 0.90 else 'MISS'}")
+    target = 1.0 if args.no_shared_memory else 0.90  # gloo: no faster transport than DDP's, so level is the bar
+    print(
+        f"ratio fleet/DDP (median step time): {ratio:.3f}  (target <= {target:.2f}) {'PASS' if ratio <= target else 'MISS'}"
+    )
     print(f"median of per-alternation ratios:   {paired:.3f}")
     record_result(
         "w1_collective",
@@ -125,7 +129,7 @@ def main() -> int:
         peer_value=round(ddp_ms, 2),
         ratio=round(ratio, 4),
         ratio_means="fleet / DDP median step time (lower is better)",
-        target="<= 0.90",
+        target=f"<= {target:.2f}",
         summary=f"{ratio:.3f} x DDP's step time (fleet {fleet_ms:.1f} ms, DDP {ddp_ms:.1f} ms; median of per-step ratios {paired:.3f})"
         + (" through gloo" if args.no_shared_memory else ""),
         headline=not args.no_shared_memory,
