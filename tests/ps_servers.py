@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 import zmq
 
 from fleet.ps.client.client import PSClient
-from fleet.ps.protocol import auth
+from fleet.ps.protocol import auth, unix
 from fleet.ps.protocol import local as same_host
 from fleet.ps.protocol.limits import RequestLimits
 from fleet.ps.protocol.wire import Message, decode
@@ -67,6 +68,17 @@ def run_workers(fn, n: int) -> list:
     if errors:
         raise errors[0]
     return results
+
+
+def direct_unix_socket(path: str, secret: bytes = SECRET) -> socket.socket:
+    """A connection to a server's direct Unix socket at ``path``, past its challenge (answered with ``secret``)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(path)
+    challenge = bytes(unix.recv_exactly(sock, unix.CHALLENGE_BYTES))
+    sock.sendall(unix.answer(secret, challenge))
+    unix.recv_exactly(sock, unix.INCARNATION.size)
+    return sock
 
 
 def raw_socket(ctx: zmq.Context, endpoint: str, secret: bytes = SECRET) -> zmq.Socket:

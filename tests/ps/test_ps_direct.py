@@ -25,6 +25,7 @@ from fleet.ps.protocol.errors import PSRemoteError, PSServerUnavailable
 from fleet.ps.protocol.limits import RequestLimits
 from fleet.ps.protocol.wire import Message, Op, Status, decode, encode
 from fleet.ps.server.loop import ParameterServer
+from ps_servers import direct_unix_socket
 
 SECRET = b"direct-path-secret-0123"
 ASYNC_SGD = {"optimizer": {"kind": "sgd", "lr": 1.0}, "update": "async"}
@@ -55,16 +56,6 @@ def direct_socket(srv: ParameterServer) -> str:
     path = srv.ipc_path.removesuffix(".sock") + unix.SUFFIX
     assert os.path.exists(path)
     return path
-
-
-def authenticated(path: str, secret: bytes = SECRET) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(5)
-    sock.connect(path)
-    challenge = bytes(unix.recv_exactly(sock, unix.CHALLENGE_BYTES))
-    sock.sendall(unix.answer(secret, challenge))
-    unix.recv_exactly(sock, unix.INCARNATION.size)
-    return sock
 
 
 def test_direct_pulls_match_the_io_thread_and_never_overtake_a_push() -> None:
@@ -122,7 +113,7 @@ def test_the_direct_socket_refuses_a_wrong_secret_and_garbled_messages() -> None
         unix.send_all(sock, encode(Message(op=Op.HELLO, peer=0, request_id=1)))
         assert sock.recv(64) == b""
         sock.close()
-        sock = authenticated(path)  # then a message of too many frames
+        sock = direct_unix_socket(path, SECRET)  # then a message of too many frames
         sock.sendall(unix.COUNT.pack(unix.MAX_FRAMES + 1))
         assert sock.recv(64) == b""
         sock.close()
@@ -139,7 +130,7 @@ def test_the_request_limits_hold_on_the_direct_socket() -> None:
         client = PSClient([srv.endpoint], SECRET, 0, timeout_s=5.0)
         try:
             client.create_sparse(2, {"dim": 3, "optimizer": {"kind": "sgd", "lr": 1.0}, "update": "async"}).result()
-            sock = authenticated(direct_socket(srv))
+            sock = direct_unix_socket(direct_socket(srv), SECRET)
             ids = torch.arange(9)
             unix.send_all(sock, encode(Message(op=Op.PULL_SPARSE, table=2, peer=0, request_id=7, tensors=[ids])))
             reply = decode(unix.recv_message(sock))

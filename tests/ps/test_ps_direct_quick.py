@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -24,19 +23,9 @@ from fleet.ps.protocol import unix
 from fleet.ps.protocol.errors import PSServerUnavailable
 from fleet.ps.protocol.limits import RequestLimits
 from fleet.ps.protocol.wire import HEADER, Message, Op, Status, decode, encode
-from ps_servers import SECRET, client, raw_socket, server_process, servers
+from ps_servers import SECRET, client, direct_unix_socket, raw_socket, server_process, servers
 
 SGD = {"kind": "sgd", "lr": 1.0}
-
-
-def direct_socket(path: str) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(5)
-    sock.connect(path)
-    challenge = bytes(unix.recv_exactly(sock, unix.CHALLENGE_BYTES))
-    sock.sendall(unix.answer(SECRET, challenge))
-    unix.recv_exactly(sock, unix.INCARNATION.size)
-    return sock
 
 
 def on_ipc(c: PSClient) -> None:
@@ -73,7 +62,7 @@ def test_the_direct_socket_answers_every_request_as_zeromq_does() -> None:
         c.push_dense_grad(1, torch.ones(4), 0, 1.0).result()  # version 1
         srv = srvs[0]
         zsock = raw_socket(ctx, srv.endpoint)
-        dsock = direct_socket(srv.ipc_path.removesuffix(".sock") + unix.SUFFIX)
+        dsock = direct_unix_socket(srv.ipc_path.removesuffix(".sock") + unix.SUFFIX)
         pull = encode(Message(Op.PULL_DENSE, table=1, peer=0, request_id=11))
         ids = torch.tensor([5, 9, 5])
         sparse = encode(Message(Op.PULL_SPARSE, table=2, peer=1, request_id=12, tensors=[ids]))

@@ -89,13 +89,7 @@ class _Conn:
             except BlockingIOError:  # the bound passed: the deadline, or a bound set for a later one
                 self.within(deadline)
                 continue
-            while sent and pending:
-                if sent >= pending[0].nbytes:
-                    sent -= pending[0].nbytes
-                    pending.pop(0)
-                else:
-                    pending[0] = pending[0][sent:]
-                    sent = 0
+            unix.drop_sent(pending, sent)
 
     def _read(self, view: memoryview, deadline: float) -> int:
         while True:

@@ -126,18 +126,22 @@ def parse(buf: bytearray | memoryview, start: int = 0) -> tuple[list[memoryview]
     return frames, at
 
 
+def drop_sent(pending: list[memoryview], sent: int) -> None:
+    """Take the first ``sent`` bytes (what one ``sendmsg`` wrote) off the front of ``pending``."""
+    while sent and pending:
+        if sent >= pending[0].nbytes:
+            sent -= pending[0].nbytes
+            pending.pop(0)
+        else:
+            pending[0] = pending[0][sent:]
+            sent = 0
+
+
 def send_all(sock: socket.socket, frames: Sequence[Any]) -> None:
     """Write one message on a blocking socket (scatter-gather, the tensors' memory as it is)."""
     pending = buffers(frames)
     while pending:
-        sent = sock.sendmsg(pending)
-        while sent and pending:
-            if sent >= pending[0].nbytes:
-                sent -= pending[0].nbytes
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][sent:]
-                sent = 0
+        drop_sent(pending, sock.sendmsg(pending))
 
 
 #: what one read of an answer takes at first: a small answer comes in one system call
