@@ -303,11 +303,11 @@ class GradSync:
         if lock is None:
             active = 1
         else:
+            unverified = self._unverified()
             if header is None:
-                agreement = lock.exchange(lockstep.ROUND, layout.fingerprint, len(self._changed), self._unverified())
+                agreement = lock.exchange(lockstep.ROUND, layout.fingerprint, len(self._changed), unverified)
             else:
                 agreement = lock.collect(header)
-            unverified = agreement.headers[lock.rank].c  # as this worker sent it (counting walks every parameter)
             if agreement.fingerprints_differ():
                 # An optimizer the script dropped may be awaiting the garbage collector on some workers only
                 # (a reference cycle, e.g. through an LR scheduler): collect everywhere, then compare again.
