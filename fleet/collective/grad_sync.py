@@ -408,7 +408,12 @@ class GradSync:
         layout = self._layout
         if layout is None:
             return False
+        # An optimizer the script dropped may have been collected since the round (on this worker only):
+        # its parameters linger in the layout with their old gradients, and are not this step's business.
+        live = {id(p) for p in self.registered()}
         for p in layout.dense + layout.sparse:
+            if id(p) not in live:
+                continue
             grad = p.grad
             if grad is not None:
                 seen = self._idle.get(id(p))

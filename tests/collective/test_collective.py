@@ -26,6 +26,8 @@ def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    if name == "plain-sgd":
+        return torch.optim.SGD(params, lr=0.1)
     return torch.optim.Adam(params, lr=0.01)
 
 
@@ -148,3 +150,45 @@ def sparse_sum_worker(rank):
 def test_sparse_gradients_sum_the_same_by_all_gather_as_by_gloo():
     for gathered, reduced in run_workers(sparse_sum_worker, 2):
         assert torch.equal(gathered, reduced) and gathered.sum() > 0
+
+
+def dropped_optimizer_worker(rank: int) -> torch.Tensor:
+    """Drop an optimizer kept alive by a reference cycle; worker 0's gc frees it in the middle of a round."""
+    import gc
+
+    import fleet
+
+    fleet.init(strategy=fleet.DistributedStrategy(timeout_s=20))
+    gc.disable()  # only the explicit collection below frees the dropped optimizer
+    try:
+        old = make_model(seed=rank)
+        holder: list = [fleet.distributed_optimizer(torch.optim.SGD(old.parameters(), lr=0.1))]
+        holder.append(holder)  # a cycle, as an LR scheduler makes: the optimizer outlives the script's reference
+        x, y = batch(rank, 99)
+        torch.nn.functional.cross_entropy(old(x), y).backward()
+        holder[0].step()
+        del holder, old
+        model = make_model(seed=rank)
+        opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in range(2):
+            opt.zero_grad()
+            x, y = batch(rank, step)
+            hidden = model[1](model[0](x))
+            if rank == 0 and step == 0:
+                # Runs after the last layer's gradients started the round and before the first layer's.
+                hidden.register_hook(lambda grad: (gc.collect(), grad)[1])
+            torch.nn.functional.cross_entropy(model[2](hidden), y).backward()
+            opt.step()
+    finally:
+        gc.enable()
+    fleet.stop_worker()
+    return flat(model)
+
+
+@pytest.mark.timeout(90)
+def test_a_dropped_optimizer_collected_mid_round_on_one_worker_changes_nothing():
+    # Its parameters stay in the round's layout until the next refresh, with their old gradients:
+    # they are not gradients "set by hand", which would start a catch-up round on that worker alone.
+    results = run_workers(dropped_optimizer_worker, 2)
+    assert torch.equal(results[0], results[1])
+    assert torch.allclose(results[0], reference(2, "plain-sgd", steps=2), atol=1e-6)
