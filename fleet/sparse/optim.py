@@ -266,10 +266,9 @@ def _uniform01(ids: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Ten
     return scratch.to(torch.float64).mul_(2.0**-53)
 
 
-def _uniform_rows(ids: torch.Tensor, dim: int, init: InitializerSpec, seed: int) -> torch.Tensor:
-    """The "uniform" rows, natively: the bits of :func:`_uniform_rows_torch` (creating rows is much of a growing
-    table's pull, and the torch version makes a dozen ``[n, dim]`` int64 passes)."""
-    out = torch.empty(ids.numel(), dim, dtype=torch.float32)
+def _uniform_rows(ids: torch.Tensor, dim: int, init: InitializerSpec, seed: int, out: torch.Tensor) -> torch.Tensor:
+    """The "uniform" rows, natively, into ``out``: the bits of :func:`_uniform_rows_torch` (creating rows is much
+    of a growing table's pull, and the torch version makes a dozen ``[n, dim]`` int64 passes)."""
     seed_key = _signed(_mix_int(seed * _GAMMA + 1))  # _uniform01's key for stream 0
     kernels.uniform_rows(ids.contiguous().numpy(), seed_key, float(init.low), init.high - init.low, out.numpy())
     return out
@@ -281,29 +280,41 @@ def _uniform_rows_torch(ids: torch.Tensor, dim: int, init: InitializerSpec, seed
     return (u * (init.high - init.low) + init.low).to(torch.float32)
 
 
-def initial_rows(ids: torch.Tensor, dim: int, init: InitializerSpec, seed: int) -> torch.Tensor:
+def initial_rows(
+    ids: torch.Tensor, dim: int, init: InitializerSpec, seed: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Initial values of the rows for ``ids``: float32 ``[len(ids), dim]``.
 
     Element ``(i, c)`` depends only on ``(seed, ids[i], c)`` — never on the
     batch it arrives in, its position, or which server shard creates it. The
     arithmetic runs in float64 and is rounded to float32 once at the end, so
     vectorised and scalar kernel paths agree bit for bit after rounding.
+    ``out``: float32 ``[len(ids), dim]`` to write them into (a table's new rows, in place; each row's
+    elements adjacent), returned.
     """
     if ids.dim() != 1:
         raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
     ids = ids.to(torch.int64)
     n = ids.numel()
-    if init.kind == "zeros":
-        return torch.zeros(n, dim, dtype=torch.float32)
-    if init.kind == "constant":
-        return torch.full((n, dim), init.value, dtype=torch.float32)
+    if out is not None and (tuple(out.shape) != (n, dim) or out.dtype != torch.float32):
+        raise ValueError(f"out must be float32 {(n, dim)}, got {out.dtype} {tuple(out.shape)}")
     if init.kind == "uniform":
-        return _uniform_rows(ids, dim, init, seed)
-    # Box-Muller on two independent streams.
-    u1 = _uniform01(ids, dim, seed, 1)
-    u2 = _uniform01(ids, dim, seed, 2)
-    z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
-    return (z * init.std + init.mean).to(torch.float32)
+        if out is not None and (out.stride(-1) == 1 or dim <= 1):  # written in place, rows apart or not
+            return _uniform_rows(ids, dim, init, seed, out)
+        rows = _uniform_rows(ids, dim, init, seed, torch.empty(n, dim, dtype=torch.float32))
+        return rows if out is None else out.copy_(rows)
+    if init.kind == "zeros":
+        rows = torch.zeros(n, dim, dtype=torch.float32) if out is None else out.zero_()
+    elif init.kind == "constant":
+        rows = torch.full((n, dim), init.value, dtype=torch.float32) if out is None else out.fill_(init.value)
+    else:  # Box-Muller on two independent streams.
+        u1 = _uniform01(ids, dim, seed, 1)
+        u2 = _uniform01(ids, dim, seed, 2)
+        z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+        rows = (z * init.std + init.mean).to(torch.float32)
+        if out is not None:
+            out.copy_(rows)
+    return rows if out is None else out
 
 
 # --------------------------------------------------------------------------- update rules

@@ -454,7 +454,7 @@ class SparseTable(TableLifeCycle):
         """Fill the free slots ``first ..`` (past the live length: nothing to undo) for ``new_ids``."""
         end = first + new_ids.numel()
         self._grow_to(end, used=first)
-        self._rows[first:end] = initial_rows(new_ids, self.dim, self.initializer, self.seed)
+        initial_rows(new_ids, self.dim, self.initializer, self.seed, out=self._rows[first:end])
         self._start_fresh({name: t[first:end] for name, t in self._saved_fields().items() if name != "rows"})
         self._dirty[first:end] = True
         self._prefault_ahead(end)

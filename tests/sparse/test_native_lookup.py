@@ -37,6 +37,30 @@ def test_uniform_rows_are_the_torch_definition(dim: int, seed: int, low: float, 
     assert initial_rows(ids[:0], dim, init, seed).shape == (0, dim)
 
 
+@pytest.mark.parametrize(
+    "init",
+    [
+        InitializerSpec(kind="uniform", low=-0.5, high=0.25),
+        InitializerSpec(kind="normal", mean=0.1, std=0.3),
+        InitializerSpec(kind="constant", value=0.7),
+        InitializerSpec(kind="zeros"),
+    ],
+    ids=lambda init: init.kind,
+)
+def test_initial_rows_written_in_place_into_rows_that_lie_apart(init: InitializerSpec) -> None:
+    # A table writes its new rows straight into the row field of its records (rows further apart than dim).
+    ids = torch.randint(-(1 << 40), 1 << 40, (300,), generator=torch.Generator().manual_seed(1))
+    records = torch.full((300, 24), -9.0)
+    out = records[:, 3:19]
+    assert initial_rows(ids, 16, init, 5, out=out) is out
+    assert torch.equal(out, initial_rows(ids, 16, init, 5))
+    assert bool((records[:, :3] == -9.0).all()) and bool((records[:, 19:] == -9.0).all())  # nothing else written
+    column_major = torch.empty(16, 300).t()  # elements of a row apart: written through a copy
+    assert torch.equal(initial_rows(ids, 16, init, 5, out=column_major), initial_rows(ids, 16, init, 5))
+    with pytest.raises(ValueError, match="out must be float32"):
+        initial_rows(ids, 16, init, 5, out=torch.empty(300, 8))
+
+
 def test_all_finite_finds_nan_and_inf_anywhere() -> None:
     values = torch.randn(1001)
     values[7] = 3e38  # large but finite

@@ -101,32 +101,38 @@ inline uint64_t splitmix_finish(uint64_t z) {
 
 // uniform_rows(ids, seed_key, low, span, out): out[i, c] = fleet.sparse.optim.initial_rows' "uniform" value of
 // ids[i], bit for bit: 53 bits of splitmix(splitmix(id ^ seed_key) + (c + 1) * gamma) as u in [0, 1), then
-// float32(u * span + low) in float64, the product rounded before the sum as torch does (volatile: never a
-// fused multiply-add).
+// float32(u * span + low) in float64, the product rounded before the sum as torch does (no fused multiply-add:
+// common.h's FP_CONTRACT setting and -ffp-contract=off). `out` may be strided (the row field of the table's
+// records, written in place as rows are created): each row's elements adjacent.
+static FLEET_ROW_CLONES void uniform_rows_into(const int64_t* in, int64_t n, int64_t dim, int64_t stride,
+                                               uint64_t seed_key, double low, double span, float* o) {
+  constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ULL;
+  constexpr double kUnit = 1.0 / 9007199254740992.0;  // 2**-53
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t row = splitmix_finish(static_cast<uint64_t>(in[i]) ^ seed_key);
+    float* dst = o + i * stride;
+    for (int64_t c = 0; c < dim; ++c) {
+      const uint64_t z = splitmix_finish(row + static_cast<uint64_t>(c + 1) * kGamma);
+      const double u = static_cast<double>(static_cast<int64_t>(z >> 11)) * kUnit;  // exact: 53-bit integers
+      dst[c] = static_cast<float>(u * span + low);
+    }
+  }
+}
+
 PyObject* py_uniform_rows(PyObject*, PyObject* args) {
   PyObject *ids_o, *out_o;
   long long seed_key;
   double low, span;
   if (!PyArg_ParseTuple(args, "OLddO:uniform_rows", &ids_o, &seed_key, &low, &span, &out_o)) return nullptr;
   Buf ids, out;
-  if (!ids.get(ids_o, "ids", Kind::kInt64, 1, -1, false) || !out.get(out_o, "out", Kind::kFloat32, 2, -1, true))
+  if (!ids.get(ids_o, "ids", Kind::kInt64, 1, -1, false) || !out.get(out_o, "out", Kind::kFloat32, 2, -1, true, true))
     return nullptr;
   if (out.len() != ids.len()) return PyErr_Format(PyExc_ValueError, "out has %zd rows for %zd ids", out.len(), ids.len());
-  const int64_t n = ids.len(), dim = out.cols();
+  const int64_t n = ids.len(), dim = out.cols(), stride = out.stride();
   const int64_t* in = ids.i64();
   float* o = out.f32();
-  constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ULL;
-  constexpr double kUnit = 1.0 / 9007199254740992.0;  // 2**-53
   Py_BEGIN_ALLOW_THREADS;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t row = splitmix_finish(static_cast<uint64_t>(in[i]) ^ static_cast<uint64_t>(seed_key));
-    for (int64_t c = 0; c < dim; ++c) {
-      const uint64_t z = splitmix_finish(row + static_cast<uint64_t>(c + 1) * kGamma);
-      volatile double u = static_cast<double>((z >> 11) + 1) * kUnit - kUnit;  // exact: 53-bit integers
-      volatile double scaled = u * span;
-      o[i * dim + c] = static_cast<float>(scaled + low);
-    }
-  }
+  uniform_rows_into(in, n, dim, stride, static_cast<uint64_t>(seed_key), low, span, o);
   Py_END_ALLOW_THREADS;
   Py_RETURN_NONE;
 }
