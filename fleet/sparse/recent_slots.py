@@ -32,7 +32,8 @@ class RecentSlots:
 
     @staticmethod
     def _key(ids: torch.Tensor) -> tuple[int, int, int]:
-        return ids.numel(), int(ids[0]), int(ids[-1])
+        ends = ids.numpy()  # a CPU int64 tensor (the table's checked ids): numpy's indexing is ~10x cheaper
+        return ends.size, int(ends[0]), int(ends[-1])
 
     def remember(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """``slots[i]`` is where ``ids[i]`` lives now (every one >= 0); ``slots`` is the table's own tensor."""
