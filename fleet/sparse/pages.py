@@ -14,6 +14,7 @@ faults the pages in itself, as before.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import queue
@@ -76,25 +77,48 @@ class _Prefaulter:
     """One daemon thread that populates the pages of the tensors handed to it, oldest first."""
 
     def __init__(self) -> None:
-        self._work: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[torch.Tensor | None] = queue.SimpleQueue()  # None: stop
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._stopped = False
         self.supported = _madvise is not None
 
     def submit(self, t: torch.Tensor) -> None:
         if not self.supported:
             return
         with self._lock:
+            if self._stopped:
+                return
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="fleet-prefault", daemon=True)
                 self._thread.start()
+                atexit.register(self.stop)
         self._work.put(t)  # the reference keeps the memory mapped until it is populated
+
+    def stop(self) -> None:
+        """End the thread, between two chunks, and wait for it (registered to run at interpreter exit).
+
+        Why: a daemon thread still running when the interpreter finalises is torn down wherever it
+        is, and torn down inside torch's code (the tensor it lets go of) it aborted the whole process
+        ("terminate called without an active exception", 2 exits in 30 of a script that had just
+        created rows) -- a failed exit status for a job that had finished its work.
+        """
+        with self._lock:
+            self._stopped = True
+            thread = self._thread
+        if thread is not None:
+            self._work.put(None)
+            thread.join(timeout=10.0)  # a chunk takes milliseconds; a stuck kernel call must not hang the exit
 
     def _run(self) -> None:
         while True:
             t = self._work.get()
+            if t is None or self._stopped:
+                return
             start, length = _inner_pages(t)
             for offset in range(0, length, _CHUNK):
+                if self._stopped:
+                    break
                 if _madvise(start + offset, min(_CHUNK, length - offset), _MADV_POPULATE_WRITE) != 0:
                     if ctypes.get_errno() in (22, 95):  # EINVAL / EOPNOTSUPP: a kernel without it
                         self.supported = False

@@ -52,3 +52,19 @@ def test_prefault_makes_fresh_memory_present_without_the_caller_writing_it():
     assert grown > 48 << 20, f"RSS grew by {grown >> 20} MiB after prefaulting 64 MiB"
     t.fill_(7)
     assert int(t.sum()) == 7 * (64 << 20)
+
+
+def test_the_helper_thread_stops_before_the_interpreter_exits():
+    # A daemon thread torn down by the interpreter's finalisation inside torch aborted the process at exit
+    # ("terminate called without an active exception"): the helper is stopped by an exit handler instead.
+    helper = pages._Prefaulter()
+    if not helper.supported:
+        pytest.skip("no madvise here: the helper never starts")
+    helper.submit(torch.empty(64 << 20, dtype=torch.uint8))  # 8 chunks: stop() lands between two
+    thread = helper._thread
+    assert thread is not None and thread.is_alive()
+    helper.stop()
+    assert not thread.is_alive()
+    queued = helper._work.qsize()
+    helper.submit(torch.empty(1 << 20, dtype=torch.uint8))  # after the exit handler: ignored, no new thread
+    assert helper._thread is thread and helper._work.qsize() == queued
