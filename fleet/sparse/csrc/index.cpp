@@ -177,7 +177,10 @@ PyObject* py_gather_rows(PyObject*, PyObject* args) {
     }
   if (bad < 0) {
     for (int64_t i = 0; i < n; ++i) {
-      if (i + kPrefetchAhead < n) __builtin_prefetch(s + idx[i + kPrefetchAhead] * stride);
+      if (i + kPrefetchAhead < n) {  // a row may straddle two cache lines (records are not line-aligned)
+        __builtin_prefetch(s + idx[i + kPrefetchAhead] * stride);
+        __builtin_prefetch(s + idx[i + kPrefetchAhead] * stride + dim - 1);
+      }
       std::memcpy(o + i * dim, s + idx[i] * stride, sizeof(float) * dim);
     }
   }

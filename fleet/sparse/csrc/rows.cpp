@@ -253,9 +253,12 @@ PyObject* py_apply_rows(PyObject*, PyObject* args) {
     for (int64_t i = 0; i < n; ++i) {
       if (i + kApplyAhead < n) {
         const int64_t ahead = sl[i + kApplyAhead];
-        __builtin_prefetch(pr + ahead * rs, 1);  // rows and state are written: ask for them exclusive
-        if (ps0) __builtin_prefetch(ps0 + ahead * s0s, 1);
-        if (ps1) __builtin_prefetch(ps1 + ahead * s1s, 1);
+        // Rows and state are written: ask for them exclusive. A record need not start a cache line (72 bytes
+        // at SGD dim 16): a field's first and last element can lie in two lines, so both are asked for.
+        __builtin_prefetch(pr + ahead * rs, 1);
+        __builtin_prefetch(pr + ahead * rs + dim - 1, 1);
+        if (ps0) __builtin_prefetch(ps0 + ahead * s0s + width - 1, 1);
+        if (ps1) __builtin_prefetch(ps1 + ahead * s1s + dim - 1, 1);
         if (pst) __builtin_prefetch(pst + ahead * sts, 1);
         if (pdirty) __builtin_prefetch(pdirty + ahead * ds, 1);
       }
