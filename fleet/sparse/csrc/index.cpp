@@ -59,40 +59,57 @@ PyObject* py_lookup(PyObject*, PyObject* args) {
   int64_t* o = out.i64();
   const int64_t n = ids.len();
   Py_BEGIN_ALLOW_THREADS;
-  // Group prefetching: the home entries of a group of ids are asked for together, then (once the first
-  // has arrived) the records their entries name, then each id is confirmed against its record and its row
-  // copied -- so a group's misses overlap (two memory latencies per group, not two per id).
-  uint64_t hs[kGroup];
-  int64_t cand[kGroup];
-  for (int64_t g = 0; g < n; g += kGroup) {
-    const int64_t m = n - g < kGroup ? n - g : kGroup;
-    for (int64_t j = 0; j < m; ++j) {
-      hs[j] = hash(in[g + j]);
-      __builtin_prefetch(e.t + e.home_of(hs[j]));
+  // Group prefetching, pipelined: the ids go in groups, each through three stages -- (A) hash, and ask for
+  // the home entries; (B) read the entries (asked for one stage before), pick each id's candidate record
+  // and ask for it; (C) confirm each id against its record (asked for one stage before) and copy its row.
+  // Each round runs A for one group, B for the one before and C for the one before that, so a group's
+  // misses overlap each other and the other groups' work: about one memory latency per group, not two.
+  uint64_t hs[3][kGroup];
+  int64_t cand[2][kGroup];
+  const int64_t groups = (n + kGroup - 1) / kGroup;
+  auto size_of = [n](int64_t g) { return n - g * kGroup < kGroup ? n - g * kGroup : kGroup; };
+  for (int64_t round = 0; round < groups + 2; ++round) {
+    if (round < groups) {  // A
+      const int64_t base = round * kGroup, m = size_of(round);
+      uint64_t* h = hs[round % 3];
+      for (int64_t j = 0; j < m; ++j) {
+        h[j] = hash(in[base + j]);
+        __builtin_prefetch(e.t + e.home_of(h[j]));
+      }
     }
-    for (int64_t j = 0; j < m; ++j) {
-      // The first entry from the home on with the id's tag (an id displaced by collisions sits a few
-      // entries on, mostly in the same cache line): its record is almost surely the id's.
-      cand[j] = -1;
-      const int32_t tag = e.tag_of(hs[j]);
-      uint64_t p = e.home_of(hs[j]);
-      for (int k = 0; k < kScan; ++k, p = (p + 1) & e.mask) {
-        const int32_t v = e.t[p];
-        if (v == kEmpty) break;
-        if (v >= 0 && (v & e.tag_mask) == tag && (v >> e.tag_bits) < keys.len) {
-          cand[j] = v >> e.tag_bits;
-          __builtin_prefetch(keys.at(cand[j]));
-          if (has_rows && cand[j] < rlen) __builtin_prefetch(rs + cand[j] * rstride + dim - 1);  // the row's last line
-          break;
+    if (round >= 1 && round - 1 < groups) {  // B
+      const int64_t g = round - 1, m = size_of(g);
+      const uint64_t* h = hs[g % 3];
+      int64_t* c = cand[g % 2];
+      for (int64_t j = 0; j < m; ++j) {
+        // The first entry from the home on with the id's tag (an id displaced by collisions sits a few
+        // entries on, mostly in the same cache line): its record is almost surely the id's.
+        c[j] = -1;
+        const int32_t tag = e.tag_of(h[j]);
+        uint64_t p = e.home_of(h[j]);
+        for (int k = 0; k < kScan; ++k, p = (p + 1) & e.mask) {
+          const int32_t v = e.t[p];
+          if (v == kEmpty) break;
+          if (v >= 0 && (v & e.tag_mask) == tag && (v >> e.tag_bits) < keys.len) {
+            c[j] = v >> e.tag_bits;
+            __builtin_prefetch(keys.at(c[j]));
+            if (has_rows && c[j] < rlen) __builtin_prefetch(rs + c[j] * rstride + dim - 1);  // the row's last line
+            break;
+          }
         }
       }
     }
-    for (int64_t j = 0; j < m; ++j) {
-      const int64_t i = g + j;
-      int64_t slot = cand[j] >= 0 && *keys.at(cand[j]) == in[i] ? cand[j] : probe(e, keys, hs[j], in[i]);
-      if (slot < 0 && has_old) slot = probe(oe, keys, hs[j], in[i]);
-      o[i] = slot;
-      if (has_rows && slot >= 0 && slot < rlen) std::memcpy(ro + i * dim, rs + slot * rstride, sizeof(float) * dim);
+    if (round >= 2) {  // C
+      const int64_t g = round - 2, base = g * kGroup, m = size_of(g);
+      const uint64_t* h = hs[g % 3];
+      const int64_t* c = cand[g % 2];
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t i = base + j;
+        int64_t slot = c[j] >= 0 && *keys.at(c[j]) == in[i] ? c[j] : probe(e, keys, h[j], in[i]);
+        if (slot < 0 && has_old) slot = probe(oe, keys, h[j], in[i]);
+        o[i] = slot;
+        if (has_rows && slot >= 0 && slot < rlen) std::memcpy(ro + i * dim, rs + slot * rstride, sizeof(float) * dim);
+      }
     }
   }
   Py_END_ALLOW_THREADS;
