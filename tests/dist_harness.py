@@ -39,6 +39,9 @@ _CTX.set_forkserver_preload(
         "fleet.strategies.collective",
         "fleet.strategies.parameter_server",
         "fleet.strategies.sharding",
+        # Last: freezes what the imports above made. By package path: the forkserver's sys.path is the
+        # interpreter's own (its working directory, the repository root), not this process's.
+        "tests.forkserver_freeze",
     ]
 )
 
