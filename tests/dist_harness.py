@@ -2,7 +2,7 @@
 
 Children are forked from a forkserver that has already imported torch, torch._dynamo, fleet's
 modules and torch's FSDP2 and checkpoint packages (about 1.3 s a process otherwise, most of a small test),
-so a test pays the imports once. Every run has a deadline: a hang fails the test instead of the suite.
+so a test pays the imports once, and frozen the objects they made (tests/forkserver_freeze.py). Every run has a deadline: a hang fails the test instead of the suite.
 """
 
 from __future__ import annotations
