@@ -1,8 +1,8 @@
 """Run a function in N fresh worker processes, as fleetrun would start them, over gloo on 127.0.0.1.
 
-Children are forked from a forkserver that has already imported torch, fleet's modules and
-torch's FSDP2 and checkpoint packages (about 1.3 s a process otherwise, most of a small test),
-so a test pays the imports once. Every run has a deadline: a hang fails the test instead of the suite.
+Children are forked from a forkserver that has already imported torch, torch._dynamo, fleet's
+modules and torch's FSDP2 and checkpoint packages (about 1.3 s a process otherwise, most of a small test),
+so a test pays the imports once, and frozen the objects they made (tests/forkserver_freeze.py). Every run has a deadline: a hang fails the test instead of the suite.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(
     [
         "torch",
+        # Every torch.optim optimizer's __init__ imports torch._dynamo on first use (torch._compile):
+        # about 1 s a process, more than most tests' training.
+        "torch._dynamo",
         "torch.distributed.checkpoint",
         "torch.distributed.fsdp",
         "torch.distributed.tensor",
@@ -36,6 +39,9 @@ _CTX.set_forkserver_preload(
         "fleet.strategies.collective",
         "fleet.strategies.parameter_server",
         "fleet.strategies.sharding",
+        # Last: freezes what the imports above made. By package path: the forkserver's sys.path is the
+        # interpreter's own (its working directory, the repository root), not this process's.
+        "tests.forkserver_freeze",
     ]
 )
 
