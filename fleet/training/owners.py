@@ -60,11 +60,23 @@ def is_sparse_embedding_weight(owner: Owner) -> bool:
 
 
 def modules_holding(params: list[torch.Tensor]) -> list[nn.Module]:
-    """The outermost modules that hold any of ``params`` (the models they came from)."""
-    wanted = {id(p) for p in params}
-    holding = [m for m in _modules() if any(id(p) in wanted for p in m.parameters())]
+    """The outermost modules that hold any of ``params`` (the models they came from), ordered by the first
+    of ``params`` each holds.
+
+    Why that order: the garbage collector's lists (the scan's order) differ between workers, with the
+    moments their collections ran; callers issue a collective per model (sharding shards each in turn),
+    so every worker must list them alike -- in the gc's order, two workers once checked different models
+    against each other ("Workers hold different models") when one had collected a previous model's cycle.
+    """
+    position: dict[int, int] = {}
+    for i, p in enumerate(params):
+        position.setdefault(id(p), i)
+    holding = [m for m in _modules() if any(id(p) in position for p in m.parameters())]
     inner = {id(child) for m in holding for child in m.modules() if child is not m}
-    return [m for m in holding if id(m) not in inner]
+    outer = [m for m in holding if id(m) not in inner]
+    return sorted(
+        outer, key=lambda m: (min(position[id(p)] for p in m.parameters() if id(p) in position), type(m).__name__)
+    )
 
 
 def model_of(params: list[torch.Tensor]) -> nn.Module | None:
