@@ -36,7 +36,11 @@ def find_owners(params: list[torch.Tensor]) -> dict[int, Owner]:
     for module in _modules():
         for p in module._parameters.values():
             if p is not None and id(p) in wanted:
-                direct.setdefault(id(p), module)
+                held = direct.get(id(p))
+                # Tied weights (several modules hold it): whether any of them is a sparse embedding decides,
+                # not which one the collector's list (an order that differs between workers) names first.
+                if held is None or (_sparse_embedding(module) and not _sparse_embedding(held)):
+                    direct[id(p)] = module
         names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in wanted}
         if names:
             named.append((len(names), names))
@@ -54,9 +58,13 @@ def names_of(params: list[torch.Tensor]) -> list[str]:
     return [owners[id(p)].name for p in params]
 
 
+def _sparse_embedding(module: nn.Module | None) -> bool:
+    return isinstance(module, nn.Embedding | nn.EmbeddingBag) and bool(module.sparse)
+
+
 def is_sparse_embedding_weight(owner: Owner) -> bool:
     """Whether backward gives this parameter a sparse gradient (nn.Embedding / EmbeddingBag with sparse=True)."""
-    return isinstance(owner.module, nn.Embedding | nn.EmbeddingBag) and bool(owner.module.sparse)
+    return _sparse_embedding(owner.module)
 
 
 def modules_holding(params: list[torch.Tensor]) -> list[nn.Module]:

@@ -24,3 +24,16 @@ def test_models_are_listed_by_the_first_parameter_each_holds_whatever_the_gc_ord
     assert owners.modules_holding(params) == [trunk, head]
     assert owners.modules_holding(list(reversed(params))) == [head, trunk]
     assert owners.modules_holding([params[0]]) == [trunk]
+
+
+def test_a_tied_sparse_embedding_decides_whatever_the_gc_order():
+    # Weight tying (an embedding and an output layer share one matrix): the owner used to be whichever
+    # module the collector's list named first, so workers could disagree on whether the gradient is sparse.
+    for embedding_first in (True, False):
+        if embedding_first:
+            embedding, linear = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 10, bias=False)
+        else:
+            linear, embedding = torch.nn.Linear(4, 10, bias=False), torch.nn.Embedding(10, 4, sparse=True)
+        linear.weight = embedding.weight
+        found = owners.find_owners([embedding.weight])
+        assert owners.is_sparse_embedding_weight(found[id(embedding.weight)]), f"embedding first: {embedding_first}"
