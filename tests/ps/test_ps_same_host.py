@@ -234,6 +234,9 @@ def _leave_stale_socket(path: str) -> None:
     """A Unix socket file nobody listens on, as a process killed while listening leaves it."""
     import socket
 
+    # Another test's fleet.init may have swept the dead server's directory too (it is removed once empty):
+    # a kill -9 leaves both, so both are put back, with the private mode fleet gives it.
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
