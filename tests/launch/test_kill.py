@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+import re
 import signal
 import subprocess
 import time
@@ -104,6 +105,22 @@ def _one_run(tmp: Path, mode: str, victim_role: str, rng: random.Random) -> tupl
     return code, time.monotonic() - killed_at, killed
 
 
+_OWNER_IN_NAME = re.compile(r"^fleet-(?:[0-9a-f]{16}|local)-(\d+\.\d+)-")
+
+
+def _orphaned(paths: set[str]) -> list[str]:
+    """The segments whose creator is gone: what the killed job left. A segment whose creator still runs
+    belongs to a job beside this test (another xdist worker's test; seen once in a clean-clone run)."""
+    from fleet.runtime import job_files
+
+    out = []
+    for path in sorted(paths):
+        owner = _OWNER_IN_NAME.match(os.path.basename(path))
+        if owner is None or not job_files.owner_alive(owner.group(1)):
+            out.append(path)
+    return out
+
+
 @pytest.mark.timeout(60 + RUNS * 25)
 @pytest.mark.parametrize("mode, victim_role", [("collective", "worker"), ("ps", "worker"), ("ps", "server")])
 def test_random_kills_end_the_job_in_time_and_leave_checkpoints_whole(tmp_path, mode, victim_role):
@@ -115,8 +132,8 @@ def test_random_kills_end_the_job_in_time_and_leave_checkpoints_whole(tmp_path, 
         tmp.mkdir()
         shared_before = set(glob.glob("/dev/shm/fleet-*"))
         code, seconds, killed = _one_run(tmp, mode, victim_role, rng)
-        left = set(glob.glob("/dev/shm/fleet-*")) - shared_before
-        assert not left, f"shared memory left behind by a killed job: {sorted(left)}"
+        left = _orphaned(set(glob.glob("/dev/shm/fleet-*")) - shared_before)
+        assert not left, f"shared memory left behind by a killed job: {left}"
         outcomes.append((code, round(seconds, 1), killed))
         assert seconds <= TIMEOUT_S + 10, outcomes
         if not killed:
