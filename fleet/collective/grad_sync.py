@@ -213,9 +213,12 @@ class GradSync:
         return seen is None or seen[0]() is not grad or seen[1] != grad._version
 
     def _remember_idle(self, layout: Layout) -> None:
+        # The round's layout as well as the registered parameters: an optimizer the script dropped may have
+        # been collected during the round (on this worker only), leaving its parameters in the layout with
+        # their old gradients -- remembered here, they are not taken for gradients set by hand at step().
         self._idle = {
             id(p): (weakref.ref(p.grad), p.grad._version) if p.grad is not None else (lambda: None, -1)
-            for p in self.registered()
+            for p in [*layout.dense, *layout.sparse, *self.registered()]
         }
 
     def _set_by_hand(self, layout: Layout) -> set[int]:
@@ -408,12 +411,7 @@ class GradSync:
         layout = self._layout
         if layout is None:
             return False
-        # An optimizer the script dropped may have been collected since the round (on this worker only):
-        # its parameters linger in the layout with their old gradients, and are not this step's business.
-        live = {id(p) for p in self.registered()}
         for p in layout.dense + layout.sparse:
-            if id(p) not in live:
-                continue
             grad = p.grad
             if grad is not None:
                 seen = self._idle.get(id(p))

@@ -105,9 +105,7 @@ def model_of(params: list[torch.Tensor]) -> nn.Module | None:
 def model_buffers(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str]]:
     """The buffers of the models holding ``params`` and their names, in an order every worker agrees on
     (the models by the first of ``params`` each holds)."""
-    position = {id(p): i for i, p in enumerate(params)}
-    models = modules_holding(params)
-    models.sort(key=lambda m: (min(position[id(p)] for p in m.parameters() if id(p) in position), type(m).__name__))
+    models = modules_holding(params)  # in that order already
     seen: set[int] = set()
     buffers, names = [], []
     for model in models:
