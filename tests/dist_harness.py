@@ -3,18 +3,27 @@
 Children are forked from a forkserver that has already imported torch, torch._dynamo, fleet's
 modules and torch's FSDP2 and checkpoint packages (about 1.3 s a process otherwise, most of a small test),
 so a test pays the imports once, and frozen the objects they made (tests/forkserver_freeze.py). Every run has a deadline: a hang fails the test instead of the suite.
+
+Every child's death explains itself: each writes its output to a file of its own, with faulthandler on
+(a fatal signal dumps every thread's stack; so does the SIGUSR1 the harness sends a child it is about to
+kill at the deadline), and a failed run reports every process -- its error or how it ended (exit status,
+signal) and the last lines it wrote -- not only the first failure.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import multiprocessing as mp
 import os
 import queue
 import secrets
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -97,7 +106,19 @@ def fleetrun_env(rank: int, workers: int, master_port: int, **extra: str) -> dic
     return env
 
 
-def _child(fn, rank, env, args, results):
+# How many lines of a child's own output (its stderr and stdout, faulthandler's dumps among them) a report keeps.
+TAIL_LINES = 40
+
+
+def _child(fn, rank, env, args, results, log_path):
+    # Everything the child writes, native code's and faulthandler's included, goes to its own file: the
+    # forkserver's stdout and stderr are whatever pytest captured when it started (another test's).
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    faulthandler.enable(all_threads=True)  # a fatal signal (SIGSEGV, SIGABRT, SIGBUS...) dumps every thread
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's "you hung": dump, then be killed
     os.environ.update(env)
     import torch
 
@@ -111,6 +132,26 @@ def _child(fn, rank, env, args, results):
         results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
 
 
+def how_it_ended(exitcode: int | None) -> str:
+    """A child's end in words: its exit status, or the signal that killed it."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+def _tail(path: Path, lines: int = TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
 def run_processes(
     fn: Callable[..., Any],
     envs: list[dict[str, str]],
@@ -120,29 +161,38 @@ def run_processes(
 ) -> list[tuple[str, Any]]:
     """Run fn(rank, *args) in one process per env; return [(status, value)] by rank.
 
+    ``status``: "ok" (``value``: fn's result, saved by torch.save), "error" (the exception and its
+    traceback), "died" (how the process ended) or "stopped" (killed after a peer failed, or at the
+    deadline). Every value but "ok"'s ends with the process's end and the last lines it wrote (a
+    faulthandler dump after a fatal signal, or after the deadline, of every thread).
+
     ``wait_for``: the ranks whose result matters (others may die or hang on purpose; they are
-    killed once those are in).
+    killed once those are in). A rank of ``wait_for`` that has not finished by ``timeout`` raises
+    :class:`AssertionError` with every process's report (:func:`describe`).
     """
     wanted = set(range(len(envs)) if wait_for is None else wait_for)
     results = _CTX.Queue()
-    procs = [_CTX.Process(target=_child, args=(fn, rank, env, args, results)) for rank, env in enumerate(envs)]
+    logs_dir = Path(tempfile.mkdtemp(prefix="fleet-test-children-"))
+    logs = [logs_dir / f"rank-{rank}.log" for rank in range(len(envs))]
+    procs = [
+        _CTX.Process(target=_child, args=(fn, rank, env, args, results, str(logs[rank])))
+        for rank, env in enumerate(envs)
+    ]
     for proc in procs:
         proc.start()
     outcome: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
+    late: list[int] = []
     try:
         while not wanted <= set(outcome):
             if wait_for is None and any(status != "ok" for status, _ in outcome.values()):
                 # One failed: its peers would wait for it until their timeout; give them a moment, then stop.
                 deadline = min(deadline, time.monotonic() + 5)
             left = deadline - time.monotonic()
-            if left <= 0 and any(status != "ok" for status, _ in outcome.values()):
-                for r in range(len(procs)):
-                    outcome.setdefault(r, ("stopped", "stopped after a peer failed"))
-                break
             if left <= 0:
-                missing = sorted(set(range(len(procs))) - set(outcome))
-                raise AssertionError(f"processes {missing} did not finish within {timeout} s")
+                if not any(status != "ok" for status, _ in outcome.values()):
+                    late = sorted(wanted - set(outcome))
+                break
             try:
                 rank, status, value = results.get(timeout=min(left, 1.0))
                 outcome[rank] = (status, value)
@@ -155,18 +205,52 @@ def run_processes(
                         rank, status, value = results.get()
                         outcome[rank] = (status, value)
                     for r in dead:
-                        outcome.setdefault(r, ("died", procs[r].exitcode))
+                        outcome.setdefault(r, ("died", ""))
     finally:
-        for r, proc in enumerate(procs):
-            if r not in wanted:
-                proc.kill()
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        _stop(procs, [r for r in range(len(procs)) if r not in outcome or r not in wanted])
     for r, proc in enumerate(procs):
-        outcome.setdefault(r, ("died", proc.exitcode))
-    return [outcome[r] for r in range(len(procs))]
+        outcome.setdefault(r, ("stopped" if proc.exitcode is not None and proc.exitcode < 0 else "died", ""))
+        status, value = outcome[r]
+        if status != "ok":
+            told = [str(value).rstrip()] if value != "" else []
+            ended = how_it_ended(proc.exitcode) + ("" if status != "stopped" else " (stopped by the test harness)")
+            output = _tail(logs[r])
+            told.append(f"[{ended}; its last output lines:]\n{output}" if output else f"[{ended}; it wrote nothing]")
+            outcome[r] = (status, "\n".join(told))
+    shutil.rmtree(logs_dir, ignore_errors=True)
+    ordered = [outcome[r] for r in range(len(procs))]
+    if late:
+        raise AssertionError(f"processes {late} did not finish within {timeout} s\n\n{describe(ordered)}")
+    return ordered
+
+
+def _stop(procs: list, ranks: list[int]) -> None:
+    """End the processes of ``ranks`` that still run: each dumps its threads' stacks first (SIGUSR1,
+    faulthandler), so a hang's report shows where it waited; then every process is joined."""
+    running = [procs[r] for r in ranks if procs[r].is_alive()]
+    for proc in running:
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if running:
+        time.sleep(0.3)  # faulthandler writes from a signal handler: a moment is enough
+    for proc in running:
+        proc.kill()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def describe(outcome: list[tuple[str, Any]], names: list[str] | None = None) -> str:
+    """Every process's outcome, one block each: ``worker 1 died: exited with status 1; its last output...``."""
+    blocks = []
+    for rank, (status, value) in enumerate(outcome):
+        name = names[rank] if names else f"process {rank}"
+        blocks.append(f"{name} {status}" + ("" if status == "ok" else f": {value}"))
+    return "\n\n".join(blocks)
 
 
 def run_workers(fn: Callable[..., Any], workers: int, *args: Any, timeout: float = 60.0, **extra_env: str) -> list[Any]:
@@ -175,9 +259,9 @@ def run_workers(fn: Callable[..., Any], workers: int, *args: Any, timeout: float
     secret = secrets.token_hex(16)
     envs = [fleetrun_env(r, workers, port, FLEET_SECRET=secret, **extra_env) for r in range(workers)]
     outcome = run_processes(fn, envs, *args, timeout=timeout)
-    for rank, (status, value) in enumerate(outcome):
-        if status != "ok":
-            raise AssertionError(f"worker {rank} {status}: {value}")
+    if any(status != "ok" for status, _ in outcome):
+        names = [f"worker {rank}" for rank in range(workers)]
+        raise AssertionError(describe(outcome, names))
     import torch
 
     return [torch.load(io.BytesIO(value), weights_only=False) for _, value in outcome]

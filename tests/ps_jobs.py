@@ -8,7 +8,7 @@ import secrets
 
 import torch
 
-from dist_harness import free_port, run_processes
+from dist_harness import describe, free_port, run_processes
 
 SLOTS, DIM, DENSE, VOCAB, BATCH = 3, 4, 5, 40, 8
 
@@ -156,11 +156,10 @@ def run_job(fn, servers: int, workers: int, strategy: dict, *args, timeout: floa
     envs = [{**common, "FLEET_ROLE": "server", "FLEET_SERVER_INDEX": str(i)} for i in range(servers)]
     envs += [{**common, "FLEET_ROLE": "worker", "FLEET_WORKER_INDEX": str(r)} for r in range(workers)]
     outcome = run_processes(_shift, envs, fn, servers, *args, timeout=timeout)
-    values = []
-    for rank, (status, value) in enumerate(outcome):
-        if status != "ok":
-            raise AssertionError(f"process {rank} {status}: {value}")
-        values.append(torch.load(io.BytesIO(value), weights_only=False))
+    if any(status != "ok" for status, _ in outcome):
+        names = [f"server {i}" for i in range(servers)] + [f"worker {r}" for r in range(workers)]
+        raise AssertionError(describe(outcome, names))
+    values = [torch.load(io.BytesIO(value), weights_only=False) for _, value in outcome]
     assert all(v == {"served": 0} for v in values[:servers]), values[:servers]
     return values[servers:]
 
