@@ -209,7 +209,7 @@ class Hub(_Node):
                 if not ended:
                     reason = _lost(node, peer)
                     self.mux.message(reason, style="bold red")
-                    self.on_failed(node, 1, reason)
+                    self.on_failed(node, 1, reason, named=True)
                 return
             kind = message.get("type")
             if kind == "workers_done":
@@ -231,16 +231,18 @@ class Hub(_Node):
             for peer in list(self.peers.values()):
                 peer.send(type="all_workers_done")
 
-    def on_failed(self, node: int, code: int, reason: str) -> None:
+    def on_failed(self, node: int, code: int, reason: str, named: bool = False) -> None:
+        """``named``: ``reason`` names the node already ("lost contact with node 1")."""
+        text = reason if named else f"node {node}: {reason}"
         with self._lock:
             if self.failure is not None:
                 return
-            self.failure = (code, f"node {node}: {reason}")
+            self.failure = (code, text)
         for other, peer in list(self.peers.items()):
             if other != node:
-                peer.send(type="stop", code=code, reason=f"node {node}: {reason}")
+                peer.send(type="stop", code=code, reason=text)
         if node != 0:
-            self.stop(f"node {node}: {reason}", code)
+            self.stop(text, code)
 
     def finish(self, code: int) -> int:
         """After this node's job ended: report it, then wait for the other nodes to end."""
@@ -258,6 +260,9 @@ class Hub(_Node):
             limit = 0.0
         while len(self.ended_nodes) < len(self.peers) and time.monotonic() < limit:
             time.sleep(0.1)
+        silent = sorted(set(self.peers) - self.ended_nodes)
+        if silent and not signalled:
+            self.mux.message(f"node(s) {silent} did not report their end in time; not waiting for them any longer")
         for peer in self.peers.values():
             peer.send(type="bye")
             peer.close()
