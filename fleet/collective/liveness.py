@@ -13,6 +13,13 @@ something it did not write (``compare_set``) and says so, under its MAC, in its 
 beats. A value that is malformed, forged, deleted, goes backwards or carries that mark
 means the store was tampered with: the diagnosis then says so and names nobody, and the
 heartbeat thread itself never reads a value, so nothing written there can stop it.
+
+Every store call here has a deadline (:mod:`fleet.runtime.store_calls`): a store whose host
+went silent (cut link, host gone, SIGSTOP) would otherwise block the call for as long as TCP
+retries, and no lock is held across a call, so a heartbeat stuck on the store never delays a
+diagnosis. The heartbeat's call gets ``min(timeout_s, 10)`` s; after that the store counts as
+gone, the heartbeat stops, and every diagnosis names the store at once. A diagnosis's own
+calls get ``min(timeout_s, 5)`` s each, so it ends within about that plus :data:`WATCH_S`.
 """
 
 from __future__ import annotations
@@ -25,21 +32,40 @@ import torch.distributed as dist
 
 from fleet.runtime import env
 from fleet.runtime.signed_store import SignedStore, StoreTamperedError  # the error SignedStore raises
+from fleet.runtime.store_calls import StoreSilentError, within
 
 HEARTBEAT_S = 1.0
 WATCH_S = 2.5 * HEARTBEAT_S  # how long a diagnosis samples the counters
 SAMPLE_S = 0.25
+BEAT_CALL_S = 10.0  # the most a heartbeat waits for the store (and at most the strategy's timeout_s)
+DIAGNOSIS_CALL_S = 5.0  # the most a diagnosis waits for one answer of the store
 
 
 class Liveness:
     def __init__(
-        self, master: str, namespace: str, rank: int, world_size: int, timeout_s: float, key: bytes | None = None
+        self,
+        master: str,
+        namespace: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        key: bytes | None = None,
+        store: dist.Store | None = None,
     ):
-        host, port = env.split_endpoint(master)
-        client = dist.TCPStore(
-            host, port, world_size, False, timeout=timedelta(seconds=min(timeout_s, 10)), wait_for_workers=False
-        )
-        store: dist.Store = dist.PrefixStore(namespace, client)
+        """``store``: the store to beat into (tests); by default a connection of its own to ``master``."""
+        self._where = master
+        self._beat_s = min(timeout_s, BEAT_CALL_S)
+        self._diagnosis_s = min(timeout_s, DIAGNOSIS_CALL_S)
+        if store is None:
+            host, port = env.split_endpoint(master)
+            client = within(
+                lambda: dist.TCPStore(
+                    host, port, world_size, False, timeout=timedelta(seconds=self._beat_s), wait_for_workers=False
+                ),
+                2 * self._beat_s,
+                master,
+            )
+            store = dist.PrefixStore(namespace, client)
         self._store = SignedStore(store, key) if key else store
         self.rank = rank
         self.world_size = world_size
@@ -47,7 +73,9 @@ class Liveness:
         self._written = b""  # the last value this process wrote to its key
         self._overwritten = False  # someone else wrote this process's key: every later beat says so
         self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the fields below; never held across a store call
+        self._answered_at = time.monotonic()  # the store's last answer to a heartbeat
+        self._store_lost: str | None = None  # why the store counts as gone, once it does
         self._beat()
         self._thread = threading.Thread(target=self._run, name="fleet-heartbeat", daemon=True)
         self._thread.start()
@@ -57,40 +85,73 @@ class Liveness:
         return f"hb/{rank}"
 
     def _beat(self) -> None:
-        with self._lock:
-            self._count += 1
-            value = f"{self._count}:{int(self._overwritten)}".encode()
-            try:
-                now: bytes | None = bytes(self._store.compare_set(self._key(self.rank), self._written, value))
-            except StoreTamperedError:  # the key holds a forged value
-                now = None
-            if now != value:  # the key held something else: an outsider wrote it
+        key = self._key(self.rank)
+        self._count += 1
+        value = f"{self._count}:{int(self._overwritten)}".encode()
+        expected = self._written
+        try:
+            now: bytes | None = bytes(
+                within(lambda: self._store.compare_set(key, expected, value), self._beat_s, self._where)
+            )
+        except StoreTamperedError:  # the key holds a forged value
+            now = None
+        if now != value:  # the key held something else: an outsider wrote it
+            with self._lock:
                 self._overwritten = True
-                value = f"{self._count}:1".encode()
-                self._store.set(self._key(self.rank), value)
-            self._written = value
+            value = f"{self._count}:1".encode()
+            within(lambda: self._store.set(key, value), self._beat_s, self._where)
+        self._written = value
+        with self._lock:
+            self._answered_at = time.monotonic()
 
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._beat()
-            except Exception:  # noqa: BLE001 - the store host is gone; collectives will report it
+            except StoreSilentError:
+                self._lose_store(None)
                 return
+            except Exception as error:  # noqa: BLE001 - the store host is gone; collectives will report it
+                self._lose_store(error)
+                return
+
+    def _lose_store(self, error: Exception | None) -> None:
+        """The store counts as gone from now on: silent (``error`` None) or failing with ``error``."""
+        with self._lock:
+            if self._store_lost is not None:
+                return
+            if error is None:
+                silent_s = time.monotonic() - self._answered_at
+                self._store_lost = f"the rendezvous store at {self._where} did not answer within {silent_s:.0f} s"
+            else:
+                cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                self._store_lost = f"the rendezvous store at {self._where} failed ({cause})"
+
+    def _read(self, key: str) -> bytes | None:
+        if not self._store.check([key]):
+            return None
+        return bytes(self._store.get(key))
 
     def _sample(self, rank: int) -> tuple[int, bool] | None:
         """(counter, marked) of ``rank``'s heartbeat; None when it is missing, forged or malformed."""
         key = self._key(rank)
-        with self._lock:
-            if not self._store.check([key]):
+        try:
+            stored = within(lambda: self._read(key), self._diagnosis_s, self._where)
+            if stored is None:
                 return None
-            try:
-                raw = bytes(self._store.get(key)).decode("ascii")
-            except (StoreTamperedError, UnicodeDecodeError):
-                return None
+            raw = stored.decode("ascii")
+        except (StoreTamperedError, UnicodeDecodeError):
+            return None
         count, _, mark = raw.partition(":")
         if not count.isdigit() or mark not in ("0", "1"):
             return None
         return int(count), mark == "1"
+
+    @property
+    def store_lost(self) -> str | None:
+        """Why the store counts as gone ("the rendezvous store at HOST:PORT did not answer within 12 s"), or None."""
+        with self._lock:
+            return self._store_lost
 
     def watch(self) -> tuple[list[int], bool] | None:
         """(ranks whose heartbeat stood still, whether the store was tampered with); None: the store is gone."""
@@ -98,15 +159,20 @@ class Liveness:
         seen: dict[int, list[tuple[int, bool] | None]] = {r: [] for r in others}
         end = time.monotonic() + WATCH_S
         try:
-            while True:
+            while self.store_lost is None:
                 for rank in others:
                     seen[rank].append(self._sample(rank))
                 if time.monotonic() >= end:
                     break
                 time.sleep(SAMPLE_S)
-        except Exception:  # noqa: BLE001 - any store failure means its host is gone
+        except StoreSilentError:
+            self._lose_store(None)
+        except Exception as error:  # noqa: BLE001 - any store failure means its host is gone
+            self._lose_store(error)
+        if self.store_lost is not None:
             return None
-        tampered = self._overwritten
+        with self._lock:
+            tampered = self._overwritten
         silent = []
         for rank, samples in seen.items():
             if any(s is None or s[1] for s in samples):
@@ -127,7 +193,10 @@ class Liveness:
     def describe(self) -> str:
         watched = self.watch()
         if watched is None:
-            return "worker 0 (which hosts the rendezvous store) is unreachable: it died or its host went away"
+            return (
+                f"worker 0 (which hosts the rendezvous store) is unreachable: {self.store_lost}; it died, was "
+                "stopped, or its host or the link to it went away"
+            )
         silent, tampered = watched
         if tampered:
             return str(StoreTamperedError("heartbeats in it were overwritten, so they cannot tell which worker failed"))

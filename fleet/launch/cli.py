@@ -50,6 +50,7 @@ exit status: 0 when every worker exited 0; a failed process's own status
 _VALUE_OPTIONS = {
     "--workers", "--worker_num", "--servers", "--server_num", "--strategy", "--log-dir", "--max-restarts",
     "--nnodes", "--node-rank", "--master", "--host", "--server-grace", "--stop-timeout", "--join-timeout",
+    "--node-timeout",
     "--calibration", "--plan-workers",
 }  # fmt: skip
 
@@ -150,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="how long the nodes wait for each other (node 0 unreachable, a node not started) (default: 300)",
     )
+    nodes.add_argument(
+        "--node-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=10.0,
+        help="once the job runs, a node silent this long (host gone, link cut, fleetrun stopped) is lost: the "
+        "others stop and exit non-zero naming it, within --node-timeout + --stop-timeout + 5 s (default: 10)",
+    )
     planning = parser.add_argument_group("planning (fleet.plan, docs/scaling.md)")
     planning.add_argument(
         "--plan",
@@ -196,6 +205,11 @@ def parse_config(argv: Sequence[str]) -> LaunchConfig:
     ):
         if not value >= 0:
             raise LaunchError(f"{flag} {value:g} is negative. Give it a number of seconds, 0 or more.")
+    if not args.node_timeout >= 1:
+        raise LaunchError(
+            f"--node-timeout {args.node_timeout:g} is too short: the nodes ping each other several times within it. "
+            "Give it 1 second or more (default: 10)."
+        )
     master = cfg.check_nodes(args.nnodes, args.node_rank, args.master)
     strategy = cfg.load_strategy_file(args.strategy) if args.strategy is not None else None
     cfg.check_strategy_against_servers(strategy, args.servers)
@@ -214,6 +228,7 @@ def parse_config(argv: Sequence[str]) -> LaunchConfig:
         server_grace=args.server_grace,
         stop_timeout=args.stop_timeout,
         join_timeout=args.join_timeout,
+        node_timeout=args.node_timeout,
     )
     check_multinode(config)
     return config

@@ -52,6 +52,7 @@ class LaunchConfig:
     server_grace: float = 10.0
     stop_timeout: float = 5.0
     join_timeout: float = 300.0
+    node_timeout: float = 10.0  # a node silent this long on the control channel is lost
 
     @property
     def is_ps(self) -> bool:

@@ -9,7 +9,10 @@ connections then stay open as a control channel:
 
 - a node whose job failed says so; node 0 tells every node to stop, and every
   fleetrun exits with the failed process's status;
-- a node that loses its connection (node 0 died, or a node died) stops too;
+- a node that loses its connection (node 0 died, or a node died) stops too, and
+  so does one whose peer fell silent for ``--node-timeout`` seconds (a cut link,
+  a host gone, a stopped fleetrun: see :mod:`fleet.launch.control`); the others
+  then exit non-zero naming the node they lost;
 - servers keep serving until the workers of *every* node have finished, then
   get their grace period as on one node.
 
@@ -174,6 +177,7 @@ class Hub(_Node):
         for peer in self.peers.values():
             peer.send(type="plan", master=layout.master, server_endpoints=list(servers))
         for node, peer in self.peers.items():
+            peer.keep_alive(config.node_timeout)
             threading.Thread(target=self._listen, args=(node, peer), name=f"fleetrun-node-{node}", daemon=True).start()
         return layout
 
@@ -203,7 +207,9 @@ class Hub(_Node):
                     ended = node in self.ended_nodes
                     self.ended_nodes.add(node)
                 if not ended:
-                    self.on_failed(node, 1, f"lost contact with node {node}")
+                    reason = _lost(node, peer)
+                    self.mux.message(reason, style="bold red")
+                    self.on_failed(node, 1, reason, named=True)
                 return
             kind = message.get("type")
             if kind == "workers_done":
@@ -225,16 +231,18 @@ class Hub(_Node):
             for peer in list(self.peers.values()):
                 peer.send(type="all_workers_done")
 
-    def on_failed(self, node: int, code: int, reason: str) -> None:
+    def on_failed(self, node: int, code: int, reason: str, named: bool = False) -> None:
+        """``named``: ``reason`` names the node already ("lost contact with node 1")."""
+        text = reason if named else f"node {node}: {reason}"
         with self._lock:
             if self.failure is not None:
                 return
-            self.failure = (code, f"node {node}: {reason}")
+            self.failure = (code, text)
         for other, peer in list(self.peers.items()):
             if other != node:
-                peer.send(type="stop", code=code, reason=f"node {node}: {reason}")
+                peer.send(type="stop", code=code, reason=text)
         if node != 0:
-            self.stop(f"node {node}: {reason}", code)
+            self.stop(text, code)
 
     def finish(self, code: int) -> int:
         """After this node's job ended: report it, then wait for the other nodes to end."""
@@ -242,12 +250,19 @@ class Hub(_Node):
             reason = self.supervisor.failure if self.supervisor and self.supervisor.failure else "stopped"
             self.on_failed(0, code, reason)
         self.finished = True
-        if len(self.ended_nodes) < len(self.peers):
+        signalled = self.supervisor is not None and self.supervisor.signalled
+        if len(self.ended_nodes) < len(self.peers) and not signalled:
             self.mux.message("waiting for the other nodes to end")
-        # A healthy job waits for the others however long they train; a failed one only while they stop.
+        # A healthy job waits for the others however long they train (a lost node ends that wait within
+        # --node-timeout); a failed one only while they stop; one stopped by a signal not at all.
         limit = time.monotonic() + self.config.stop_timeout + 15 if code != 0 else float("inf")
+        if signalled:
+            limit = 0.0
         while len(self.ended_nodes) < len(self.peers) and time.monotonic() < limit:
             time.sleep(0.1)
+        silent = sorted(set(self.peers) - self.ended_nodes)
+        if silent and not signalled:
+            self.mux.message(f"node(s) {silent} did not report their end in time; not waiting for them any longer")
         for peer in self.peers.values():
             peer.send(type="bye")
             peer.close()
@@ -305,6 +320,7 @@ class Spoke(_Node):
         layout = JobLayout(
             master=str(reply["master"]), server_endpoints=tuple(reply["server_endpoints"]), secret=self.secret
         )
+        self.peer.keep_alive(config.node_timeout)
         threading.Thread(target=self._listen, name="fleetrun-node-0", daemon=True).start()
         return layout
 
@@ -314,7 +330,7 @@ class Spoke(_Node):
             message = self.peer.recv()
             if message is None:
                 if not self.finished:
-                    self.stop("lost contact with node 0", 1)
+                    self.stop(_lost(0, self.peer), 1)
                 return
             kind = message.get("type")
             if kind == "all_workers_done":
@@ -338,6 +354,10 @@ class Spoke(_Node):
                 self.peer.send(type="failed", node=self.config.node_rank, code=code, reason=reason)
             self.peer.close()
         return code
+
+
+def _lost(node: int, peer: Peer) -> str:
+    return f"lost contact with node {node}" + (f" ({peer.lost})" if peer.lost else "")
 
 
 def run_multinode(config: LaunchConfig, log_dir: Path, mux: OutputMux) -> int:

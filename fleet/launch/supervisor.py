@@ -179,6 +179,11 @@ class Supervisor:
             self._summary(code)
         return code
 
+    @property
+    def signalled(self) -> bool:
+        """Whether a signal (SIGINT, SIGTERM, SIGHUP) to fleetrun stopped the job."""
+        return self._signum is not None
+
     def request_stop(self, reason: str, code: int = 1) -> None:
         """Ask the loop (from any thread) to stop the job and exit with ``code``."""
         self.stop_reason = reason

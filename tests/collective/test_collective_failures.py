@@ -48,6 +48,8 @@ def dying_worker(rank, victim, how, shared_memory=True):
         (1, "exit", False, "worker 1 stopped answering"),
         (0, "exit", False, "worker 0 (which hosts the rendezvous store) is unreachable"),
         (1, "stop", False, "worker 1 stopped answering"),
+        # the store's host falls silent (a cut link, a host gone): the store itself is named, never a hang
+        (0, "stop", False, "the rendezvous store at 127.0.0.1:"),
     ],
 )
 def test_a_dead_or_silent_worker_is_named_on_the_survivor_within_the_timeout(victim, how, shared_memory, named):
