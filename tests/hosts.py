@@ -84,7 +84,10 @@ def unavailable() -> str | None:
         try:
             with EmulatedHosts(probe=True) as hosts:
                 done = subprocess.run(
-                    hosts.command(0, ["cat", "/proc/sys/kernel/random/boot_id"]), capture_output=True, text=True, timeout=20
+                    hosts.command(0, ["cat", "/proc/sys/kernel/random/boot_id"]),
+                    capture_output=True,
+                    text=True,
+                    timeout=20,
                 )
                 if done.returncode != 0 or done.stdout.strip() != hosts.hosts[0].boot_id:
                     reason = f"a private mount and UTS namespace cannot be made here: {done.stderr.strip()[-300:]}"
@@ -219,7 +222,9 @@ class EmulatedHosts:
             merged.update(self.hosts[host].environment())
         return merged
 
-    def popen(self, host: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    def popen(
+        self, host: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **kwargs
+    ) -> subprocess.Popen:
         """Start ``argv`` on host ``host`` (stdout and stderr together, as text, unless ``kwargs`` say otherwise)."""
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.STDOUT)

@@ -63,7 +63,9 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> str:
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate()
-            raise AssertionError(f"a process ran past {timeout:g} s:\n{''.join(outputs)[-3000:]}\n{out[-3000:]}")
+            raise AssertionError(
+                f"a process ran past {timeout:g} s:\n{''.join(outputs)[-3000:]}\n{out[-3000:]}"
+            ) from None
         outputs.append(out)
         assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-4000:]}"
     return "".join(outputs)
