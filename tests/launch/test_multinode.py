@@ -13,6 +13,7 @@ Skipped, with the reason, where namespaces cannot be created (not root, no CAP_S
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import subprocess
@@ -47,6 +48,63 @@ def hosts():
         pytest.skip(reason)
     with EmulatedHosts() as emulated:
         yield emulated
+
+
+_IDENTITY = """
+import os, socket, sys, tempfile
+if sys.argv[1] == "make":
+    open("/dev/shm/fleet-host-probe", "w").close()
+boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+print(socket.gethostname(), boot, tempfile.gettempdir(), os.environ["XDG_RUNTIME_DIR"])
+print(os.path.exists("/dev/shm/fleet-host-probe"))
+"""
+
+_DIAL = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 29450), timeout=1).close()
+    print("reached")
+except OSError as exc:
+    print("unreachable", exc)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_emulated_hosts_share_no_host_identity_and_the_link_can_be_cut(hosts):
+    """What fleet could take for "the same host" differs between the two; cut and restore act on the link."""
+
+    def run(host: int, *args: str) -> list[str]:
+        done = subprocess.run(
+            hosts.command(host, [sys.executable, "-c", *args]),
+            env=hosts.environment(host),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split("\n")
+
+    a, a_sees = run(0, _IDENTITY, "make")[:2]
+    b, b_sees = run(1, _IDENTITY, "look")[:2]
+    assert a_sees == "True" and b_sees == "False", "host B must not see host A's /dev/shm"
+    assert not os.path.exists("/dev/shm/fleet-host-probe"), "nor this machine"
+    assert all(x != y for x, y in zip(a.split(), b.split(), strict=True)), (a, b)  # name, boot id, tmp, runtime
+    listener = hosts.popen(1, [sys.executable, "-c", _LISTEN, hosts.hosts[1].address])
+    assert listener.stdout.readline().strip() == "up"
+    target = hosts.hosts[1].address
+    assert run(0, _DIAL, target)[0] == "reached"
+    hosts.cut()
+    assert run(0, _DIAL, target)[0].startswith("unreachable")
+    hosts.restore()
+    assert run(0, _DIAL, target)[0] == "reached"
+
+
+_LISTEN = """
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 29450)); s.listen(8); print("up", flush=True)
+while True:
+    s.accept()[0].close()
+"""
 
 
 def _env(**extra: str) -> dict[str, str]:
