@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hosts import EmulatedHosts, _ip  # noqa: E402 - the one emulated-hosts harness (tests/hosts.py)
+from hosts import EmulatedHosts, ip  # noqa: E402 - the one emulated-hosts harness (tests/hosts.py)
 
 CLONE_NEWNET = 0x40000000
 TUNSETIFF = 0x400454CA
@@ -107,8 +107,8 @@ class TwoHosts(EmulatedHosts):
                 raise RuntimeError(f"the delay line did not start: {ready!r}")
             for i, (name, dev, addr) in enumerate(zip(self.names, self.devices, self.addresses, strict=True)):
                 peer = self.addresses[1 - i]
-                _ip("-n", name, "addr", "add", addr, "peer", peer, "dev", dev)
-                _ip("-n", name, "link", "set", dev, "mtu", str(TUN_MTU), "up")
+                ip("-n", name, "addr", "add", addr, "peer", peer, "dev", dev)
+                ip("-n", name, "link", "set", dev, "mtu", str(TUN_MTU), "up")
         for name, dev in zip(self.names, self.devices, strict=True):
             _limit(name, dev, self.rate_mbit)
 

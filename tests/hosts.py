@@ -60,7 +60,7 @@ exec "$@"
 _counter = itertools.count(1)
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
     if check and done.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
@@ -171,19 +171,19 @@ class EmulatedHosts:
             (host.root / "run").mkdir(mode=0o700)
             (host.root / "boot_id").write_text(host.boot_id + "\n")
             (host.root / "machine-id").write_text(uuid.uuid4().hex + "\n")
-            _ip("netns", "add", host.namespace)
+            ip("netns", "add", host.namespace)
             self._made.append(host.namespace)
-            _ip("-n", host.namespace, "link", "set", "lo", "up")
+            ip("-n", host.namespace, "link", "set", "lo", "up")
         self._make_link()
 
     def _make_link(self) -> None:
         """The veth pair, one end in each host, addressed and up (a subclass may join the hosts otherwise)."""
         a, b = self.hosts
-        _ip("link", "add", a.device, "type", "veth", "peer", "name", b.device)
+        ip("link", "add", a.device, "type", "veth", "peer", "name", b.device)
         for host in self.hosts:
-            _ip("link", "set", host.device, "netns", host.namespace)
-            _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.device)
-            _ip("-n", host.namespace, "link", "set", host.device, "up")
+            ip("link", "set", host.device, "netns", host.namespace)
+            ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.device)
+            ip("-n", host.namespace, "link", "set", host.device, "up")
 
     def close(self) -> None:
         """Kill what runs on the hosts, delete the namespaces and the hosts' directories (never raises)."""
@@ -201,7 +201,7 @@ class EmulatedHosts:
                     stream.close()
         self._procs.clear()
         for name in self._made:
-            _ip("netns", "del", name, check=False)
+            ip("netns", "del", name, check=False)
         self._made.clear()
         for host in self.hosts:
             shutil.rmtree(host.root, ignore_errors=True)
@@ -235,7 +235,7 @@ class EmulatedHosts:
 
     def pids(self, host: int) -> list[int]:
         """Every process in host ``host``'s network namespace."""
-        done = _ip("netns", "pids", self.hosts[host].namespace, check=False)
+        done = ip("netns", "pids", self.hosts[host].namespace, check=False)
         return [int(p) for p in done.stdout.split()]
 
     def kill_host(self, host: int, sig: int = signal.SIGKILL) -> list[int]:
@@ -252,18 +252,18 @@ class EmulatedHosts:
     def counters(self, host: int = 0) -> Counters:
         """Bytes host ``host``'s end of the link received and sent so far."""
         h = self.hosts[host]
-        done = _ip("-s", "-j", "-n", h.namespace, "link", "show", "dev", h.device)
+        done = ip("-s", "-j", "-n", h.namespace, "link", "show", "dev", h.device)
         stats = json.loads(done.stdout)[0]["stats64"]
         return Counters(int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"]))
 
     def cut(self) -> None:
         """Take the link down (host A's end: the veth pair loses its carrier on both sides)."""
         a = self.hosts[0]
-        _ip("-n", a.namespace, "link", "set", a.device, "down")
+        ip("-n", a.namespace, "link", "set", a.device, "down")
 
     def restore(self) -> None:
         a = self.hosts[0]
-        _ip("-n", a.namespace, "link", "set", a.device, "up")
+        ip("-n", a.namespace, "link", "set", a.device, "up")
 
     def blip(self, seconds: float) -> threading.Thread:
         """Cut the link now and restore it after ``seconds``, in a thread (join it to know the link is back)."""
