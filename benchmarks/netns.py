@@ -4,9 +4,17 @@
     with TwoHosts("delay", delay_ms=5, rate_mbit=500) as h:  # + 5 ms each way
         hosts.run(node_rank, [cmd...])                        # a command inside host 0 or 1
 
-Each host is a network namespace of its own (``fleet-plan-<tag>-a`` / ``-b``) with addresses
-in 10.234.<n>.0/24 that exist only inside them; everything is deleted on exit (also after an
-error). Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN).
+Each host is an emulated host of ``tests/hosts.py`` (the one harness of the multi-host tests): a
+network namespace of its own with an address in 10.231.<n>.0/24 that exists only inside the two,
+and its own host name, /dev/shm, boot id and temp directories, so that fleet's same-host
+shortcuts cannot join the two and every byte between them crosses the link (``counters()``
+reads it). Everything is deleted on exit (also after an error). Needs root (CAP_NET_ADMIN,
+CAP_SYS_ADMIN). Start a host's processes with ``hosts.popen(host, argv, env=...)`` or with
+``hosts.command(host, argv)`` and ``env=hosts.environment(host, env)``.
+
+Before issue 35 the hosts were network namespaces only: they shared /dev/shm, the host name, the
+boot id and TMPDIR, so fleet rightly took them for one host (see docs/scaling.md for which
+earlier points that touched).
 
 Why not ``tc netem``: this machine's kernel has no netem qdisc (``tc qdisc add ... netem``
 fails with "Specified qdisc kind is unknown"; only tbf, htb and pfifo are built in). So:
@@ -37,17 +45,13 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from hosts import EmulatedHosts, ip  # noqa: E402 - the one emulated-hosts harness (tests/hosts.py)
+
 CLONE_NEWNET = 0x40000000
 TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
 TUN_MTU = 65000
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
-    return done
 
 
 def _tc(namespace: str, *args: str) -> None:
@@ -62,73 +66,62 @@ def _limit(namespace: str, device: str, rate_mbit: float) -> None:
     _tc(namespace, *args, "burst", str(burst), "latency", "200ms")
 
 
-class TwoHosts:
-    """Two namespaces and the link between them (see the module docstring)."""
-
-    _count = 0
+class TwoHosts(EmulatedHosts):
+    """Two emulated hosts and the link between them (see the module docstring)."""
 
     def __init__(self, kind: str, *, delay_ms: float = 0.0, rate_mbit: float = 500.0, subnet: int | None = None):
         if kind not in ("veth", "delay"):
             raise ValueError(f"kind must be 'veth' or 'delay', got {kind!r}")
-        TwoHosts._count += 1
-        tag = f"{os.getpid() % 100000}-{TwoHosts._count}"
+        super().__init__(subnet=subnet)
         self.kind, self.delay_ms, self.rate_mbit = kind, delay_ms, rate_mbit
-        self.names = (f"fleet-plan-{tag}-a", f"fleet-plan-{tag}-b")
-        n = subnet if subnet is not None else 100 + (os.getpid() + TwoHosts._count) % 100
-        self.addresses = (f"10.234.{n}.1", f"10.234.{n}.2")
-        self.devices = (f"fpa{tag}"[:15], f"fpb{tag}"[:15])
         self.relay: subprocess.Popen | None = None
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return tuple(h.namespace for h in self.hosts)  # type: ignore[return-value]
+
+    @property
+    def addresses(self) -> tuple[str, str]:
+        return tuple(h.address for h in self.hosts)  # type: ignore[return-value]
+
+    @property
+    def devices(self) -> tuple[str, str]:
+        return tuple(h.device for h in self.hosts)  # type: ignore[return-value]
 
     @property
     def label(self) -> str:
         delay = f"+{self.delay_ms:g} ms each way" if self.kind == "delay" else "veth, no added delay"
         return f"2 hosts ({delay}, {self.rate_mbit:g} Mbit/s)"
 
-    def __enter__(self) -> TwoHosts:
-        try:
-            for name in self.names:
-                _ip("netns", "add", name)
-                _ip("-n", name, "link", "set", "lo", "up")
-            if self.kind == "veth":
-                _ip("link", "add", self.devices[0], "type", "veth", "peer", "name", self.devices[1])
-                for name, dev, addr in zip(self.names, self.devices, self.addresses, strict=True):
-                    _ip("link", "set", dev, "netns", name)
-                    _ip("-n", name, "addr", "add", f"{addr}/24", "dev", dev)
-                    _ip("-n", name, "link", "set", dev, "up")
-            else:
-                self.relay = subprocess.Popen(
-                    [sys.executable, __file__, "--relay", *self.names, *self.devices, str(self.delay_ms)],
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-                ready = self.relay.stdout.readline()
-                if ready.strip() != "ready":
-                    raise RuntimeError(f"the delay line did not start: {ready!r}")
-                for i, (name, dev, addr) in enumerate(zip(self.names, self.devices, self.addresses, strict=True)):
-                    peer = self.addresses[1 - i]
-                    _ip("-n", name, "addr", "add", addr, "peer", peer, "dev", dev)
-                    _ip("-n", name, "link", "set", dev, "mtu", str(TUN_MTU), "up")
-            for name, dev in zip(self.names, self.devices, strict=True):
-                _limit(name, dev, self.rate_mbit)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
+    def _make_link(self) -> None:
+        if self.kind == "veth":
+            super()._make_link()
+        else:
+            self.relay = subprocess.Popen(
+                [sys.executable, __file__, "--relay", *self.names, *self.devices, str(self.delay_ms)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            ready = self.relay.stdout.readline()
+            if ready.strip() != "ready":
+                raise RuntimeError(f"the delay line did not start: {ready!r}")
+            for i, (name, dev, addr) in enumerate(zip(self.names, self.devices, self.addresses, strict=True)):
+                peer = self.addresses[1 - i]
+                ip("-n", name, "addr", "add", addr, "peer", peer, "dev", dev)
+                ip("-n", name, "link", "set", dev, "mtu", str(TUN_MTU), "up")
+        for name, dev in zip(self.names, self.devices, strict=True):
+            _limit(name, dev, self.rate_mbit)
 
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         if self.relay is not None:
             self.relay.terminate()
             try:
                 self.relay.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.relay.kill()
+            self.relay.stdout.close()
             self.relay = None
-        for name in self.names:
-            _ip("netns", "del", name, check=False)
-
-    def command(self, host: int, argv: list[str]) -> list[str]:
-        """``argv`` to run inside host 0 or 1."""
-        return ["ip", "netns", "exec", self.names[host], *argv]
+        super().close()
 
 
 # --------------------------------------------------------------------------- the delay line
@@ -213,15 +206,17 @@ print(f"round trip {rtt * 1e3:.2f} ms, bulk {32 * 1.048576 / bulk:.0f} MB/s")
 
 
 def check(host: TwoHosts) -> str:
-    """A TCP round trip and a 32 MB transfer from host 0 to host 1."""
-    server = subprocess.Popen(
-        host.command(1, [sys.executable, "-c", _ECHO, host.addresses[1]]), stdout=subprocess.PIPE, text=True
-    )
+    """A TCP round trip and a 32 MB transfer from host 0 to host 1 (and what crossed the link)."""
+    server = host.popen(1, [sys.executable, "-c", _ECHO, host.addresses[1]], stderr=None)
     try:
         server.stdout.readline()
         argv = [sys.executable, "-c", _PING, host.addresses[1]]
-        done = subprocess.run(host.command(0, argv), capture_output=True, text=True, timeout=120)
-        return (done.stdout or done.stderr).strip()
+        before = host.counters()
+        done = subprocess.run(
+            host.command(0, argv), env=host.environment(0), capture_output=True, text=True, timeout=120
+        )
+        moved = host.counters() - before
+        return f"{(done.stdout or done.stderr).strip()}; the link carried {moved.tx / 1e6:.1f} MB out of host 0"
     finally:
         server.kill()
         server.wait()

@@ -41,7 +41,6 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -150,9 +149,7 @@ def _two_host_job(hosts, spec: dict, worker_args: list[str], port: int, timeout:
             argv += ["--master", master, "--host", hosts.addresses[rank], "--workers", "1"]
             argv += ["--strategy", str(strategy), "--log-dir", str(Path(tmp, f"logs{rank}"))]
             argv += [str(c.WORKER), "--out", str(out), *worker_args]
-            procs.append(
-                subprocess.Popen(hosts.command(rank, argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-            )
+            procs.append(hosts.popen(rank, argv, env=env, text=False))
         outputs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
         for p, text in zip(procs, outputs, strict=True):
             if p.returncode != 0:
@@ -162,13 +159,16 @@ def _two_host_job(hosts, spec: dict, worker_args: list[str], port: int, timeout:
 
 def sample_two_hosts(hosts, label: str, port: int, quick: bool) -> dict[str, Any]:
     spec = WORKLOADS["W1"]
+    before = hosts.counters()
     with CpuMeter() as meter:
         results = _two_host_job(hosts, spec, _worker_args(spec, quick), port)
+    moved = hosts.counters() - before
     return {
         "point": f"W1 {label}",
         "workload": "W1",
         "workers": 2,
         "link": label,
+        "link_bytes": {"rx": moved.rx, "tx": moved.tx},  # what crossed the link (host 0's end): the proof
         **_summary(results, spec["batch"]),
         "load_before": meter.load_before,
         "load_after": meter.load_after,
@@ -211,9 +211,7 @@ def calibrate_two_hosts(hosts, port: int, log_dir: Path, max_bytes: int) -> dict
         argv += ["--master", f"{hosts.addresses[0]}:{port}", "--host", hosts.addresses[rank], "--workers", "1"]
         argv += ["--log-dir", str(log_dir / f"net-{port}-{rank}"), str(measure_path()), "--out", str(out)]
         argv += ["--no-ps", "--max-bytes", str(max_bytes), "--reps", "7"]
-        procs.append(
-            subprocess.Popen(hosts.command(rank, argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        )
+        procs.append(hosts.popen(rank, argv, env=env, text=False))
     for p in procs:
         text = p.communicate(timeout=300)[0].decode(errors="replace")
         if p.returncode != 0:

@@ -18,7 +18,15 @@ sequence s+2 (over the buffer of s) after every worker wrote s+1, which each doe
 it finished reading s.
 
 A peer that dies is noticed within about a second (its process is gone), one that hangs
-after the timeout: either way the wait raises :class:`ChannelError` naming it.
+after the timeout: either way the wait raises :class:`ChannelError` naming it. The first needs
+the peer's pid to mean the same process here: only when every worker is in this process's pid
+namespace (:meth:`LocalHost.connect` compares them); otherwise (containers that share
+``/dev/shm`` but not their pids) a peer's pid is never looked up, and only the timeout applies.
+
+Whether workers share a host is never guessed from an address or a host name: worker 0 makes a
+segment under an unguessable name and writes a value into it, and the path is used only when
+every worker maps that name and reads that value back (:meth:`LocalHost.connect`; docs/
+architecture.md, "How fleet decides two processes share a host").
 """
 
 from __future__ import annotations
@@ -102,12 +110,16 @@ class Channel:
     number, its pid, then two value buffers. Each worker writes only its own row.
     """
 
-    def __init__(self, table: torch.Tensor, rank: int, world: int, width: int, timeout_s: float):
+    def __init__(
+        self, table: torch.Tensor, rank: int, world: int, width: int, timeout_s: float, check_pids: bool = True
+    ):
         self.table = table.view(world, 2 + 2 * width)
         self.rank = rank
         self.world = world
         self.width = width
         self.timeout_s = timeout_s
+        #: whether a late peer's pid is looked up here (only when every worker shares this pid namespace)
+        self.check_pids = check_pids
         self.seq = int(self.table[rank, 0])
         self.table[rank, 1] = os.getpid()
 
@@ -161,7 +173,7 @@ class Channel:
             word = self.table[late[0], 0:1]
             _futex_wait(word.data_ptr(), seqs[late[0]] & 0x7FFFFFFF, _CHECK_PEERS_S)
             now = time.monotonic()
-            if now - checked >= _CHECK_PEERS_S:
+            if self.check_pids and now - checked >= _CHECK_PEERS_S:
                 checked = now
                 gone = [r for r in late if not process_alive(int(self.table[r, 1]))]
                 if gone:
@@ -183,21 +195,33 @@ class LocalHost:
     LOCKSTEP_WIDTH = 6
     BUCKETS_WIDTH = 1
 
-    def __init__(self, token: str, table: torch.Tensor, rank: int, world: int, timeout_s: float):
+    def __init__(
+        self, token: str, table: torch.Tensor, rank: int, world: int, timeout_s: float, check_pids: bool = True
+    ):
         self.token = token
         self.rank = rank
         self.world = world
         first = Channel.numel(world, self.LOCKSTEP_WIDTH)
-        self.lockstep = Channel(table[:first], rank, world, self.LOCKSTEP_WIDTH, timeout_s)
-        self.buckets = Channel(table[first:], rank, world, self.BUCKETS_WIDTH, timeout_s)
+        end = self.size(world)
+        self.lockstep = Channel(table[:first], rank, world, self.LOCKSTEP_WIDTH, timeout_s, check_pids)
+        self.buckets = Channel(table[first:end], rank, world, self.BUCKETS_WIDTH, timeout_s, check_pids)
 
     @staticmethod
     def size(world: int) -> int:
+        """The channels' int64s (the control segment holds one more: worker 0's proof value, :meth:`connect`)."""
         return Channel.numel(world, LocalHost.LOCKSTEP_WIDTH) + Channel.numel(world, LocalHost.BUCKETS_WIDTH)
 
     @classmethod
     def connect(cls, group: object, timeout_s: float) -> LocalHost | None:
-        """Collective over ``group``: a LocalHost when every worker maps worker 0's segment, else None."""
+        """Collective over ``group``: a LocalHost when every worker proves it shares worker 0's /dev/shm, else None.
+
+        The proof: worker 0 makes the control segment under a name nobody can guess (16 random bytes, sent
+        over ``group``) and writes a value derived from them into it; each other worker maps that name and must
+        read the value back. Only the same memory shows it (not a same-named file in another /dev/shm, nor
+        one on a file system two kernels share). A worker on another host, in a container with its own
+        /dev/shm, or without /dev/shm answers no, and every worker keeps the process group. Peers' pids are
+        checked for liveness only when every worker is in the same pid namespace (:class:`Channel`).
+        """
         import secrets
 
         import torch.distributed as dist
@@ -214,10 +238,13 @@ class LocalHost:
         dist.broadcast(owner, src=dist.get_global_rank(group, 0), group=group)
         name = f"{shm_prefix()}-{int(owner[0])}.{int(owner[1])}-{bytes(token.tolist()).hex()}"
         path = os.path.join(SHM_DIR, f"{name}-control")
+        proof = int.from_bytes(bytes(token[8:].tolist()), "little", signed=True) or 1
+        size = cls.size(world)
         table = None
         if rank == 0 and supported():
             try:
-                table = create(path, cls.size(world), torch.int64)
+                table = create(path, size + 1, torch.int64)
+                table[size] = proof
             except OSError:
                 table = None
 
@@ -230,10 +257,26 @@ class LocalHost:
             return None
         if rank != 0 and supported():
             try:
-                table = attach(path, cls.size(world), torch.int64)
+                table = attach(path, size + 1, torch.int64)
             except OSError:  # not there: another host, or another /dev/shm namespace
                 table = None
-        mapped = everyone(table is not None)
+            if table is not None and int(table[size]) != proof:
+                table = None  # a file of that name, but not worker 0's memory
+        # Everyone mapped it, and whether everyone shares one pid namespace (min == -max of the namespace ids).
+        namespace = pid_namespace()
+        agreed = torch.tensor([1 if table is not None else 0, namespace, -namespace], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        mapped, lowest, highest = int(agreed[0]) == 1, int(agreed[1]), -int(agreed[2])
         if rank == 0:
             os.unlink(path)  # every worker has it mapped (or gave up): nothing is left behind
-        return cls(name, table, rank, world, timeout_s) if mapped else None
+        if not mapped:
+            return None
+        return cls(name, table, rank, world, timeout_s, check_pids=0 < lowest == highest)
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid); 0 when it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0

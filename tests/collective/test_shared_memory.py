@@ -58,6 +58,16 @@ def test_channel_names_a_peer_that_never_arrives():
         shm.Channel(table, 0, 2, 1, timeout_s=0.5).barrier()
 
 
+def test_channel_without_pid_checks_never_calls_an_unseen_peer_dead():
+    """A peer in another pid namespace (a container sharing /dev/shm): its pid means nothing here."""
+    table = _table(2, 1)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    table.view(2, 4)[1, 1] = dead.pid  # here no such process: there, worker 1 may well be alive
+    with pytest.raises(shm.ChannelError, match="worker 1 did not arrive within 1.2 s"):
+        shm.Channel(table, 0, 2, 1, timeout_s=1.2, check_pids=False).barrier()
+
+
 def test_a_segment_is_owner_only_and_fully_allocated(tmp_path):
     path = f"{shm.SHM_DIR}/fleet-test-{os.getpid()}"
     try:
@@ -120,3 +130,35 @@ def test_buckets_summed_on_their_own_thread_equal_single_process():
         want = patterns.reference(name, "adam", 2)
         for result in results:
             assert not patterns.compare(result[name], want), name
+
+
+def connect_worker(rank: int) -> dict:
+    """LocalHost.connect three times: as it is; with worker 1 in another pid namespace; with worker 1 seeing a
+    file of the segment's name that is not worker 0's memory (another /dev/shm)."""
+    import torch.distributed as dist
+
+    import fleet
+
+    fleet.init()
+    group = dist.group.WORLD
+    out = {}
+    host = shm.LocalHost.connect(group, 10)
+    out["same"] = host is not None and host.lockstep.check_pids and host.buckets.check_pids
+    real = shm.pid_namespace
+    if rank == 1:
+        shm.pid_namespace = lambda: real() + 1
+    host = shm.LocalHost.connect(group, 10)
+    out["other_pids"] = host is not None and not host.lockstep.check_pids and not host.buckets.check_pids
+    shm.pid_namespace = real
+    if rank == 1:
+        shm.attach = lambda path, numel, dtype: torch.zeros(numel, dtype=dtype)
+    out["foreign_file"] = shm.LocalHost.connect(group, 10) is None
+    fleet.stop_worker()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_connect_rests_on_proof_and_checks_pids_only_in_one_pid_namespace():
+    for result in run_workers(connect_worker, 2):
+        assert result == {"same": True, "other_pids": True, "foreign_file": True}
