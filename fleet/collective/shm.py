@@ -175,7 +175,9 @@ class Channel:
             now = time.monotonic()
             if self.check_pids and now - checked >= _CHECK_PEERS_S:
                 checked = now
-                gone = [r for r in late if not process_alive(int(self.table[r, 1]))]
+                # A pid of 0: the peer has mapped the table but not built its channel yet (connect's agreement
+                # came first), so it is late, not dead: only the timeout applies to it.
+                gone = [r for r in late if (pid := int(self.table[r, 1])) and not process_alive(pid)]
                 if gone:
                     names = ", ".join(f"worker {r}" for r in gone)
                     raise ChannelError(f"{names} died (its process is gone)", gone)

@@ -68,6 +68,14 @@ def test_channel_without_pid_checks_never_calls_an_unseen_peer_dead():
         shm.Channel(table, 0, 2, 1, timeout_s=1.2, check_pids=False).barrier()
 
 
+def test_a_peer_that_has_not_built_its_channel_yet_is_late_not_dead():
+    """Worker 1 mapped the table but has not written its pid (it was descheduled right after connect's
+    agreement): it must not be reported dead from the empty pid field, only late after the timeout."""
+    table = _table(2, 1)
+    with pytest.raises(shm.ChannelError, match="worker 1 did not arrive within 1.2 s"):
+        shm.Channel(table, 0, 2, 1, timeout_s=1.2).barrier()
+
+
 def test_a_segment_is_owner_only_and_fully_allocated(tmp_path):
     path = f"{shm.SHM_DIR}/fleet-test-{os.getpid()}"
     try:
