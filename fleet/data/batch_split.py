@@ -130,9 +130,7 @@ def _take_jagged(features: Any, start: int, stop: int) -> Any:
     pieces = [(int(ends[k * batch + start]), int(ends[k * batch + stop])) for k in range(len(keys))]
     new_values = torch.cat([values[lo:hi] for lo, hi in pieces])
     new_weights = None if weights is None else torch.cat([weights[lo:hi] for lo, hi in pieces])
-    return type(features)(
-        keys=keys, values=new_values, lengths=per_key[:, start:stop].reshape(-1), weights=new_weights
-    )
+    return type(features)(keys=keys, values=new_values, lengths=per_key[:, start:stop].reshape(-1), weights=new_weights)
 
 
 def take(batch: Any, start: int, stop: int) -> Any:

@@ -29,7 +29,9 @@ class ShardedLoader:
         self, loader: DataLoader, num_shards: int, shard: int, seed: int = 0, split_batches: bool | None = None
     ):
         if split_batches not in (None, True, False):
-            raise TypeError(f"fleet.distributed_loader: split_batches must be True, False or None, got {split_batches!r}")
+            raise TypeError(
+                f"fleet.distributed_loader: split_batches must be True, False or None, got {split_batches!r}"
+            )
         self.position = 0  # batches taken from the current epoch, for checkpoints
         self.num_shards = num_shards
         self.shard = shard
@@ -66,9 +68,7 @@ class ShardedLoader:
                 )
             self.num_shards, self.shard = 1, 0  # fleet.SlotDataset: already this worker's share
         # Every worker reads every item of a loader of whole batches, in one order, and splits each.
-        self._split = self.num_shards > 1 and (
-            split_batches is True or (split_batches is None and self._count_samples)
-        )
+        self._split = self.num_shards > 1 and (split_batches is True or (split_batches is None and self._count_samples))
         if not self.map_style:
             self.loader = loader
             return
@@ -363,9 +363,7 @@ class _SkippingSampler(Sampler):
         return len(self.sampler)
 
 
-def shard_loader(
-    loader: Any, num_shards: int, shard: int, seed: int = 0, split_batches: bool | None = None
-) -> Any:
+def shard_loader(loader: Any, num_shards: int, shard: int, seed: int = 0, split_batches: bool | None = None) -> Any:
     if not isinstance(loader, DataLoader):
         raise TypeError(f"fleet.distributed_loader needs a torch.utils.data.DataLoader, got {type(loader).__name__}.")
     return ShardedLoader(loader, num_shards, shard, seed, split_batches)

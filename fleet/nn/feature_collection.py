@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from fleet.nn.bag_kernels import unique_inverse
-from fleet.nn.torch_signature import refuse_unknown
 from fleet.nn.sparse_embedding import SparseEmbedding
 from fleet.nn.sparse_embedding_bag import MODES, SparseEmbeddingBag, bag_of_entries, pool
+from fleet.nn.torch_signature import refuse_unknown
 from fleet.sparse import backends
 
 # What a FeatureTable passes on to its table: SparseEmbedding's keyword arguments.

@@ -68,9 +68,7 @@ def _optimizer(value: Any, owner: str = "SparseEmbedding") -> OptimizerSpec | No
         return OptimizerSpec.from_config(value)
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type):
         probe = value[0]([torch.zeros(1, requires_grad=True)], **value[1])
-        return OptimizerSpec.from_torch(
-            value[0], probe.param_groups[0], rows=True, where=f"as a {owner}'s optimizer"
-        )
+        return OptimizerSpec.from_torch(value[0], probe.param_groups[0], rows=True, where=f"as a {owner}'s optimizer")
     raise TypeError("optimizer must be None, an OptimizerSpec, a dict, or (torch.optim class, kwargs)")
 
 

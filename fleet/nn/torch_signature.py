@@ -127,7 +127,9 @@ def torch_arguments(owner: str, num_embeddings: int | None, dim: int, given: dic
     refuse_unknown(owner, given)
     for name, default in _DEFAULT_ONLY.items():
         if name in torch_only and torch_only[name] != default:
-            raise TypeError(f"{owner}: {name}={torch_only[name]!r} is not supported on sparse tables (only {default!r})")
+            raise TypeError(
+                f"{owner}: {name}={torch_only[name]!r} is not supported on sparse tables (only {default!r})"
+            )
     device = torch_only.get("device")
     if device is not None and torch.device(device).type != "cpu":
         raise TypeError(f"{owner}: device={device!r}: the rows live on the CPU (or the servers); drop it")

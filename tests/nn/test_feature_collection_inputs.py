@@ -32,8 +32,9 @@ def test_offsets_and_lengths_are_the_same_bags() -> None:
     )
     by_tuples = model({"a": (IDS, LENGTHS, WEIGHTS), "b": two_d, "t1": (IDS, LENGTHS)})
     jagged = JaggedFeatures(
-        ["a", "b", "t1"], torch.cat([IDS, two_d.reshape(-1), IDS]), lengths=torch.cat([LENGTHS, torch.full((4,), 2),
-        LENGTHS])  # fmt: skip
+        ["a", "b", "t1"],
+        torch.cat([IDS, two_d.reshape(-1), IDS]),
+        lengths=torch.cat([LENGTHS, torch.full((4,), 2), LENGTHS]),
     )
     by_jagged = model(jagged)
     for feature in ("a", "b", "t1"):

@@ -75,7 +75,9 @@ class GroupTable:
                 if grad.is_sparse and isinstance(self.optimizer, RowWiseAdagrad):
                     held_by = owners.find_owners([p])[id(p)].module
                     torch_class = type(held_by).__name__ if held_by is not None else "nn.Embedding"
-                    fleet_class = "SparseEmbeddingBag" if isinstance(held_by, torch.nn.EmbeddingBag) else "SparseEmbedding"
+                    fleet_class = (
+                        "SparseEmbeddingBag" if isinstance(held_by, torch.nn.EmbeddingBag) else "SparseEmbedding"
+                    )
                     raise FleetError(
                         f"a parameter of shape {tuple(p.shape)} has a sparse gradient ({torch_class}(sparse=True)) "
                         "and RowWiseAdagrad would step its rows row-wise, but the parameter servers hold dense "
