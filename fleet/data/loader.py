@@ -60,13 +60,16 @@ class ShardedLoader:
         self.map_style = not isinstance(loader.dataset, IterableDataset)
         self.sampler: _ResumableSampler | None = None
         self._own_order: _SkippingSampler | None = None
-        if not self.map_style and getattr(loader.dataset, "shards_itself", False):
+        shards_itself = not self.map_style and getattr(loader.dataset, "shards_itself", False)
+        if shards_itself:
             if split_batches:
                 raise ValueError(
                     "fleet.distributed_loader: this dataset (fleet.SlotDataset) reads only this worker's files "
                     "already; split_batches=True would split its batches again: drop it"
                 )
             self.num_shards, self.shard = 1, 0  # fleet.SlotDataset: already this worker's share
+        # One process checks whole batches as a job would split them (not a dataset that shards itself).
+        self._check_whole = num_shards == 1 and not shards_itself and self._count_samples and split_batches is not False
         # Every worker reads every item of a loader of whole batches, in one order, and splits each.
         self._split = self.num_shards > 1 and (split_batches is True or (split_batches is None and self._count_samples))
         if not self.map_style:
@@ -162,15 +165,17 @@ class ShardedLoader:
         else:
             workers, drop_last = self.num_shards, loader.drop_last
             if self._split:
-                mine = self._uneven_warning(whole_batches.share(
+                mine = whole_batches.share(
                     iter(loader), workers, self.shard, self._always_whole,
                     lambda items: _even_share(items, workers, self.shard, drop_last), self._decided,
                     self._seen, uneven=self._split_batches is True,
-                ))  # fmt: skip
+                )  # fmt: skip
             else:
                 mine = _even_share(iter(loader), workers, self.shard, drop_last)
             batches = (batch for i, batch in enumerate(mine) if i >= skip)
-        if self.num_shards == 1 and self._count_samples and self._split_batches is not False:
+            if self._split:
+                batches = self._uneven_warning(batches)  # after the skipped batches: the ones the script sees
+        if self._check_whole:
             batches = _checked(batches, self._split_batches is True, self._always_whole)
         if self._count_samples:
             batches = _counting_samples(batches)
@@ -193,8 +198,7 @@ class ShardedLoader:
 
     def _seen(self, total: int, mine: int) -> None:
         self._share = (total, mine)
-        if total % self.num_shards:
-            self._weight_read = False
+        self._weight_read = total % self.num_shards == 0  # an uneven batch: was share_weight read for it?
 
     @property
     def share_weight(self) -> float:

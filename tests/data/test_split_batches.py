@@ -202,3 +202,12 @@ def test_two_workers_with_split_batches_equal_one_process_on_the_whole_batches()
         for name, value in want.items():
             got = result["snapshot"][name]
             assert torch.allclose(got, value, atol=1e-5, rtol=0), f"worker {worker} {name}: {(got - value).abs().max()}"
+
+
+def test_a_resumed_epoch_warns_only_for_the_batches_it_yields() -> None:
+    batches = [_batch(0, samples=7), _batch(1, samples=8), _batch(2, samples=8)]
+    loader = shard_loader(_loader(batches), 2, 0, split_batches=True)
+    loader.load_state_dict({"epoch": 0, "position": 1})  # the uneven batch was trained before the save
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [b["dense"].shape[0] for b in loader] == [4, 4]
