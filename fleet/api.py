@@ -437,15 +437,22 @@ def _with_ddp_habits(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def distributed_loader(loader: Any) -> Any:
+def distributed_loader(loader: Any, *, split_batches: bool | None = None) -> Any:
     """This worker's shard of ``loader``; call ``set_epoch(epoch)`` on it to reshuffle each epoch.
 
     A loader whose items are whole batches (``batch_size=None``, or 1 with a ``collate_fn`` that
     returns a mini-batch) is split: each worker keeps its equal slice of every batch, so the global
     batch stays the item (:mod:`fleet.data.whole_batches`; docs/data.md).
+
+    ``split_batches=True`` (accelerate's name) takes every item of any loader as one step's global
+    batch: worker r of W keeps samples ``[r*B/W, (r+1)*B/W)`` of each (``torch.tensor_split``'s shares
+    when W does not divide B; ``loader.share_weight`` weighs the loss then), and one process checks
+    that each batch can be split. ``split_batches=False`` deals whole-batch items out as they are.
     """
     job = current_job()
-    sharded = shard_loader(loader, job.role.worker_num, job.role.worker_index, seed=job.strategy.seed)
+    sharded = shard_loader(
+        loader, job.role.worker_num, job.role.worker_index, seed=job.strategy.seed, split_batches=split_batches
+    )
     job.loaders.append(sharded)
     return sharded
 

@@ -9,6 +9,7 @@ DistributedSampler), which every worker computes alike without communicating.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +25,13 @@ _END = object()
 class ShardedLoader:
     """A DataLoader over this worker's shard, with epochs, resumable positions and ``set_epoch``."""
 
-    def __init__(self, loader: DataLoader, num_shards: int, shard: int, seed: int = 0):
+    def __init__(
+        self, loader: DataLoader, num_shards: int, shard: int, seed: int = 0, split_batches: bool | None = None
+    ):
+        if split_batches not in (None, True, False):
+            raise TypeError(
+                f"fleet.distributed_loader: split_batches must be True, False or None, got {split_batches!r}"
+            )
         self.position = 0  # batches taken from the current epoch, for checkpoints
         self.num_shards = num_shards
         self.shard = shard
@@ -36,19 +43,35 @@ class ShardedLoader:
         self._epoch_rng: dict[str, Any] | None = None  # generators' states when this epoch's pass began
         self._resume_rng: dict[str, Any] | None = None
         self._generator = loader.generator
+        # split_batches: True, every item is a step's global batch, split (fleet.data.whole_batches); False, items
+        # are dealt out whole; None, items that may be whole batches are split in equal shares.
+        self._split_batches = split_batches
         # Items that may be whole batches (fleet.data.whole_batches): samples/s counts each batch's samples.
-        self._count_samples = whole_batches.may_hold_batches(loader)
-        self._always_whole = self._count_samples and loader.batch_size is None
+        self._count_samples = split_batches is True or whole_batches.may_hold_batches(loader)
+        self._always_whole = split_batches is True or (
+            split_batches is None and self._count_samples and loader.batch_size is None
+        )
         self._whole: bool | None = True if self._always_whole else None  # None: decided at the first item
-        if isinstance(loader.batch_size, int) and loader.batch_size > 0 and not self._count_samples:
-            timing.recorder().set_batch_size(loader.batch_size, inferred=True)  # for samples/s
+        if split_batches is False:
+            self._whole = False
+        self._share = (1, 1)  # the last split batch's samples, and this worker's of them
+        self._weight_read = True  # share_weight was read since the last uneven batch
+        self._uneven_warned = False
         self.map_style = not isinstance(loader.dataset, IterableDataset)
         self.sampler: _ResumableSampler | None = None
         self._own_order: _SkippingSampler | None = None
-        if not self.map_style and getattr(loader.dataset, "shards_itself", False):
+        shards_itself = not self.map_style and getattr(loader.dataset, "shards_itself", False)
+        if shards_itself:
+            if split_batches:
+                raise ValueError(
+                    "fleet.distributed_loader: this dataset (fleet.SlotDataset) reads only this worker's files "
+                    "already; split_batches=True would split its batches again: drop it"
+                )
             self.num_shards, self.shard = 1, 0  # fleet.SlotDataset: already this worker's share
+        # One process checks whole batches as a job would split them (not a dataset that shards itself).
+        self._check_whole = num_shards == 1 and not shards_itself and self._count_samples and split_batches is not False
         # Every worker reads every item of a loader of whole batches, in one order, and splits each.
-        self._split = self._count_samples and self.num_shards > 1
+        self._split = self.num_shards > 1 and (split_batches is True or (split_batches is None and self._count_samples))
         if not self.map_style:
             self.loader = loader
             return
@@ -145,10 +168,15 @@ class ShardedLoader:
                 mine = whole_batches.share(
                     iter(loader), workers, self.shard, self._always_whole,
                     lambda items: _even_share(items, workers, self.shard, drop_last), self._decided,
+                    self._seen, uneven=self._split_batches is True,
                 )  # fmt: skip
             else:
                 mine = _even_share(iter(loader), workers, self.shard, drop_last)
             batches = (batch for i, batch in enumerate(mine) if i >= skip)
+            if self._split:
+                batches = self._uneven_warning(batches)  # after the skipped batches: the ones the script sees
+        if self._check_whole:
+            batches = _checked(batches, self._split_batches is True, self._always_whole)
         if self._count_samples:
             batches = _counting_samples(batches)
         first = next(batches, _END)  # the samplers draw their seeds lazily, at the first batch
@@ -167,6 +195,37 @@ class ShardedLoader:
 
     def _decided(self, whole: bool) -> None:
         self._whole = whole
+
+    def _seen(self, total: int, mine: int) -> None:
+        self._share = (total, mine)
+        self._weight_read = total % self.num_shards == 0  # an uneven batch: was share_weight read for it?
+
+    @property
+    def share_weight(self) -> float:
+        """This worker's share of the last batch, times the workers: ``W * mine / batch`` (1.0 in one process and
+        whenever the batch splits evenly). With ``split_batches=True``, ``loss_fn(out, y) * loader.share_weight``
+        (a mean loss) makes the workers' averaged gradient the batch's mean gradient, as one process's, also on
+        a batch that does not split evenly (docs/data.md)."""
+        self._weight_read = True
+        total, mine = self._share
+        return self.num_shards * mine / total if self._split else 1.0
+
+    def _uneven_warning(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Warn once, after an uneven batch's step, when the script did not read ``share_weight`` for it."""
+        for batch in batches:
+            yield batch
+            if not self._weight_read and not self._uneven_warned:
+                self._uneven_warned = True
+                total, mine = self._share
+                warnings.warn(
+                    f"fleet.distributed_loader(split_batches=True): a batch of {total} samples was split unevenly "
+                    f"over {self.num_shards} workers (this one took {mine}); the average of the workers' mean "
+                    "losses then weighs each worker's samples by its share, not as one process's mean over the "
+                    "batch. Multiply the loss by loader.share_weight (1.0 for even shares) to train as one "
+                    "process does, or make the batch a multiple of the workers (drop_last=True for a short last "
+                    "batch).",
+                    stacklevel=2,
+                )
 
     def _length(self) -> int | None:
         try:
@@ -238,6 +297,26 @@ def _even_share(batches: Iterator[Any], num_shards: int, shard: int, drop_last: 
         yield round_[shard]
 
 
+def _checked(batches: Iterator[Any], split_batches: bool, always: bool) -> Iterator[Any]:
+    """One process's whole batches, unchanged, checked for what a job would split: with ``split_batches=True``
+    every batch (a WholeBatchError, as a job raises it); else a first item found to be a whole batch that a job
+    could not split gets a warning, so that the user meets it before going distributed."""
+    first = True
+    for batch in batches:
+        if split_batches:
+            whole_batches.check(batch, whole_batches.describe(True, None, True))
+        elif first:
+            n = whole_batches.samples_in(batch)
+            if always or (n is not None and n > 1):
+                try:
+                    whole_batches.check(batch, whole_batches.describe(always, n, False))
+                except whole_batches.WholeBatchError as err:
+                    warnings.warn(f"{err} (In one process the batches pass unchanged; fleetrun refuses them.)",
+                                  stacklevel=2)  # fmt: skip
+        first = False
+        yield batch
+
+
 def _counting_samples(batches: Iterator[Any]) -> Iterator[Any]:
     """Tell the step timing each batch's samples (its first tensor's first dimension), not one per item."""
     recorder = timing.recorder()
@@ -288,10 +367,10 @@ class _SkippingSampler(Sampler):
         return len(self.sampler)
 
 
-def shard_loader(loader: Any, num_shards: int, shard: int, seed: int = 0) -> Any:
+def shard_loader(loader: Any, num_shards: int, shard: int, seed: int = 0, split_batches: bool | None = None) -> Any:
     if not isinstance(loader, DataLoader):
         raise TypeError(f"fleet.distributed_loader needs a torch.utils.data.DataLoader, got {type(loader).__name__}.")
-    return ShardedLoader(loader, num_shards, shard, seed)
+    return ShardedLoader(loader, num_shards, shard, seed, split_batches)
 
 
 __all__ = ["ShardedLoader", "shard_loader"]

@@ -8,20 +8,24 @@ item, in the same order, and keeps its 1/W slice of each one's samples: each ste
 batch is the item, so the job does one process's steps on the same batches (mean losses
 averaged over equal shares are the batch's mean loss).
 
-Splitting needs to know which dimension holds the samples: it is the first dimension, which
-every tensor of the item must share, divisible by the worker count. An item that is not like
+Splitting needs to know where the samples are (:mod:`fleet.data.batch_split`): the first dimension
+of a tensor, the bags of a ``{"ids", "offsets" | "lengths"}`` dict, the bags of jagged features;
+every part of the item must hold the same number, a multiple of the worker count unless
+``split_batches=True`` asked for ``torch.tensor_split``'s uneven shares. An item that is not like
 that is refused, naming what is wrong and how to change the loader, never split differently.
 
-The number of samples in a batch (for samples/s) is the first dimension of its first tensor.
+The number of samples in a batch (for samples/s) is that number (else the first dimension of its
+first tensor).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, default_collate
+
+from fleet.data import batch_split
 
 _END = object()
 
@@ -33,74 +37,56 @@ def may_hold_batches(loader: DataLoader) -> bool:
     return loader.batch_size == 1 and loader.collate_fn is not default_collate
 
 
-def _leaves(batch: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, leaf) depth-first through tuples, lists and mappings."""
-    if isinstance(batch, Mapping):
-        for key, value in batch.items():
-            yield from _leaves(value, f"{path}[{key!r}]")
-    elif isinstance(batch, tuple | list):
-        for i, value in enumerate(batch):
-            yield from _leaves(value, f"{path}[{i}]")
-    else:
-        yield path or "the batch", batch
-
-
 def samples_in(batch: Any) -> int | None:
-    """The first dimension of the batch's first tensor (None without a tensor of at least one dimension)."""
-    for _, leaf in _leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return None
-
-
-def _rebuild(batch: Any, take: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(batch, Mapping):
-        return type(batch)({key: _rebuild(value, take) for key, value in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(_rebuild(value, take) for value in batch))
-    if isinstance(batch, tuple | list):
-        return type(batch)(_rebuild(value, take) for value in batch)
-    return take(batch)
+    """The batch's samples (:mod:`fleet.data.batch_split`; else its first tensor's first dimension; None without one)."""
+    return batch_split.first_samples(batch)
 
 
 class WholeBatchError(ValueError):
     """A loader of whole batches whose items fleet cannot split across the workers as one process would."""
 
 
-def split(batch: Any, num_shards: int, shard: int, why: str) -> Any:
-    """Worker ``shard``'s equal slice of every tensor of ``batch`` along the first (sample) dimension."""
-    leaves = list(_leaves(batch))
-    problem = None
-    others = [f"{path}: {type(leaf).__name__}" for path, leaf in leaves if not isinstance(leaf, torch.Tensor)]
-    shapes = {path: tuple(leaf.shape) for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
-    firsts = {shape[0] if shape else None for shape in shapes.values()}
-    if others:
-        problem = f"it holds values that are not tensors ({', '.join(others[:4])}), which fleet cannot split"
-    elif not shapes:
-        problem = "it holds no tensor"
-    elif len(firsts) != 1 or None in firsts:
-        listed = ", ".join(f"{path}: {shape}" for path, shape in list(shapes.items())[:6])
-        problem = f"its tensors do not share a first (sample) dimension ({listed})"
-    else:
-        n = next(iter(firsts))
-        if n % num_shards:
-            problem = (
-                f"a batch holds {n} samples, not a multiple of the {num_shards} workers (equal shares keep the "
-                "step's mean loss that of one process on the batch)"
-            )
+def _refuse(why: str, num_shards: int | str, problem: str) -> WholeBatchError:
+    return WholeBatchError(
+        f"fleet.distributed_loader: this DataLoader's items are whole batches ({why}), so every worker reads "
+        f"each one and keeps its 1/{num_shards} of the samples, keeping the global batch of one process; but "
+        f"{problem}. Either make every item's parts hold the samples: tensors on their first dimension, bags of "
+        "ids as {'ids': ..., 'offsets': ...} (nn.EmbeddingBag's offsets, one per sample) or {'ids': ..., "
+        "'lengths': ...}, or a fleet.nn.JaggedFeatures, which fleet splits by sample (docs/data.md); or let the "
+        f"DataLoader batch single samples (batch_size = the global batch / {num_shards}, the default collate_fn) "
+        "so fleet deals out samples; or slice each batch yourself by fleet.worker_index() and iterate the loader "
+        "without fleet.distributed_loader."
+    )
+
+
+def check(batch: Any, why: str) -> int:
+    """The samples of ``batch``, a whole batch; :class:`WholeBatchError` if it cannot be split (one process checks
+    with ``split_batches=True`` what a job splits, so the refusal comes before going distributed)."""
+    n, problem = batch_split.samples(batch)
     if problem is not None:
-        raise WholeBatchError(
-            f"fleet.distributed_loader: this DataLoader's items are whole batches ({why}), so every worker reads "
-            f"each one and keeps its 1/{num_shards} of the samples, keeping the global batch of one process; but "
-            f"{problem}. Either make every item's tensors share their first dimension, the samples, in a multiple "
-            f"of {num_shards} (e.g. lengths instead of offsets for bags, and a batch size divisible by the worker "
-            f"count, the last batch included, or drop it); or let the DataLoader batch single samples "
-            f"(batch_size = the global batch / {num_shards}, the default collate_fn) so fleet deals out samples; or "
-            "slice each batch yourself by fleet.worker_index() and iterate the loader without "
-            "fleet.distributed_loader."
+        raise _refuse(why, "W", problem)
+    return n
+
+
+def split(batch: Any, num_shards: int, shard: int, why: str, uneven: bool = False) -> tuple[Any, int, int]:
+    """(worker ``shard``'s samples of ``batch``, the batch's samples, this worker's): equal shares, or with
+    ``uneven`` (``split_batches=True``) ``torch.tensor_split``'s (the first ``n % num_shards`` workers one more)."""
+    n, problem = batch_split.samples(batch)
+    if problem is None and n % num_shards and not uneven:
+        problem = (
+            f"a batch holds {n} samples, not a multiple of the {num_shards} workers (equal shares keep the "
+            "step's mean loss that of one process on the batch; fleet.distributed_loader(loader, "
+            "split_batches=True) splits it unevenly, a loss weighted by loader.share_weight keeping it)"
         )
-    size = next(iter(firsts)) // num_shards
-    return _rebuild(batch, lambda t: t[shard * size : (shard + 1) * size])
+    if problem is None and n < num_shards:
+        problem = (
+            f"a batch holds {n} samples, fewer than the {num_shards} workers (a worker would get none: "
+            "drop_last=True drops a short last batch)"
+        )
+    if problem is not None:
+        raise _refuse(why, num_shards, problem)
+    start, stop = batch_split.bounds(n, num_shards, shard)
+    return batch_split.take(batch, start, stop), n, stop - start
 
 
 def share(
@@ -110,12 +96,15 @@ def share(
     always: bool,
     deal: Callable[[Iterator[Any]], Iterator[Any]],
     decided: Callable[[bool], None],
+    seen: Callable[[int, int], None] = lambda total, mine: None,
+    uneven: bool = False,
 ) -> Iterator[Any]:
     """This worker's part of a stream every worker reads in full.
 
-    Whole batches (``always``: ``batch_size=None``; else a first item of more than one sample)
-    are split; items of one sample each are dealt out by ``deal``, as samples are.
-    ``decided(whole)`` is told which, at the first item.
+    Whole batches (``always``: ``batch_size=None`` or ``split_batches=True``; else a first item of
+    more than one sample) are split, unevenly with ``uneven``; items of one sample each are dealt
+    out by ``deal``, as samples are. ``decided(whole)`` is told which, at the first item;
+    ``seen(batch's samples, this worker's)`` before each split batch is yielded.
     """
     first = next(items, _END)
     if first is _END:
@@ -126,9 +115,18 @@ def share(
     if not whole:
         yield from deal(_chain(first, items))
         return
-    why = "batch_size=None" if always else f"batch_size=1 with a collate_fn that returns {n} samples"
+    why = describe(always, n, uneven)
     for item in _chain(first, items):
-        yield split(item, num_shards, shard, why)
+        piece, total, mine = split(item, num_shards, shard, why, uneven)
+        seen(total, mine)
+        yield piece
+
+
+def describe(always: bool, n: int | None, split_batches: bool) -> str:
+    """Why a loader's items are taken as whole batches, for messages."""
+    if split_batches:
+        return "fleet.distributed_loader(loader, split_batches=True)"
+    return "batch_size=None" if always else f"batch_size=1 with a collate_fn that returns {n} samples"
 
 
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:

@@ -13,7 +13,9 @@ pushed in one request per server per step. This is the role of TorchRec's
 - the input is jagged: a :class:`JaggedFeatures` (keys, values, lengths or offsets, optional
   per-id weights: the layout of TorchRec's ``KeyedJaggedTensor``, which is accepted as it is when
   TorchRec is installed; fleet does not depend on it), or a dict ``{feature: 2-D tensor of bags}``
-  / ``{feature: (values, lengths)}`` / ``{feature: (values, lengths, weights)}``;
+  / ``{feature: {"ids": ..., "offsets": ...}}`` (``nn.EmbeddingBag``'s ``offsets``: where each bag
+  starts, one per bag) / ``{feature: {"ids": ..., "lengths": ...}}`` (ids per bag), either with
+  an optional ``"weights"`` (one per id), or the tuples ``(values, lengths)`` / ``(values, lengths, weights)``;
 - the output is a dict ``{feature: [batch, dim]}`` in the collection's feature order
   (``torch.cat(list(out.values()), 1)`` is TorchRec's ``KeyedTensor.values()``).
 
@@ -25,19 +27,22 @@ only the pull is shared.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from fleet.nn.bag_kernels import unique_inverse
-from fleet.nn.sparse_embedding import SparseEmbedding, refuse_unknown
+from fleet.nn.sparse_embedding import SparseEmbedding
 from fleet.nn.sparse_embedding_bag import MODES, SparseEmbeddingBag, bag_of_entries, pool
+from fleet.nn.torch_signature import refuse_unknown
 from fleet.sparse import backends
 
 # What a FeatureTable passes on to its table: SparseEmbedding's keyword arguments.
-_TABLE_ARGUMENTS = set(inspect.signature(SparseEmbedding.__init__).parameters) - {"self", "embedding_dim", "unknown"}
+_TABLE_ARGUMENTS = set(inspect.signature(SparseEmbedding.__init__).parameters) - {
+    "self", "sizes", "embedding_dim", "num_embeddings", "unknown"
+}  # fmt: skip
 
 
 class FeatureTable:
@@ -164,6 +169,43 @@ def _from_jagged(features: Any) -> dict[str, Bags]:
     return out
 
 
+# A feature's bags as a dict: "ids" with "offsets" (each bag's start, [batch], as nn.EmbeddingBag's offsets)
+# or "lengths" (ids per bag, [batch]), and optional "weights" (one per id).
+BAG_KEYS = ("ids", "offsets", "lengths", "weights")
+
+
+def _from_bag_dict(name: str, given: Mapping[str, Any]) -> Bags:
+    keys = set(given)
+    if "ids" not in keys or len(keys & {"offsets", "lengths"}) != 1 or not keys <= set(BAG_KEYS):
+        raise ValueError(
+            f"feature {name!r}: a dict of bags holds 'ids' and one of 'offsets' (each bag's start, as "
+            f"nn.EmbeddingBag's offsets) or 'lengths' (ids per bag), and optionally 'weights'; got {sorted(keys)}"
+        )
+    ids = _check_ids(name, given["ids"]).reshape(-1)
+    if "lengths" in given:
+        lengths = torch.as_tensor(given["lengths"]).to(torch.int64)
+        if lengths.dim() != 1 or bool((lengths < 0).any()) or int(lengths.sum()) != ids.numel():
+            raise ValueError(f"feature {name!r}: lengths must be 1-D, >= 0, adding up to the {ids.numel()} ids")
+        offsets = _lengths_to_offsets(lengths)
+    else:
+        starts = torch.as_tensor(given["offsets"]).to(torch.int64)
+        if (
+            starts.dim() != 1
+            or (starts.numel() and int(starts[0]) != 0)
+            or bool((starts.diff() < 0).any())
+            or (starts.numel() and int(starts[-1]) > ids.numel())
+        ):
+            raise ValueError(
+                f"feature {name!r}: offsets must be 1-D, start at 0 and not decrease, within the {ids.numel()} ids "
+                "(one per bag: where it starts, as nn.EmbeddingBag's offsets without include_last_offset)"
+            )
+        offsets = torch.cat([starts, starts.new_tensor([ids.numel()])])
+    weights = given.get("weights")
+    if weights is not None and weights.numel() != ids.numel():
+        raise ValueError(f"feature {name!r}: {weights.numel()} weights for {ids.numel()} ids")
+    return ids, offsets, None if weights is None else weights.reshape(-1)
+
+
 def _from_dict(features: Mapping[str, Any]) -> dict[str, Bags]:
     out = {}
     for name, given in features.items():
@@ -171,30 +213,33 @@ def _from_dict(features: Mapping[str, Any]) -> dict[str, Bags]:
             ids = _check_ids(name, given)
             if ids.dim() != 2:
                 raise ValueError(
-                    f"feature {name!r}: a tensor is a 2-D batch of bags, got {ids.dim()}-D; pass (values, lengths) "
-                    "for bags of varied length"
+                    f"feature {name!r}: a tensor is a 2-D batch of bags, got {ids.dim()}-D; pass "
+                    "{'ids': ..., 'offsets': ...} or (values, lengths) for bags of varied length"
                 )
             batch, width = ids.shape
             out[name] = (ids.reshape(-1), torch.arange(batch + 1) * width, None)
+        elif isinstance(given, Mapping):
+            out[name] = _from_bag_dict(name, given)
         elif isinstance(given, tuple | list) and len(given) in (2, 3):
-            ids = _check_ids(name, given[0]).reshape(-1)
-            lengths = torch.as_tensor(given[1]).to(torch.int64)
-            if lengths.dim() != 1 or bool((lengths < 0).any()) or int(lengths.sum()) != ids.numel():
-                raise ValueError(f"feature {name!r}: lengths must be 1-D, >= 0, adding up to the {ids.numel()} ids")
-            weights = given[2] if len(given) == 3 else None
-            if weights is not None and weights.numel() != ids.numel():
-                raise ValueError(f"feature {name!r}: {weights.numel()} weights for {ids.numel()} ids")
-            out[name] = (ids, _lengths_to_offsets(lengths), None if weights is None else weights.reshape(-1))
+            lengths = {"ids": given[0], "lengths": given[1]}
+            out[name] = _from_bag_dict(name, lengths if len(given) == 2 else {**lengths, "weights": given[2]})
         else:
             raise TypeError(
-                f"feature {name!r}: expected a 2-D tensor of bags, (values, lengths) or (values, lengths, weights); "
-                f"got {type(given).__name__}"
+                f"feature {name!r}: expected a 2-D tensor of bags, {{'ids': ..., 'offsets' or 'lengths': ...}}, "
+                f"(values, lengths) or (values, lengths, weights); got {type(given).__name__}"
             )
     return out
 
 
 class SparseFeatureCollection(nn.Module):
-    """``SparseFeatureCollection([FeatureTable("t0", 16, ["f0", "f1"]), ...])(features)`` -> ``{feature: [B, dim]}``."""
+    """``SparseFeatureCollection([FeatureTable("t0", 16, ["f0", "f1"]), ...])(features)`` -> ``{feature: [B, dim]}``.
+
+    It is also a sequence of its tables, as the ``nn.ModuleList`` of ``nn.EmbeddingBag`` it replaces:
+    ``len(collection)``, ``for table in collection``, ``collection[k]`` (the k-th table, or by name) give
+    the :class:`~fleet.nn.SparseEmbeddingBag` tables, each callable as ``nn.EmbeddingBag`` is
+    (``table(ids, offsets, per_sample_weights)``). Called one by one they pull one by one; the
+    collection's own forward pulls every table in one request per server.
+    """
 
     def __init__(self, tables: Sequence[FeatureTable]):
         super().__init__()
@@ -210,9 +255,9 @@ class SparseFeatureCollection(nn.Module):
             raise ValueError(f"SparseFeatureCollection: features {repeated} are looked up in more than one table")
         self.tables = nn.ModuleDict(
             {
-                t.name: SparseEmbeddingBag(
-                    t.dim, t.mode, padding_idx=t.padding_idx, include_last_offset=True, **t.table
-                )
+                # include_last_offset=False: a table called on its own takes nn.EmbeddingBag's offsets; the
+                # collection's forward pools with its own [bags + 1] offsets.
+                t.name: SparseEmbeddingBag(t.dim, t.mode, padding_idx=t.padding_idx, **t.table)
                 for t in tables
             }
         )
@@ -225,6 +270,18 @@ class SparseFeatureCollection(nn.Module):
 
     def extra_repr(self) -> str:
         return f"features={self.feature_names}"
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def __iter__(self) -> Iterator[SparseEmbeddingBag]:
+        return iter(self.tables.values())
+
+    def __getitem__(self, key: int | str) -> SparseEmbeddingBag:
+        """The table at position ``key`` (as a ModuleList's) or named ``key``."""
+        if isinstance(key, str):
+            return self.tables[key]
+        return list(self.tables.values())[key]
 
     def _bags(self, features: Any) -> dict[str, Bags]:
         if isinstance(features, Mapping):

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fleet.nn import rows_state
+from fleet.nn import rows_state, torch_signature
 from fleet.nn.bag_kernels import unique_inverse
 from fleet.runtime import context
 from fleet.sparse import backends as tables
@@ -55,45 +55,12 @@ def _initializer(value: Any, owner: str = "SparseEmbedding") -> InitializerSpec:
         return InitializerSpec.from_config(value)
     if isinstance(value, str):
         return InitializerSpec(kind=value)  # type: ignore[arg-type]
-    if isinstance(value, int) and not isinstance(value, bool):  # SparseEmbedding(num_embeddings, dim), as nn.Embedding
-        raise TypeError(
-            f"{owner} takes no vocabulary size (rows are keyed by any int64 id, created on first touch): "
-            f"write {owner}({value}) for rows of {value} values; its second argument is the initializer, got {value}"
-        )
-    raise TypeError(f"initializer must be an InitializerSpec, a dict or a kind name, got {type(value).__name__}")
+    raise TypeError(
+        f"{owner}: initializer must be an InitializerSpec, a dict or a kind name, got {type(value).__name__}"
+    )
 
 
-# nn.Embedding / nn.EmbeddingBag arguments a sparse table has no use for, and what to do instead.
-_TORCH_ONLY = {
-    "num_embeddings": "rows are keyed by any int64 id, created on first touch: drop it",
-    "sparse": "the rows' gradients are always sparse (one per looked-up id): drop it",
-    "max_norm": "not supported on sparse tables",
-    "norm_type": "not supported on sparse tables",
-    "scale_grad_by_freq": "not supported on sparse tables",
-    "_weight": "the rows come from the initializer",
-    "_freeze": "not supported on sparse tables",
-    "device": "the rows live on the CPU (or the servers)",
-    "dtype": "the rows are float32",
-}
-_BAG_ONLY = {
-    "mode": "pooling ids into bags (sum, mean, max) is fleet.nn.SparseEmbeddingBag's",
-    "include_last_offset": "bags of ids are fleet.nn.SparseEmbeddingBag's",
-    "padding_idx": "fleet.nn.SparseEmbeddingBag has one (an id that contributes nothing); here, mask the rows",
-}
-
-
-def refuse_unknown(owner: str, unknown: dict[str, Any]) -> None:
-    """Raise a TypeError naming ``unknown`` keyword arguments of ``owner`` and what to write instead."""
-    if not unknown:
-        return
-    hints = []
-    for name in unknown:
-        hint = _TORCH_ONLY.get(name) or _BAG_ONLY.get(name)
-        hints.append(f"{name!r} ({hint})" if hint else repr(name))
-    raise TypeError(f"{owner} got unexpected keyword arguments: {'; '.join(hints)}")
-
-
-def _optimizer(value: Any) -> OptimizerSpec | None:
+def _optimizer(value: Any, owner: str = "SparseEmbedding") -> OptimizerSpec | None:
     """None (follow the dense optimizer), an OptimizerSpec, a dict, or (torch optimizer class, kwargs)."""
     if value is None or isinstance(value, OptimizerSpec):
         return value
@@ -101,14 +68,17 @@ def _optimizer(value: Any) -> OptimizerSpec | None:
         return OptimizerSpec.from_config(value)
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type):
         probe = value[0]([torch.zeros(1, requires_grad=True)], **value[1])
-        return OptimizerSpec.from_torch(
-            value[0], probe.param_groups[0], rows=True, where="as a SparseEmbedding's optimizer"
-        )
+        return OptimizerSpec.from_torch(value[0], probe.param_groups[0], rows=True, where=f"as a {owner}'s optimizer")
     raise TypeError("optimizer must be None, an OptimizerSpec, a dict, or (torch.optim class, kwargs)")
 
 
 class SparseEmbedding(nn.Module):
     """``SparseEmbedding(16)(ids)`` -> ``[*ids.shape, 16]``; rows are created on first touch.
+
+    ``SparseEmbedding(num_embeddings, embedding_dim, ...)`` takes ``nn.Embedding``'s signature: the
+    same table, with ``num_embeddings`` as an id bound (ids outside ``[0, num_embeddings)`` raise
+    ``IndexError``) and torch's arguments as :mod:`fleet.nn.torch_signature` says. Every other
+    argument is fleet's, by keyword (``initializer`` may also come second: ``SparseEmbedding(16, "zeros")``).
 
     ``state_dict_rows=False`` leaves the rows out of ``state_dict()`` (a marker that refuses to
     load) for a table too big to copy; ``fleet.save_checkpoint`` / ``save_persistables`` keep them.
@@ -116,7 +86,7 @@ class SparseEmbedding(nn.Module):
 
     def __init__(
         self,
-        embedding_dim: int,
+        *sizes: Any,
         initializer: InitializerSpec | dict | str | None = None,
         optimizer: Any = None,
         seed: int | None = None,
@@ -125,15 +95,23 @@ class SparseEmbedding(nn.Module):
         ttl_steps: int | None = None,
         decay: float = 0.999,
         state_dict_rows: bool = True,
+        num_embeddings: int | None = None,
+        embedding_dim: int | None = None,
         **unknown: Any,
     ):
         super().__init__()
-        refuse_unknown(type(self).__name__, unknown)
-        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
-            raise ValueError(f"embedding_dim must be an int > 0, got {embedding_dim!r}")
-        self.embedding_dim = embedding_dim
-        self.initializer = _initializer(initializer, type(self).__name__)
-        self.optimizer_override = _optimizer(optimizer)
+        owner = type(self).__name__
+        given = torch_signature.sizes(owner, sizes, num_embeddings, embedding_dim, "initializer")
+        if given.second is not None:
+            if initializer is not None:
+                raise TypeError(f"{owner} got the initializer twice (second argument and initializer=)")
+            initializer = given.second
+        torch_args = torch_signature.torch_arguments(owner, given.num_embeddings, given.embedding_dim, unknown)
+        self.embedding_dim = given.embedding_dim
+        self.num_embeddings = given.num_embeddings
+        """The id bound of torch's signature (ids in ``[0, num_embeddings)``), or None: any int64 id."""
+        self.initializer = _initializer(initializer, owner)
+        self.optimizer_override = _optimizer(optimizer, owner)
         self.seed = 0 if seed is None else int(seed)
         self.lifecycle = LifeCycle.from_config(
             {"entry": entry.to_config() if entry is not None else None, "max_rows": max_rows,
@@ -148,10 +126,29 @@ class SparseEmbedding(nn.Module):
         # (unique ids, their rows as a leaf collecting the gradient, inverse index, clicks) per forward
         self._pending: list[list[Any]] = []
         self._prefetched: tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any] | None = None
+        if torch_args.weight is not None:  # nn.Embedding's _weight: the rows of ids 0 .. num_embeddings-1
+            self.load_rows(torch.arange(given.num_embeddings), torch_args.weight)
 
     def extra_repr(self) -> str:
         life = "".join(f", {k}={v}" for k, v in self.lifecycle.to_config().items())
-        return f"{self.embedding_dim}, initializer={self.initializer.kind}, seed={self.seed}{life}"
+        bound = f"{self.num_embeddings}, " if self.num_embeddings is not None else ""  # torch's (n, dim)
+        return f"{bound}{self.embedding_dim}, initializer={self.initializer.kind}, seed={self.seed}{life}"
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight":
+                raise
+        n = self.__dict__.get("num_embeddings")
+        copy = ".dense_weight()" if n is not None else ".dense_weight(n)"
+        upto = f"0..{n - 1}" if n is not None else "0..n-1"
+        raise AttributeError(
+            f"{type(self).__name__} has no .weight: its rows are keyed by id, created on first touch, and live in a "
+            f"table (on the servers in a parameter-server job). {copy} copies the rows of ids {upto} out as an "
+            "nn.Embedding-style weight (a copy: writing to it changes no row); load_rows(ids, values), or _weight= "
+            "in torch's signature, sets rows"
+        ) from None
 
     def table_config(self, spec: OptimizerSpec) -> dict[str, Any]:
         return {
@@ -182,8 +179,8 @@ class SparseEmbedding(nn.Module):
         ``kwargs`` go to the constructor (``optimizer``, ``seed``, ...); see :meth:`load_rows`.
         """
         if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
-            raise ValueError("SparseEmbedding.from_pretrained takes a 2-D tensor of rows [num_rows, embedding_dim]")
-        module = cls(int(embeddings.shape[1]), **kwargs)
+            raise ValueError(f"{cls.__name__}.from_pretrained takes a 2-D tensor of rows [num_rows, embedding_dim]")
+        module = cls(embedding_dim=int(embeddings.shape[1]), **kwargs)
         module.load_rows(torch.arange(embeddings.shape[0]) if ids is None else ids, embeddings)
         return module
 
@@ -197,24 +194,28 @@ class SparseEmbedding(nn.Module):
         """
         ids = self._check_ids(torch.as_tensor(ids)).reshape(-1)
         if torch.unique(ids).numel() != ids.numel():
-            raise ValueError("SparseEmbedding.load_rows: ids must be unique")
+            raise ValueError(f"{type(self).__name__}.load_rows: ids must be unique")
         if not isinstance(values, torch.Tensor) or not values.dtype.is_floating_point:
-            raise ValueError("SparseEmbedding.load_rows: values must be a floating-point tensor")
+            raise ValueError(f"{type(self).__name__}.load_rows: values must be a floating-point tensor")
         if tuple(values.shape) != (ids.numel(), self.embedding_dim):
             raise ValueError(
-                f"SparseEmbedding.load_rows: values have shape {tuple(values.shape)}, expected "
+                f"{type(self).__name__}.load_rows: values have shape {tuple(values.shape)}, expected "
                 f"({ids.numel()}, {self.embedding_dim})"
             )
         rows = values.detach().to(torch.float32)
         self.backend().load_rows_state({"ids": ids, "rows": rows}, replace=False)
 
-    def dense_weight(self, num_ids: int) -> torch.Tensor:
+    def dense_weight(self, num_ids: int | None = None) -> torch.Tensor:
         """A copy of the rows of ids ``0 .. num_ids-1`` as a ``[num_ids, embedding_dim]`` tensor (``.weight``).
+
+        ``num_ids`` defaults to ``num_embeddings`` where the module has that bound (torch's signature).
 
         Row ``i`` is id ``i``'s row: the table's value where it holds one, else what a lookup
         returns (the initial value, or zeros while an ``entry`` has not admitted the id). For
         ``nn.Embedding``-style inference tools; ids outside the range are not in it.
         """
+        if num_ids is None and self.num_embeddings is not None:
+            num_ids = self.num_embeddings
         if isinstance(num_ids, bool) or not isinstance(num_ids, int) or num_ids < 0:
             raise ValueError(f"dense_weight(num_ids) takes an int >= 0, got {num_ids!r}")
         state = self.backend().rows_state()
@@ -245,7 +246,7 @@ class SparseEmbedding(nn.Module):
             rows_state.restore(self, rows_state.table_rows(state_dict, prefix[:-1]), prefix[:-1])
         elif prefix + "placeholder" in state_dict and rows_state.expected():
             warnings.warn(
-                f"SparseEmbedding {prefix[:-1]!r}: the state dict has no rows (saved before fleet kept a table's "
+                f"{type(self).__name__} {prefix[:-1]!r}: the state dict has no rows (saved before fleet kept a table's "
                 "rows in state_dict); the table keeps the rows it has",
                 stacklevel=2,
             )
@@ -265,11 +266,12 @@ class SparseEmbedding(nn.Module):
         # a copy: the caller may refill its ids tensor in place before the forward, which must then pull again
         self._prefetched = (ids.clone(), unique, inverse, future) if future is not None else None
 
-    @staticmethod
-    def _check_ids(ids: torch.Tensor) -> torch.Tensor:
+    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise TypeError(f"SparseEmbedding takes integer ids, got {ids.dtype}")
-        return ids.to(torch.int64)
+            raise TypeError(f"{type(self).__name__} takes integer ids, got {ids.dtype}")
+        ids = ids.to(torch.int64)
+        torch_signature.check_bound(type(self).__name__, ids, self.num_embeddings)
+        return ids
 
     def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(unique ids, their rows, inverse index): from a prefetch of these ids, or pulled now."""
@@ -316,7 +318,7 @@ class SparseEmbedding(nn.Module):
         and raise the rows' scores (Paddle's show/click statistics).
         """
         if not self._pending:
-            raise RuntimeError("record_clicks follows a training forward of this SparseEmbedding")
+            raise RuntimeError(f"record_clicks follows a training forward of this {type(self).__name__}")
         inverse = self._pending[-1][2]
         labels = torch.as_tensor(labels).detach().to(torch.float32).reshape(-1)
         if inverse.dim() == 0 or labels.numel() != inverse.shape[0]:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fleet.nn import torch_signature
 from fleet.nn.bag_kernels import sum_bags
 from fleet.nn.sparse_embedding import SparseEmbedding
 
@@ -33,32 +34,40 @@ MODES = ("sum", "mean", "max")
 class SparseEmbeddingBag(SparseEmbedding):
     """``SparseEmbeddingBag(16, mode="sum")(ids, offsets)`` -> ``[bags, 16]``; rows are created on first touch.
 
-    ``mode``, ``padding_idx`` and ``include_last_offset`` are ``nn.EmbeddingBag``'s (there is no
-    vocabulary size: rows are keyed by any int64 id, and ``padding_idx`` is such an id); every other
-    keyword argument is :class:`~fleet.nn.SparseEmbedding`'s (``initializer``, ``optimizer``,
-    ``seed``, ``entry``, ``max_rows``, ``ttl_steps``, ``decay``).
+    ``SparseEmbeddingBag(num_embeddings, embedding_dim, mode="sum", sparse=True, ...)`` takes
+    ``nn.EmbeddingBag``'s signature: the same table, with ``num_embeddings`` as an id bound (ids outside
+    ``[0, num_embeddings)`` raise ``IndexError``), ``padding_idx`` torch's index, and torch's other
+    arguments as :mod:`fleet.nn.torch_signature` says. In fleet's own form (no ``num_embeddings``) any
+    int64 id is a row and ``padding_idx`` is such an id; ``mode`` may come second (``SparseEmbeddingBag(16,
+    "sum")``). ``mode``, ``padding_idx`` and ``include_last_offset`` are ``nn.EmbeddingBag``'s; every other
+    keyword argument is :class:`~fleet.nn.SparseEmbedding`'s (``initializer``, ``optimizer``, ``seed``,
+    ``entry``, ``max_rows``, ``ttl_steps``, ``decay``, ``state_dict_rows``).
     """
 
     def __init__(
         self,
-        embedding_dim: int,
-        mode: str = "mean",
-        *,
+        *sizes: Any,
+        mode: str | None = None,
         padding_idx: int | None = None,
         include_last_offset: bool = False,
+        num_embeddings: int | None = None,
+        embedding_dim: int | None = None,
         **table: Any,
     ):
-        if isinstance(mode, int) and not isinstance(mode, bool):  # SparseEmbeddingBag(num_embeddings, dim)
-            raise TypeError(
-                f"SparseEmbeddingBag takes no vocabulary size (rows are keyed by any int64 id, created on first "
-                f"touch): write SparseEmbeddingBag({mode}, mode=...) for rows of {mode} values; its second "
-                f"argument is the mode, got {mode}"
-            )
+        owner = type(self).__name__
+        given = torch_signature.sizes(owner, sizes, num_embeddings, embedding_dim, "mode")
+        if given.second is not None:
+            if mode is not None:
+                raise TypeError(f"{owner} got the mode twice (second argument and mode=)")
+            mode = given.second
+        mode = "mean" if mode is None else mode
         if mode not in MODES:
-            raise ValueError(f"SparseEmbeddingBag mode must be one of {', '.join(MODES)}; got {mode!r}")
+            raise ValueError(f"{owner} mode must be one of {', '.join(MODES)}; got {mode!r}")
         if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, int)):
             raise TypeError(f"padding_idx must be an int id (or None), got {type(padding_idx).__name__}")
-        super().__init__(embedding_dim, **table)
+        if given.num_embeddings is not None:
+            padding_idx = torch_signature.torch_padding(owner, given.num_embeddings, padding_idx)
+        super().__init__(embedding_dim=given.embedding_dim, num_embeddings=given.num_embeddings, **table)
         self.mode = mode
         self.padding_idx = padding_idx
         self.include_last_offset = bool(include_last_offset)

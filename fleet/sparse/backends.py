@@ -235,7 +235,7 @@ class LocalRows:
             return
         if self.table is None or self._provisional:
             spec = module.optimizer_override or OptimizerSpec.from_torch(
-                optimizer_class, group, rows=True, where=f"for a fleet.nn.SparseEmbedding {where}"
+                optimizer_class, group, rows=True, where=f"for a fleet.nn.{type(module).__name__} {where}"
             )
             if self.table is None or self.table.optimizer != spec:
                 self.table = self._new_table(spec, self.table)

@@ -85,7 +85,7 @@ def fresh_context(monkeypatch):
 # The public functions' parameters (names, kinds, defaults): changing one breaks users' scripts.
 SIGNATURES = {
     "barrier_worker": "()",
-    "distributed_loader": "(loader)",
+    "distributed_loader": "(loader, *, split_batches=None)",
     "distributed_model": "(model, strategy=None, *, init=None)",
     "distributed_optimizer": "(optimizer, strategy=None, *, init=None)",
     "file_shard": "(files)",

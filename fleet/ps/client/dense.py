@@ -21,6 +21,7 @@ from fleet.ps.protocol.errors import PSRemoteError
 from fleet.ps.server.aggregator import FROZEN, HAS_GRAD, NO_GRAD
 from fleet.sparse.optim import OptimizerSpec
 from fleet.sparse.rowwise_adagrad import RowWiseAdagrad
+from fleet.training import owners
 
 
 class GroupTable:
@@ -72,10 +73,15 @@ class GroupTable:
                 flags.append(NO_GRAD if p.requires_grad else FROZEN)
             else:
                 if grad.is_sparse and isinstance(self.optimizer, RowWiseAdagrad):
+                    held_by = owners.find_owners([p])[id(p)].module
+                    torch_class = type(held_by).__name__ if held_by is not None else "nn.Embedding"
+                    fleet_class = (
+                        "SparseEmbeddingBag" if isinstance(held_by, torch.nn.EmbeddingBag) else "SparseEmbedding"
+                    )
                     raise FleetError(
-                        f"a parameter of shape {tuple(p.shape)} has a sparse gradient (nn.Embedding(sparse=True)) "
+                        f"a parameter of shape {tuple(p.shape)} has a sparse gradient ({torch_class}(sparse=True)) "
                         "and RowWiseAdagrad would step its rows row-wise, but the parameter servers hold dense "
-                        "parameters as flat blocks and step them element-wise: use fleet.nn.SparseEmbedding for a "
+                        f"parameters as flat blocks and step them element-wise: use fleet.nn.{fleet_class} for a "
                         "row-wise table in a parameter-server job (or torch.optim.Adagrad for this parameter)."
                     )
                 parts.append((grad.to_dense() if grad.is_sparse else grad).detach().reshape(-1))
