@@ -136,7 +136,10 @@ class DistributedStrategy(BaseModel):
     """Sharding: compute in this dtype (FSDP2's MixedPrecisionPolicy); gradients reduce in float32."""
 
     grad_accumulation_steps: int = Field(1, ge=1)
-    """Collective: micro-batches per optimizer step; gradients are reduced once, on the last one."""
+    """Collective, Paddle's gradient merge: ``optimizer.step()`` calls per real step (the loop calls
+    ``backward()`` and ``step()`` on every micro-batch); gradients are reduced once, on the last one. A
+    DDP-style loop (several ``backward()`` calls, then one ``step()``) is refused with an error: keep it
+    at 1 there and skip the reductions with ``no_sync()`` or ``model.require_backward_grad_sync = False``."""
 
     local_sgd_steps: int = Field(0, ge=0)
     """Collective: if > 0, no gradient all-reduce; parameters are averaged every this many steps."""

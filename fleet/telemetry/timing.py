@@ -97,8 +97,9 @@ class StepMetrics:
         self.steps = 0
         self.samples = 0
         self.dropped_stale = 0
-        self.reductions = 0
+        self.reductions = 0  # in the timed steps (after the first boundary), like every other figure here
         self.reduced_bytes = 0
+        self.all_reductions = 0  # since the process started, the first step's included
         self.total = {"step": 0.0, "compute": 0.0, "comm": 0.0}
         self.hist = {name: LogHistogram() for name in self.total}
         self.window: deque[tuple[float, float, float]] = deque(maxlen=WINDOW_STEPS)
@@ -126,6 +127,7 @@ class StepMetrics:
         a push to the servers), of ``nbytes`` gradient bytes."""
         self.reductions += 1
         self.reduced_bytes += int(nbytes)
+        self.all_reductions += 1
 
     def set_batch_size(self, n: int, *, inferred: bool = False) -> None:
         if inferred and self._batch_explicit:
@@ -137,8 +139,9 @@ class StepMetrics:
     def end_step(self, micro_batches: int = 1) -> None:
         """Close the current step: called by the wrapped optimizer at every step boundary."""
         now = self._clock()
-        if self._last is None:
+        if self._last is None:  # the first boundary starts the clock: what came before it is not a timed step
             self._last, self._comm, self._written = now, 0.0, now
+            self.reductions = self.reduced_bytes = 0
             return
         wall = now - self._last
         comm = min(self._comm, wall)
