@@ -282,7 +282,7 @@ class Lockstep:
         except RuntimeError as error:
             raise self._failed(flight.kind, error) from None
         except patience.Late as late:
-            raise self._late(flight.kind, late) from None
+            raise patience.deadline_error(self._what(flight.kind), late, self.silent_peers, self._diagnosis) from None
         except patience.Dead:
             raise PeerError.from_collective(self._what(flight.kind), patience.Dead(None), self._diagnosis()) from None
         finally:
@@ -297,15 +297,6 @@ class Lockstep:
 
     def _what(self, kind: int) -> str:
         return f"agreeing on the next collective ({WHAT[kind]})"
-
-    def _late(self, kind: int, late: patience.Late) -> PeerError:
-        """The deadline passed: alive and late if every heartbeat still beats, else who died."""
-        alive = self.silent_peers is not None and self.silent_peers() == []
-        if alive:
-            return patience.late_message(self._what(kind), late.ranks, late.waited_s, alive=True)
-        names = ", ".join(f"worker {r}" for r in late.ranks) or "a worker"
-        error = RuntimeError(f"{names} did not arrive within {late.waited_s:g} s")
-        return PeerError.from_collective(self._what(kind), error, self._diagnosis())
 
     def _failed(self, kind: int, error: RuntimeError) -> PeerError:
         what = self._what(kind)

@@ -68,13 +68,24 @@ class Dead(Exception):
         self.ranks = ranks
 
 
-def late_message(what: str, ranks: list[int], waited_s: float, alive: bool) -> PeerError:
-    """The PeerError for a wait whose deadline passed: alive and late when the heartbeats say so."""
+def late_message(what: str, ranks: list[int], waited_s: float) -> PeerError:
+    """The PeerError for a wait whose deadline passed while the heartbeats said every peer lives."""
     who = ", ".join(f"worker {r}" for r in ranks) if ranks else "a worker"
     verb = "are" if len(ranks) > 1 else "is"
-    if alive:
-        return PeerError(
-            f"{what} failed: {who} {verb} alive but has not reached the next collective for {waited_s:.0f} s: "
-            f"rank-0-only evaluation or saving? {RAISE_TIMEOUT}"
-        )
-    return PeerError(f"{what} failed: {who} did not reach the next collective within {waited_s:.0f} s.")
+    have = "have" if len(ranks) > 1 else "has"
+    return PeerError(
+        f"{what} failed: {who} {verb} alive but {have} not reached the next collective for {waited_s:.0f} s: "
+        f"rank-0-only evaluation or saving? {RAISE_TIMEOUT}"
+    )
+
+
+def deadline_error(
+    what: str, late: Late, silent_peers: Callable[[], list[int] | None] | None, diagnose: Callable[[], str | None]
+) -> PeerError:
+    """The wait's deadline passed: alive and late if every heartbeat still beats, else the heartbeats' diagnosis."""
+    if silent_peers is not None and silent_peers() == []:
+        return late_message(what, late.ranks, late.waited_s)
+    names = ", ".join(f"worker {r}" for r in late.ranks) or "a worker"
+    return PeerError.from_collective(
+        what, RuntimeError(f"{names} did not arrive within {late.waited_s:g} s"), diagnose()
+    )
