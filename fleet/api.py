@@ -26,6 +26,8 @@ from fleet.runtime.signed_store import SignedStore
 from fleet.sparse import backends as tables
 from fleet.strategies.base import Strategy
 from fleet.strategy import DistributedStrategy, StrategyError
+from fleet.telemetry import job_summary
+from fleet.training.owners import modules_holding
 
 DEFAULT_PS_UPDATE = "async"  # Paddle's parameter-server default (a_sync=True)
 DEFAULT_MODE, SERVER_MODE = "collective", "ps"  # what a job runs when nothing chose: without servers, with them
@@ -42,6 +44,7 @@ class FleetContext:
         self.models: list[torch.nn.Module] = []  # given to distributed_model (names, buffers)
         self.loaders: list[Any] = []  # distributed_loader results, whose positions checkpoints keep
         self.liveness: Liveness | None = None
+        self.reported = False  # the end-of-job timing table was printed (fleet.telemetry.job_summary)
         self._store: dist.Store | None = None
         self._groups: dict[float, Any] = {}
         self._impl: Strategy | None = None
@@ -93,6 +96,8 @@ class FleetContext:
         if dist.is_initialized():
             return
         timeout_s = self.strategy.timeout_s
+        # gloo's own deadline is the longest wait for a live peer (fleet.collective.patience cuts it in slices)
+        wait_s = max(timeout_s, self.strategy.collective_wait_s)
         backend = _backend()
         store = self.rendezvous_store()
         try:
@@ -101,13 +106,13 @@ class FleetContext:
                 store=dist.PrefixStore("pg", store),
                 rank=self.role.worker_index,
                 world_size=self.role.worker_num,
-                timeout=timedelta(seconds=timeout_s),
+                timeout=timedelta(seconds=wait_s),
             )
         except RuntimeError as error:
             if StoreTamperedError.MARK in str(error):  # gloo read a forged value through the signed store
                 raise StoreTamperedError("a value the process group exchanged does not carry a valid MAC") from None
             raise
-        self._groups[timeout_s] = dist.group.WORLD
+        self._groups[timeout_s] = self._groups[wait_s] = dist.group.WORLD
         default_group.made_by_fleet(self.describe())
         key = store.key if isinstance(store, SignedStore) else None
         self.liveness = Liveness(
@@ -143,6 +148,9 @@ class FleetContext:
 
     def diagnose_peers(self) -> str | None:
         return self.liveness.describe() if self.liveness is not None else None
+
+    def peer_probe(self) -> Callable[[], list[int] | None] | None:
+        return self.liveness.silent_peers if self.liveness is not None else None
 
     # --- the strategy ---------------------------------------------------------------
 
@@ -252,6 +260,7 @@ def init(
     atexit.unregister(_freeze_gc_at_exit)  # once a process, and after _release_at_exit (atexit runs last-in first)
     atexit.register(_freeze_gc_at_exit)
     atexit.register(_release_at_exit, job)
+    atexit.register(_report_at_exit, job)  # before the release: worker 0 gathers through the store
     _mark_joined(role)
     try:
         job.implementation(None)  # the strategy joins the job (a server serves here, then exits)
@@ -326,6 +335,41 @@ def _release_at_exit(job: FleetContext) -> None:
         job.release()
 
 
+def _report_at_exit(job: FleetContext) -> None:
+    """The end of a job run without fleetrun (the script exits without fleet.stop_worker()): worker 0 prints
+    "where the time went" (:mod:`fleet.telemetry.job_summary`)."""
+    if context.current() is job and not hasattr(sys, "last_value"):
+        _final_report(job)
+
+
+def _final_report(job: FleetContext) -> None:
+    if job.reported or not job.role.is_worker or not job_summary.enabled():
+        return
+    job.reported = True
+    report(label="final")
+
+
+def report(label: str | None = None) -> dict[str, Any] | None:
+    """Worker 0 prints the job's "where the time went" table now and returns the report (other workers:
+    None). Call it on every worker. fleet does it once at the end of a job not run by fleetrun
+    (``FLEET_REPORT=0`` turns that off); under fleetrun the launcher prints it after the job."""
+    global _REPORTS
+    job = current_job()
+    if label is None:
+        _REPORTS += 1
+        label = str(_REPORTS)
+    role = job.role
+    try:
+        store = job.rendezvous_store() if role.worker_num > 1 and role.master else None
+        return job_summary.gather(store, role.worker_index, role.worker_num, f"fleet-report/{label}")
+    except Exception as error:  # noqa: BLE001 - a report must never fail the job
+        print(f"fleet: no timing report: {error}", file=sys.stderr)
+        return None
+
+
+_REPORTS = 0  # fleet.api.report() calls in this process: every worker counts alike, so their keys pair
+
+
 def _freeze_gc_at_exit() -> None:
     """The last of fleet's exit handlers, once the job released its group, store and sockets: the
     interpreter's final garbage collections then skip torch's million import-time objects, which
@@ -366,8 +410,13 @@ def distributed_optimizer(
     impl = current_job().wrapping(strategy)
     params = [p for group in getattr(optimizer, "param_groups", None) or [] for p in group["params"]]
     if _meta_model(impl, params, init):
-        return impl.wrap_optimizer(optimizer, init=init)  # type: ignore[call-arg]
-    return impl.wrap_optimizer(optimizer)
+        wrapped = impl.wrap_optimizer(optimizer, init=init)  # type: ignore[call-arg]
+    else:
+        wrapped = impl.wrap_optimizer(optimizer)
+    # DDP programs set require_backward_grad_sync on the model: here it is the model the optimizer trains
+    for model in modules_holding([p for group in wrapped.param_groups for p in group["params"]]):
+        _with_grad_sync_flag(model)
+    return wrapped
 
 
 def _meta_model(impl: Strategy, params: list[torch.Tensor], init: Any) -> bool:
@@ -434,6 +483,15 @@ def _with_ddp_habits(model: torch.nn.Module) -> torch.nn.Module:
         object.__setattr__(model, "module", model)
     if not hasattr(model, "no_sync"):
         object.__setattr__(model, "no_sync", context.no_sync)
+    return _with_grad_sync_flag(model)
+
+
+def _with_grad_sync_flag(model: torch.nn.Module) -> torch.nn.Module:
+    """DDP's ``model.require_backward_grad_sync`` (True; False skips the reduction of the backward after the
+    next forward, as in DDP), once per model, unless the model has an attribute of that name itself."""
+    if context.GRAD_SYNC_FLAG not in model.__dict__ and not hasattr(model, context.GRAD_SYNC_FLAG):
+        object.__setattr__(model, context.GRAD_SYNC_FLAG, True)
+        model.register_forward_pre_hook(context.read_grad_sync_flag)
     return model
 
 
@@ -538,6 +596,7 @@ def stop_worker() -> None:
     if job is None:
         return
     try:
+        _final_report(job)  # the end of the job: worker 0 prints where the time went (not under fleetrun)
         job.stop()
     finally:
         context.set_current(None)

@@ -24,7 +24,11 @@ class PeerError(FleetError):
         cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if plain:
             return cls(f"{what} failed: {cause}.")
-        who = diagnosis or "another worker died or stopped answering within the strategy's timeout_s"
+        who = diagnosis or (
+            "another worker died, stopped answering or did not reach this collective within the strategy's "
+            "timeout_s (only slow, such as rank-0-only evaluation or saving? raise timeout_s: strategy field, "
+            "or FLEET_TIMEOUT_S)"
+        )
         return cls(f"{what} failed: {who} (underlying error: {cause}).")
 
 

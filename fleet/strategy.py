@@ -22,6 +22,17 @@ from fleet.runtime.inject import InjectionSpec
 
 __all__ = ["DistributedStrategy", "StrategyError"]
 
+DEFAULT_TIMEOUT_S = 300.0
+LIVE_PEER_WAIT_S = 1800.0  # torch's gloo default: a collective waits this long for a live peer unless timeout_s is set
+
+
+def _timeout_from_env() -> float:
+    """timeout_s's default: FLEET_TIMEOUT_S when set (checked like the field), else 300 s."""
+    value = env.current().float(env.FLEET_TIMEOUT_S, DEFAULT_TIMEOUT_S)
+    if not 0 < value <= 86400:  # type: ignore[operator]
+        raise StrategyError(f"{env.FLEET_TIMEOUT_S}={value:g} is not allowed: seconds, above 0 and at most 86400.")
+    return value  # type: ignore[return-value]
+
 
 def _explain(error: ValidationError) -> str:
     """One paragraph per problem instead of pydantic's multi-line report."""
@@ -94,8 +105,11 @@ class DistributedStrategy(BaseModel):
     servers: int = Field(0, ge=0)
     """Under rank-only launchers (torchrun, mpirun, srun): the first ``servers`` ranks serve."""
 
-    timeout_s: float = Field(300.0, gt=0, le=86400)
-    """Deadline of every blocking wait (collectives, rendezvous, server requests)."""
+    timeout_s: float = Field(default_factory=lambda: _timeout_from_env(), gt=0, le=86400)
+    """Deadline of every blocking wait (rendezvous, server requests, collectives). Default 300, or
+    ``FLEET_TIMEOUT_S`` from the environment. Left at its default, a collective waits longer for a peer
+    whose heartbeat is alive (:attr:`collective_wait_s`, 30 minutes: rank-0-only evaluation or saving);
+    a dead or stopped peer is named within about 10 s either way (docs/failures.md)."""
 
     bucket_mb: float = Field(25.0, gt=0, le=4096)
     """Collective: size of a gradient bucket; buckets are all-reduced as backward fills them."""
@@ -122,7 +136,10 @@ class DistributedStrategy(BaseModel):
     """Sharding: compute in this dtype (FSDP2's MixedPrecisionPolicy); gradients reduce in float32."""
 
     grad_accumulation_steps: int = Field(1, ge=1)
-    """Collective: micro-batches per optimizer step; gradients are reduced once, on the last one."""
+    """Collective, Paddle's gradient merge: ``optimizer.step()`` calls per real step (the loop calls
+    ``backward()`` and ``step()`` on every micro-batch); gradients are reduced once, on the last one. A
+    DDP-style loop (several ``backward()`` calls, then one ``step()``) is refused with an error: keep it
+    at 1 there and skip the reductions with ``no_sync()`` or ``model.require_backward_grad_sync = False``."""
 
     local_sgd_steps: int = Field(0, ge=0)
     """Collective: if > 0, no gradient all-reduce; parameters are averaged every this many steps."""
@@ -133,6 +150,13 @@ class DistributedStrategy(BaseModel):
     inject: InjectionSpec | None = None
     """Tests and demos: a straggler delay or a crash on chosen worker ranks, e.g.
     ``{"ranks": [1], "delay": {"mu": -1.0, "sigma": 0.5}}`` (see fleet.runtime.inject; FLEET_INJECT wins)."""
+
+    @property
+    def collective_wait_s(self) -> float:
+        """How long a collective waits for a worker whose heartbeat is alive: ``timeout_s`` when chosen (the
+        strategy field, or FLEET_TIMEOUT_S), else :data:`LIVE_PEER_WAIT_S` (torch's own gloo default)."""
+        chosen = "timeout_s" in self.model_fields_set or env.current().has(env.FLEET_TIMEOUT_S)
+        return self.timeout_s if chosen else max(self.timeout_s, LIVE_PEER_WAIT_S)
 
     # --- validation -----------------------------------------------------------
 

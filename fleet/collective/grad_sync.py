@@ -80,10 +80,13 @@ class GradSync:
         diagnose: Callable[[], str | None] | None = None,
         accumulation: int = 1,
         hooked: bool = True,
+        silent_peers: Callable[[], list[int] | None] | None = None,
     ):
         self.group = group
         channel = transport.header_channel()
-        self.lockstep = lockstep.Lockstep(group, timeout_s, diagnose, channel) if group is not None else None
+        self.lockstep = (
+            lockstep.Lockstep(group, timeout_s, diagnose, channel, silent_peers) if group is not None else None
+        )
         self.bucket_bytes = bucket_bytes
         self.transport = transport
         self.timeout = timedelta(seconds=timeout_s)
@@ -91,6 +94,9 @@ class GradSync:
         self.accumulation = accumulation
         self._armed = True  # False between the micro-batches of an accumulation window
         self._paused = 0  # inside no_sync() (nested): backward accumulates locally, as between micro-batches
+        self._backwards = 0
+        self._counting = False  # a backward pass produced a gradient and has not ended yet
+        self._held = False  # require_backward_grad_sync was False at the last forward: the same, DDP's other idiom
         self._hooked = hooked
         self._rounds = 0
         self._comm_wait_s = 0.0
@@ -137,6 +143,11 @@ class GradSync:
 
     def resume(self) -> None:
         self._paused -= 1
+
+    def hold(self, held: bool) -> None:
+        """DDP's ``require_backward_grad_sync`` (False: ``held``), set at each forward: whether the next backward
+        accumulates locally, as inside ``no_sync()``."""
+        self._held = held
 
     def count_step(self) -> None:
         """An optimizer step was taken: the lockstep's headers carry the count."""
@@ -250,7 +261,10 @@ class GradSync:
                 "Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
             )
         self._changed.add(pid)
-        if not self._armed or self._paused or (self.lockstep is not None and self.lockstep.joined):
+        if not self._counting:  # the first gradient of this backward pass
+            self._counting = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._count_backward)
+        if not self._armed or self._paused or self._held or (self.lockstep is not None and self.lockstep.joined):
             return
         if not self._in_round:
             self._begin(in_backward=True)
@@ -258,6 +272,15 @@ class GradSync:
         if bucket is not None:
             self._pending[bucket.index] -= 1
             self._launch_ready()
+
+    def _count_backward(self) -> None:
+        self._counting = False
+        self._backwards += 1
+
+    @property
+    def backwards(self) -> int:
+        """Backward passes that produced a gradient of a registered parameter (reduced or not)."""
+        return self._backwards
 
     def _begin(self, in_backward: bool) -> bool:
         """Start a round: agree on the layout, judge which parameters stay unused; False if nothing to do.
@@ -389,6 +412,9 @@ class GradSync:
             if self.lockstep is not None:
                 waited += self.lockstep.take_waited()  # the round's agreement, and fleet's exchanges before it
             self._comm_wait_s += waited
+            if self.group is not None:  # one gradient reduction, whatever its buckets: what the report counts
+                dense = sum(b.numel * b.flat.element_size() for b in layout.buckets if b.flat is not None)
+                timing.recorder().add_reduction(dense + sum(r.element_size() * r._nnz() for _, r, _ in sparse))
             if in_backward:
                 timing.recorder().end_backward(waited)
         finally:

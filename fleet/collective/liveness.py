@@ -201,7 +201,10 @@ class Liveness:
         if tampered:
             return str(StoreTamperedError("heartbeats in it were overwritten, so they cannot tell which worker failed"))
         if not silent:
-            return "every worker's heartbeat is still alive: a worker may be stuck in a long computation or issuing different collectives"
+            return (
+                "every worker's heartbeat is still alive: a worker is late (rank-0-only evaluation or saving? raise "
+                "timeout_s: strategy field, or FLEET_TIMEOUT_S), stuck, or issuing different collectives"
+            )
         names = ", ".join(f"worker {r}" for r in silent)
         return f"{names} stopped answering (heartbeat silent): it died or was stopped"
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleet.collective import shm
+from fleet.collective import patience, shm
 from fleet.errors import PeerError
 
 ROUND = 1  # gradient round (backward): payload a = layout fingerprint
@@ -129,15 +129,16 @@ class Agreement:
 class InFlight:
     """A header exchange :meth:`Lockstep.start` began; :meth:`Lockstep.collect` waits for it."""
 
-    def __init__(self, kind: int, wait: Callable[[], list[list[int]]]):
+    def __init__(self, kind: int, wait: Callable[[float], list[list[int]] | None]):
         self.kind = kind
         self._wait = wait
         self._rows: list[list[int]] | None = None
+        self.late: list[int] = []  # who had not arrived when a slice of the wait passed (where known)
 
-    def wait(self) -> list[list[int]]:
-        """Every worker's header fields, by rank (waits the first time only)."""
+    def wait(self, within_s: float) -> list[list[int]] | None:
+        """Every worker's header fields, by rank; None if they are not all there within ``within_s``."""
         if self._rows is None:
-            self._rows = self._wait()
+            self._rows = self._wait(within_s)
         return self._rows
 
 
@@ -155,8 +156,12 @@ class Lockstep:
         timeout_s: float,
         diagnose: Callable[[], str | None] | None = None,
         channel: shm.Channel | None = None,
+        silent_peers: Callable[[], list[int] | None] | None = None,
     ):
         self.group = group
+        self.silent_peers = (
+            silent_peers  # the heartbeats: a late peer that lives is waited for (fleet.collective.patience)
+        )
         self.channel = channel  # the workers' shared memory on one host: no gloo round trip
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -234,7 +239,15 @@ class Lockstep:
         values = [kind, a, b, c, self._steps, 0]
         if self.channel is not None:
             seq = self.channel.post(values)
-            flight = InFlight(kind, lambda: self.channel.collect(seq))  # type: ignore[union-attr]
+
+            def collect(within_s: float) -> list[list[int]] | None:
+                try:
+                    return self.channel.collect(seq, within_s)  # type: ignore[union-attr]
+                except shm.ChannelLate as late:
+                    flight.late = late.ranks
+                    return None
+
+            flight = InFlight(kind, collect)
         else:
             mine = torch.tensor(values, dtype=torch.int64)
             gathered = torch.empty(self.world * _FIELDS, dtype=torch.int64)
@@ -243,8 +256,13 @@ class Lockstep:
             except RuntimeError as error:
                 raise self._failed(kind, error) from None
 
-            def wait() -> list[list[int]]:
-                work.wait(self._timeout)
+            def wait(within_s: float) -> list[list[int]] | None:
+                try:
+                    work.wait(timedelta(seconds=within_s))
+                except RuntimeError:
+                    if not work.is_completed():
+                        return None  # this slice of the wait passed; the all-gather is still open
+                    raise
                 return gathered.view(self.world, _FIELDS).tolist()
 
             flight = InFlight(kind, wait)
@@ -258,9 +276,15 @@ class Lockstep:
             self._in_flight = None
         started = time.perf_counter()
         try:
-            rows = flight.wait()
+            rows = patience.wait_for_peers(
+                flight.wait, self._timeout.total_seconds(), self.silent_peers, lambda: flight.late
+            )
         except RuntimeError as error:
             raise self._failed(flight.kind, error) from None
+        except patience.Late as late:
+            raise patience.deadline_error(self._what(flight.kind), late, self.silent_peers, self._diagnosis) from None
+        except patience.Dead:
+            raise PeerError.from_collective(self._what(flight.kind), patience.Dead(None), self._diagnosis()) from None
         finally:
             self._waited_s += time.perf_counter() - started
         return Agreement([Header(r, *row[:5]) for r, row in enumerate(rows)])
@@ -271,8 +295,11 @@ class Lockstep:
             self._in_flight = None
             settle()
 
+    def _what(self, kind: int) -> str:
+        return f"agreeing on the next collective ({WHAT[kind]})"
+
     def _failed(self, kind: int, error: RuntimeError) -> PeerError:
-        what = f"agreeing on the next collective ({WHAT[kind]})"
+        what = self._what(kind)
         if isinstance(error, shm.ChannelError):
             dead = "died" in str(error)
             return PeerError.from_collective(what, error, None if dead else self._diagnosis(), plain=dead)

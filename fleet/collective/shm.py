@@ -81,6 +81,11 @@ class ChannelError(RuntimeError):
         self.ranks = ranks
 
 
+class ChannelLate(ChannelError):
+    """Workers (``ranks``) did not arrive within the wait; their processes are alive. The exchange is still
+    open: collecting it again goes on waiting for them."""
+
+
 def create(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A new, fully allocated, owner-only segment, mapped shared (a full /dev/shm fails here, never later)."""
     size = numel * torch.empty((), dtype=dtype).element_size()
@@ -149,14 +154,18 @@ class Channel:
         self._arrive()
         return self.seq
 
-    def collect(self, seq: int) -> list[list[int]]:
-        """The second half of :meth:`exchange`: wait for every worker's values of ``seq``, by rank."""
+    def collect(self, seq: int, within_s: float | None = None) -> list[list[int]]:
+        """The second half of :meth:`exchange`: wait for every worker's values of ``seq``, by rank.
+
+        ``within_s``: wait at most this long (default: the channel's timeout); :class:`ChannelLate` then
+        leaves the exchange open, so a caller may look at the peers' heartbeats and collect again."""
         assert seq == self.seq, "collect the exchange in flight before posting another"
-        self._wait(seq)
+        self._wait(seq, self.timeout_s if within_s is None else within_s)
         start = 2 + (seq % 2) * self.width
         return self.table[:, start : start + self.width].tolist()
 
-    def _wait(self, seq: int) -> None:
+    def _wait(self, seq: int, within_s: float | None = None) -> None:
+        within_s = self.timeout_s if within_s is None else within_s
         started = time.monotonic()
         checked = started
         spins = 0
@@ -181,9 +190,9 @@ class Channel:
                 if gone:
                     names = ", ".join(f"worker {r}" for r in gone)
                     raise ChannelError(f"{names} died (its process is gone)", gone)
-            if now - started >= self.timeout_s:
+            if now - started >= within_s:
                 names = ", ".join(f"worker {r}" for r in late)
-                raise ChannelError(f"{names} did not arrive within {self.timeout_s:g} s", late)
+                raise ChannelLate(f"{names} did not arrive within {within_s:g} s", late)
 
 
 class LocalHost:

@@ -12,7 +12,19 @@ from typing import Any, Protocol
 
 from fleet.runtime.roles.role import RoleInfo
 
-__all__ = ["ActiveStrategy", "Job", "current", "no_sync", "set_current", "strategy"]
+__all__ = [
+    "GRAD_SYNC_FLAG",
+    "ActiveStrategy",
+    "Job",
+    "current",
+    "no_sync",
+    "read_grad_sync_flag",
+    "set_current",
+    "strategy",
+]
+
+GRAD_SYNC_FLAG = "require_backward_grad_sync"
+"""DDP's attribute: False before a forward makes the backward after it skip the gradient reduction."""
 
 
 class ActiveStrategy(Protocol):
@@ -23,6 +35,8 @@ class ActiveStrategy(Protocol):
     """The validated ``fleet.DistributedStrategy``."""
 
     def no_sync(self) -> AbstractContextManager: ...
+
+    def defer_reduction(self, defer: bool) -> None: ...
 
     def table_backend(self, module: Any) -> Any: ...
 
@@ -71,3 +85,14 @@ def no_sync() -> AbstractContextManager:
     """
     chosen = strategy()
     return chosen.no_sync() if chosen is not None else nullcontext()
+
+
+def read_grad_sync_flag(module: Any, args: Any) -> None:
+    """A forward pre-hook: DDP's ``model.require_backward_grad_sync``, read where DDP reads it (at each forward
+    with autograd on), so that ``model.require_backward_grad_sync = False`` on the micro-batches before the
+    last skips their reductions, as nanoGPT's loop expects. A module-level function: the model stays picklable."""
+    import torch
+
+    chosen = strategy()
+    if chosen is not None and torch.is_grad_enabled():
+        chosen.defer_reduction(not module.__dict__.get(GRAD_SYNC_FLAG, True))

@@ -28,6 +28,8 @@ FLEET_RESTART_COUNT = "FLEET_RESTART_COUNT"  # how often fleetrun restarted this
 FLEET_MAX_RESTARTS = "FLEET_MAX_RESTARTS"  # fleetrun --max-restarts: > 0 lets PS servers wait for workers to rejoin
 FLEET_INJECT = "FLEET_INJECT"  # fault / straggler injection spec for tests and demos
 FLEET_LOCAL_RANK = "FLEET_LOCAL_RANK"  # process index on this node
+FLEET_TIMEOUT_S = "FLEET_TIMEOUT_S"  # seconds: DistributedStrategy.timeout_s where the strategy does not set it
+FLEET_REPORT = "FLEET_REPORT"  # "0": no "where the time went" table at the end of a job run without fleetrun
 FLEET_PS_IPC = "FLEET_PS_IPC"  # "0": workers reach parameter servers on their host over TCP, not a Unix socket
 
 # --- PaddlePaddle's launch conventions ---------------------------------------
@@ -111,6 +113,22 @@ class EnvReader:
             return int(value)
         except ValueError:
             raise EnvError(f"{name}={value!r} is not an integer.") from None
+
+    def float(self, name: str, default: float | None = None) -> float | None:
+        value = self.str(name)
+        if value is None:
+            return default
+        try:
+            return float(value)
+        except ValueError:
+            raise EnvError(f"{name}={value!r} is not a number (seconds, for example 1800).") from None
+
+    def flag(self, name: str, default: bool = True) -> bool:
+        """A switch: "0", "false", "no" or "off" (any case) turn it off, anything else set turns it on."""
+        value = self.str(name)
+        if value is None:
+            return default
+        return value.lower() not in ("0", "false", "no", "off")
 
     def endpoints(self, name: str) -> tuple[str, ...]:
         """A comma-separated list of host:port, each checked."""

@@ -29,6 +29,14 @@ class CommClock:
     def __init__(self) -> None:
         self._step_s = 0.0
         self._backward_s = 0.0
+        self._scattered = 0  # gradient bytes reduce-scattered since the last backward's end
+
+    def scattered(self, nbytes: int) -> None:
+        self._scattered += nbytes
+
+    def take_scattered(self) -> int:
+        taken, self._scattered = self._scattered, 0
+        return taken
 
     def add(self, seconds: float) -> None:
         self._step_s += seconds
@@ -73,6 +81,7 @@ def _timed_collectives() -> tuple[type, type]:
             self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
         ):
             started = time.perf_counter()
+            self.clock.scattered(input_tensor.numel() * input_tensor.element_size())
             try:
                 return super().__call__(output_tensor, input_tensor, group, op, async_op)
             finally:

@@ -97,6 +97,9 @@ class ShardedOrder:
 
     def after_backward(self) -> None:
         """A backward through sharded modules ended: a boundary for jobs timed per backward (no ``step()``)."""
+        scattered = self.clock.take_scattered()
+        if scattered:  # this backward's reduce-scatters: one gradient reduction in the report
+            timing.recorder().add_reduction(scattered)
         if self._in_backward:
             self._in_backward = False
             timing.recorder().end_backward(self.take_comm(per_step=False))

@@ -28,6 +28,7 @@ See ``docs/strategies.md`` for a walk through a complete one (``sharding``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -68,6 +69,10 @@ class Runtime(Protocol):
 
     def diagnose_peers(self) -> str | None:
         """After a failed collective: which peer died or went silent, in words (None if unknown)."""
+
+    def peer_probe(self) -> Callable[[], list[int] | None] | None:
+        """The heartbeats' answer to "who stopped?" (ranks; None: worker 0's store is gone), for waits that
+        tell a slow peer from a dead one; None when this job has no heartbeats (the script's own group)."""
 
 
 class Strategy(ABC):
@@ -195,6 +200,11 @@ class Strategy(ABC):
         """DDP's ``no_sync()``: backward passes inside only accumulate local gradients; the first one
         after it reduces everything accumulated. Nothing to do where backward does not communicate."""
         return nullcontext()
+
+    def defer_reduction(self, defer: bool) -> None:
+        """DDP's ``require_backward_grad_sync`` (False: ``defer``), read at each forward of a model fleet
+        wrapped: whether the next backward keeps its gradients local, to be reduced with a later backward's.
+        Nothing to do where backward does not communicate (a parameter server pushes at ``step()``)."""
 
     def server_endpoints(self) -> list[str]:
         return list(self.runtime.role.server_endpoints)

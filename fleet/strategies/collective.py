@@ -31,7 +31,7 @@ from fleet.collective.broadcast import (
 )
 from fleet.collective.grad_sync import GradSync
 from fleet.collective.join import Join
-from fleet.errors import PeerError
+from fleet.errors import FleetError, PeerError
 from fleet.sparse import backends as tables
 from fleet.strategies.base import REDUCE_OPS, Strategy, check_reduce
 from fleet.training.optimizer import WrappedOptimizer
@@ -78,14 +78,16 @@ class CollectiveStrategy(Strategy):
         if self._sync is None:
             config = self.config
             group = self.runtime.process_group(config.timeout_s)
+            wait_s = config.collective_wait_s  # a live peer is waited for this long (fleet.collective.patience)
             # The config is the transports' options: each may name a field that switches it off.
-            setup = transports.Setup(group, config.timeout_s, compression=config.grad_compression, options=config)
+            setup = transports.Setup(group, wait_s, compression=config.grad_compression, options=config)
             self._sync = GradSync(
                 group,
                 bucket_bytes=int(config.bucket_mb * (1 << 20)),
                 transport=transports.choose(setup),
-                timeout_s=config.timeout_s,
+                timeout_s=wait_s,
                 diagnose=self.runtime.diagnose_peers,
+                silent_peers=self.runtime.peer_probe(),
                 accumulation=config.grad_accumulation_steps,
                 # Gradient rounds are needed to average over workers, or to scale accumulated micro-batches.
                 hooked=not config.local_sgd_steps and (group is not None or config.grad_accumulation_steps > 1),
@@ -130,6 +132,9 @@ class CollectiveStrategy(Strategy):
             yield
         finally:
             sync.resume()
+
+    def defer_reduction(self, defer: bool) -> None:
+        self.sync().hold(defer)
 
     def _broadcast_buffers(self, index: int, model: torch.nn.Module) -> None:
         lock = self.sync().lockstep
@@ -275,6 +280,7 @@ class CollectiveOptimizer(WrappedOptimizer):
             broadcast_optimizer_state(self._inner, self.group)
         self.sync.register(optimizer)
         self._rounds_at_step = self.sync.rounds
+        self._backwards_at_step = self.sync.backwards
         self._arm()
 
     def _arm(self) -> None:
@@ -296,6 +302,9 @@ class CollectiveOptimizer(WrappedOptimizer):
         self.strategy.add_params([p for p in self.parameters() if id(p) not in before])
 
     def step(self, closure=None):
+        backwards, self._backwards_at_step = self.sync.backwards - self._backwards_at_step, self.sync.backwards
+        if self._accumulation > 1 and backwards > 1:
+            raise FleetError(mismatched_accumulation(self._accumulation, backwards))
         if (self._micro_step + 1) % self._accumulation != 0:
             self._micro_step += 1
             self._arm()
@@ -320,3 +329,17 @@ class CollectiveOptimizer(WrappedOptimizer):
             comm_s += time.perf_counter() - started
         self._end_step(comm_s=comm_s, micro_batches=self._accumulation)
         return loss
+
+
+def mismatched_accumulation(steps: int, backwards: int) -> str:
+    """grad_accumulation_steps counts step() calls (Paddle's gradient merge); a DDP-style loop counts backwards."""
+    return (
+        f"DistributedStrategy(grad_accumulation_steps={steps}) counts optimizer.step() calls: one micro-batch is "
+        f"one backward() and one step(), and every {steps}th step() updates the weights. This loop ran "
+        f"{backwards} backward passes before this step(), the DDP way of accumulating, which this setting would "
+        f"turn into {steps} x {backwards} micro-batches per update. Choose one: keep the loop and drop "
+        "grad_accumulation_steps (skip the reductions of the micro-batches before the last with "
+        "model.no_sync() or model.require_backward_grad_sync = False, as under DDP), or keep "
+        "grad_accumulation_steps and call optimizer.step() (and zero_grad()) after every backward() "
+        "(docs/collective.md, 'Gradient accumulation')."
+    )

@@ -95,6 +95,8 @@ class ShardingStrategy(Strategy):
     def __init__(self, config: DistributedStrategy, runtime: Runtime):
         super().__init__(config, runtime)
         self._sharded: weakref.WeakSet = weakref.WeakSet()  # the models fully_shard was applied to
+        self._no_sync = 0  # no_sync() blocks entered and not left
+        self._deferred = False  # require_backward_grad_sync was False at the last forward
         self._materialized: weakref.WeakSet = weakref.WeakSet()  # meta models one worker gave storage (unsharded)
         self._replaced = ParamMap()  # an old parameter (weakly) -> its sharded replacement
         self._optimizers: list[weakref.ref] = []
@@ -244,14 +246,25 @@ class ShardingStrategy(Strategy):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        models = list(self._sharded)  # FSDP2's own switch: unsharded gradients accumulate until it is back on
-        for model in models:
-            model.set_requires_gradient_sync(False)
+        self._no_sync += 1  # FSDP2's own switch: unsharded gradients accumulate until it is back on
+        self._apply_gradient_sync()
         try:
             yield
         finally:
-            for model in models:
-                model.set_requires_gradient_sync(True)
+            self._no_sync -= 1
+            self._apply_gradient_sync()
+
+    def defer_reduction(self, defer: bool) -> None:
+        if defer != self._deferred:  # only on a change: FSDP2's switch walks every module
+            self._deferred = defer
+            self._apply_gradient_sync()
+
+    def _apply_gradient_sync(self) -> None:
+        """FSDP2's switch on every sharded model: off inside no_sync() or after a forward with
+        require_backward_grad_sync False."""
+        on = not (self._no_sync or self._deferred)
+        for model in list(self._sharded):
+            model.set_requires_gradient_sync(on)
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, init: meta_init.Init | None = None

@@ -16,6 +16,10 @@ backward, communication, update); the first boundary only starts the clock.
   ``fleet.distributed_loader`` (for items that are whole batches: each batch's first
   dimension, :mod:`fleet.data.whole_batches`); unknown (samples/s reported as null) without either.
 - stale gradients dropped: :meth:`StepMetrics.add_dropped` / :meth:`StepMetrics.set_dropped`.
+- gradient reductions: :meth:`StepMetrics.add_reduction`, once per exchange of a step's gradients with
+  the other workers (collective: a gradient round's all-reduce; sharding: a backward's reduce-scatters;
+  parameter server: a push), with its bytes, so the report shows reductions per optimizer step: one
+  with gradient accumulation done right, one per micro-batch when accumulation still communicates.
 - restarts: ``FLEET_RESTART_COUNT``.
 - a script that never calls ``step()`` (weights updated by hand, ``p.data.add_(p.grad, alpha=-lr)``)
   is timed per backward instead: strategies that reduce gradients in backward call
@@ -93,6 +97,9 @@ class StepMetrics:
         self.steps = 0
         self.samples = 0
         self.dropped_stale = 0
+        self.reductions = 0  # in the timed steps (after the first boundary), like every other figure here
+        self.reduced_bytes = 0
+        self.all_reductions = 0  # since the process started, the first step's included
         self.total = {"step": 0.0, "compute": 0.0, "comm": 0.0}
         self.hist = {name: LogHistogram() for name in self.total}
         self.window: deque[tuple[float, float, float]] = deque(maxlen=WINDOW_STEPS)
@@ -115,6 +122,13 @@ class StepMetrics:
         """The running total of this worker's dropped stale gradients (e.g. a client's counter)."""
         self.dropped_stale = int(total)
 
+    def add_reduction(self, nbytes: int = 0) -> None:
+        """One exchange of gradients with the other workers (an all-reduce round, a backward's reduce-scatters,
+        a push to the servers), of ``nbytes`` gradient bytes."""
+        self.reductions += 1
+        self.reduced_bytes += int(nbytes)
+        self.all_reductions += 1
+
     def set_batch_size(self, n: int, *, inferred: bool = False) -> None:
         if inferred and self._batch_explicit:
             return
@@ -125,8 +139,9 @@ class StepMetrics:
     def end_step(self, micro_batches: int = 1) -> None:
         """Close the current step: called by the wrapped optimizer at every step boundary."""
         now = self._clock()
-        if self._last is None:
+        if self._last is None:  # the first boundary starts the clock: what came before it is not a timed step
             self._last, self._comm, self._written = now, 0.0, now
+            self.reductions = self.reduced_bytes = 0
             return
         wall = now - self._last
         comm = min(self._comm, wall)
@@ -173,6 +188,7 @@ class StepMetrics:
         if self._last is None and self._per_backward is not None and self._per_backward.steps:
             by_backward = self._per_backward.summary(final)
             by_backward.update(rank=self.rank, dropped_stale=self.dropped_stale, restarts=self.restarts)
+            by_backward.update(reductions=self.reductions, reduced_bytes=self.reduced_bytes)
             return {**by_backward, "per": "backward"}
         window = list(self.window)
         run: dict[str, Any] = {f"{name}_s_total": round(value, 6) for name, value in self.total.items()}
@@ -190,6 +206,8 @@ class StepMetrics:
             "batch_size": self.batch_size,
             "dropped_stale": self.dropped_stale,
             "restarts": self.restarts,
+            "reductions": self.reductions,
+            "reduced_bytes": self.reduced_bytes,
             "window": {
                 "steps": len(window),
                 "step_p50": median(w for w, _, _ in window),
@@ -236,7 +254,8 @@ def recorder() -> StepMetrics:
 def _final_write() -> None:
     if _recorder is not None and _recorder.timed:
         _recorder.write(final=True)
-        if not env.current().has(env.FLEET_ROLE):  # fleetrun reports itself after every worker exited
+        reader = env.current()
+        if not reader.has(env.FLEET_ROLE) and reader.flag(env.FLEET_REPORT):  # fleetrun reports after the job
             step_report.report_at_exit(_recorder, *worker_identity())
 
 

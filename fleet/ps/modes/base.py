@@ -28,6 +28,7 @@ import torch
 
 from fleet.ps.protocol.errors import ShardError
 from fleet.sparse import nonfinite
+from fleet.telemetry import timing
 
 
 class WorkerHost(Protocol):
@@ -92,6 +93,9 @@ class WorkerPolicy:
         pushes = [replace(p, lr=math.nan) if p.table in bad_sparse else p for p in pushes]
         if pushes:  # every table's rows in one request per server (fleet.ps.client.many)
             futures.append(host.client.push_sparse_grads_many(pushes))
+        if futures:  # the step's push: the parameter server's gradient reduction, in the timing report
+            nbytes = sum(g.numel() * g.element_size() for _, g, _ in grads)
+            timing.recorder().add_reduction(nbytes + sum(p.grads.numel() * p.grads.element_size() for p in pushes))
         return futures
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from fleet.ps.modes.base import UpdateMode, WorkerHost, WorkerPolicy
 from fleet.ps.modes.rows import GeoRows
 from fleet.sparse import nonfinite
+from fleet.telemetry import timing
 
 
 class GeoStep(WorkerPolicy):
@@ -50,9 +51,11 @@ class GeoStep(WorkerPolicy):
     def sync(self) -> None:
         host = self.host
         tables = host.tables
-        futures = [host.client.push_dense_delta(e.table_id, e.values() - e.base) for e in tables.entries]
+        deltas = [e.values() - e.base for e in tables.entries]
+        futures = [host.client.push_dense_delta(e.table_id, d) for e, d in zip(tables.entries, deltas, strict=True)]
         for future in futures:
             future.result()
+        timing.recorder().add_reduction(sum(d.numel() * d.element_size() for d in deltas))  # the k steps' push
         for _, _, rows in host.sparse:
             rows.sync(self.steps)
         tables.adopt(tables.pull(), version=False, base=True)
