@@ -112,7 +112,15 @@ class Job:
         return "\n".join(f"--- node {n}:\n{self.output(n)[-3000:]}" for n in (0, 1))
 
 
-def _start(hosts: EmulatedHosts, tmp: Path, mode: str, steps: int, sleep_s: float, out_features: int = 512) -> Job:
+def _start(
+    hosts: EmulatedHosts,
+    tmp: Path,
+    mode: str,
+    steps: int,
+    sleep_s: float,
+    out_features: int = 512,
+    options: tuple[str, ...] = (),
+) -> Job:
     strategy = tmp / "strategy.json"
     strategy.write_text(json.dumps({**MODES[mode], "timeout_s": T}))
     ps = MODES[mode]["mode"] == "ps"
@@ -126,6 +134,7 @@ def _start(hosts: EmulatedHosts, tmp: Path, mode: str, steps: int, sleep_s: floa
         argv = [sys.executable, "-m", "fleet.launch", "--nnodes", "2", "--node-rank", str(node), "--master", master]
         argv += ["--host", host.address, "--workers", "1", "--servers", "1" if ps else "0"]
         argv += ["--log-dir", str(tmp / f"logs{node}"), "--strategy", str(strategy)]
+        argv += options
         argv += [str(script), str(steps), str(sleep_s), str(tmp), str(out_features)]
         outputs.append(tmp / f"fleetrun{node}.out")
         with outputs[-1].open("w") as out:  # the child has its own descriptor; output survives a kill
@@ -200,6 +209,29 @@ def test_a_lost_host_ends_the_other_hosts_processes_naming_it(hosts, tmp_path, m
     assert job.procs[0].returncode not in (0, None), a[-3000:]
     assert "lost contact with node 1" in a, a[-3000:]
     _assert_no_traceback(a)
+
+
+@pytest.mark.timeout(300)
+def test_with_a_long_node_timeout_the_workers_end_by_themselves_naming_what_they_lost(hosts, tmp_path):
+    """fleetrun's --node-timeout far beyond T: the workers' own deadlines end the job. Host B's worker names the
+    rendezvous store it lost (on host A), host A's names the silent worker; host B's fleetrun ends within T + 15 s,
+    host A's waits up to --stop-timeout + 15 s more for node 1 to report its end (docs/failures.md)."""
+    stop_s = 3.0
+    job = _start(hosts, tmp_path, "collective", 1000, 0.2, options=("--node-timeout", "300", "--stop-timeout", "3"))
+    job.wait_stepped()
+    cut_at = time.monotonic()
+    hosts.cut()
+    hub_bound = BOUND + stop_s + 15
+    gone = _wait_gone(hosts, job, cut_at, hub_bound + MARGIN)
+    _report("collective, --node-timeout 300", "permanent cut", gone)
+    a, b = job.output(0), job.output(1)
+    assert sorted(gone) == [0, 1], f"processes left {hub_bound + MARGIN:g} s after the cut: {gone}\n{job._tails()}"
+    assert gone[1] <= BOUND + MARGIN and gone[0] <= hub_bound + MARGIN, gone
+    assert all(p.returncode not in (0, None) for p in job.procs), job._tails()
+    store = re.escape(hosts.hosts[0].address)
+    assert re.search(rf"the rendezvous store at {store}:\d+ did not answer within", b), b[-4000:]
+    assert "worker 1 stopped answering" in a, a[-4000:]
+    assert "lost contact" not in a + b, "the workers were to end the job, not fleetrun's --node-timeout"
 
 
 def _reference(out_features: int, steps: int) -> float:
