@@ -62,6 +62,11 @@ class FleetContext:
             self._namespace += f"/init-{_JOINS}"
 
     @property
+
+    def take_final_report(self) -> bool:
+        """Whether the end-of-job table is still to be printed; True once, then False."""
+        first, self.reported = not self.reported, True
+        return first
     def active_strategy(self) -> Strategy | None:
         """The strategy object, once one was built (fleet.init builds it)."""
         return self._impl
@@ -343,9 +348,8 @@ def _report_at_exit(job: FleetContext) -> None:
 
 
 def _final_report(job: FleetContext) -> None:
-    if job.reported or not job.role.is_worker or not job_summary.enabled():
+    if not job.role.is_worker or not job_summary.enabled() or not job.take_final_report():
         return
-    job.reported = True
     report(label="final")
 
 

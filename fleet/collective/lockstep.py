@@ -135,6 +135,9 @@ class InFlight:
         self._rows: list[list[int]] | None = None
         self.late: list[int] = []  # who had not arrived when a slice of the wait passed (where known)
 
+    def note_late(self, ranks: list[int]) -> None:
+        self.late = ranks
+
     def wait(self, within_s: float) -> list[list[int]] | None:
         """Every worker's header fields, by rank; None if they are not all there within ``within_s``."""
         if self._rows is None:
@@ -244,7 +247,7 @@ class Lockstep:
                 try:
                     return self.channel.collect(seq, within_s)  # type: ignore[union-attr]
                 except shm.ChannelLate as late:
-                    flight.late = late.ranks
+                    flight.note_late(late.ranks)
                     return None
 
             flight = InFlight(kind, collect)
