@@ -1,13 +1,10 @@
 """Several machines: the launchers meet at ``--master`` and then watch each other.
 
 Node 0's fleetrun listens on the ``--master`` port. Every other node connects
-and says hello (its node rank, its ``--workers``/``--servers``, and the free
-ports it picked for its servers and the rendezvous store); node 0 checks the
-requests together and computes the job (:mod:`fleet.launch.agree`: global
-indices in node order, the servers' endpoints, the store at worker 0's node),
-and answers every node with it, or with one error every node prints. Nodes
-may differ: servers on some, workers on others. The connections then stay open
-as a control channel:
+and says hello (its rank, ``--workers``/``--servers`` and free ports for its servers and the
+store); node 0 computes the job from every request (:mod:`fleet.launch.agree`; nodes may
+differ: servers on some, workers on others) and answers every node with it, or with one
+error every node prints. The connections then stay open as a control channel:
 
 - a node whose job failed says so; node 0 tells every node to stop, and every
   fleetrun exits with the failed process's status;
@@ -318,7 +315,14 @@ class Spoke(_Node):
         if reply.get("type") == "error":
             self.peer.close()
             raise LaunchError(str(reply.get("message")))
-        agreed = Agreement.from_message(reply)
+        try:
+            agreed = Agreement.from_message(reply)
+        except (KeyError, TypeError, ValueError) as error:
+            self.peer.close()
+            raise LaunchError(
+                f"Node 0 at {where} answered with a plan this fleetrun cannot read ({error!r}). Run the same fleet "
+                "version on every node."
+            ) from None
         self.peer.keep_alive(config.node_timeout)
         threading.Thread(target=self._listen, name="fleetrun-node-0", daemon=True).start()
         return agreed
