@@ -40,6 +40,8 @@ examples:
   fleetrun --servers 2 --workers 4 --strategy ps.toml train.py
   fleetrun --workers 2 --max-restarts 3 train.py     restart on failure
   fleetrun --nnodes 2 --node-rank 0 --master 10.0.0.1:6170 --workers 4 train.py   (on node 0; node 1 the same with --node-rank 1)
+  fleetrun --nnodes 3 --node-rank 0 --master 10.0.0.1:6170 --servers 2 --workers 0 --strategy ps.toml train.py
+      (servers only on node 0; nodes 1 and 2 with their --node-rank and --servers 0 --workers 4: workers only)
 
 exit status: 0 when every worker exited 0; a failed process's own status
 (128+N for signal N); 130/143 when fleetrun is interrupted/terminated;
@@ -88,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     job = parser.add_argument_group("job")
     job.add_argument(
-        "--workers", "--worker_num", type=int, default=1, metavar="N", help="worker processes per node (default: 1)"
+        "--workers",
+        "--worker_num",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes on this node; 0 on a node of servers only when --nnodes > 1 (default: 1)",
     )
     job.add_argument(
         "--servers",
@@ -96,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="S",
-        help="parameter-server processes per node; > 0 makes a parameter-server job (default: 0)",
+        help="parameter-server processes on this node; > 0 on any node makes a parameter-server job. Nodes may "
+        "differ: servers on some, workers on others (default: 0)",
     )
     job.add_argument(
         "--strategy",
@@ -195,8 +203,7 @@ def parse_config(argv: Sequence[str]) -> LaunchConfig:
     options, rest = split_argv(argv)
     args = build_parser().parse_args(options)
     script = cfg.check_script(rest[0] if rest else None)
-    cfg.check_count("--workers", args.workers, 1)
-    cfg.check_count("--servers", args.servers, 0)
+    cfg.check_node_counts(args.workers, args.servers, args.nnodes)
     cfg.check_count("--max-restarts", args.max_restarts, 0)
     for flag, value in (
         ("--server-grace", args.server_grace),
@@ -212,7 +219,7 @@ def parse_config(argv: Sequence[str]) -> LaunchConfig:
         )
     master = cfg.check_nodes(args.nnodes, args.node_rank, args.master)
     strategy = cfg.load_strategy_file(args.strategy) if args.strategy is not None else None
-    cfg.check_strategy_against_servers(strategy, args.servers)
+    cfg.check_strategy_against_servers(strategy, args.servers, args.nnodes)
     config = LaunchConfig(
         script=script,
         script_args=tuple(rest[1:]),
@@ -240,17 +247,19 @@ def _plural(n: int, word: str) -> str:
 
 def describe_job(config: LaunchConfig, log_dir: Path) -> str:
     parts = [_plural(config.workers, "worker"), _plural(config.servers, "server")]
-    if config.nnodes > 1:
-        parts[-1] += f" here ({config.world_workers} workers, {config.world_servers} servers in all)"
+    if config.nnodes > 1:  # the job's totals come with the rendezvous (fleet.launch.multinode says them)
+        parts[-1] += " here"
         parts[0] = f"node {config.node_rank} of {config.nnodes}: {parts[0]}"
     if config.strategy is not None:
         parts.append(f"strategy {config.strategy.path.name} (mode {config.strategy.mode or 'default'})")
     else:
         parts.append("no strategy file")
-    if config.is_ps:
+    if config.is_ps or (config.strategy is not None and config.strategy.is_ps):
         parts.append("parameter-server job")
     elif config.strategy is not None and config.strategy.mode:
         parts.append(f"{config.strategy.mode} job")
+    elif config.nnodes > 1:
+        parts.append("no servers here (a parameter-server job if another node runs servers)")
     else:  # the script may still pass a strategy of its own to fleet.distributed_optimizer
         parts.append("no servers (collective or sharding: the script's strategy chooses)")
     if config.max_restarts:

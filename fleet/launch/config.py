@@ -10,8 +10,10 @@ without servers). The training side validates the rest of the file.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleet import strategy_file
@@ -28,6 +30,7 @@ class StrategyFile:
 
     path: Path  # absolute
     mode: str | None  # "collective", "ps" or None when the file does not say
+    digest: str = field(default="", compare=False)  # of the settings, to tell the nodes' files apart
 
     @property
     def is_ps(self) -> bool:
@@ -53,18 +56,52 @@ class LaunchConfig:
     stop_timeout: float = 5.0
     join_timeout: float = 300.0
     node_timeout: float = 10.0  # a node silent this long on the control channel is lost
+    node_counts: tuple[tuple[int, int], ...] | None = None
+    """(workers, servers) of every node in node order, as the nodes agreed at the rendezvous
+    (:mod:`fleet.launch.agree`); None: every node runs what this one was asked for."""
+
+    def _counts(self) -> tuple[tuple[int, int], ...]:
+        return self.node_counts or ((self.workers, self.servers),) * self.nnodes
 
     @property
     def is_ps(self) -> bool:
-        return self.servers > 0
+        return self.world_servers > 0
 
     @property
     def world_workers(self) -> int:
-        return self.workers * self.nnodes
+        return sum(w for w, _ in self._counts())
 
     @property
     def world_servers(self) -> int:
-        return self.servers * self.nnodes
+        return sum(s for _, s in self._counts())
+
+    @property
+    def first_worker(self) -> int:
+        """The global index of this node's first worker (the workers of the nodes before it come first)."""
+        return sum(w for w, _ in self._counts()[: self.node_rank])
+
+    @property
+    def first_server(self) -> int:
+        """The global index of this node's first server."""
+        return sum(s for _, s in self._counts()[: self.node_rank])
+
+
+def check_node_counts(workers: int, servers: int, nnodes: int) -> None:
+    """``--workers``/``--servers`` of one node; a node may run servers only (or workers only) when there are several."""
+    check_count("--servers", servers, 0)
+    if nnodes == 1 or workers != 0:
+        if workers == 0:
+            raise LaunchError(
+                "--workers 0 leaves the job without a worker. A node of servers only (--workers 0) is for a "
+                "job over several nodes (--nnodes M), where other nodes run the workers; on one node give "
+                "--workers 1 or more, for example: fleetrun --workers 2 train.py"
+            )
+        check_count("--workers", workers, 1)
+    elif servers == 0:
+        raise LaunchError(
+            "--workers 0 --servers 0 gives this node nothing to run. Give it workers (--workers N), servers "
+            "(--servers S, for example --servers 2 --workers 0 on a node of servers only), or both."
+        )
 
 
 def check_count(flag: str, value: int, minimum: int) -> int:
@@ -128,10 +165,13 @@ def load_strategy_file(text: str) -> StrategyFile:
     except strategy_file.StrategyFileError as error:
         hint = " Check the path, or leave --strategy out to let the script choose its strategy."
         raise LaunchError(f"{error}{hint if 'does not exist' in str(error) else ''}") from None
-    return StrategyFile(path=Path(text).expanduser().resolve(), mode=strategy_file.mode_of(data))
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return StrategyFile(path=Path(text).expanduser().resolve(), mode=strategy_file.mode_of(data), digest=digest)
 
 
-def check_strategy_against_servers(strategy: StrategyFile | None, servers: int) -> None:
+def check_strategy_against_servers(strategy: StrategyFile | None, servers: int, nnodes: int = 1) -> None:
+    """``nnodes`` > 1: a parameter-server strategy on a node without servers waits for the rendezvous,
+    where node 0 checks it against the servers of every node (:mod:`fleet.launch.agree`)."""
     if strategy is None:
         return
     if strategy.mode == "collective" and servers > 0:
@@ -140,7 +180,7 @@ def check_strategy_against_servers(strategy: StrategyFile | None, servers: int) 
             f'{str(strategy.path)!r} says mode = "collective". Drop --servers for a collective job, '
             'or set mode = "ps" in the strategy file.'
         )
-    if strategy.is_ps and servers == 0:
+    if strategy.is_ps and servers == 0 and nnodes == 1:
         raise LaunchError(
             f'The strategy file {str(strategy.path)!r} describes a parameter-server job (mode "ps" or '
             "a_sync), but no servers were asked for. Add --servers N (for example --servers 1), "

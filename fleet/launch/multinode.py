@@ -1,11 +1,10 @@
 """Several machines: the launchers meet at ``--master`` and then watch each other.
 
 Node 0's fleetrun listens on the ``--master`` port. Every other node connects
-and says hello (its node rank, counts, and the free ports it picked for its
-servers); node 0 checks that all nodes were started alike, picks the port of
-the training rendezvous store (worker 0, on node 0, hosts it at the
-``--master`` host), and answers every node with the job's layout. The
-connections then stay open as a control channel:
+and says hello (its rank, ``--workers``/``--servers`` and free ports for its servers and the
+store); node 0 computes the job from every request (:mod:`fleet.launch.agree`; nodes may
+differ: servers on some, workers on others) and answers every node with it, or with one
+error every node prints. The connections then stay open as a control channel:
 
 - a node whose job failed says so; node 0 tells every node to stop, and every
   fleetrun exits with the failed process's status;
@@ -29,8 +28,10 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
+from fleet.launch.agree import Agreement, NodeRequest, agree, request_of
 from fleet.launch.config import LaunchConfig, LaunchError
 from fleet.launch.control import Peer
 from fleet.launch.output import OutputMux
@@ -60,25 +61,15 @@ def check_multinode(config: LaunchConfig, environ: Mapping[str, str] | None = No
     """What a multi-node launch needs beyond a single-node one; raises LaunchError."""
     if config.nnodes == 1:
         return
-    if config.max_restarts and not config.is_ps:
+    ps_file = config.strategy is not None and config.strategy.is_ps
+    if config.max_restarts and not config.is_ps and not ps_file:
         raise LaunchError(
             f"--max-restarts with --nnodes {config.nnodes} is supported for parameter-server jobs only (a failed "
             "process restarts on its own node); restarting a collective job across nodes is not implemented yet. "
-            "Drop --max-restarts, or run the collective job on one node."
+            "Drop --max-restarts, or run the collective job on one node. (On a node of workers only in a "
+            "parameter-server job, pass the job's --strategy file.)"
         )
     shared_secret(config.nnodes, environ)
-
-
-def _hello(config: LaunchConfig, ports: list[int]) -> dict:
-    return {
-        "type": "hello",
-        "node": config.node_rank,
-        "nnodes": config.nnodes,
-        "workers": config.workers,
-        "servers": config.servers,
-        "host": config.host,
-        "server_ports": ports,
-    }
 
 
 class _Node:
@@ -122,7 +113,7 @@ class Hub(_Node):
         self.failure: tuple[int, str] | None = None  # (code, reason) of the first failed node
         self._lock = threading.Lock()
 
-    def rendezvous(self, server_ports: list[int], allocator: PortAllocator) -> JobLayout:
+    def rendezvous(self, request: NodeRequest) -> Agreement:
         config = self.config
         assert config.master is not None
         master_host, master_port = config.master
@@ -136,8 +127,7 @@ class Hub(_Node):
                 "Pick a free port on node 0 and pass the same --master to every node."
             ) from None
         self.mux.message(f"waiting for {config.nnodes - 1} other node(s) at {endpoint(master_host, master_port)}")
-        hosts = {0: config.host or master_host}
-        ports = {0: server_ports}
+        requests = [replace(request, host=config.host or master_host)]
         listener.settimeout(1.0)
         deadline = time.monotonic() + self.config.join_timeout
         try:
@@ -158,28 +148,36 @@ class Hub(_Node):
                 hello = peer.recv()
                 sock.settimeout(None)
                 problem = self._check_hello(hello)
+                if problem is None:
+                    assert hello is not None
+                    try:
+                        joined = NodeRequest.from_hello(hello, str(hello.get("host") or address[0]))
+                    except (KeyError, TypeError, ValueError) as error:
+                        problem = f"Node {hello.get('node')} sent a hello fleetrun cannot read ({error})."
                 if problem:
                     peer.send(type="error", message=problem)
                     peer.close()
                     if hello is None:
                         continue  # a stranger or a wrong secret: ignore it
                     raise LaunchError(problem)
-                node = hello["node"]
-                self.peers[node] = peer
-                hosts[node] = hello.get("host") or address[0]
-                ports[node] = list(hello["server_ports"])
-                self.mux.message(f"node {node} joined from {address[0]}")
+                self.peers[joined.node] = peer
+                requests.append(joined)
+                self.mux.message(f"node {joined.node} joined from {address[0]}")
         finally:
             listener.close()
-        store_port = allocator.take()
-        servers = tuple(endpoint(hosts[n], p) for n in range(config.nnodes) for p in ports[n])
-        layout = JobLayout(master=endpoint(master_host, store_port), server_endpoints=servers, secret=self.secret)
+        try:
+            agreed = agree(requests, master_host)
+        except LaunchError as error:
+            for peer in self.peers.values():  # every node fails with the same message
+                peer.send(type="error", message=str(error))
+                peer.close()
+            raise
         for peer in self.peers.values():
-            peer.send(type="plan", master=layout.master, server_endpoints=list(servers))
+            peer.send(type="plan", **agreed.message())
         for node, peer in self.peers.items():
             peer.keep_alive(config.node_timeout)
             threading.Thread(target=self._listen, args=(node, peer), name=f"fleetrun-node-{node}", daemon=True).start()
-        return layout
+        return agreed
 
     def _check_hello(self, hello: dict | None) -> str | None:
         config = self.config
@@ -191,12 +189,11 @@ class Hub(_Node):
                 f"A node joined with --node-rank {node}, which is not free: node 0 expects node ranks 1 to "
                 f"{config.nnodes - 1}, each once. Give every node its own --node-rank."
             )
-        for key, flag in (("nnodes", "--nnodes"), ("workers", "--workers"), ("servers", "--servers")):
-            if hello.get(key) != getattr(config, key):
-                return (
-                    f"Node {node} was started with {flag} {hello.get(key)} but node 0 with {flag} "
-                    f"{getattr(config, key)}. Start every node with the same {flag}."
-                )
+        if hello.get("nnodes") != config.nnodes:
+            return (
+                f"Node {node} was started with --nnodes {hello.get('nnodes')} but node 0 with --nnodes "
+                f"{config.nnodes}. Start every node with the same --nnodes."
+            )
         return None
 
     def _listen(self, node: int, peer: Peer) -> None:
@@ -281,7 +278,7 @@ class Spoke(_Node):
         self.secret = secret
         self.peer: Peer | None = None
 
-    def rendezvous(self, server_ports: list[int]) -> JobLayout:
+    def rendezvous(self, request: NodeRequest) -> Agreement:
         config = self.config
         assert config.master is not None
         where = endpoint(*config.master)
@@ -307,7 +304,7 @@ class Spoke(_Node):
                 time.sleep(_CONNECT_RETRY_S)
         sock.settimeout(config.join_timeout)
         self.peer = Peer(sock, self.secret)
-        self.peer.send(**_hello(config, server_ports))
+        self.peer.send(type="hello", nnodes=config.nnodes, host=config.host, **request.hello())
         reply = self.peer.recv()
         sock.settimeout(None)
         if reply is None:
@@ -316,13 +313,19 @@ class Spoke(_Node):
                 "on every node and read node 0's output."
             )
         if reply.get("type") == "error":
+            self.peer.close()
             raise LaunchError(str(reply.get("message")))
-        layout = JobLayout(
-            master=str(reply["master"]), server_endpoints=tuple(reply["server_endpoints"]), secret=self.secret
-        )
+        try:
+            agreed = Agreement.from_message(reply)
+        except (KeyError, TypeError, ValueError) as error:
+            self.peer.close()
+            raise LaunchError(
+                f"Node 0 at {where} answered with a plan this fleetrun cannot read ({error!r}). Run the same fleet "
+                "version on every node."
+            ) from None
         self.peer.keep_alive(config.node_timeout)
         threading.Thread(target=self._listen, name="fleetrun-node-0", daemon=True).start()
-        return layout
+        return agreed
 
     def _listen(self) -> None:
         assert self.peer is not None
@@ -367,15 +370,20 @@ def run_multinode(config: LaunchConfig, log_dir: Path, mux: OutputMux) -> int:
     if config.master is not None:
         allocator.reserve(config.master[1])
     server_ports = allocator.take_many(config.servers)
+    store_port = allocator.take() if config.workers else None  # used if worker 0 is here
+    request = request_of(config, config.host or "", server_ports, store_port)
     node: Hub | Spoke
     if config.node_rank == 0:
         node = Hub(config, mux, secret)
-        layout = node.rendezvous(server_ports, allocator)
+        agreed = node.rendezvous(request)
         on_workers_done = lambda: node.on_workers_done(0)  # noqa: E731
     else:
         node = Spoke(config, mux, secret)
-        layout = node.rendezvous(server_ports)
+        agreed = node.rendezvous(request)
         on_workers_done = node.workers_done
+    mux.message(f"the job: {agreed.describe()}; rendezvous store at {agreed.master}")
+    config = replace(config, node_counts=agreed.node_counts)
+    layout = JobLayout(master=agreed.master, server_endpoints=agreed.server_endpoints, secret=secret)
     supervisor = Supervisor(
         config,
         log_dir,

@@ -47,10 +47,8 @@ class JobLayout:
 
 def local_specs(config: LaunchConfig) -> list[ProcessSpec]:
     """This node's processes: servers first (workers connect to them), then workers."""
-    servers = [
-        ProcessSpec(SERVER, config.node_rank * config.servers + j, config.workers + j) for j in range(config.servers)
-    ]
-    workers = [ProcessSpec(WORKER, config.node_rank * config.workers + i, i) for i in range(config.workers)]
+    servers = [ProcessSpec(SERVER, config.first_server + j, config.workers + j) for j in range(config.servers)]
+    workers = [ProcessSpec(WORKER, config.first_worker + i, i) for i in range(config.workers)]
     return servers + workers
 
 

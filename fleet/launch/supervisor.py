@@ -268,22 +268,21 @@ class Supervisor:
                     self._on_workers_done()
                 servers = [s for s in self.slots if s.running]
                 if not servers:
-                    self.mux.message(f"all {len(workers)} worker(s) on this node finished", style="bold green")
+                    done = f"all {len(workers)} worker(s) on this node finished" if workers else "the servers finished"
+                    self.mux.message(done, style="bold green")
                     return 0
                 now = time.monotonic()
                 if grace_from is None:
                     if self._others_done():
                         grace_from = now
                         self.mux.message(
-                            f"all {len(workers)} worker(s) finished; waiting up to "
+                            f"all {len(workers) if workers else 'the'} worker(s) finished; waiting up to "
                             f"{config.server_grace:g} s for {len(servers)} server(s) to exit"
                         )
                     elif not said_waiting:
                         said_waiting = True
-                        self.mux.message(
-                            f"all {len(workers)} worker(s) on this node finished; the servers keep serving "
-                            "until the other nodes' workers finish"
-                        )
+                        here = f"all {len(workers)} worker(s) on this node finished" if workers else "no workers here"
+                        self.mux.message(f"{here}; the servers keep serving until the other nodes' workers finish")
                 elif now - grace_from > config.server_grace:
                     names = ", ".join(s.label for s in servers)
                     self.mux.message(

@@ -34,7 +34,9 @@ import torch.distributed as dist
 from fleet.errors import FleetError, PeerError, StoreTamperedError
 from fleet.runtime import env, job_files
 from fleet.runtime.env import EnvError, EnvReader
+from fleet.runtime.rendezvous import bounded
 from fleet.runtime.roles import RoleInfo
+from fleet.runtime.store_calls import StoreSilentError
 
 RANK_ONLY = ("torchrun", "mpi", "slurm")
 """Launchers that give a process its rank but no secret."""
@@ -118,11 +120,13 @@ def share_on_host(store: dist.Store, role: RoleInfo, timeout_s: float) -> tuple[
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as handle:
             handle.write(secret.hex())
-        store.set(_FILE_KEY, token)
+        bounded(lambda: store.set(_FILE_KEY, token), timeout_s, role.master, role.name)
         return secret, lambda: _unlink(path)
     try:
-        store.wait([_FILE_KEY], timedelta(seconds=timeout_s))
-        token = bytes(store.get(_FILE_KEY)).decode("latin-1")
+        bounded(lambda: store.wait([_FILE_KEY], timedelta(seconds=timeout_s)), timeout_s, role.master, role.name)
+        token = bytes(bounded(lambda: store.get(_FILE_KEY), timeout_s, role.master, role.name)).decode("latin-1")
+    except StoreSilentError:
+        raise
     except (RuntimeError, dist.DistStoreError):
         raise PeerError(
             f"the process of rank 0 did not share the job's secret within {timeout_s:g} s; it may have failed to "

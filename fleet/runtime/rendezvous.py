@@ -9,6 +9,12 @@ writes every key. :func:`join` makes that harmless for a job with a secret: proc
 prove they hold it by challenge-response, every value written afterwards carries a MAC
 (:class:`~fleet.runtime.signed_store.SignedStore`), and what an outsider writes is refused as
 tampering, never blamed on a rank. See "Threat model" in docs/security.md for what remains.
+
+Every call to the store here has a deadline (:func:`bounded`, over
+:func:`fleet.runtime.store_calls.within`): torch's client ignores its timeout against a store
+whose host stops answering without closing the connection (a SIGSTOPped rank 0, a host gone, a
+cut link), so without one ``fleet.init`` would hang for TCP's quarter of an hour. A silent store
+fails the call within the strategy's ``timeout_s`` + :data:`MARGIN_S`, naming the store's address.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import hmac
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -27,8 +35,26 @@ from fleet.errors import FleetError, PeerError, StoreTamperedError
 from fleet.runtime import env
 from fleet.runtime.roles import RoleInfo
 from fleet.runtime.signed_store import SignedStore, session_key
+from fleet.runtime.store_calls import StoreSilentError, within
 
 _listeners: list[socket.socket] = []
+T = TypeVar("T")
+MARGIN_S = 5.0
+"""Beyond the strategy's timeout, how long a store call may take before the store counts as silent."""
+
+
+def bounded(call: Callable[[], T], timeout_s: float, master: str | None, who: str = "") -> T:
+    """``call()`` on the rendezvous store at ``master``; StoreSilentError naming the store after ``timeout_s`` +
+    :data:`MARGIN_S` without an answer. ``timeout_s``: how long the call may legitimately wait (a ``get`` or
+    ``wait`` for a key another process writes); ``who``: the process, for the message ("worker 1")."""
+    try:
+        return within(call, timeout_s + MARGIN_S, master or "(no address)")
+    except StoreSilentError as error:
+        raise StoreSilentError(
+            f"{who + ': ' if who else ''}{error} (its host, the process of rank 0, is stopped or gone, or the link "
+            "to it is cut)",
+            error.pending,
+        ) from None
 
 
 class PortInUseError(FleetError):
@@ -62,7 +88,14 @@ def connect(role: RoleInfo, timeout_s: float, namespace: str = "fleet") -> dist.
     timeout = timedelta(seconds=timeout_s)
     if role.external_store or role.rank != 0:
         try:
-            store = dist.TCPStore(host, port, role.world_size, False, timeout=timeout, wait_for_workers=False)
+            store = bounded(
+                lambda: dist.TCPStore(host, port, role.world_size, False, timeout=timeout, wait_for_workers=False),
+                timeout_s,
+                role.master,
+                f"{role.name} connecting to the job",
+            )
+        except StoreSilentError:
+            raise
         except (RuntimeError, dist.DistStoreError) as error:
             raise PeerError(
                 f"{role.name} could not reach the rendezvous store at {host}:{port} within {timeout_s:g} s: "
@@ -104,6 +137,29 @@ def join(
     return SignedStore(store, _Join(store, role, secret, timeout_s).run(same_secret))
 
 
+class _Bounded:
+    """The store calls of one join, each bounded by the join's deadline + MARGIN_S (:func:`bounded`)."""
+
+    def __init__(self, store: dist.Store, role: RoleInfo, deadline: float):
+        self._store, self._master, self._deadline = store, role.master, deadline
+        self._who = f"{role.name} joining the job"
+
+    def _call(self, call: Callable[[], T]) -> T:
+        return bounded(call, max(0.0, self._deadline - time.monotonic()), self._master, self._who)
+
+    def set(self, key: str, value: str) -> None:
+        self._call(lambda: self._store.set(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._call(lambda: self._store.get(key))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call(lambda: self._store.check(keys))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call(lambda: self._store.multi_get(keys))
+
+
 def fingerprint(secret: bytes) -> str:
     """A short public name of a secret, for telling two apart in error messages (it opens nothing)."""
     return hmac.new(secret, b"fleet-fingerprint", hashlib.sha256).hexdigest()[:8]
@@ -115,9 +171,10 @@ _NONCE_CHARS = 32
 
 class _Join:
     def __init__(self, store: dist.Store, role: RoleInfo, secret: bytes, timeout_s: float):
-        self.store, self.secret, self.timeout_s = store, secret, timeout_s
+        self.secret, self.timeout_s = secret, timeout_s
         self.rank, self.world = role.rank, role.world_size
         self.deadline = time.monotonic() + timeout_s
+        self.store = _Bounded(store, role, self.deadline)
         self.written: dict[str, bytes] = {}  # what this process wrote: it must read back unchanged
 
     def run(self, same_secret: bool) -> bytes:
@@ -170,7 +227,7 @@ class _Join:
     def tampered(self, what: str) -> StoreTamperedError:
         try:
             self.store.set(_ALARM, "1")  # the others stop waiting at once
-        except (RuntimeError, dist.DistStoreError):
+        except (RuntimeError, dist.DistStoreError, StoreSilentError):
             pass
         return StoreTamperedError(what)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -129,8 +130,68 @@ def test_indexed_job_pods_become_one_server_and_three_workers():
     assert {(r.worker_num, r.server_num, r.master) for r in roles} == {(3, 1, f"{master_host}:29500")}
 
 
+def test_split_jobs_put_the_servers_and_the_workers_on_pods_of_their_own(monkeypatch):
+    """Each pod runs fleetrun as one node; its command line (Kubernetes' $(VAR) expansion) goes through fleetrun's
+    own checks, node 0's agreement, and the environment each process gets, from which fleet detects its role."""
+    from fleet.launch import cli
+    from fleet.launch.agree import agree, request_of
+    from fleet.launch.plan import JobLayout, child_env, local_specs
+
+    service, *jobs = _load("ps-split-jobs.yaml")
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    monkeypatch.chdir(ROOT)  # the script path in the manifests is relative to the image's working directory
+    monkeypatch.setenv("FLEET_SECRET", SECRET)
+    pods = []
+    for job in jobs:
+        assert job["kind"] == "Job" and job["spec"]["completionMode"] == "Indexed"
+        template = job["spec"]["template"]
+        assert template["spec"]["subdomain"] == service["metadata"]["name"]
+        assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+        (container,) = template["spec"]["containers"]
+        assert container["command"] == ["python", "-m", "fleet.launch"]
+        for index in range(job["spec"]["completions"]):
+            environ = _container_env(container, index)
+            argv = [
+                re.sub(r"\$\((\w+)\)", lambda m, environ=environ: environ[m.group(1)], arg) for arg in container["args"]
+            ]
+            config = cli.parse_config(argv)
+            # the pod's DNS name under the headless Service is the address it tells the other nodes
+            assert config.host == f"{job['metadata']['name']}-{index}.{service['metadata']['name']}"
+            pods.append((config, environ))
+    requests = [
+        request_of(config, config.host, [7000 + j for j in range(config.servers)], 6000 + config.node_rank)
+        for config, _ in pods
+    ]
+    master_host = pods[0][0].master[0]
+    agreed = agree(requests, master_host)
+    assert agreed.node_counts == ((2, 0), (2, 0), (0, 2))
+    assert agreed.master == "fleet-ps-workers-0.fleet-ps:6000"  # node 0 runs worker 0 and hosts the store
+    layout = JobLayout(master=agreed.master, server_endpoints=agreed.server_endpoints, secret=SECRET)
+    roles = []
+    for config, environ in pods:
+        config = replace(config, node_counts=agreed.node_counts)
+        for spec in local_specs(config):
+            reader = EnvReader(child_env(spec, config, layout, restart_count=0, log_dir="/l", base=environ))
+            strategy = DistributedStrategy.from_env(reader)
+            assert (strategy.mode, strategy.update) == ("ps", "sync")
+            role = detect(reader)
+            registry.get(strategy.mode).check_launch(strategy, role)
+            roles.append(role)
+    assert sorted((r.role.value, r.worker_index if r.is_worker else r.server_index) for r in roles) == [
+        ("server", 0), ("server", 1), ("worker", 0), ("worker", 1), ("worker", 2), ("worker", 3)
+    ]  # fmt: skip
+    assert {(r.worker_num, r.server_num, r.master, r.server_endpoints) for r in roles} == {
+        (
+            4,
+            2,
+            "fleet-ps-workers-0.fleet-ps:6000",
+            ("fleet-ps-servers-0.fleet-ps:7000", "fleet-ps-servers-0.fleet-ps:7001"),
+        )
+    }
+
+
 def test_every_manifest_is_checked():
-    checked = {"collective-pytorchjob.yaml", "sharding-pytorchjob.yaml", "ps-indexed-job.yaml"}
+    checked = {"collective-pytorchjob.yaml", "sharding-pytorchjob.yaml", "ps-indexed-job.yaml", "ps-split-jobs.yaml"}
     assert {p.name for p in MANIFESTS.glob("*.yaml")} == checked
     for path in MANIFESTS.glob("*.yaml"):
         assert re.search(r"tests/launch/test_k8s_manifests\.py", path.read_text()), path

@@ -89,7 +89,8 @@ def init_server(
     if (environ.int(env.FLEET_RESTART_COUNT, 0) or 0) > 0:
         _restore_after_restart(server, record_dir)
     if publish:
-        runtime.rendezvous_store().set(f"ps/endpoint/{role.server_index}", server.endpoint)
+        store, key = runtime.rendezvous_store(), f"ps/endpoint/{role.server_index}"
+        rendezvous.bounded(lambda: store.set(key, server.endpoint), timeout_s, role.master, role.name)
     return server
 
 
@@ -140,5 +141,9 @@ def worker_endpoints(runtime: Any) -> tuple[str, ...]:
     role = runtime.role
     if role.server_endpoints:
         return tuple(role.server_endpoints)
-    store = runtime.rendezvous_store()
-    return tuple(store.get(f"ps/endpoint/{i}").decode() for i in range(role.server_num))
+    store, timeout_s = runtime.rendezvous_store(), runtime.strategy.timeout_s
+    # a get waits (up to the store's timeout) for the server to publish; a silent store fails it, naming the store
+    return tuple(
+        rendezvous.bounded(lambda i=i: store.get(f"ps/endpoint/{i}"), timeout_s, role.master, role.name).decode()
+        for i in range(role.server_num)
+    )
