@@ -61,12 +61,12 @@ class FleetContext:
         if _JOINS > 1:
             self._namespace += f"/init-{_JOINS}"
 
-    @property
     def take_final_report(self) -> bool:
         """Whether the end-of-job table is still to be printed; True once, then False."""
         first, self.reported = not self.reported, True
         return first
 
+    @property
     def active_strategy(self) -> Strategy | None:
         """The strategy object, once one was built (fleet.init builds it)."""
         return self._impl
