@@ -214,6 +214,7 @@ def plain_runs(tmp_path_factory):
     return run
 
 
+@pytest.mark.hosts  # the slow multi-node set (docs/development.md)
 @pytest.mark.timeout(180)
 def test_collective_job_crosses_the_link(plain_runs):
     sums, moved = plain_runs("collective")
@@ -222,6 +223,7 @@ def test_collective_job_crosses_the_link(plain_runs):
     assert sums[0] == pytest.approx(_reference_collective(), rel=1e-6, abs=1e-6)
 
 
+@pytest.mark.hosts  # the slow multi-node set (docs/development.md)
 @pytest.mark.timeout(180)
 def test_parameter_server_job_crosses_the_link(plain_runs):
     sums, moved = plain_runs("ps")
@@ -229,6 +231,7 @@ def test_parameter_server_job_crosses_the_link(plain_runs):
     assert sums[0] == sums[1], "sync workers end with the server's identical parameters"
 
 
+@pytest.mark.hosts  # the slow multi-node set (docs/development.md)
 @pytest.mark.timeout(180)
 def test_a_job_over_a_shortcut_is_caught(tmp_path, plain_runs):
     """The old emulation (network namespaces only: one /dev/shm, host name and boot id for both) lets the
@@ -252,11 +255,13 @@ def _blip_during(hosts: EmulatedHosts, tmp: Path, job) -> dict[int, float]:
     return _checksums(_finish(procs, 120))
 
 
+@pytest.mark.hosts  # the slow multi-node set (docs/development.md)
 @pytest.mark.timeout(240)
 def test_collective_job_survives_a_3s_link_blip(hosts, tmp_path, plain_runs):
     assert _blip_during(hosts, tmp_path, _collective) == plain_runs("collective")[0]
 
 
+@pytest.mark.hosts  # the slow multi-node set (docs/development.md)
 @pytest.mark.timeout(240)
 def test_parameter_server_job_survives_a_3s_link_blip(hosts, tmp_path, plain_runs):
     assert _blip_during(hosts, tmp_path, _parameter_server) == plain_runs("ps")[0]

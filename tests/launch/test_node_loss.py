@@ -61,8 +61,15 @@ def _end(procs: list[subprocess.Popen]) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("lost", [0, 1])
-@pytest.mark.parametrize("how", [signal.SIGSTOP, signal.SIGKILL], ids=["silent", "killed"])
+@pytest.mark.parametrize(
+    ("lost", "how"),
+    [
+        pytest.param(0, signal.SIGSTOP, id="silent-0"),  # the main suite keeps the hardest case; the rest run in
+        pytest.param(1, signal.SIGSTOP, id="silent-1", marks=pytest.mark.hosts),  # the slow multi-node set
+        pytest.param(0, signal.SIGKILL, id="killed-0", marks=pytest.mark.hosts),
+        pytest.param(1, signal.SIGKILL, id="killed-1", marks=pytest.mark.hosts),
+    ],
+)
 def test_the_surviving_node_exits_non_zero_naming_the_lost_one(tmp_path, lost, how):
     procs = _start(tmp_path, "--workers", 1, JOB_SCRIPT, "--sleep", 90)
     survivor = procs[1 - lost]
@@ -82,6 +89,7 @@ def test_the_surviving_node_exits_non_zero_naming_the_lost_one(tmp_path, lost, h
     assert "Traceback" not in out and "Exception in thread" not in out, out
 
 
+@pytest.mark.hosts  # the slow multi-node set (docs/development.md)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("silent", [0, 1])
 def test_sigterm_ends_a_node_within_its_stop_timeout_while_the_other_is_silent(tmp_path, silent):
@@ -102,6 +110,7 @@ def test_sigterm_ends_a_node_within_its_stop_timeout_while_the_other_is_silent(t
     assert "Traceback" not in out and "Exception in thread" not in out, out
 
 
+@pytest.mark.hosts  # the slow multi-node set (docs/development.md)
 @pytest.mark.timeout(240)
 def test_successful_two_node_runs_end_without_a_traceback(tmp_path):
     for run in range(4):

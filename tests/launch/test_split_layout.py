@@ -105,6 +105,7 @@ def _outputs(procs: list[subprocess.Popen], timeout: float) -> list[str]:
                 p.communicate()
 
 
+@pytest.mark.hosts  # the slow multi-node set (docs/development.md)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)  # about 25 s on an idle 2-core machine; four interpreters import torch at once
 @pytest.mark.parametrize("update", ["sync", "async"])
