@@ -313,3 +313,24 @@ def wait_for(path: Path, timeout_s: float, procs: Sequence[subprocess.Popen] = (
         if time.monotonic() > deadline:
             raise AssertionError(f"{path} did not appear within {timeout_s:g} s")
         time.sleep(0.05)
+
+
+def reference_checksum(out_features: int, steps: int) -> float:
+    """tests/scripts/hosts_train.py's final checksum (a Linear(256, out_features)) as single-process training
+    on both workers' batches computes it."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, out_features)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        grads = []
+        for worker in range(2):
+            x = torch.randn(16, 256, generator=torch.Generator().manual_seed(100 * step + worker))
+            model.zero_grad()
+            model(x).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
+            p.grad = (g0 + g1) / 2
+        opt.step()
+    return sum(float(p.detach().double().sum()) for p in model.parameters())

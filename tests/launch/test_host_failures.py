@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
 
 from dist_harness import clean_env
-from hosts import EmulatedHosts, ip, unavailable, wait_for
+from hosts import EmulatedHosts, ip, reference_checksum, unavailable, wait_for
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.hosts]
 
@@ -234,24 +233,6 @@ def test_with_a_long_node_timeout_the_workers_end_by_themselves_naming_what_they
     assert "lost contact" not in a + b, "the workers were to end the job, not fleetrun's --node-timeout"
 
 
-def _reference(out_features: int, steps: int) -> float:
-    """hosts_train.py's final checksum as single-process training on both workers' batches computes it."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(256, out_features)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(steps):
-        grads = []
-        for worker in range(2):
-            x = torch.randn(16, 256, generator=torch.Generator().manual_seed(100 * step + worker))
-            model.zero_grad()
-            model(x).pow(2).mean().backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
-            p.grad = (g0 + g1) / 2
-        opt.step()
-    return sum(float(p.detach().double().sum()) for p in model.parameters())
-
-
 def _check_results(mode: str, sums: dict[int, tuple[float, float, float]]) -> None:
     for worker, (checksum, first, last) in sums.items():
         assert all(math.isfinite(v) for v in (checksum, first, last)), sums
@@ -259,7 +240,7 @@ def _check_results(mode: str, sums: dict[int, tuple[float, float, float]]) -> No
     if mode in DETERMINISTIC:
         assert sums[0][0] == sums[1][0], f"both workers end with identical parameters: {sums}"
     if mode in ("collective", "sharding"):
-        assert sums[0][0] == pytest.approx(_reference(SQUEEZE_OUT, SQUEEZE_STEPS), rel=1e-6, abs=1e-6)
+        assert sums[0][0] == pytest.approx(reference_checksum(SQUEEZE_OUT, SQUEEZE_STEPS), rel=1e-6, abs=1e-6)
 
 
 @pytest.mark.timeout(420)

@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from dist_harness import clean_env
-from hosts import Counters, EmulatedHosts, unavailable, wait_for
+from hosts import Counters, EmulatedHosts, reference_checksum, unavailable, wait_for
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -178,24 +177,6 @@ def _crossed(moved: Counters) -> bool:
     return moved.rx >= NEED and moved.tx >= NEED
 
 
-def _reference_collective() -> float:
-    """hosts_train.py's final checksum as single-process training on both workers' batches computes it."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(256, 512)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        grads = []
-        for worker in range(2):
-            x = torch.randn(16, 256, generator=torch.Generator().manual_seed(100 * step + worker))
-            model.zero_grad()
-            model(x).pow(2).mean().backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
-            p.grad = (g0 + g1) / 2
-        opt.step()
-    return sum(float(p.detach().double().sum()) for p in model.parameters())
-
-
 @pytest.fixture(scope="module")
 def plain_runs(tmp_path_factory):
     """Each job once without a blip, over its own pair of hosts: checksums and the link's counters (cached)."""
@@ -220,7 +201,7 @@ def test_collective_job_crosses_the_link(plain_runs):
     sums, moved = plain_runs("collective")
     assert _crossed(moved), f"the link carried {moved}, less than the {NEED} bytes each way the gradients need"
     assert sums[0] == sums[1], "both hosts must end with identical parameters"
-    assert sums[0] == pytest.approx(_reference_collective(), rel=1e-6, abs=1e-6)
+    assert sums[0] == pytest.approx(reference_checksum(512, STEPS), rel=1e-6, abs=1e-6)
 
 
 @pytest.mark.hosts  # the slow multi-node set (docs/development.md)
