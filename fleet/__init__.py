@@ -63,6 +63,7 @@ _EXPORTS = {
     "local_rank": "fleet.api",
     "worker_num": "fleet.api",
     "progress": "fleet.telemetry.progress",
+    "report": "fleet.api",
     "file_shard": "fleet.data.files",
     "SlotDataset": "fleet.data.slot_dataset",
 }
@@ -104,6 +105,7 @@ if TYPE_CHECKING:
         is_worker,
         join,
         local_rank,
+        report,
         role_info,
         run_server,
         server_endpoints,
