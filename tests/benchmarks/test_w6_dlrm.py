@@ -76,6 +76,7 @@ def test_fleet_model_in_one_process_equals_the_nn_embedding_bag_model(fresh_flee
     assert losses["fleet"] == pytest.approx(losses["torch"], abs=1e-6)
 
 
+@pytest.mark.slow  # tens of seconds: run by .ci/run after the main suite (docs/development.md)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_the_benchmark_runs_and_ps_sync_equals_one_process(tmp_path) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from dist_harness import fleetrun_env, free_port, run_processes
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # waits out timeouts: the slow set (.ci/run)
 
 
 def _worker(rank: int, timeout_s: float | None, shared_memory: bool, busy: str) -> tuple[str, str, float]:

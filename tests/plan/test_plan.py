@@ -244,6 +244,7 @@ for step in range(100000):  # far more than the calibration needs: the probe sto
 """
 
 
+@pytest.mark.slow  # tens of seconds: run by .ci/run after the main suite (docs/development.md)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_fleetrun_plan_end_to_end(tmp_path):

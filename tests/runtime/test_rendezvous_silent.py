@@ -23,7 +23,7 @@ import pytest
 from dist_harness import clean_env
 from fleet.runtime.rendezvous import MARGIN_S
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # waits out timeouts: the slow set (.ci/run)
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 2.0
