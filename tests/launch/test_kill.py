@@ -121,6 +121,7 @@ def _orphaned(paths: set[str]) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # kills and restarts whole jobs, tens of seconds: run by .ci/run after the main suite
 @pytest.mark.timeout(60 + RUNS * 25)
 @pytest.mark.parametrize("mode, victim_role", [("collective", "worker"), ("ps", "worker"), ("ps", "server")])
 def test_random_kills_end_the_job_in_time_and_leave_checkpoints_whole(tmp_path, mode, victim_role):

@@ -51,6 +51,7 @@ def test_the_checkpoint_record_is_atomic_and_names_a_saved_directory(tmp_path):
     assert [p.name for p in (tmp_path / "logs").iterdir()] == ["ps-server-1.checkpoint"]  # no temporary left
 
 
+@pytest.mark.slow  # kills and restarts whole jobs, tens of seconds: run by .ci/run after the main suite
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("update", ["async", "geo", "sync"])
 def test_a_restarted_server_resumes_from_its_checkpoint_and_workers_reconnect(tmp_path, update):
