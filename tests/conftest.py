@@ -22,3 +22,16 @@ def fresh_fleet():
     fleet.api._reset_for_tests()
     yield
     fleet.api._reset_for_tests()
+
+
+@pytest.fixture
+def hosts():
+    """Two emulated hosts (tests/hosts.py), removed afterwards; skipped, with the reason, where namespaces cannot be
+    made. tests/launch/test_host_failures.py has its own, which also checks what the teardown left."""
+    from hosts import EmulatedHosts, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with EmulatedHosts() as emulated:
+        yield emulated

@@ -40,15 +40,6 @@ NEED = MODEL_BYTES * STEPS
 BLIP_S = 3.0
 
 
-@pytest.fixture
-def hosts():
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    with EmulatedHosts() as emulated:
-        yield emulated
-
-
 _IDENTITY = """
 import os, socket, sys, tempfile
 if sys.argv[1] == "make":
