@@ -10,7 +10,7 @@ applies the rule:
 - the report then names the peer it waits on: the one whose connections spent the most link time (bytes
   where the kernel keeps no link time), with its bytes per step and the rate it delivered while busy;
 - it says the *link* is what the job waits on only when that peer's link time is at least
-  :data:`LINK_BOUND` of the communication time per step. Otherwise the workers waited with the links idle:
+  :data:`LINK_BOUND` of the communication time per step (see there why a quarter). Otherwise the workers waited with the links idle:
   on their peers themselves (a slower host or a straggler, which the straggler watch names), and the report
   says so instead of blaming a link.
 
@@ -23,8 +23,11 @@ from typing import Any
 
 COMM_DOMINATES = 0.5
 """Communication dominates the step above this share of the step time."""
-LINK_BOUND = 0.5
-"""The busiest link explains the wait when its link time per step is at least this share of comm per step."""
+LINK_BOUND = 0.25
+"""The busiest link explains the wait when its link time per step is at least this share of comm per step. The
+link time counts only what this side sends: in a request-reply exchange (a parameter-server pull and push) the
+link carries about as much back, so a link that explains the whole wait shows about half of it here; a wait on
+a peer's computation leaves the links all but idle (a few per cent)."""
 
 
 def _peer_label(peer: str) -> str:
@@ -103,7 +106,7 @@ def describe(summary: dict[str, Any]) -> str | None:
         return f"{head}; the most traffic went to {row['label']}: {traffic} (this kernel times no link)"
     rate = row["sent_bytes_per_s"]
     speed = f", sent at {_mb(rate)}/s" if rate else ""
-    busy = f"the link busy {row['link_s_per_step']:.2f} s per step"
+    busy = f"its connections busy sending {row['link_s_per_step']:.2f} s per step"
     if summary["link_bound"]:
         return f"{head}: most of it waiting on the link to {row['label']}: {traffic}{speed} ({busy})"
     return (

@@ -37,8 +37,9 @@ import struct
 import time
 from typing import Any
 
-TCP_INFO_LEN = 232
-"""Bytes of ``struct tcp_info`` asked for: through ``tcpi_bytes_sent`` (Linux 4.19)."""
+TCP_INFO_LEN = 192
+"""Bytes of ``struct tcp_info`` asked for: through ``tcpi_sndbuf_limited`` (Linux 4.10; an older kernel gives
+less, and then no link time)."""
 MAX_SHARE = 0.001
 """Sampling takes at most this share of the run's wall time (a slow sample spaces out the next one)."""
 MIN_GAP_S = 1.0
