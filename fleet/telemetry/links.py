@@ -22,10 +22,11 @@ local address) are left out: only links to other hosts are accounted, so a one-h
 A socket's counters are kept after it closes (the last sample of them), and :meth:`LinkCounters.mark`
 sets the baseline at the first timed step, so the figures cover the same steps as the step timings.
 
-Cost: one ``listdir`` of ``/proc/self/fd`` and a few syscalls per TCP socket, taken when the worker's
+Cost: one ``listdir`` of ``/proc/self/fd`` and a ``readlink`` per descriptor, and a few syscalls per TCP
+connection to another host (a socket found to be anything else is not looked at again), taken when the worker's
 summary is written (at most once a second, never on every step), and spaced so that sampling stays under
 0.1 % of the run (:data:`MAX_SHARE`). The reports' rule that names a slow link is
-:func:`fleet.telemetry.step_report.slow_link`. Linux only: elsewhere nothing is recorded.
+:func:`fleet.telemetry.link_report.link_summary`. Linux only: elsewhere nothing is recorded.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Container
 from typing import Any
 
 TCP_INFO_LEN = 192
@@ -95,32 +97,41 @@ def peer_name(peer: tuple[str, int], servers: frozenset[str] = frozenset()) -> s
     return endpoint if endpoint in servers else host
 
 
-def _own_sockets() -> list[tuple[int, tuple[str, int], tuple[str, int], bytes]]:
-    """(inode, local address, peer address, raw tcp_info) of each connected TCP socket this process holds."""
-    found = []
+Row = tuple[int, "tuple[str, int] | None", "tuple[str, int] | None", bytes]
+"""(inode, local address, peer address, raw tcp_info); the addresses None for a socket that is no TCP connection."""
+
+
+def _own_sockets(ignore: Container[int] = ()) -> list[Row]:
+    """A :data:`Row` for each socket this process holds, but those in ``ignore`` (by inode)."""
+    found: list[Row] = []
     try:
         names = os.listdir(_FD_DIR)
     except OSError:
         return found
     for name in names:
         try:
-            if not os.readlink(f"{_FD_DIR}/{name}").startswith("socket:"):
+            link = os.readlink(f"{_FD_DIR}/{name}")
+            if not link.startswith("socket:[") or int(link[8:-1]) in ignore:
                 continue
+            inode = int(link[8:-1])
             fd = os.dup(int(name))  # a duplicate: closing our socket object must not close the owner's
         except (OSError, ValueError):
             continue  # closed meanwhile (or the listdir's own descriptor)
         try:
             sock = socket.socket(fileno=fd)
-        except OSError:
+        except (OSError, ValueError):  # a family Python does not know
             os.close(fd)
+            found.append((inode, None, None, b""))
             continue
         try:
-            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
-                peer = sock.getpeername()
-                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_LEN)
-                found.append((os.fstat(fd).st_ino, sock.getsockname()[:2], peer[:2], info))
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                found.append((inode, None, None, b""))
+                continue
+            peer = sock.getpeername()
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_LEN)
+            found.append((inode, sock.getsockname()[:2], peer[:2], info))
         except OSError:
-            pass  # not connected (a listener), or gone
+            pass  # not connected (a listener, or one still connecting: asked again next time), or gone
         finally:
             sock.close()
     return found
@@ -136,6 +147,7 @@ class LinkCounters:
         self._sockets: dict[int, tuple[str, dict[str, float]]] = {}  # inode -> (peer, latest counters)
         self._baseline: dict[int, dict[str, float]] = {}
         self._folded: dict[str, dict[str, float]] = {}  # counters of sockets forgotten past MAX_SOCKETS
+        self._ignored: set[int] = set()  # sockets that are no link to another host (unix, same host, UDP...)
         self._next = 0.0
         self._spent = 0.0
         self.enabled = hasattr(socket, "TCP_INFO") and os.path.isdir(_FD_DIR)
@@ -147,8 +159,9 @@ class LinkCounters:
         began = self._clock()
         if not force and began < self._next:
             return
-        for inode, local, peer, info in self._read():
-            if not other_host(local[0], peer[0]):
+        for inode, local, peer, info in self._read(self._ignored):
+            if local is None or peer is None or not other_host(local[0], peer[0]):
+                self._ignored.add(inode)  # no TCP connection to another host, now or later: not read again
                 continue
             counters = parse_tcp_info(info)
             if counters is not None:
