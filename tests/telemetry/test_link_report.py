@@ -5,15 +5,22 @@ same over two emulated hosts with a squeezed link: tests/launch/test_slow_link.p
 from __future__ import annotations
 
 import io
+import json
 import os
 import socket
 import struct
 import threading
 import time
+from pathlib import Path
 
+import pytest
 from rich.console import Console
 
+from dist_harness import run_fleetrun as fleetrun
+from fleet.runtime import env
 from fleet.telemetry import link_report, links, step_report, timing
+
+JOB = Path(__file__).parents[1] / "scripts" / "timing_job.py"
 
 
 def _info(sent: int, received: int, busy_us: int | None = None, rwnd_us: int = 0) -> bytes:
@@ -254,3 +261,20 @@ def test_a_pull_and_push_exchange_timed_on_its_sending_half_is_still_the_link():
     found = step_report.build_report(records)["links"]
     assert found["link_bound"] and "waiting on the link to server 10.0.0.2:6170" in found["message"]
     assert link_report.LINK_BOUND * 0.9 <= 0.45
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_one_host_job_whose_wait_dominates_prints_nothing_new(tmp_path):
+    """Worker 1 about 50 ms slower a step: worker 0's wait dominates its step, but every byte stayed on this host."""
+    delay = {"ranks": [1], "delay": {"mu": -3.0, "sigma": 0.1}}
+    r = fleetrun(
+        "--workers", 2, "--log-dir", tmp_path / "logs", JOB, 30,
+        cwd=tmp_path, extra_env={env.FLEET_INJECT: json.dumps(delay)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((tmp_path / "logs" / "report.json").read_text())
+    assert report["workers"][0]["comm_s_per_step"] > report["workers"][0]["compute_s_per_step"]
+    assert "links" not in report and "communication took" not in r.stdout
+    metrics = json.loads((tmp_path / "logs" / "metrics" / "worker-0.json").read_text())
+    assert "links" not in metrics
