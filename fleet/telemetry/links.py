@@ -166,6 +166,8 @@ class LinkCounters:
             counters = parse_tcp_info(info)
             if counters is not None:
                 self._sockets[inode] = (peer_name(peer, self.servers), counters)
+        if len(self._ignored) > 16 * MAX_SOCKETS:  # many short-lived sockets: look at the open ones afresh
+            self._ignored.clear()
         if len(self._sockets) > MAX_SOCKETS:
             for inode in list(self._sockets)[: len(self._sockets) - MAX_SOCKETS]:
                 peer, counters = self._sockets.pop(inode)
