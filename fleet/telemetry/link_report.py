@@ -87,6 +87,10 @@ def link_summary(records: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
     return out
 
 
+def _secs(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
+
+
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e4 else f"{nbytes / 1e3:.1f} kB"
 
@@ -99,14 +103,14 @@ def describe(summary: dict[str, Any]) -> str | None:
     row = summary["peers"][peer]
     head = (
         f"communication took {summary['comm_share']:.0%} of the step time "
-        f"({summary['comm_s_per_step']:.2f} s of {summary['step_s_per_step']:.2f} s per step)"
+        f"({_secs(summary['comm_s_per_step'])} of {_secs(summary['step_s_per_step'])} per step)"
     )
     traffic = f"{_mb(row['bytes_per_step'])} per step exchanged with it"
     if row["link_s_per_step"] is None:  # no link time from this kernel: the peer with the most bytes
         return f"{head}; the most traffic went to {row['label']}: {traffic} (this kernel times no link)"
     rate = row["sent_bytes_per_s"]
     speed = f", sent at {_mb(rate)}/s" if rate else ""
-    busy = f"its connections busy sending {row['link_s_per_step']:.2f} s per step"
+    busy = f"its connections busy sending {_secs(row['link_s_per_step'])} per step"
     if summary["link_bound"]:
         return f"{head}: most of it waiting on the link to {row['label']}: {traffic}{speed} ({busy})"
     return (

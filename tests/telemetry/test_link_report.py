@@ -226,10 +226,11 @@ def test_a_parameter_server_is_named_by_its_endpoint():
 
 
 def test_a_wait_with_idle_links_blames_the_peers_not_a_link():
-    records = {0: _record(0, 1.0, 0.8, peers={"10.0.0.2": _peer(10_000, 10_000, 1.5)})}  # 0.15 s of 0.8 s a step
+    records = {0: _record(0, 1.0, 0.8, peers={"10.0.0.2": _peer(10_000, 10_000, 0.5)})}  # 50 ms of 0.8 s a step
     found = step_report.build_report(records)["links"]
     assert found["waiting_on"] == "10.0.0.2" and found["link_bound"] is False
     assert "the links to other hosts were idle for most of it" in found["message"]
+    assert "(0.80 s of 1.00 s per step)" in found["message"] and "busy sending 50.0 ms per step" in found["message"]
     assert "not on a link" in found["message"]
 
 
