@@ -31,7 +31,7 @@ __all__ = ["WORKER_FILE", "ParameterServerStrategy"]
 if TYPE_CHECKING:
     from fleet.ps.client.client import PSClient
     from fleet.ps.server.loop import ParameterServer
-    from fleet.runtime.roles import RoleInfo
+    from fleet.roles import RoleInfo
     from fleet.sparse.backends import TableBackend, TableModule
     from fleet.strategy import DistributedStrategy
 
