@@ -4,25 +4,36 @@ A few C++17 translation units on the raw CPython API: no build dependency but se
 compiler. ``pip install -e .`` and ``pip wheel .`` build it; in a source tree run with
 ``PYTHONPATH=$PWD``, rebuild it in place with ``python setup.py build_ext --inplace``
 (docs/development.md). ``FLEET_NATIVE_SANITIZE=1`` builds it with AddressSanitizer and UBSan.
+
+The engine is optional: without a working compiler fleet installs without it and says so (a GPU
+node image often has no g++, and collective and sharding jobs do not need it); sparse tables and
+parameter-server jobs then raise ``fleet.sparse.native.NativeEngineError`` naming the command that
+builds it.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 _NO_COMPILER = """
-fleet: cannot build its native sparse-table engine (fleet/sparse/csrc): {reason}
+fleet: WARNING: installing WITHOUT its native sparse-table engine (fleet/sparse/csrc): {reason}
 
-It needs a C++17 compiler (g++ 8 or later, or clang++ 7 or later) and the Python headers:
-  Debian/Ubuntu:  apt-get install g++ python3-dev
-  Fedora/RHEL:    dnf install gcc-c++ python3-devel
-  macOS:          xcode-select --install
-then run the install again. (CXX=... picks another compiler.)
+  Works without it: collective and sharding jobs without sparse tables.
+  Needs it: sparse tables (fleet.nn.SparseEmbedding, SparseEmbeddingBag, SparseFeatureCollection) and
+  parameter-server jobs; they raise NativeEngineError saying how to build it.
+
+  It needs a C++17 compiler (g++ 8 or later, or clang++ 7 or later) and the Python headers:
+    Debian/Ubuntu:  apt-get install g++ python3-dev
+    Fedora/RHEL:    dnf install gcc-c++ python3-devel
+    macOS:          xcode-select --install
+  then reinstall fleet: pip install --force-reinstall --no-deps <this source tree>
+  (editable: pip install --force-reinstall --no-deps -e <this source tree>). CXX=... picks another compiler.
 """
 
 
@@ -49,16 +60,40 @@ def _flags() -> tuple[list[str], list[str]]:
 
 
 class BuildNative(build_ext):
-    """build_ext that says what to install when there is no working compiler."""
+    """build_ext that installs fleet without its native engine, loudly, when the engine cannot be built."""
 
     def build_extension(self, ext: Extension) -> None:
         cxx = self.compiler.compiler_so[0] if getattr(self.compiler, "compiler_so", None) else None
         if cxx is not None and shutil.which(cxx) is None:
-            raise SystemExit(_NO_COMPILER.format(reason=f"the compiler '{cxx}' is not installed"))
+            self._without(ext, f"the compiler '{cxx}' is not installed")
+            return
         try:
             super().build_extension(ext)
         except Exception as err:  # CompileError, LinkError, DistutilsExecError: the message says what failed
-            raise SystemExit(_NO_COMPILER.format(reason=f"{type(err).__name__}: {err}")) from err
+            self._without(ext, f"{type(err).__name__}: {err}")
+
+    def _without(self, ext: Extension, reason: str) -> None:
+        # Why print and not only warnings.warn: pip shows a build's output on its own only with -v; the
+        # warning goes to stderr (what `pip install -v`, `pip wheel` logs and setup.py runs show) and,
+        # for a person at a terminal, to the terminal itself (pip hides a successful build's output).
+        message = _NO_COMPILER.format(reason=reason)
+        print(message, file=sys.stderr, flush=True)
+        try:
+            with open("/dev/tty", "w") as tty:
+                tty.write(message)
+        except OSError:
+            pass  # no terminal (CI, a container build): stderr above is the record
+        self._skipped.append(ext.name)
+
+    def get_outputs(self) -> list[str]:
+        # An extension that was not built is not an output: bdist_wheel and editable installs would
+        # otherwise look for its file and fail.
+        skipped = {self.get_ext_fullpath(name) for name in getattr(self, "_skipped", [])}
+        return [path for path in super().get_outputs() if path not in skipped]
+
+    def run(self) -> None:
+        self._skipped: list[str] = []
+        super().run()
 
     def copy_extensions_to_source(self) -> None:
         # A new file rather than the old one overwritten: a process that has the old one loaded keeps
