@@ -65,17 +65,16 @@ class BuildNative(build_ext):
     def build_extension(self, ext: Extension) -> None:
         cxx = self.compiler.compiler_so[0] if getattr(self.compiler, "compiler_so", None) else None
         if cxx is not None and shutil.which(cxx) is None:
-            self._without(ext, f"the compiler '{cxx}' is not installed")
+            self._without(f"the compiler '{cxx}' is not installed")
             return
         try:
             super().build_extension(ext)
         except Exception as err:  # CompileError, LinkError, DistutilsExecError: the message says what failed
-            self._without(ext, f"{type(err).__name__}: {err}")
+            self._without(f"{type(err).__name__}: {err}")
 
-    def _without(self, ext: Extension, reason: str) -> None:
-        # Why print and not only warnings.warn: pip shows a build's output on its own only with -v; the
-        # warning goes to stderr (what `pip install -v`, `pip wheel` logs and setup.py runs show) and,
-        # for a person at a terminal, to the terminal itself (pip hides a successful build's output).
+    def _without(self, reason: str) -> None:
+        # pip hides a successful build's output (-v shows it): so the warning goes to stderr (pip -v, build
+        # logs, setup.py runs) and also straight to the terminal of a person running pip, if there is one.
         message = _NO_COMPILER.format(reason=reason)
         print(message, file=sys.stderr, flush=True)
         try:
@@ -83,17 +82,6 @@ class BuildNative(build_ext):
                 tty.write(message)
         except OSError:
             pass  # no terminal (CI, a container build): stderr above is the record
-        self._skipped.append(ext.name)
-
-    def get_outputs(self) -> list[str]:
-        # An extension that was not built is not an output: bdist_wheel and editable installs would
-        # otherwise look for its file and fail.
-        skipped = {self.get_ext_fullpath(name) for name in getattr(self, "_skipped", [])}
-        return [path for path in super().get_outputs() if path not in skipped]
-
-    def run(self) -> None:
-        self._skipped: list[str] = []
-        super().run()
 
     def copy_extensions_to_source(self) -> None:
         # A new file rather than the old one overwritten: a process that has the old one loaded keeps
