@@ -20,8 +20,8 @@ from fleet import registry
 from fleet.collective.liveness import Liveness
 from fleet.data.loader import shard_loader
 from fleet.errors import FleetError, StoreTamperedError
+from fleet.roles import RoleInfo, RoleMaker, detect
 from fleet.runtime import context, default_group, env, job_files, job_secret, netif, rendezvous
-from fleet.runtime.roles import RoleInfo, RoleMaker, detect
 from fleet.runtime.signed_store import SignedStore
 from fleet.sparse import backends as tables
 from fleet.strategies.base import Strategy

@@ -22,6 +22,7 @@ import torch
 from fleet.errors import FleetError
 from fleet.ps import modes
 from fleet.ps.worker.persistables import WORKER_FILE
+from fleet.sparse import native
 from fleet.storage import persist
 from fleet.storage.layout import SAVES, Save, SaveWriter
 from fleet.strategies.base import Runtime, Strategy, check_reduce
@@ -31,7 +32,7 @@ __all__ = ["WORKER_FILE", "ParameterServerStrategy"]
 if TYPE_CHECKING:
     from fleet.ps.client.client import PSClient
     from fleet.ps.server.loop import ParameterServer
-    from fleet.runtime.roles import RoleInfo
+    from fleet.roles import RoleInfo
     from fleet.sparse.backends import TableBackend, TableModule
     from fleet.strategy import DistributedStrategy
 
@@ -43,6 +44,7 @@ class ParameterServerStrategy(Strategy):
 
     @classmethod
     def check_launch(cls, config: DistributedStrategy, role: RoleInfo) -> None:
+        native.require("A parameter-server job (mode='ps')")  # its servers' tables and checks are native
         if config.backup_workers >= role.worker_num:
             raise ValueError(
                 f"backup_workers={config.backup_workers} must be below the number of workers ({role.worker_num})."
