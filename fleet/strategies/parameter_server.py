@@ -27,8 +27,8 @@ import torch
 
 from fleet.errors import FleetError
 from fleet.ps import modes
-from fleet.runtime import env
 from fleet.ps.worker.persistables import WORKER_FILE
+from fleet.runtime import env
 from fleet.sparse import native
 from fleet.storage import persist
 from fleet.storage.layout import SAVES, Save, SaveWriter

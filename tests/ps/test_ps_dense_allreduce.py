@@ -117,8 +117,9 @@ def test_async_and_geo_keep_the_dense_layers_identical_after_every_step(update: 
     _assert_same_dense_every_step(results, steps)
     start = make_model("adam")  # the dense layers trained (they are not worker 0's initial values)
     assert not torch.equal(results[0]["dense"][-1][0], _dense(start)[0])
-    rows = [r["snapshot"]["rows"] for r in results]
-    assert torch.equal(rows[0], rows[1]) and rows[0].abs().sum() > 0  # the servers' rows, after the barrier
+    if update == "async":  # geo workers keep their cached rows (their own changes since the last sync)
+        rows = [r["snapshot"]["rows"] for r in results]
+        assert torch.equal(rows[0], rows[1]) and rows[0].abs().sum() > 0  # the servers' rows, after the barrier
 
 
 def save_then_resume(rank: int, dirname: str, phase: str) -> dict:
@@ -161,7 +162,7 @@ def load_into_servers_placement(rank: int, dirname: str) -> dict:
     except SystemExit as stop:
         return {"served": stop.code}
     model = make_model("adam")
-    fleet.distributed_optimizer(make_optimizer("adam", model.parameters()))
+    opt = fleet.distributed_optimizer(make_optimizer("adam", model.parameters()))  # noqa: F841 - held: it saves
     try:
         fleet.load_persistables(dirname)
     except fleet.FleetError as error:
@@ -186,7 +187,10 @@ def test_a_save_loads_only_under_the_placement_it_was_written_with(tmp_path) -> 
 
 
 def test_backup_workers_and_other_modes_are_refused_with_the_reason() -> None:
-    with pytest.raises(fleet.StrategyError, match=r"backup_workers=1 cannot be combined with dense_placement='allreduce': the dense layers' all-reduce waits for every worker"):
+    with pytest.raises(
+        fleet.StrategyError,
+        match=r"backup_workers=1 cannot be combined with dense_placement='allreduce': the dense layers' all-reduce waits for every worker",
+    ):
         fleet.DistributedStrategy(mode="ps", update="sync", backup_workers=1, dense_placement="allreduce")
     with pytest.raises(fleet.StrategyError, match=r"dense_placement applies to mode='ps' only"):
         fleet.DistributedStrategy(mode="collective", dense_placement="allreduce")
@@ -233,4 +237,3 @@ def test_restarts_are_refused_at_init_on_every_process_with_the_reason() -> None
         error = torch.load(io.BytesIO(value), weights_only=False)["error"]
         assert "dense_placement='allreduce' cannot run with restarts (FLEET_MAX_RESTARTS=2" in error, error
         assert "cannot rejoin the workers' process group" in error, error
-

@@ -96,7 +96,9 @@ def _join(runtime: Any, config: Any) -> tuple[Any, Liveness]:
             )
         except RuntimeError as error:
             if StoreTamperedError.MARK in str(error):
-                raise StoreTamperedError("a value the workers' process group exchanged does not carry a valid MAC") from None
+                raise StoreTamperedError(
+                    "a value the workers' process group exchanged does not carry a valid MAC"
+                ) from None
             raise
         default_group.made_by_fleet(
             f"this parameter-server job's workers (mode='ps', dense_placement='allreduce'; this process is "
