@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fleet.errors import FleetError
+from fleet.errors import FleetError, PeerError
 from fleet.ps import modes
 from fleet.ps.worker.persistables import WORKER_FILE
 from fleet.runtime import env
@@ -125,7 +125,15 @@ class ParameterServerStrategy(Strategy):
             from fleet.ps.worker.workers_group import need_master
 
             need_master(self.runtime.role)
-            self.runtime.rendezvous_store()  # every process, servers too: the join counts them all
+            try:
+                self.runtime.rendezvous_store()  # every process, servers too: the join counts them all
+            except PeerError as error:
+                raise PeerError(
+                    f"{error} With dense_placement='allreduce' every process of the job, servers included, joins "
+                    "the rendezvous at fleet.init(): give that strategy to every process (fleetrun --strategy, "
+                    "FLEET_STRATEGY, or fleet.init(strategy=...) in the script), not only to "
+                    "fleet.distributed_optimizer, which the servers never call."
+                ) from None
         if self.runtime.role.is_server:
             self.serve(run=True)
         else:

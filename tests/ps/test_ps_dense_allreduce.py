@@ -237,3 +237,27 @@ def test_restarts_are_refused_at_init_on_every_process_with_the_reason() -> None
         error = torch.load(io.BytesIO(value), weights_only=False)["error"]
         assert "dense_placement='allreduce' cannot run with restarts (FLEET_MAX_RESTARTS=2" in error, error
         assert "cannot rejoin the workers' process group" in error, error
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_under_torchrun_variables_the_first_rank_serves_and_the_workers_group_leaves_it_out() -> None:
+    """A rank-only launch (torchrun's variables, ``servers=1``): rank 0 is the server and hosts the store."""
+    common = {
+        "FLEET_SECRET": secrets.token_hex(16),
+        "WORLD_SIZE": "3",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "FLEET_STRATEGY": json.dumps({"mode": "ps", "servers": 1, "update": "sync", "timeout_s": 30, **HYBRID}),
+    }
+    envs = [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(3)]
+    outcome = run_processes(train, envs, "sgd", 3, timeout=100)
+    assert all(status == "ok" for status, _ in outcome), describe(outcome, ["server 0", "worker 0", "worker 1"])
+    values = [torch.load(io.BytesIO(value), weights_only=False) for _, value in outcome]
+    assert values[0] == {"served": 0}
+    workers = values[1:]
+    assert [w["group"] for w in workers] == [2, 2] and workers[0]["tables"] == ["sparse"]
+    _assert_same_dense_every_step(workers, 3)
+    expected = reference("sgd", 3, 2)
+    for name, value in workers[1]["snapshot"].items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)

@@ -45,42 +45,63 @@ def need_master(role: Any) -> None:
         )
 
 
+_heartbeats: Liveness | None = None  # this process's, shared by a strategy that replaced the one made at init
+
+
 class WorkersGroup:
-    """The default process group of the workers (no servers in it), its heartbeats and its synchroniser."""
+    """The default process group of the workers (no servers in it), its heartbeats and its synchroniser.
+
+    The group is made at ``fleet.init()``; the synchroniser (and its transport: shared memory is
+    mapped then) at the first ``fleet.distributed_optimizer``, so that a strategy replaced before
+    anything was wrapped leaves nothing behind.
+    """
 
     def __init__(self, runtime: Any, config: Any):
-        role = runtime.role
         self.config = config
         self.liveness: Liveness | None = None
         self.group: Any = None
-        if role.worker_num > 1:
+        self._sync: GradSync | None = None
+        if runtime.role.worker_num > 1:
             self.group, self.liveness = _join(runtime, config)
-        wait_s = config.collective_wait_s  # a live peer is waited for this long (fleet.collective.patience)
-        setup = transports.Setup(self.group, wait_s, options=config)
-        self.sync = GradSync(
-            self.group,
-            bucket_bytes=int(config.bucket_mb * (1 << 20)),
-            transport=transports.choose(setup),
-            timeout_s=wait_s,
-            diagnose=self.liveness.describe if self.liveness is not None else None,
-            silent_peers=self.liveness.silent_peers if self.liveness is not None else None,
-            hooked=self.group is not None,
-        )
+
+    @property
+    def sync(self) -> GradSync:
+        """The job's gradient synchroniser over the workers, shared by every optimizer wrapped (one agreed order)."""
+        if self._sync is None:
+            config = self.config
+            wait_s = config.collective_wait_s  # a live peer is waited for this long (fleet.collective.patience)
+            setup = transports.Setup(self.group, wait_s, options=config)
+            self._sync = GradSync(
+                self.group,
+                bucket_bytes=int(config.bucket_mb * (1 << 20)),
+                transport=transports.choose(setup),
+                timeout_s=wait_s,
+                diagnose=self.liveness.describe if self.liveness is not None else None,
+                silent_peers=self.liveness.silent_peers if self.liveness is not None else None,
+                hooked=self.group is not None,
+            )
+        return self._sync
 
     def close(self) -> None:
         """Agree with the other workers that the job is over, then unhook and stop the heartbeats."""
-        lock = self.sync.lockstep
+        global _heartbeats
+        sync, self._sync = self._sync, None
         try:
+            lock = sync.lockstep if sync is not None else None
             if lock is not None and not lock.finished:
                 lock.finish()
         finally:
-            self.sync.close()
+            if sync is not None:
+                sync.close()
             if self.liveness is not None:
                 self.liveness.close()
+                if _heartbeats is self.liveness:
+                    _heartbeats = None
 
 
 def _join(runtime: Any, config: Any) -> tuple[Any, Liveness]:
-    """Make (or find, after a strategy was replaced) the workers' default group."""
+    """Make (or find, after a strategy was replaced) the workers' default group, and its heartbeats."""
+    global _heartbeats
     role = runtime.role
     store = runtime.rendezvous_store()
     if not dist.is_initialized():
@@ -106,8 +127,9 @@ def _join(runtime: Any, config: Any) -> tuple[Any, Liveness]:
         )
     elif default_group.found() is not None:  # the script's own group: refused before fleet.init() got here
         raise FleetError("the workers' process group was replaced by the script's own")
-    heartbeats = dist.PrefixStore(HEARTBEAT_PREFIX, store)  # signed already: Liveness must not sign again
-    liveness = Liveness(
-        role.master, HEARTBEAT_PREFIX, role.worker_index, role.worker_num, config.timeout_s, store=heartbeats
-    )
-    return dist.group.WORLD, liveness
+    if _heartbeats is None:  # one writer per heartbeat key: a second would look like tampering
+        heartbeats = dist.PrefixStore(HEARTBEAT_PREFIX, store)  # signed already: Liveness must not sign again
+        _heartbeats = Liveness(
+            role.master, HEARTBEAT_PREFIX, role.worker_index, role.worker_num, config.timeout_s, store=heartbeats
+        )
+    return dist.group.WORLD, _heartbeats
