@@ -18,7 +18,7 @@ import torch
 
 import fleet
 from dist_harness import describe, free_port, run_processes
-from ps_jobs import make_model, make_optimizer, one_step, reference, snapshot
+from ps_jobs import batch, make_model, make_optimizer, one_step, reference, snapshot
 
 HYBRID = {"dense_placement": "allreduce"}
 
@@ -261,3 +261,56 @@ def test_under_torchrun_variables_the_first_rank_serves_and_the_workers_group_le
     expected = reference("sgd", 3, 2)
     for name, value in workers[1]["snapshot"].items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+def accumulate(rank: int, steps: int) -> dict:
+    """Two micro-batches a step: the first backward inside ``model.no_sync()`` (kept local), the second reduced."""
+    try:
+        fleet.init()
+    except SystemExit as stop:
+        return {"served": stop.code}
+    torch.manual_seed(100 + fleet.worker_index())
+    model = fleet.distributed_model(make_model("sgd"))
+    opt = fleet.distributed_optimizer(make_optimizer("sgd", model.parameters()))
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(2):
+            ids, dense, label = batch(2 * step + micro, fleet.worker_index())
+            if micro == 0:
+                with model.no_sync():
+                    loss_fn(model(ids, dense), label).backward()
+            else:
+                loss_fn(model(ids, dense), label).backward()
+        opt.step()
+    fleet.barrier_worker()
+    out = {"snapshot": snapshot(model)}
+    fleet.stop_worker()
+    return out
+
+
+def accumulated_reference(steps: int, workers: int) -> dict:
+    torch.manual_seed(100)
+    model = make_model("sgd")
+    opt = make_optimizer("sgd", model.parameters())
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(2):
+            parts = [batch(2 * step + micro, r) for r in range(workers)]
+            ids, dense, label = (torch.cat([p[i] for p in parts]) for i in range(3))
+            loss_fn(model(ids, dense), label).backward()
+        opt.step()
+    return snapshot(model)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_micro_batches_under_no_sync_equal_one_process_on_the_union() -> None:
+    results = run_hybrid(accumulate, 1, 2, {"update": "sync"}, 3, timeout=100)
+    expected = accumulated_reference(3, 2)
+    for worker, result in enumerate(results):
+        for name, value in result["snapshot"].items():
+            torch.testing.assert_close(
+                value, expected[name], rtol=0, atol=1e-6, msg=lambda m, n=name, w=worker: f"worker {w} {n}: {m}"
+            )
