@@ -77,11 +77,6 @@ class PSOptimizer(WrappedOptimizer):
         if dense is None:  # else every worker took worker 0's buffers through the workers' group
             self._share_buffers()
 
-    @property
-    def dense_on_servers(self) -> bool:
-        """Whether the servers hold the dense parameters (dense_placement="servers") or the workers do."""
-        return self._dense is None
-
     def _share_buffers(self) -> None:
         """Every worker starts from worker 0's buffers too (a random projection, spectral_norm's u and v),
         as from its parameters, through server 0's all-reduce.
