@@ -261,6 +261,18 @@ class ParameterServerStrategy(Strategy):
         finally:
             self._workers.sync.resume()
 
+    def uneven_inputs(self) -> Any:
+        """``with fleet.join():`` Nothing to do with the dense layers on the servers (a finished worker is not waited
+        for); refused with them all-reduced, where a finished worker cannot shadow the others' rounds yet."""
+        if self._workers is not None and self.runtime.role.worker_num > 1:
+            raise FleetError(
+                "fleet.join() is not supported with dense_placement='allreduce' yet: the dense layers' all-reduce "
+                "pairs every worker's step, and a finished worker cannot shadow the others' rounds here. Give every "
+                "worker the same number of batches (fleet.distributed_loader does), or use dense_placement='servers' "
+                "for uneven loops."
+            )
+        return super().uneven_inputs()
+
     def defer_reduction(self, defer: bool) -> None:
         if self._workers is not None:
             self._workers.sync.hold(defer)

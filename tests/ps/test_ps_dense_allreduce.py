@@ -23,9 +23,12 @@ from ps_jobs import batch, make_model, make_optimizer, one_step, reference, snap
 HYBRID = {"dense_placement": "allreduce"}
 
 
-def run_hybrid(fn, servers: int, workers: int, strategy: dict, *args, extra_env=None, timeout: float = 90.0) -> list:
+def run_hybrid(
+    fn, servers: int, workers: int, strategy: dict, *args, extra_env=None, timeout: float = 90.0, served: int = 0
+) -> list:
     """``servers`` + ``workers`` processes with fleetrun's environment (the rendezvous address included);
-    the workers' results (a server's is checked to have served and exited with 0)."""
+    the workers' results (a server's is checked to have served and exited with ``served``: 1 when a worker
+    failed)."""
     common = {
         "FLEET_SECRET": secrets.token_hex(16),
         "FLEET_SERVER_NUM": str(servers),
@@ -42,7 +45,7 @@ def run_hybrid(fn, servers: int, workers: int, strategy: dict, *args, extra_env=
         names = [f"server {i}" for i in range(servers)] + [f"worker {r}" for r in range(workers)]
         raise AssertionError(describe(outcome, names))
     values = [torch.load(io.BytesIO(value), weights_only=False) for _, value in outcome]
-    assert all(v == {"served": 0} for v in values[:servers]), values[:servers]
+    assert all(v == {"served": served} for v in values[:servers]), values[:servers]
     return values[servers:]
 
 
@@ -314,3 +317,36 @@ def test_micro_batches_under_no_sync_equal_one_process_on_the_union() -> None:
             torch.testing.assert_close(
                 value, expected[name], rtol=0, atol=1e-6, msg=lambda m, n=name, w=worker: f"worker {w} {n}: {m}"
             )
+
+
+def uneven(rank: int, steps: int) -> dict:
+    """``fleet.join()`` is refused; then worker 1 runs one step more than worker 0."""
+    try:
+        fleet.init()
+    except SystemExit as stop:
+        return {"served": stop.code}
+    model = make_model("sgd")
+    opt = fleet.distributed_optimizer(make_optimizer("sgd", model.parameters()))
+    try:
+        fleet.join()
+    except fleet.FleetError as error:
+        refused = str(error)
+    else:
+        refused = None
+    try:
+        for step in range(steps + fleet.worker_index()):
+            one_step("sgd", model, opt, step, fleet.worker_index())
+        fleet.stop_worker()
+    except fleet.PeerError as error:
+        return {"refused": refused, "error": str(error)}
+    return {"refused": refused, "error": None}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_uneven_loops_fail_naming_the_worker_that_finished_and_fleet_join_is_refused() -> None:
+    results = run_hybrid(uneven, 1, 2, {"update": "async"}, 3, timeout=100, served=1)  # the job failed
+    for result in results:
+        assert "fleet.join() is not supported with dense_placement='allreduce'" in result["refused"], result
+    errors = [r["error"] for r in results if r["error"]]
+    assert errors and all("worker 0 (after 3 steps) finished its training loop early" in e for e in errors), results
