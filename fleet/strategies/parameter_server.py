@@ -121,7 +121,7 @@ class ParameterServerStrategy(Strategy):
         refuse_user_group(self.config, self.runtime.role, "before fleet.init()")
         launch_server.resolve_secret(self.runtime)
         hybrid = self.config.dense_placement == "allreduce"
-        if hybrid:
+        if hybrid and self.runtime.role.worker_num > 1:  # one worker needs no group, nor the rendezvous
             from fleet.ps.worker.workers_group import need_master
 
             need_master(self.runtime.role)
