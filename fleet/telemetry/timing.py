@@ -24,6 +24,8 @@ backward, communication, update); the first boundary only starts the clock.
 - links to other hosts: bytes and link time per peer host (or parameter server) from the kernel's TCP
   counters (:mod:`fleet.telemetry.links`), read when the summary is written, never per step; from the first
   step boundary on. Absent when the worker talks to no other host.
+- listeners: :meth:`StepMetrics.subscribe` calls a function at every step boundary, with the step just
+  timed (``fleet.plan.probe`` reads a script's steps this way, the recorder left as it is).
 - a script that never calls ``step()`` (weights updated by hand, ``p.data.add_(p.grad, alpha=-lr)``)
   is timed per backward instead: strategies that reduce gradients in backward call
   :meth:`StepMetrics.end_backward` at its end, and the summary says ``"per": "backward"``.
@@ -47,6 +49,7 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,9 @@ from fleet.telemetry.step_report import LogHistogram, median
 
 WINDOW_STEPS = 20
 WRITE_EVERY_S = 1.0
+
+StepListener = Callable[[tuple[float, float, float] | None], None]
+"""Told of every step boundary: the step's ``(wall, compute, comm)`` seconds, None at the first one."""
 
 
 def worker_identity() -> tuple[int, int]:
@@ -113,6 +119,7 @@ class StepMetrics:
         self._per_backward: StepMetrics | None = None  # boundaries at each backward, for scripts without step()
         self._count_links = count_links
         self._links: links.LinkCounters | None = None  # from the first boundary (step or backward) on
+        self._listeners: list[StepListener] = []
 
     # --- what strategies and users call ------------------------------------------
 
@@ -142,6 +149,15 @@ class StepMetrics:
             raise ValueError(f"fleet.telemetry.timing.set_batch_size(n) needs a positive int, got {n!r}.")
         self.batch_size, self._batch_explicit = n, self._batch_explicit or not inferred
 
+    def subscribe(self, listener: StepListener) -> None:
+        """Call ``listener`` at the end of every step boundary from now on (until :meth:`unsubscribe`): with
+        the step just timed as ``(wall, compute, comm)`` seconds, or None at the first boundary, which
+        only starts the clock."""
+        self._listeners.append(listener)
+
+    def unsubscribe(self, listener: StepListener) -> None:
+        self._listeners = [known for known in self._listeners if known != listener]  # a bound method is made anew
+
     def end_step(self, micro_batches: int = 1) -> None:
         """Close the current step: called by the wrapped optimizer at every step boundary."""
         now = self._clock()
@@ -149,6 +165,8 @@ class StepMetrics:
             self._last, self._comm, self._written = now, 0.0, now
             self.reductions = self.reduced_bytes = 0
             self._mark_links()
+            for listener in list(self._listeners):
+                listener(None)
             return
         wall = now - self._last
         comm = min(self._comm, wall)
@@ -164,6 +182,8 @@ class StepMetrics:
         if self.log_dir is not None and now - self._written >= self.write_every_s:
             self._written = now
             self.write()
+        for listener in list(self._listeners):
+            listener((wall, compute, comm))
 
     def end_backward(self, comm_s: float = 0.0) -> None:
         """A backward pass ended, after ``comm_s`` seconds of communication since the previous one (strategies

@@ -34,7 +34,6 @@ import torch
 from fleet.runtime import context, inject
 from fleet.telemetry import timing
 
-
 _HOOKED: weakref.WeakSet = weakref.WeakSet()  # the methods below made: never wrapped twice
 
 
@@ -248,5 +247,3 @@ class WrappedOptimizer(torch.optim.Optimizer, metaclass=_RunsHooks):
 
     def _leave_hooked(self, name: str) -> None:
         self.__dict__["_fleet_running"].discard(name)
-
-
