@@ -104,6 +104,8 @@ class _Patch:
     def hold(self, holder: EntryPoints) -> None:
         self.holders.add(weakref.ref(holder, self.died))
         for name, translate_inputs in (("backward", _backward), ("grad", _grad)):
+            if name in self.standing and getattr(torch.autograd, name) is self.wrapped[name]:
+                self.standing.discard(name)  # whoever wrapped fleet's took theirs and fleet's out again
             if name not in self.standing:
                 self.wrapped[name] = getattr(torch.autograd, name)
                 self.ours[name] = functools.wraps(self.wrapped[name])(translate_inputs)

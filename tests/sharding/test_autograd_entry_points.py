@@ -98,5 +98,9 @@ def test_a_wrapper_put_over_fleets_is_left_in_place() -> None:
         assert torch.autograd.backward is theirs
         again.close()
     finally:
-        torch.autograd.backward = TORCH_BACKWARD
+        torch.autograd.backward = TORCH_BACKWARD  # they take theirs out, fleet's with it
         hold.close()
+    later = sharded_autograd.EntryPoints()  # fleet's stands in again
+    assert torch.autograd.backward is not TORCH_BACKWARD and torch.autograd.grad is not TORCH_GRAD
+    later.close()
+    assert _torchs_own()
