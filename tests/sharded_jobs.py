@@ -1,0 +1,163 @@
+"""A CTR-like model whose sparse tables are sharded across the workers, and the same model in one process.
+
+Three kinds of table module (a ``SparseEmbedding``, a ``SparseEmbeddingBag``, a
+``SparseFeatureCollection`` fed ``JaggedFeatures``, TorchRec's KeyedJaggedTensor layout) feed one
+dense head. :func:`reference` trains it in one process on the union of the workers' batches;
+:func:`worker` trains it on each worker of a collective or sharding job with the tables sharded,
+and both return every table's rows (with per-row optimizer state and statistics) and the head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+DIM, BATCH, VOCAB, STEPS = 4, 6, 30, 4
+FEATURES = ("user", "clicked", "viewed")
+
+
+class Net(nn.Module):
+    def __init__(self, life: bool = False) -> None:
+        super().__init__()
+        import fleet
+
+        table: dict[str, Any] = {}
+        if life:  # admission by a hash of (id, step), rows unseen for 2 steps evicted, clicks fed
+            table = {"entry": fleet.ProbabilityEntry(0.7), "ttl_steps": 2}
+        self.emb = fleet.nn.SparseEmbedding(DIM, seed=3, **table)
+        self.bag = fleet.nn.SparseEmbeddingBag(DIM, mode="mean", seed=4, **table)
+        self.features = fleet.nn.SparseFeatureCollection(
+            [
+                fleet.nn.FeatureTable("user", DIM, seed=5, **table),
+                fleet.nn.FeatureTable("item", DIM, features=["clicked", "viewed"], mode="sum", seed=6, **table),
+            ]
+        )
+        self.head = nn.Linear(DIM * 5, 1)
+
+    def tables(self) -> dict[str, Any]:
+        return {"emb": self.emb, "bag": self.bag, "user": self.features["user"], "item": self.features["item"]}
+
+    def forward(self, data: dict[str, Any]) -> torch.Tensor:
+        import fleet
+
+        bags = data["bags"]
+        jagged = fleet.nn.JaggedFeatures(
+            list(FEATURES), torch.cat([bags[f][0] for f in FEATURES]), torch.cat([bags[f][1] for f in FEATURES])
+        )
+        pooled = self.features(jagged)
+        parts = [self.emb(data["ids"]).mean(1), self.bag(data["bag"]), *(pooled[f] for f in FEATURES)]
+        return self.head(torch.cat(parts, 1)).squeeze(1)
+
+    def record_clicks(self, label: torch.Tensor) -> None:
+        self.emb.record_clicks(label)
+        self.bag.record_clicks(label)
+        self.features.record_clicks(label)
+
+
+def _ids(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=g) * 7919 - 100  # sparse ids, negative ones too
+
+
+def batch(step: int, rank: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    bags = {}
+    for feature in FEATURES:
+        lengths = torch.randint(0, 4, (BATCH,), generator=g)  # empty bags too
+        bags[feature] = (_ids(g, int(lengths.sum())), lengths)
+    return {
+        "ids": _ids(g, BATCH, 2),
+        "bag": _ids(g, BATCH, 3),
+        "bags": bags,
+        "label": torch.randint(0, 2, (BATCH,), generator=g).float(),
+    }
+
+
+def union(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "ids": torch.cat([p["ids"] for p in parts]),
+        "bag": torch.cat([p["bag"] for p in parts]),
+        "bags": {f: tuple(torch.cat([p["bags"][f][i] for p in parts]) for i in range(2)) for f in FEATURES},
+        "label": torch.cat([p["label"] for p in parts]),
+    }
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    """The rows follow the dense optimizer (its kind and hyper-parameters)."""
+    import fleet
+
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.3)
+    if kind == "momentum":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=0.1)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    if kind == "rowwise_adagrad":
+        return fleet.nn.RowWiseAdagrad(params, lr=0.1)
+    raise ValueError(kind)
+
+
+def train(model: Net, opt: torch.optim.Optimizer, data: list[dict[str, Any]], life: bool) -> None:
+    for one in data:
+        opt.zero_grad()
+        out = model(one)
+        if life:
+            model.record_clicks(one["label"])
+        torch.nn.functional.binary_cross_entropy_with_logits(out, one["label"]).backward()
+        opt.step()
+
+
+def table_states(model: Net) -> dict[str, dict[str, torch.Tensor]]:
+    """Every table's rows and per-row fields from its ``state_dict`` (gathered from every owner), by id."""
+    from fleet.nn.rows_state import table_rows
+
+    out = {}
+    for name, module in model.tables().items():
+        state = table_rows(module.state_dict())
+        order = torch.argsort(state["ids"])
+        out[name] = {
+            k: v[order] for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() and len(v) == len(order)
+        }
+    return out
+
+
+def dense(model: Net) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in model.head.named_parameters()
+    }
+
+
+def reference(workers: int, kind: str, life: bool = False) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Net(life)
+    opt = make_optimizer(kind, model.parameters())
+    train(model, opt, [union([batch(s, r) for r in range(workers)]) for s in range(STEPS)], life)
+    return {"tables": table_states(model), "dense": dense(model)}
+
+
+def worker(rank: int, kind: str, strategy: dict[str, Any], life: bool = False) -> dict[str, Any]:
+    import fleet
+    from fleet.collective.sharded_rows import owner
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = Net(life)
+    opt = fleet.distributed_optimizer(make_optimizer(kind, model.parameters()), fleet.DistributedStrategy(**strategy))
+    train(model, opt, [batch(s, fleet.worker_index()) for s in range(STEPS)], life)
+    held = {}
+    for name, module in model.tables().items():
+        backend = module.backend()
+        shard_ids = backend.local.rows_state()["ids"]
+        held[name] = {
+            "count": backend.local.num_rows(),
+            "owned": bool((owner(shard_ids, fleet.worker_num()) == fleet.worker_index()).all()),
+            "replica": module.local.num_rows(),  # the module's own table: empty when sharded
+            "total": module.num_rows(),
+        }
+    out = {"tables": table_states(model), "dense": dense(model), "held": held}
+    fleet.stop_worker()
+    return out
