@@ -161,3 +161,93 @@ def worker(rank: int, kind: str, strategy: dict[str, Any], life: bool = False) -
     out = {"tables": table_states(model), "dense": dense(model), "held": held}
     fleet.stop_worker()
     return out
+
+
+def _saved(state: dict[str, torch.Tensor]) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def load_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def more_steps(workers: int) -> list[list[dict[str, Any]]]:
+    """The batches of the two steps after a reload on ``workers`` workers (step numbers past the first run's)."""
+    return [[batch(100 + s, r) for r in range(workers)] for s in range(2)]
+
+
+GIVEN = torch.arange(600)  # rows given with load_rows: ids 0..599
+
+
+def given_rows() -> torch.Tensor:
+    return torch.randn(GIVEN.numel(), DIM, generator=torch.Generator().manual_seed(7))
+
+
+def reference_reload(before: int, after: int, kind: str) -> dict[str, Any]:
+    """One process: trained on ``before`` workers' batches, its state dict loaded into a fresh model and
+    optimizer, trained on ``after`` workers' batches."""
+    torch.manual_seed(0)
+    model = Net()
+    train(
+        model,
+        make_optimizer(kind, model.parameters()),
+        [union([batch(s, r) for r in range(before)]) for s in range(STEPS)],
+        False,
+    )
+    saved = model.state_dict()
+    torch.manual_seed(1)
+    second = Net()
+    second.load_state_dict(saved)
+    train(second, make_optimizer(kind, second.parameters()), [union(parts) for parts in more_steps(after)], False)
+    out = {"loaded": table_states(loaded(saved)), "tables": table_states(second), "dense": dense(second)}
+    second.emb.load_rows(GIVEN, given_rows())
+    out["weight"] = second.emb.dense_weight(GIVEN.numel())
+    return out
+
+
+def loaded(saved: dict[str, torch.Tensor]) -> Net:
+    """A fresh model holding ``saved``."""
+    model = Net()
+    model.load_state_dict(saved)
+    return model
+
+
+def save_worker(rank: int, kind: str, strategy: dict[str, Any]) -> bytes:
+    """Train on this worker's batches with the tables sharded; return the model's state dict (every row)."""
+    import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = Net()
+    opt = fleet.distributed_optimizer(make_optimizer(kind, model.parameters()), fleet.DistributedStrategy(**strategy))
+    train(model, opt, [batch(s, fleet.worker_index()) for s in range(STEPS)], False)
+    out = _saved(model.state_dict())
+    fleet.stop_worker()
+    return out
+
+
+def reload_worker(rank: int, saved: bytes, kind: str, strategy: dict[str, Any]) -> dict[str, Any]:
+    """Load a state dict saved by another number of workers into sharded tables; train on; give rows."""
+    import fleet
+
+    fleet.init()
+    torch.manual_seed(1)
+    model = Net()
+    opt = fleet.distributed_optimizer(make_optimizer(kind, model.parameters()), fleet.DistributedStrategy(**strategy))
+    model.load_state_dict(load_bytes(saved))
+    out: dict[str, Any] = {"loaded": table_states(model)}
+    out["loaded_here"] = {name: module.backend().local.num_rows() for name, module in model.tables().items()}
+    train(model, opt, [parts[fleet.worker_index()] for parts in more_steps(fleet.worker_num())], False)
+    out["tables"], out["dense"] = table_states(model), dense(model)
+    before = model.emb.backend().local.num_rows()
+    model.emb.load_rows(GIVEN, given_rows())  # every worker gives the same rows; each keeps its own
+    out["given_here"] = model.emb.backend().local.num_rows() - before
+    out["weight"] = model.emb.dense_weight(GIVEN.numel())
+    fleet.stop_worker()
+    return out

@@ -419,8 +419,8 @@ def _swap_parameters(optimizer: torch.optim.Optimizer, replaced: dict[int, torch
         state = optimizer.state.pop(old)
         optimizer.state[new] = {
             key: distribute_tensor(value, new.device_mesh, new.placements)
-            if torch.is_tensor(value) and value.shape == new.shape
-            else value
+            if torch.is_tensor(value) and value.shape == new.shape and _is_sharded(new)
+            else value  # a table's zero-size placeholder stays a plain tensor, and so does its state (Adagrad's)
             for key, value in state.items()
         }
 

@@ -66,3 +66,25 @@ def test_life_cycle_and_clicks_on_sharded_tables_equal_one_process(workers: int)
     assert any(k.startswith("stats.") for k in want["tables"]["emb"])
     for result in run_workers(sharded_jobs.worker, workers, "adagrad", COLLECTIVE, True, timeout=200):
         _check(result, want, workers)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 2)])
+def test_a_state_dict_saved_by_n_workers_loads_on_m_and_trains_on_as_one_process(before: int, after: int) -> None:
+    """Every row is in the state dict (gathered in pieces); M workers each keep the rows they own, train on exactly as
+    one process would; load_rows spreads given rows over the workers, about 1/M each."""
+    want = sharded_jobs.reference_reload(before, after, "adagrad")
+    saved = run_workers(sharded_jobs.save_worker, before, "adagrad", COLLECTIVE, timeout=200)
+    first, last = sharded_jobs.load_bytes(saved[0]), sharded_jobs.load_bytes(saved[-1])
+    assert first.keys() == last.keys() and all(torch.equal(first[k], last[k]) for k in first)  # the same rows
+    results = run_workers(sharded_jobs.reload_worker, after, saved[0], "adagrad", COLLECTIVE, timeout=200)
+    for result in results:
+        _check({"tables": result["loaded"], "dense": want["dense"]}, {"tables": want["loaded"], "dense": {}}, after)
+        _check(result, want, after)
+        assert torch.allclose(result["weight"], want["weight"], atol=1e-6, rtol=0)
+    for name, table in want["loaded"].items():
+        assert sum(r["loaded_here"][name] for r in results) == table["ids"].numel(), name
+    given = [r["given_here"] for r in results]
+    assert sum(given) == sharded_jobs.GIVEN.numel()
+    share = sharded_jobs.GIVEN.numel() / after
+    assert all(0.8 * share <= n <= 1.2 * share for n in given), given  # memory per worker: about 1/M of the rows
