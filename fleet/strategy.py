@@ -149,9 +149,9 @@ class DistributedStrategy(BaseModel):
     collective and sharding mode: "replicated" (every worker holds every row; each step's row
     gradients go to every worker), "sharded" (each worker holds the rows whose id hashes to it,
     1/N of them; ids and rows, then gradients, go to their owners by all-to-all), or "auto":
-    sharded in mode="sharding" (its promise is memory per worker of about 1/N), replicated in
-    mode="collective". In mode="ps" the servers hold the tables ("auto" only). See docs/modes.md,
-    "Where the tables live"."""
+    sharded in mode="sharding" (its promise is memory per worker of about 1/N) except tables with
+    a ``max_rows`` cap (sharded, the cap is split over the workers), replicated in mode="collective".
+    In mode="ps" the servers hold the tables ("auto" only). See docs/modes.md, "Where the tables live"."""
 
     seed: int = 0
     """Seed for anything fleet itself draws (sparse row initialisation)."""

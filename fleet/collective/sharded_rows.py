@@ -79,6 +79,18 @@ def owner(ids: torch.Tensor, workers: int) -> torch.Tensor:
     return _logical_shift(h, 1) % workers
 
 
+def shards(placement: str, by_default: bool, module: Any) -> bool:
+    """Whether a strategy with ``table_placement=placement`` shards ``module``'s table across the workers.
+
+    "auto" shards where the mode does by default (``by_default``: mode="sharding"), except a table
+    with a ``max_rows`` cap: sharded, each worker would evict within its share of the cap, which is
+    no longer the one-process math; such a table stays replicated unless "sharded" is asked for.
+    """
+    if placement != "auto":
+        return placement == "sharded"
+    return by_default and module.lifecycle.max_rows is None
+
+
 class TableShard:
     """One worker's part of a table module: the module's settings, with ``max_rows`` split over the workers.
 
@@ -193,8 +205,8 @@ class ShardedRows:
         lr = float(group["lr"])
         dim = self.shard.embedding_dim
         if self.shard.lifecycle.active:  # clicks ride along as one more column, summed, not averaged
-            column = clicks if clicks is not None else torch.zeros(ids.numel())
-            grads = torch.cat([grads, column.to(grads.dtype).unsqueeze(1)], 1)
+            column = clicks.to(grads) if clicks is not None else grads.new_zeros(ids.numel())
+            grads = torch.cat([grads, column.unsqueeze(1)], 1)
         if self._announce is not None:
             self._announce("step", module, grads.shape[1], lr)
         what = self._what("sending gradients to")

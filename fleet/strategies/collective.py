@@ -168,7 +168,7 @@ class CollectiveStrategy(Strategy):
             return None
         backend = self._backends.get(module)
         if backend is None:
-            if self.config.table_placement == "sharded":
+            if sharded_rows.shards(self.config.table_placement, False, module):
                 backend = sharded_rows.ShardedRows(
                     module, self.group, self.config.collective_wait_s, "with tables sharded in collective mode",
                     lambda values: self.all_reduce(values, "sum"), self._announce_table, self.runtime.diagnose_peers,
@@ -251,7 +251,8 @@ class CollectiveStrategy(Strategy):
         elif leader.kind == lockstep.BUFFERS:
             broadcast_tensors(list(self._models[leader.a]().buffers()), self.group, agreement.source)
         elif leader.kind == lockstep.TABLE_PULL or (
-            leader.kind == lockstep.SPARSE_ROWS and self.config.table_placement == "sharded"
+            leader.kind == lockstep.SPARSE_ROWS
+            and any(isinstance(b, sharded_rows.ShardedRows) for b in self._backends.values())
         ):
             raise sharded_rows.refuse_join("this worker's loop ended while the others train")
         elif leader.kind == lockstep.SPARSE_ROWS:

@@ -291,12 +291,13 @@ class ShardingStrategy(Strategy):
         return replaced
 
     def table_backend(self, module: tables.TableModule) -> tables.TableBackend | None:
-        """fleet.nn.SparseEmbedding tables sharded across the workers (fleet.collective.sharded_rows), or with
-        ``table_placement="replicated"`` whole on every worker, updated with every worker's rows."""
+        """fleet.nn.SparseEmbedding tables sharded across the workers (fleet.collective.sharded_rows), or (with
+        ``table_placement="replicated"``, or a ``max_rows`` cap under "auto") whole on every worker, updated with
+        every worker's rows."""
         group = self.runtime.process_group(self.config.timeout_s)
         if group is None:
             return None
-        if self.config.table_placement != "replicated":
+        if sharded_rows.shards(self.config.table_placement, True, module):
             backend = self._tables.get(module)
             if backend is None:
                 backend = self._tables[module] = sharded_rows.ShardedRows(
@@ -419,7 +420,7 @@ def _swap_parameters(optimizer: torch.optim.Optimizer, replaced: dict[int, torch
         state = optimizer.state.pop(old)
         optimizer.state[new] = {
             key: distribute_tensor(value, new.device_mesh, new.placements)
-            if torch.is_tensor(value) and value.shape == new.shape and _is_sharded(new)
+            if torch.is_tensor(value) and value.shape == new.shape and hasattr(new, "device_mesh")
             else value  # a table's zero-size placeholder stays a plain tensor, and so does its state (Adagrad's)
             for key, value in state.items()
         }
