@@ -251,3 +251,27 @@ def reload_worker(rank: int, saved: bytes, kind: str, strategy: dict[str, Any]) 
     out["weight"] = model.emb.dense_weight(GIVEN.numel())
     fleet.stop_worker()
     return out
+
+
+def misuse_worker(rank: int, how: str) -> tuple[str, str]:
+    """A job that uses its sharded tables unevenly: ``join`` (fleet.join() with 3 and 2 batches) or ``alone``
+    (worker 0 looks rows up on its own while worker 1 waits at a barrier). Returns (error type, message)."""
+    import fleet
+
+    fleet.init(strategy=fleet.DistributedStrategy(table_placement="sharded", timeout_s=60))
+    torch.manual_seed(0)
+    model = Net()
+    opt = fleet.distributed_optimizer(make_optimizer("sgd", model.parameters()))
+    try:
+        if how == "join":
+            with fleet.join():
+                train(model, opt, [batch(s, rank) for s in range(3 - rank)], False)
+        else:
+            train(model, opt, [batch(0, rank)], False)
+            if rank == 0:
+                with torch.no_grad():
+                    model.emb(torch.arange(4))
+            fleet.barrier_worker()
+    except Exception as error:  # noqa: BLE001 - the test checks which error and what it says
+        return type(error).__name__, str(error)
+    return "finished", ""

@@ -88,3 +88,18 @@ def test_a_state_dict_saved_by_n_workers_loads_on_m_and_trains_on_as_one_process
     assert sum(given) == sharded_jobs.GIVEN.numel()
     share = sharded_jobs.GIVEN.numel() / after
     assert all(0.8 * share <= n <= 1.2 * share for n in given), given  # memory per worker: about 1/M of the rows
+
+
+@pytest.mark.timeout(120)
+def test_join_with_sharded_tables_is_refused_on_every_worker() -> None:
+    for kind, message in run_workers(sharded_jobs.misuse_worker, 2, "join", timeout=90):
+        assert kind == "FleetError", (kind, message)
+        assert "not supported yet with sparse tables sharded across the workers" in message, message
+        assert "table_placement='replicated'" in message
+
+
+@pytest.mark.timeout(120)
+def test_a_lookup_on_one_worker_alone_is_named_not_a_hang() -> None:
+    for kind, message in run_workers(sharded_jobs.misuse_worker, 2, "alone", timeout=90):
+        assert kind == "PeerError", (kind, message)
+        assert "pull the rows of a fleet.nn.SparseEmbedding sharded across the workers" in message, message
