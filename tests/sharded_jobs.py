@@ -275,3 +275,28 @@ def misuse_worker(rank: int, how: str) -> tuple[str, str]:
     except Exception as error:  # noqa: BLE001 - the test checks which error and what it says
         return type(error).__name__, str(error)
     return "finished", ""
+
+
+def nonfinite_worker(rank: int) -> dict[str, Any]:
+    """Worker 1's gradients hold NaN at the second step: every owner skips that step of its rows, as one process
+    skips a non-finite update whole."""
+    import warnings
+
+    import fleet
+
+    fleet.init(strategy=fleet.DistributedStrategy(table_placement="sharded"))
+    torch.manual_seed(0)
+    model = Net()
+    opt = fleet.distributed_optimizer(make_optimizer("sgd", model.parameters()))
+    train(model, opt, [batch(0, rank)], False)
+    before = table_states(model)
+    one = batch(1, rank)
+    opt.zero_grad()
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(model(one), one["label"])
+    (loss * (float("nan") if rank == 1 else 1.0)).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    out = {"before": before, "after": table_states(model), "warned": [str(w.message) for w in caught]}
+    fleet.stop_worker()
+    return out

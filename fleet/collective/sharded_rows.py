@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleet.collective import all_to_all
+from fleet.collective import all_to_all, sharded_pull
 from fleet.errors import FleetError
 from fleet.sparse import nonfinite
 from fleet.sparse.backends import LocalRows, per_row_fields
@@ -141,7 +141,7 @@ class ShardedRows:
         self.where = where
         self._reduce_sum = reduce_sum
         self._announce = announce
-        self._diagnose = diagnose
+        self.diagnose = diagnose
         # gloo moves CPU tensors; NCCL only CUDA ones (the table itself stays in host memory)
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -165,6 +165,10 @@ class ShardedRows:
         name = type(module).__name__ if module is not None else "SparseEmbedding"
         return f"{action} the rows of a {name}(dim {self.shard.embedding_dim}) sharded across the workers"
 
+    def owners(self, ids: torch.Tensor) -> torch.Tensor:
+        """The worker holding each id's row."""
+        return owner(ids, self.workers)
+
     def _route(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """(the order that groups ``ids`` by owner, how many go to each worker)."""
         owners = owner(ids, self.workers)
@@ -175,11 +179,11 @@ class ShardedRows:
     def _counts(self, sends: list[int], flag: int, what: str) -> tuple[list[int], bool]:
         """(rows each worker sends here, whether any worker raised ``flag``)."""
         mine = torch.tensor([[n, flag] for n in sends], dtype=torch.int64, device=self.device)
-        got = all_to_all.counts(mine, self.group, self.timeout_s, what, self._diagnose).cpu()
+        got = all_to_all.counts(mine, self.group, self.timeout_s, what, self.diagnose).cpu()
         return got[:, 0].tolist(), bool(got[:, 1].any())
 
     def _move(self, send: torch.Tensor, sends: list[int], recvs: list[int], what: str) -> torch.Tensor:
-        return all_to_all.rows(send.to(self.device), sends, recvs, self.group, self.timeout_s, what, self._diagnose)
+        return all_to_all.rows(send.to(self.device), sends, recvs, self.group, self.timeout_s, what, self.diagnose)
 
     # ------------------------------------------------------------------ a training step
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
@@ -197,6 +201,25 @@ class ShardedRows:
         out[order.to(back.device)] = back
         return out
 
+    def batch_key(self) -> Any:
+        """Tables of one process group pull together (:func:`fleet.sparse.backends.pull_many`)."""
+        return self.group
+
+    @classmethod
+    def pull_together(cls, backends: list[ShardedRows], ids_list: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Rows for each backend's unique ids, every table's in one exchange (:mod:`fleet.collective.sharded_pull`)."""
+        first = backends[0]
+        if len(backends) == 1:
+            return [first.pull(ids_list[0])]
+        if first._announce is not None:
+            first._announce("pull", first._module(), sum(b.shard.embedding_dim for b in backends), 0.0)
+        return sharded_pull.pull_together(backends, ids_list, first._what("pulling"))
+
+    @classmethod
+    def prefetch_together(cls, backends: list[ShardedRows], ids_list: list[torch.Tensor]) -> None:
+        """No prefetch: a step's rows must include the step before it (the forward pulls)."""
+        return None
+
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
         """Send this worker's row gradients to their owners; apply the ones received here (the mean over the
         workers, clicks summed), or skip the step on every owner where any worker's hold NaN or Inf."""
@@ -213,8 +236,14 @@ class ShardedRows:
         order, sends = self._route(ids)
         bad = 0 if nonfinite.finite(grads, lr) else 1
         recvs, any_bad = self._counts(sends, bad, what)
-        got_ids = self._move(ids.index_select(0, order), sends, recvs, what).cpu()
-        got = self._move(grads.index_select(0, order), sends, recvs, what).cpu()
+        width = grads.shape[1]
+        # the ids travel as two more float32 columns of the same block (their bits, never computed on): one exchange
+        bits = ids.to(grads.device).contiguous().view(torch.float32).view(-1, 2)
+        block = torch.cat([grads.to(torch.float32), bits], 1).index_select(0, order.to(grads.device))
+        got = self._move(block, sends, recvs, what)
+        got = got.cpu()
+        got_ids = got[:, width:].contiguous().view(torch.int64).view(-1)
+        got = got[:, :width]
         if any_bad:
             nonfinite.refuse(f"sparse table of {type(module).__name__}(dim {dim})", None, self.where)
             return
@@ -283,7 +312,7 @@ class ShardedRows:
     def _all_gather(self, every: list[torch.Tensor], block: torch.Tensor, what: str) -> None:
         every_on = [t.to(self.device) for t in every]
         work = dist.all_gather(every_on, block.to(self.device), group=self.group, async_op=True)
-        all_to_all.finish(work, self.timeout_s, what, self._diagnose)
+        all_to_all.finish(work, self.timeout_s, what, self.diagnose)
         for target, got in zip(every, every_on, strict=True):
             target.copy_(got)
 

@@ -103,3 +103,14 @@ def test_a_lookup_on_one_worker_alone_is_named_not_a_hang() -> None:
     for kind, message in run_workers(sharded_jobs.misuse_worker, 2, "alone", timeout=90):
         assert kind == "PeerError", (kind, message)
         assert "pull the rows of a fleet.nn.SparseEmbedding sharded across the workers" in message, message
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_on_one_worker_skips_the_step_on_every_owner() -> None:
+    for result in run_workers(sharded_jobs.nonfinite_worker, 2, timeout=90):
+        for name, table in result["before"].items():
+            after = result["after"][name]
+            kept = torch.isin(after["ids"], table["ids"])  # the pull created the new ids' rows, at their initial values
+            assert table["ids"].numel() and torch.equal(after["ids"][kept], table["ids"])
+            assert all(torch.equal(v, after[k][kept]) for k, v in table.items()), name  # no row stepped
+        assert sum("NaN or Inf and was skipped" in w for w in result["warned"]) == 4, result["warned"]  # 4 tables
