@@ -300,3 +300,37 @@ def nonfinite_worker(rank: int) -> dict[str, Any]:
     out = {"before": before, "after": table_states(model), "warned": [str(w.message) for w in caught]}
     fleet.stop_worker()
     return out
+
+
+def checkpoint_worker(rank: int, ckpt: str, resume: bool) -> dict[str, Any]:
+    """mode="sharding" (tables sharded by default): save a checkpoint after STEPS steps, or load it (on another
+    number of workers) and train the two steps after it; the tables' rows and the head either way."""
+    import fleet
+
+    fleet.init()
+    torch.manual_seed(1 if resume else 0)
+    model = Net()
+    opt = fleet.distributed_optimizer(
+        make_optimizer("adagrad", model.parameters()), fleet.DistributedStrategy(mode="sharding")
+    )
+    if resume:
+        assert fleet.load_checkpoint(ckpt, model, opt).step == STEPS
+        loaded = table_states(model)
+        train(model, opt, [parts[fleet.worker_index()] for parts in more_steps(fleet.worker_num())], False)
+        out = {"loaded": loaded, "tables": table_states(model), "dense": dense(model)}
+    else:
+        train(model, opt, [batch(s, fleet.worker_index()) for s in range(STEPS)], False)
+        fleet.save_checkpoint(ckpt, model, opt, STEPS)
+        out = {"saved": table_states(model)}
+    fleet.stop_worker()
+    return out
+
+
+def reference_resume(before: int, after: int) -> dict[str, Any]:
+    """One process on the union of ``before`` workers' batches, then (optimizer state and all) ``after``'s."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = make_optimizer("adagrad", model.parameters())
+    train(model, opt, [union([batch(s, r) for r in range(before)]) for s in range(STEPS)], False)
+    train(model, opt, [union(parts) for parts in more_steps(after)], False)
+    return {"tables": table_states(model), "dense": dense(model)}

@@ -114,3 +114,16 @@ def test_a_nan_on_one_worker_skips_the_step_on_every_owner() -> None:
             assert table["ids"].numel() and torch.equal(after["ids"][kept], table["ids"])
             assert all(torch.equal(v, after[k][kept]) for k, v in table.items()), name  # no row stepped
         assert sum("NaN or Inf and was skipped" in w for w in result["warned"]) == 4, result["warned"]  # 4 tables
+
+
+@pytest.mark.timeout(300)
+def test_a_sharding_checkpoint_of_sharded_tables_resumes_on_another_number_of_workers(tmp_path) -> None:
+    """fleet.save_checkpoint with 2 workers holds every row; fleet.load_checkpoint with 3 spreads them over their
+    owners, and training goes on as one process would (dense optimizer state resharded by FSDP2's checkpoint)."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_workers(sharded_jobs.checkpoint_worker, 2, ckpt, False, timeout=200)
+    resumed = run_workers(sharded_jobs.checkpoint_worker, 3, ckpt, True, timeout=200)
+    want = sharded_jobs.reference_resume(2, 3)
+    for result in resumed:
+        _check({"tables": result["loaded"], "dense": {}}, {"tables": saved[0]["saved"], "dense": {}}, 3)
+        _check(result, want, 3)
