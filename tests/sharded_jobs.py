@@ -139,10 +139,16 @@ def reference(workers: int, kind: str, life: bool = False) -> dict[str, Any]:
     return {"tables": table_states(model), "dense": dense(model)}
 
 
-def worker(rank: int, kind: str, strategy: dict[str, Any], life: bool = False) -> dict[str, Any]:
+def worker(
+    rank: int, kind: str, strategy: dict[str, Any], life: bool = False, piece_bytes: int | None = None
+) -> dict[str, Any]:
+    """``piece_bytes``: gather the state dicts' rows in pieces this small (many exchanges)."""
     import fleet
+    from fleet.collective import sharded_rows
     from fleet.collective.sharded_rows import owner
 
+    if piece_bytes is not None:
+        sharded_rows.PIECE_BYTES = piece_bytes
     fleet.init()
     torch.manual_seed(0)
     model = Net(life)
@@ -318,6 +324,7 @@ def checkpoint_worker(rank: int, ckpt: str, resume: bool) -> dict[str, Any]:
         loaded = table_states(model)
         train(model, opt, [parts[fleet.worker_index()] for parts in more_steps(fleet.worker_num())], False)
         out = {"loaded": loaded, "tables": table_states(model), "dense": dense(model)}
+        out["exported"] = fleet.export_for_inference(ckpt + "-serving", model)  # every worker: rows gathered
     else:
         train(model, opt, [batch(s, fleet.worker_index()) for s in range(STEPS)], False)
         fleet.save_checkpoint(ckpt, model, opt, STEPS)
