@@ -12,18 +12,16 @@ A step, TorchRec's row-wise layout in fleet's form (:mod:`fleet.collective.all_t
 
 - **pull** (forward): the batch's unique ids go to their owners, each owner reads (or creates)
   their rows exactly as one process would, and the rows come back: two all-to-alls (ids,
-  rows) after one of counts. The module then computes as with any backend: one gradient per
-  unique id collects on the rows it holds.
+  rows) after one of counts.
 - **step** (the optimizer holding the module steps): each worker's (id, gradient) pairs go to
-  the owners, clicks riding along as one more column; the owner divides the gradients by the
-  number of workers (each worker's loss is its batch's mean, so this is the gradient of the mean
-  over the union of the batches), and applies them in one row-optimizer step in which duplicate
-  ids' gradients are summed first. That is the update one process applies to the union of the
-  workers' batches, row for row, as replicas do with every worker's rows
-  (:mod:`fleet.collective.sparse_grads`): the owner receives exactly the rows a replica would
-  apply, restricted to its own. A NaN or Inf on any worker (a flag riding with the counts)
-  skips the step on every owner, as one process skips it whole. Every owner steps every step
-  (with or without rows), so the tables' clocks and TTLs advance as one table's.
+  the owners, clicks and the ids riding along as more columns; the owner divides by the number
+  of workers (each worker's loss is its batch's mean) and applies one row-optimizer step in
+  which duplicate ids' gradients are summed first: the update one process applies to the union
+  of the batches, row for row (the rows a replica applies, :mod:`fleet.collective.sparse_grads`,
+  restricted to the owner's). A NaN or Inf on any worker (a flag riding with the counts) skips
+  the step on every owner. Every owner steps every step, so clocks and TTLs advance as one table's.
+
+Several tables of one optimizer or collection share their exchanges (:mod:`fleet.collective.sharded_many`).
 
 Rows in ``state_dict`` are gathered from every owner in pieces of at most :data:`PIECE_BYTES`
 per worker per exchange, so a saved checkpoint holds every row, and any number of workers
@@ -47,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fleet.collective import all_to_all, sharded_pull
+from fleet.collective import all_to_all, sharded_many
 from fleet.errors import FleetError
 from fleet.sparse import nonfinite
 from fleet.sparse.backends import LocalRows, per_row_fields
@@ -207,48 +205,67 @@ class ShardedRows:
 
     @classmethod
     def pull_together(cls, backends: list[ShardedRows], ids_list: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Rows for each backend's unique ids, every table's in one exchange (:mod:`fleet.collective.sharded_pull`)."""
+        """Rows for each backend's unique ids, every table's in one exchange (:mod:`fleet.collective.sharded_many`)."""
         first = backends[0]
         if len(backends) == 1:
             return [first.pull(ids_list[0])]
         if first._announce is not None:
             first._announce("pull", first._module(), sum(b.shard.embedding_dim for b in backends), 0.0)
-        return sharded_pull.pull_together(backends, ids_list, first._what("pulling"))
+        return sharded_many.pull_together(backends, ids_list, first._what("pulling"))
 
     @classmethod
     def prefetch_together(cls, backends: list[ShardedRows], ids_list: list[torch.Tensor]) -> None:
         """No prefetch: a step's rows must include the step before it (the forward pulls)."""
         return None
 
+    @classmethod
+    def step_together(cls, items: list[tuple[ShardedRows, dict[str, Any]]], optimizer_class: type) -> None:
+        """Step several tables (one optimizer's), every table's gradients in one exchange."""
+        first = items[0][0]
+        if len(items) == 1:
+            first.step(optimizer_class, items[0][1])
+            return
+        if first._announce is not None:
+            first._announce("step", first._module(), len(items), float(items[0][1]["lr"]))
+        sharded_many.step_together(items, optimizer_class, first._what("sending gradients to"))
+
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
         """Send this worker's row gradients to their owners; apply the ones received here (the mean over the
         workers, clicks summed), or skip the step on every owner where any worker's hold NaN or Inf."""
-        module = self._module()
-        ids, grads, clicks = module.take_gradients()
+        ids, block, lr, finite = self.gradients(group)
+        if self._announce is not None:
+            self._announce("step", self._module(), block.shape[1], lr)
+        what = self._what("sending gradients to")
+        order, sends = self._route(ids)
+        recvs, any_bad = self._counts(sends, 0 if finite else 1, what)
+        got = self._move(block.index_select(0, order.to(block.device)), sends, recvs, what).cpu()
+        self.apply_received(optimizer_class, group, got, lr, any_bad)
+
+    def gradients(self, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+        """(ids, [gradients | clicks | the ids' bits as two float32 columns], lr, whether all is finite) of the
+        forwards since the last step: what travels to the owners."""
+        ids, grads, clicks = self._module().take_gradients()
         lr = float(group["lr"])
-        dim = self.shard.embedding_dim
         if self.shard.lifecycle.active:  # clicks ride along as one more column, summed, not averaged
             column = clicks.to(grads) if clicks is not None else grads.new_zeros(ids.numel())
             grads = torch.cat([grads, column.unsqueeze(1)], 1)
-        if self._announce is not None:
-            self._announce("step", module, grads.shape[1], lr)
-        what = self._what("sending gradients to")
-        order, sends = self._route(ids)
-        bad = 0 if nonfinite.finite(grads, lr) else 1
-        recvs, any_bad = self._counts(sends, bad, what)
-        width = grads.shape[1]
+        finite = nonfinite.finite(grads, lr)
         # the ids travel as two more float32 columns of the same block (their bits, never computed on): one exchange
         bits = ids.to(grads.device).contiguous().view(torch.float32).view(-1, 2)
-        block = torch.cat([grads.to(torch.float32), bits], 1).index_select(0, order.to(grads.device))
-        got = self._move(block, sends, recvs, what)
-        got = got.cpu()
-        got_ids = got[:, width:].contiguous().view(torch.int64).view(-1)
-        got = got[:, :width]
+        return ids, torch.cat([grads.to(torch.float32), bits], 1), lr, finite
+
+    def apply_received(
+        self, optimizer_class: type, group: dict[str, Any], got: torch.Tensor, lr: float, any_bad: bool
+    ) -> None:
+        """Apply the rows every worker sent here (:meth:`gradients`' blocks): the mean over the workers, once."""
+        ids = got[:, -2:].contiguous().view(torch.int64).view(-1)
+        grads = got[:, :-2]
+        dim = self.shard.embedding_dim
         if any_bad:
-            nonfinite.refuse(f"sparse table of {type(module).__name__}(dim {dim})", None, self.where)
+            nonfinite.refuse(f"sparse table of {self.shard.name}(dim {dim})", None, self.where)
             return
-        got[:, :dim].div_(self.workers)
-        self.local.apply(optimizer_class, group, got_ids, got, lr, where=self.where)
+        grads[:, :dim].div_(self.workers)
+        self.local.apply(optimizer_class, group, ids, grads, lr, where=self.where)
 
     # ------------------------------------------------------------------ the whole table (collectives)
     def num_rows(self) -> int:
