@@ -341,3 +341,22 @@ def reference_resume(before: int, after: int) -> dict[str, Any]:
     train(model, opt, [union([batch(s, r) for r in range(before)]) for s in range(STEPS)], False)
     train(model, opt, [union(parts) for parts in more_steps(after)], False)
     return {"tables": table_states(model), "dense": dense(model)}
+
+
+def pretrained_worker(rank: int) -> dict[str, Any]:
+    """Rows given before fleet.init (from_pretrained, in the module's own table) move to their owners when the
+    table is sharded: each worker keeps its own, and the module's own table empties."""
+    import fleet
+    from fleet.nn.rows_state import table_rows
+
+    emb = fleet.nn.SparseEmbedding.from_pretrained(given_rows(), ids=GIVEN * 7 - 3)
+    fleet.init(strategy=fleet.DistributedStrategy(table_placement="sharded"))
+    head = nn.Linear(DIM, 1)
+    opt = fleet.distributed_optimizer(torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=0.1))
+    held = emb.backend().local.num_rows()
+    out = {"held": held, "replica": emb.local.num_rows(), "rows": table_rows(emb.state_dict())}
+    opt.zero_grad()
+    head(emb(GIVEN[:5] * 7 - 3)).sum().backward()
+    opt.step()
+    fleet.stop_worker()
+    return out

@@ -79,3 +79,13 @@ def test_table_placement_is_validated_by_the_strategy() -> None:
         fleet.DistributedStrategy(mode="ps", table_placement="sharded")
     with pytest.raises(fleet.StrategyError, match="table_placement"):
         fleet.DistributedStrategy(table_placement="rowwise")
+
+
+def test_auto_shards_in_sharding_mode_but_keeps_a_capped_table_replicated() -> None:
+    import fleet
+    from fleet.collective.sharded_rows import shards
+
+    plain, capped = fleet.nn.SparseEmbedding(4), fleet.nn.SparseEmbedding(4, max_rows=100)
+    assert shards("auto", True, plain) and not shards("auto", True, capped)  # mode="sharding"
+    assert not shards("auto", False, plain)  # mode="collective"
+    assert shards("sharded", False, capped) and not shards("replicated", True, plain)

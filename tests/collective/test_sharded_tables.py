@@ -143,3 +143,14 @@ def test_rows_gathered_in_small_pieces_are_every_row() -> None:
     assert want["tables"]["emb"]["ids"].numel() > 20  # many exchanges
     for result in run_workers(sharded_jobs.worker, 3, "adagrad", COLLECTIVE, False, 100, timeout=200):
         _check(result, want, 3)
+
+
+@pytest.mark.timeout(120)
+def test_rows_given_before_init_move_to_their_owners() -> None:
+    results = run_workers(sharded_jobs.pretrained_worker, 2, timeout=90)
+    assert sum(r["held"] for r in results) == sharded_jobs.GIVEN.numel()
+    for r in results:
+        assert r["replica"] == 0 and 0 < r["held"] < sharded_jobs.GIVEN.numel()
+        order = torch.argsort(r["rows"]["ids"])
+        assert torch.equal(r["rows"]["ids"][order], sharded_jobs.GIVEN * 7 - 3)
+        assert torch.equal(r["rows"]["rows"][order], sharded_jobs.given_rows())
