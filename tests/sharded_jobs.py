@@ -15,17 +15,22 @@ import torch
 from torch import nn
 
 DIM, BATCH, VOCAB, STEPS = 4, 6, 30, 4
+CAP = 12
 FEATURES = ("user", "clicked", "viewed")
 
 
 class Net(nn.Module):
-    def __init__(self, life: bool = False) -> None:
+    def __init__(self, life: bool | str = False) -> None:
         super().__init__()
         import fleet
 
         table: dict[str, Any] = {}
-        if life:  # admission by a hash of (id, step), rows unseen for 2 steps evicted, clicks fed
+        if life is True:  # admission by a hash of (id, step), rows unseen for 2 steps evicted, clicks fed
             table = {"entry": fleet.ProbabilityEntry(0.7), "ttl_steps": 2}
+        elif life == "count":  # admitted at the second sighting (each owner counts its own ids)
+            table = {"entry": fleet.CountFilterEntry(2), "ttl_steps": 3}
+        elif life == "cap":  # at most CAP rows: CAP // workers on each owner
+            table = {"max_rows": CAP}
         self.emb = fleet.nn.SparseEmbedding(DIM, seed=3, **table)
         self.bag = fleet.nn.SparseEmbeddingBag(DIM, mode="mean", seed=4, **table)
         self.features = fleet.nn.SparseFeatureCollection(
@@ -100,7 +105,7 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     raise ValueError(kind)
 
 
-def train(model: Net, opt: torch.optim.Optimizer, data: list[dict[str, Any]], life: bool) -> None:
+def train(model: Net, opt: torch.optim.Optimizer, data: list[dict[str, Any]], life: bool | str) -> None:
     for one in data:
         opt.zero_grad()
         out = model(one)
@@ -131,7 +136,7 @@ def dense(model: Net) -> dict[str, torch.Tensor]:
     }
 
 
-def reference(workers: int, kind: str, life: bool = False) -> dict[str, Any]:
+def reference(workers: int, kind: str, life: bool | str = False) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Net(life)
     opt = make_optimizer(kind, model.parameters())
@@ -140,7 +145,7 @@ def reference(workers: int, kind: str, life: bool = False) -> dict[str, Any]:
 
 
 def worker(
-    rank: int, kind: str, strategy: dict[str, Any], life: bool = False, piece_bytes: int | None = None
+    rank: int, kind: str, strategy: dict[str, Any], life: bool | str = False, piece_bytes: int | None = None
 ) -> dict[str, Any]:
     """``piece_bytes``: gather the state dicts' rows in pieces this small (many exchanges)."""
     import fleet

@@ -154,3 +154,22 @@ def test_rows_given_before_init_move_to_their_owners() -> None:
         order = torch.argsort(r["rows"]["ids"])
         assert torch.equal(r["rows"]["ids"][order], sharded_jobs.GIVEN * 7 - 3)
         assert torch.equal(r["rows"]["rows"][order], sharded_jobs.given_rows())
+
+
+@pytest.mark.timeout(240)
+def test_count_filter_admission_on_sharded_tables_equals_one_process() -> None:
+    """Each owner counts its own ids in its sketch (as a parameter server does); without sketch collisions (a few
+    hundred ids in 4 Mi counters) that admits what one process admits."""
+    want = sharded_jobs.reference(2, "adagrad", life="count")
+    for result in run_workers(sharded_jobs.worker, 2, "adagrad", COLLECTIVE, "count", timeout=200):
+        _check(result, want, 2)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", [COLLECTIVE, {"mode": "sharding", "table_placement": "sharded"}])
+def test_a_cap_on_a_sharded_table_is_split_over_the_owners(strategy: dict) -> None:
+    results = run_workers(sharded_jobs.worker, 2, "sgd", strategy, "cap", timeout=200)
+    for name in ("emb", "bag", "user", "item"):
+        counts = [r["held"][name]["count"] for r in results]
+        assert all(0 < n <= sharded_jobs.CAP // 2 for n in counts), (name, counts)
+        assert all(r["held"][name]["total"] == sum(counts) and r["held"][name]["owned"] for r in results)
