@@ -154,6 +154,15 @@ class DistributedStrategy(BaseModel):
     local_sgd_steps: int = Field(0, ge=0)
     """Collective: if > 0, no gradient all-reduce; parameters are averaged every this many steps."""
 
+    table_placement: Literal["auto", "replicated", "sharded"] = "auto"
+    """Where the rows of ``fleet.nn.SparseEmbedding`` tables (bags, feature collections) live in
+    collective and sharding mode: "replicated" (every worker holds every row; each step's row
+    gradients go to every worker), "sharded" (each worker holds the rows whose id hashes to it,
+    1/N of them; ids and rows, then gradients, go to their owners by all-to-all), or "auto":
+    sharded in mode="sharding" (its promise is memory per worker of about 1/N) except tables with
+    a ``max_rows`` cap (sharded, the cap is split over the workers), replicated in mode="collective".
+    In mode="ps" the servers hold the tables ("auto" only). See docs/modes.md, "Where the tables live"."""
+
     seed: int = 0
     """Seed for anything fleet itself draws (sparse row initialisation)."""
 
@@ -231,6 +240,15 @@ class DistributedStrategy(BaseModel):
         if mode not in registry.names():
             raise ValueError(f"expected one of {', '.join(repr(n) for n in registry.names())}")
         return mode
+
+    @model_validator(mode="after")
+    def _tables_on_workers(self) -> DistributedStrategy:
+        if self.table_placement != "auto" and self.mode == "ps":
+            raise ValueError(
+                f"table_placement={self.table_placement!r} places sparse tables on the workers; in mode='ps' the "
+                "servers hold them (keep table_placement='auto', or use mode='collective' or 'sharding')"
+            )
+        return self
 
     @model_validator(mode="after")
     def _supported_combination(self) -> DistributedStrategy:
