@@ -96,6 +96,11 @@ DENSE_STATE_GET, DENSE_STATE_SET_OPTIMIZER, DENSE_STATE_SET_VALUES = 0, 1, 2
 LOAD_NOW, LOAD_STAGE, LOAD_COMMIT, LOAD_DISCARD = 0, 1, 2, 3
 
 
+#: PUSH_DENSE_GRAD's optional second tensor: a uint8 flag per parameter of the dense table (its config's
+#: ``shapes``): frozen (``requires_grad=False``), trainable without a gradient on this worker, or with one.
+FROZEN, NO_GRAD, HAS_GRAD = 0, 1, 2
+
+
 #: EXPORT_SPARSE with ``step`` > 0 reads one bounded page: ``arg`` = first slot, ``step`` = rows asked for
 #: (the server gives at most what fits one request); reply [ids, *fields] with blob {"names": [...], "total": n}.
 #: WRITE_SPARSE_ROWS: request [ids, *fields] with blob {"names": [...]}; ``arg`` = WRITE_REPLACE clears the shard first.

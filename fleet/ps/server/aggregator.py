@@ -51,14 +51,11 @@ import torch
 
 from fleet.ps.modes import Admit, UpdateMode, of_config
 from fleet.ps.protocol.errors import ShardError  # raised here, caught by the server loop as agg.ShardError
+from fleet.ps.protocol.wire import FROZEN, HAS_GRAD
 from fleet.sparse.nonfinite import POLICIES, finite
 
 #: keys of a shard config that belong to the table itself (the rest is update-mode bookkeeping)
 _DENSE_TABLE_KEYS = ("size", "optimizer")
-
-
-# Presence flags of a dense push, one per parameter of the table.
-FROZEN, NO_GRAD, HAS_GRAD = 0, 1, 2
 
 
 def canonical(config: dict[str, Any]) -> str:

@@ -45,6 +45,7 @@ from fleet.ps.protocol import unix as direct_path
 from fleet.ps.protocol.errors import WireError, is_out_of_memory
 from fleet.ps.protocol.limits import BLOB_SLACK, Limit, RequestLimits
 from fleet.ps.protocol.liveness import WorkerLiveness
+from fleet.ps.protocol.quick_pulls import plain_pull
 from fleet.ps.protocol.wire import (
     MAX_WIRE_FRAME,
     Message,
@@ -61,7 +62,6 @@ from fleet.ps.server.direct_conns import DirectConnections
 from fleet.ps.server.inbox import FairInbox
 from fleet.ps.server.lanes import MAX_QUEUED, Lanes, Outbox, ServerLock, default_threads
 from fleet.ps.server.many import ManyRequests, Part, deliver
-from fleet.ps.server.quick_pulls import plain_pull
 from fleet.ps.server.reduce import Reductions, against_barrier
 from fleet.ps.server.replies import Replies
 from fleet.ps.server.table_ops import TableRequests
@@ -394,7 +394,7 @@ class ParameterServer:
             self._send(ident, reply)
 
     def _serve_direct(self, ident: bytes, frames: list[memoryview]) -> bool:
-        """Serve a small pull from a direct connection as it is read (:mod:`fleet.ps.server.quick_pulls`).
+        """Serve a small pull from a direct connection as it is read (:mod:`fleet.ps.protocol.quick_pulls`).
 
         False (it then takes the usual way, through the inbox): it is not a plain pull, or other requests
         wait in the inbox (they go first, in their turns), or a table thread is busy (it must see its
@@ -674,7 +674,7 @@ class ParameterServer:
             "peers_admitted": dict(self._zap.admitted),
             "direct_admitted": self._direct.admitted if self._direct is not None else 0,
             "direct_rejected": self._direct.rejected if self._direct is not None else 0,
-            "direct_quick": self._counts.get("direct_quick", 0),  # pulls served as read (fleet.ps.server.quick_pulls)
+            "direct_quick": self._counts.get("direct_quick", 0),  # pulls served as read (fleet.ps.protocol.quick_pulls)
             "dropped": self._counts.get("dropped", 0) + self._counts.get("replies_dropped", 0),
             "table_threads": self.threads,
         }
