@@ -187,3 +187,52 @@ def push_message(request: Request, pushes: list[SparsePush], make, op: Op = Op.P
         [_pick(pushes[p.item].clicks, p) if pushes[p.item].clicks is not None else torch.zeros(p.count) for p in parts]
     )
     return make(Op.PUSH_SPARSE_GRAD_MANY, 0, tensors=[meta, lrs, ids, grads, clicks])
+
+
+def gather_pulls(
+    plan: list[Request], replies: list[Message], ids: list[torch.Tensor], dims: list[int]
+) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """Each entry's rows ``[len(ids), dim]`` in the order of its ids, and the version of each server's shard
+    that answered for it (the oldest, where several requests went to one server), in server order."""
+    out = [torch.empty(x.numel(), d, dtype=torch.float32) for x, d in zip(ids, dims, strict=True)]
+    seen: list[dict[int, int]] = [{} for _ in ids]  # per entry: server -> its oldest shard version
+    for request, reply in zip(plan, replies, strict=True):
+        for part, rows, version in pull_rows(request, reply):
+            if part.positions is None:
+                out[part.item] = rows
+            elif part.count:
+                out[part.item].index_copy_(0, part.positions, rows)
+            oldest = seen[part.item].get(request.server, version)
+            seen[part.item][request.server] = min(oldest, version)
+    return [(t, tuple(by_server[s] for s in sorted(by_server))) for t, by_server in zip(out, seen, strict=True)]
+
+
+def checked_push(push: SparsePush, dim: int) -> SparsePush:
+    """``push`` with flat int64 ids, float32 rows and clicks, checked against the table's ``dim``."""
+    ids = push.ids.detach().reshape(-1).to(torch.int64).contiguous()
+    grads = push.grads.detach().to(torch.float32).contiguous()
+    if list(grads.shape) != [ids.numel(), dim]:
+        raise ValueError(
+            f"sparse table {push.table}: rows of shape {list(grads.shape)} for {ids.numel()} ids, dim {dim}"
+        )
+    clicks = push.clicks
+    if clicks is not None:
+        clicks = clicks.detach().reshape(-1).to(torch.float32).contiguous()
+        if clicks.numel() != ids.numel():
+            raise ValueError(f"sparse table {push.table}: {clicks.numel()} clicks for {ids.numel()} ids")
+    return SparsePush(push.table, ids, grads, int(push.step), float(push.lr), clicks)
+
+
+def write_pieces(
+    ids: torch.Tensor, fields: list[torch.Tensor], num_servers: int, most: int, every_server: bool
+) -> list[tuple[int, bool, list[torch.Tensor]]]:
+    """(server, whether it is the server's first piece, [ids, *fields] of at most ``most`` rows) for a write of
+    rows; every server gets a piece, empty or not, when ``every_server``."""
+    out = []
+    for server, parts in split_by_server([ids], [0], [0], num_servers, every_server):
+        pos = parts[0].positions
+        mine = [ids, *fields] if pos is None else [t[pos] for t in (ids, *fields)]
+        n = mine[0].numel()
+        for k, lo in enumerate(range(0, max(n, 1), most)):
+            out.append((server, k == 0, [t[lo : lo + most] for t in mine]))
+    return out
