@@ -102,6 +102,16 @@ class DistributedStrategy(BaseModel):
     arrival order (fleet.ps.server.lanes); 0 runs them all on the server's loop thread. None: none
     on a machine of 2 cores or fewer, else half the cores, at most 8."""
 
+    dense_placement: Literal["servers", "allreduce"] = "servers"
+    """PS: where the dense parameters (every parameter that is not a ``fleet.nn`` sparse table) live.
+    "servers": flat tables on the parameter servers, which step them; each step pushes their
+    gradients and pulls their values. "allreduce" (PERSIA's hybrid): they stay on the workers, their
+    gradients are averaged every step by the collective engine (shared memory on one host, the
+    process group across hosts; ``bucket_mb`` and ``shared_memory`` apply) and the user's optimizer
+    steps them on every worker, so they are identical on every worker after every step; the servers
+    hold only the sparse tables, in sync, async or geo mode. Not with ``backup_workers`` (the
+    all-reduce waits for every worker) nor with restarts (``fleetrun --max-restarts``)."""
+
     servers: int = Field(0, ge=0)
     """Under rank-only launchers (torchrun, mpirun, srun): the first ``servers`` ranks serve."""
 

@@ -101,6 +101,7 @@ class ShardingStrategy(Strategy):
         self._replaced = ParamMap()  # an old parameter (weakly) -> its sharded replacement
         self._optimizers: list[weakref.ref] = []
         self._order: ShardedOrder | None = None  # every worker runs the same sharded modules (made with the group)
+        self._autograd: sharded_autograd.EntryPoints | None = None  # torch.autograd's, held until shutdown
         self._shared: shm_collectives.SharedMemoryCollectives | None = None  # CPU workers on one host
 
     # --- sharding the model ----------------------------------------------------------------
@@ -162,8 +163,13 @@ class ShardingStrategy(Strategy):
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         units = self._units(model)
         if self._order is None:
+            self._autograd = sharded_autograd.EntryPoints()
             self._order = ShardedOrder(
-                group, self.config.timeout_s, self.runtime.diagnose_peers, self.config.shared_memory
+                group,
+                self.config.timeout_s,
+                self.runtime.diagnose_peers,
+                self.config.shared_memory,
+                entry_points=self._autograd,
             )
         root = _describe(model, len(self._order.roots))  # before fully_shard renames its class
         self._order.roots.append(root)
@@ -184,7 +190,7 @@ class ShardingStrategy(Strategy):
         # FSDP2 picks its root at the first forward and refuses a submodule called before the model
         # ("requires running forward through the root module first"); the model is the root.
         model._get_fsdp_state()._lazy_init()
-        sharded_autograd.track(model)  # backward(inputs=...) and autograd.grad on its parameters
+        self._autograd.track(model)  # backward(inputs=...) and autograd.grad on its parameters
         self._order.watch([(f"{root}.{inside[id(m)]}", m) for unit in units for m in unit] + [(root, model)])
         self._sharded.add(model)
         return self._replacements(before, dict(model.named_parameters()))
@@ -311,6 +317,8 @@ class ShardingStrategy(Strategy):
     def shutdown(self) -> None:
         if self._order is not None:
             self._order.close()
+        if self._autograd is not None:
+            self._autograd.close()  # torch.autograd.backward and grad are torch's own again
         if self._shared is not None:
             self._shared.close()
         super().shutdown()

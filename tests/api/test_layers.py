@@ -21,7 +21,7 @@ ROOT = Path(fleet.__file__).parent
 DOCS = ROOT.parent / "docs" / "architecture.md"
 
 # The ground: what every engine may stand on.
-GROUND = {"fleet.errors", "fleet.runtime", "fleet.storage", "fleet.telemetry"}
+GROUND = {"fleet.errors", "fleet.runtime.env", "fleet.roles", "fleet.runtime", "fleet.storage", "fleet.telemetry"}
 PS_WIRE = {"fleet.ps.protocol", "fleet.ps.modes"}  # what both ends of the parameter server share
 
 # Each package (or top-level module) and the packages it may import besides itself. A module belongs to the
@@ -31,10 +31,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "fleet.errors": set(),
     "fleet.strategy_file": set(),
     "fleet.registry": set(),
-    "fleet.runtime": {"fleet.errors"},
+    "fleet.runtime.env": {"fleet.errors"},  # every environment variable fleet reads
+    "fleet.roles": {"fleet.errors", "fleet.runtime.env"},  # who this process is, from the launchers' variables
+    "fleet.runtime": {"fleet.errors", "fleet.runtime.env", "fleet.roles"},
     "fleet.storage": {"fleet.errors"},
-    "fleet.telemetry": {"fleet.runtime", "fleet.storage"},
-    "fleet.ps.protocol": {"fleet.errors", "fleet.runtime"},
+    "fleet.telemetry": {"fleet.runtime.env", "fleet.runtime", "fleet.storage"},
+    "fleet.ps.protocol": {"fleet.errors", "fleet.runtime.env", "fleet.runtime"},
     # the configuration model and the pieces engines share
     "fleet.strategy": GROUND | {"fleet.registry", "fleet.strategy_file", "fleet.ps.protocol"},
     "fleet.data": GROUND,
@@ -64,9 +66,17 @@ MAY_IMPORT: dict[str, set[str]] = {
     | {"fleet.api", "fleet.checkpoint", "fleet.export", "fleet.metrics", "fleet.strategy", "fleet.strategies"}
     | {"fleet.registry", "fleet.strategy_file", "fleet.data", "fleet.sparse", "fleet.nn"},
     # the tools: they use public faces only (FACES), never an engine's insides
-    "fleet.plan": {"fleet", "fleet.runtime", "fleet.telemetry", "fleet.strategy", "fleet.nn", "fleet.sparse"}
+    "fleet.plan": {
+        "fleet",
+        "fleet.runtime.env",
+        "fleet.runtime",
+        "fleet.telemetry",
+        "fleet.strategy",
+        "fleet.nn",
+        "fleet.sparse",
+    }
     | {"fleet.ps.client", "fleet.ps.server"},
-    "fleet.launch": {"fleet.runtime", "fleet.telemetry", "fleet.strategy_file", "fleet.plan"},
+    "fleet.launch": {"fleet.runtime.env", "fleet.runtime", "fleet.telemetry", "fleet.strategy_file", "fleet.plan"},
 }
 
 # Siblings that import nothing of each other, directly or through any other module.
@@ -75,6 +85,15 @@ INDEPENDENT: list[tuple[str, str]] = [
     ("fleet.sharding", "fleet.ps"),
     ("fleet.ps.client", "fleet.ps.server"),  # two ends of one wire: they share ps.protocol and ps.modes only
 ]
+
+# Crossings of an independence rule that exist today, each a debt with its reason: module -> the packages it may
+# import against the rules. The tests fail when another module crosses, and when a debt is paid (then remove it).
+CROSSINGS: dict[str, set[str]] = {
+    # dense_placement="allreduce" (the PS hybrid): the workers' own group and the dense all-reduce reuse the
+    # collective engine from inside ps.worker; fleet.strategies, which composes engines, should hand them in.
+    "fleet.ps.worker.dense_allreduce": {"fleet.collective"},
+    "fleet.ps.worker.workers_group": {"fleet.collective"},
+}
 
 # A public face: a module other layers' tools may use without knowing an engine's insides. The fleet
 # package and its top-level modules (what users import), and per package the one or two modules it offers
@@ -137,14 +156,18 @@ def test_every_import_is_one_the_graph_allows():
         unit = _unit(module)
         for dep in sorted(deps):
             target = _unit(dep)
-            if target != unit and target not in MAY_IMPORT[unit]:
+            if target != unit and target not in MAY_IMPORT[unit] and target not in CROSSINGS.get(module, ()):
                 undeclared.append(f"{module} ({unit}) imports {dep} ({target})")
     assert not undeclared, "imports MAY_IMPORT does not allow:\n" + "\n".join(undeclared)
 
 
+def _without_crossings(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    return {m: {d for d in deps if _unit(d) not in CROSSINGS.get(m, ())} for m, deps in graph.items()}
+
+
 @pytest.mark.parametrize(("one", "other"), INDEPENDENT, ids=[f"{a}|{b}" for a, b in INDEPENDENT])
 def test_independent_siblings_import_nothing_of_each_other(one, other):
-    graph = _graph()
+    graph = _without_crossings(_graph())
     for a, b in ((one, other), (other, one)):
         # the declared graph cannot allow it either, so that the rule cannot be bypassed by adding an edge
         declared = {u: set(deps) for u, deps in MAY_IMPORT.items()}
@@ -157,6 +180,15 @@ def test_independent_siblings_import_nothing_of_each_other(one, other):
             if _within(dep, b)
         ]
         assert not found, f"{a} must import nothing of {b}, even through other modules:\n" + "\n".join(found)
+
+
+def test_each_crossing_is_still_there_and_crosses_an_independence_rule():
+    graph = _graph()
+    for module, packages in sorted(CROSSINGS.items()):
+        for package in sorted(packages):
+            assert any(_unit(d) == package for d in graph.get(module, ())), f"{module} no longer imports {package}"
+            ruled = [(a, b) for a, b in INDEPENDENT for x, y in ((a, b), (b, a)) if _within(module, x) and package == y]
+            assert ruled, f"{module} -> {package} breaks no rule of INDEPENDENT: declare it in MAY_IMPORT instead"
 
 
 def test_the_tools_import_only_public_faces():
@@ -175,7 +207,8 @@ def test_the_tools_import_only_public_faces():
 def test_the_architecture_page_shows_the_same_graph():
     """docs/architecture.md holds MAY_IMPORT as a table: ``package | may import`` (GROUND spelled "ground")."""
     text = DOCS.read_text()
-    rows = re.findall(r"^\| `([\w.]+)` \| (.*) \|$", text, flags=re.MULTILINE)
+    table = text.split("| package | may import |", 1)[1].split("\n\n", 1)[0]  # the table, to its blank line
+    rows = re.findall(r"^\| `([\w.]+)` \| (.*) \|$", table, flags=re.MULTILINE)
     shown: dict[str, set[str]] = {}
     for unit, deps in rows:
         names = set(re.findall(r"`([\w.]+)`", deps))
