@@ -147,3 +147,15 @@ def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if module not in state and (found := visit(module)) is not None:
             return found
     return None
+
+
+def reaches(graph: dict[str, set[str]], starts: list[str]) -> set[str]:
+    """Every module ``starts`` import, directly or through others (``starts`` themselves only if in a circle)."""
+    seen: set[str] = set()
+    todo = [dep for start in starts for dep in graph.get(start, ())]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph.get(module, ()))
+    return seen

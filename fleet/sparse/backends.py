@@ -23,7 +23,8 @@ from __future__ import annotations
 import json
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from concurrent.futures import Future
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -78,6 +79,34 @@ class TableBackend(Protocol):
         """Put rows back (``ids`` and ``rows``, optional per-row fields); ``replace``: drop every other row."""
 
 
+@runtime_checkable
+class BatchedRows(Protocol):
+    """A backend that pulls together with the backends of the same ``batch_key()`` (one client's tables on the
+    parameter servers): one request per server for all their tables (:func:`pull_many`, :func:`prefetch_many`)."""
+
+    def batch_key(self) -> object:
+        """Backends with the same key (compared by identity) pull together."""
+
+    @staticmethod
+    def pull_together(backends: list[Any], ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Rows of each backend's unique ``ids``, in one request per server for all their tables."""
+
+    @staticmethod
+    def prefetch_together(backends: list[Any], ids: list[torch.Tensor]) -> Future | None:
+        """A future of every backend's rows, pulled in the background; None where rows must be fresh (sync)."""
+
+
+@runtime_checkable
+class PrefetchedRows(Protocol):
+    """A backend that can start pulling a coming batch's rows in the background (``SparseEmbedding.prefetch``)."""
+
+    def prefetch(self, ids: torch.Tensor) -> Future | None:
+        """A future of the rows of unique ``ids``, or None where the forward must pull them itself."""
+
+    def collect(self, future: Future) -> torch.Tensor | None:
+        """A prefetch's rows, or None when it failed (the forward then pulls again)."""
+
+
 def per_row_fields(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """A rows state's per-row fields (``rows``, ``steps``, ``state.*``, ``stats.*``): what a table's rows are set to."""
     return {k: v for k, v in state.items() if k in ("rows", "steps") or k.startswith(("state.", "stats."))}
@@ -127,11 +156,10 @@ def pull_many(requests: list[tuple[TableBackend, torch.Tensor]]) -> list[torch.T
     out: list[torch.Tensor | None] = [None] * len(requests)
     together: dict[tuple[type, int], list[int]] = {}
     for i, (backend, ids) in enumerate(requests):
-        key = getattr(backend, "batch_key", None)
-        if key is None:
-            out[i] = backend.pull(ids)
+        if isinstance(backend, BatchedRows):
+            together.setdefault((type(backend), id(backend.batch_key())), []).append(i)
         else:
-            together.setdefault((type(backend), id(key())), []).append(i)
+            out[i] = backend.pull(ids)
     for (kind, _), members in together.items():
         rows = kind.pull_together([requests[i][0] for i in members], [requests[i][1] for i in members])
         for i, got in zip(members, rows, strict=True):
@@ -143,7 +171,7 @@ def prefetch_many(requests: list[tuple[TableBackend, torch.Tensor]]) -> Any | No
     """Start pulling each ``(backend, unique ids)`` in the background, where rows may be a step old anyway
     (parameter server, ``update="async"``): a future of the rows for :func:`collect_many`, or None where
     these backends cannot prefetch together (then the forward pulls)."""
-    keys = {(type(b), id(b.batch_key())) if hasattr(b, "batch_key") else None for b, _ in requests}
+    keys = {(type(b), id(b.batch_key())) if isinstance(b, BatchedRows) else None for b, _ in requests}
     if len(keys) != 1 or None in keys:
         return None
     kind = type(requests[0][0])

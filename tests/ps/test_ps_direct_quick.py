@@ -1,4 +1,4 @@
-"""The server's quick way for small pulls on the direct socket (fleet.ps.server.quick_pulls), and the client's
+"""The server's quick way for small pulls on the direct socket (fleet.ps.protocol.quick_pulls), and the client's
 blocking direct calls.
 
 Checked here: every request sent on the direct socket -- well-formed pulls and every kind of malformed or

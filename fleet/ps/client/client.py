@@ -36,13 +36,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fleet.data.files import share_bounds
 from fleet.ps.client import many
+from fleet.ps.client.dense_layout import DenseLayout, DenseState, json_replies, shard_ranges
 from fleet.ps.client.direct import DirectScope
 from fleet.ps.client.io import IOThread, Job
 from fleet.ps.modes import UpdateMode, of_config
@@ -62,29 +61,14 @@ from fleet.ps.protocol.wire import (
     row_width,
 )
 
+__all__ = ["DenseState", "PSClient", "shard_ranges", "sparse_owner"]
+
 log = logging.getLogger(__name__)
-
-
-def shard_ranges(size: int, num_servers: int) -> list[tuple[int, int]]:
-    """Contiguous [lo, hi) pieces of a length-``size`` vector, sizes differing by at most one."""
-    if num_servers < 1:
-        raise ValueError(f"num_servers={num_servers}; need at least one server")
-    return share_bounds(size, num_servers)
 
 
 def sparse_owner(ids: torch.Tensor, num_servers: int) -> torch.Tensor:
     """The server index of each id: a non-negative ``id mod num_servers`` (negative ids too)."""
     return torch.remainder(ids, num_servers)
-
-
-@dataclass(frozen=True)
-class DenseState:
-    """A dense table read whole: flat values and optimizer state, and each parameter's step count."""
-
-    values: torch.Tensor
-    named: dict[str, torch.Tensor]
-    param_steps: torch.Tensor
-    step: int
 
 
 def _versioned(t: torch.Tensor, replies: Sequence[Message]) -> torch.Tensor:
@@ -120,7 +104,7 @@ class PSClient:
         self.worker_index = worker_index
         self.timeout_s = float(timeout_s)
         self.limits = limits if limits is not None else RequestLimits()
-        self._dense: dict[int, tuple[int, list[tuple[int, int]]]] = {}  # table -> (size, ranges)
+        self._dense: dict[int, DenseLayout] = {}
         self._sparse: dict[int, tuple[int, UpdateMode]] = {}  # table -> (dim, update mode)
         self._closed = False
         self._direct_threads: set[int] = set()  # threads inside direct()
@@ -172,7 +156,7 @@ class PSClient:
     def _all(self, op: Op, table: int = 0, blob: bytes = b"", **fields: Any) -> list[tuple[int, Message]]:
         return [(s, self._msg(op, table, blob=blob, **fields)) for s in range(self.num_servers)]
 
-    def _dense_layout(self, table_id: int) -> tuple[int, list[tuple[int, int]]]:
+    def _dense_layout(self, table_id: int) -> DenseLayout:
         try:
             return self._dense[table_id]
         except KeyError:
@@ -184,16 +168,12 @@ class PSClient:
         except KeyError:
             raise PSError(f"sparse table {table_id} is unknown to this client: call create_sparse first") from None
 
-    @staticmethod
-    def _json_list(replies: list[Message]) -> list[dict[str, Any]]:
-        return [json.loads(bytes(r.blob).decode("utf-8")) for r in replies]
-
     # ---------------------------------------------------------- lifecycle
     def hello(self, timeout_s: float | None = None) -> Future:
         """Future[list[dict]]: each server's index, worker count and endpoint; checks the endpoint order."""
 
         def check(replies: list[Message]) -> list[dict[str, Any]]:
-            infos = self._json_list(replies)
+            infos = json_replies(replies)
             for position, info in enumerate(infos):
                 if info.get("server_index") != position:
                     raise PSError(
@@ -272,14 +252,14 @@ class PSClient:
             raise ValueError(f"dense table {table_id}: a worker without initial values must give config['size']")
         if flat is not None and config.get("size", size) != size:
             raise ValueError(f"dense table {table_id}: config['size']={config['size']} but init has {size} values")
-        ranges = shard_ranges(int(size), self.num_servers)
-        parts = []
-        for s, (lo, hi) in enumerate(ranges):
-            shard_config = {**config, "size": hi - lo, "offset": lo, "total_size": int(size)}
-            blob = json.dumps(shard_config, sort_keys=True).encode()
-            tensors = [] if flat is None else [flat[lo:hi]]
-            parts.append((s, self._msg(Op.CREATE_DENSE, table_id, blob=blob, tensors=tensors)))
-        self._dense[table_id] = (int(size), ranges)
+        layout = DenseLayout.of(table_id, int(size), self.num_servers)
+        blobs = layout.shard_configs(config)
+        pieces = layout.pieces(flat) if flat is not None else [(s, None) for s in range(self.num_servers)]
+        parts = [
+            (s, self._msg(Op.CREATE_DENSE, table_id, blob=blobs[s], tensors=[] if piece is None else [piece]))
+            for s, piece in pieces
+        ]
+        self._dense[table_id] = layout
         self._io.name_table(table_id, config.get("name"))
         return self._submit(parts, timeout_s=timeout_s)
 
@@ -289,53 +269,27 @@ class PSClient:
         With ``min_version`` (sync mode) each server answers once its shard has
         applied that many updates.
         """
-        size, ranges = self._dense_layout(table_id)
+        layout = self._dense_layout(table_id)
         parts = [(s, self._msg(Op.PULL_DENSE, table_id, arg=min_version)) for s in range(self.num_servers)]
-
-        def assemble(replies: list[Message]) -> torch.Tensor:
-            if len(replies) == 1:
-                return _versioned(replies[0].tensors[0], replies)
-            out = torch.empty(size, dtype=torch.float32)
-            for (lo, hi), reply in zip(ranges, replies, strict=True):
-                out[lo:hi].copy_(reply.tensors[0])
-            return _versioned(out, replies)
-
-        return self._submit(parts, assemble)
+        return self._submit(parts, lambda replies: _versioned(layout.join(replies), replies))
 
     def dense_state(self, table_id: int) -> Future:
         """Future[DenseState]: the table's values, optimizer state and each parameter's step, from every server."""
-        size, ranges = self._dense_layout(table_id)
-
-        def assemble(replies: list[Message]) -> DenseState:
-            metas = self._json_list(replies)
-            names = metas[0]["names"]
-            values = torch.empty(size, dtype=torch.float32)
-            named = {name: torch.empty(size, dtype=torch.float32) for name in names}
-            steps = replies[0].tensors[1].clone()
-            for (lo, hi), reply in zip(ranges, replies, strict=True):
-                values[lo:hi].copy_(reply.tensors[0])
-                for name, t in zip(names, reply.tensors[2:], strict=True):
-                    named[name][lo:hi].copy_(t)
-                torch.maximum(steps, reply.tensors[1], out=steps)
-            return DenseState(values, named, steps, max(int(m["step"]) for m in metas))
-
-        return self._submit(self._all(Op.DENSE_STATE, table_id, arg=DENSE_STATE_GET), assemble)
+        layout = self._dense_layout(table_id)
+        return self._submit(self._all(Op.DENSE_STATE, table_id, arg=DENSE_STATE_GET), layout.read_state)
 
     def set_dense_optimizer_state(
         self, table_id: int, named: dict[str, torch.Tensor], param_steps: torch.Tensor, step: int
     ) -> Future:
         """Replace the table's optimizer state (flat, like the values) and its parameters' step counts."""
-        size, ranges = self._dense_layout(table_id)
+        layout = self._dense_layout(table_id)
         blob = json.dumps({"names": list(named), "step": int(step)}).encode()
-        flat = {name: t.detach().reshape(-1).to(torch.float32).contiguous() for name, t in named.items()}
-        for name, t in flat.items():
-            if t.numel() != size:
-                raise ValueError(f"dense table {table_id} holds {size} values, optimizer state {name!r} {t.numel()}")
+        flat = [layout.flat(t, f"optimizer state {name!r}") for name, t in named.items()]
         steps = param_steps.to(torch.int64).contiguous()
         parts = [
             (s, self._msg(Op.DENSE_STATE, table_id, arg=DENSE_STATE_SET_OPTIMIZER, blob=blob,
-                          tensors=[steps, *(t[lo:hi] for t in flat.values())]))
-            for s, (lo, hi) in enumerate(ranges)
+                          tensors=[steps, *(t[lo:hi] for t in flat)]))
+            for s, (lo, hi) in enumerate(layout.ranges)
         ]  # fmt: skip
         return self._submit(parts)
 
@@ -344,27 +298,20 @@ class PSClient:
 
         ``version``: the version the written values were based on; a sync shard past it drops them.
         """
-        size, ranges = self._dense_layout(table_id)
-        flat = values.detach().reshape(-1).to(torch.float32).contiguous()
-        if flat.numel() != size:
-            raise ValueError(f"dense table {table_id} holds {size} values, the new values {flat.numel()}")
+        flat = self._dense_layout(table_id).flat(values, "the new values")
         parts = [
-            (s, self._msg(Op.DENSE_STATE, table_id, arg=DENSE_STATE_SET_VALUES, step=version, tensors=[flat[lo:hi]]))
-            for s, (lo, hi) in enumerate(ranges)
+            (s, self._msg(Op.DENSE_STATE, table_id, arg=DENSE_STATE_SET_VALUES, step=version, tensors=[piece]))
+            for s, piece in self._dense_layout(table_id).pieces(flat)
         ]
         return self._submit(parts)
 
     def _dense_push(
         self, op: Op, table_id: int, values: torch.Tensor, step: int, lr: float, extra: list[torch.Tensor] = ()
     ) -> Future:
-        size, ranges = self._dense_layout(table_id)
-        flat = values.detach().reshape(-1)
-        if flat.numel() != size:
-            raise ValueError(f"dense table {table_id} holds {size} values, but the pushed tensor has {flat.numel()}")
-        flat = flat.to(torch.float32).contiguous()
+        layout = self._dense_layout(table_id)
+        flat = layout.flat(values, "but the pushed tensor has")
         parts = [
-            (s, self._msg(op, table_id, step=step, lr=lr, tensors=[flat[lo:hi], *extra]))
-            for s, (lo, hi) in enumerate(ranges)
+            (s, self._msg(op, table_id, step=step, lr=lr, tensors=[piece, *extra])) for s, piece in layout.pieces(flat)
         ]
         return self._submit(parts)
 
@@ -396,12 +343,6 @@ class PSClient:
         self._io.name_table(table_id, config.get("name"))
         return self._submit(self._all(Op.CREATE_SPARSE, table_id, blob), timeout_s=timeout_s)
 
-    def _split(self, ids: torch.Tensor, every_server: bool) -> list[tuple[int, torch.Tensor | None]]:
-        """(server, positions in ``ids`` or None for all) per server; servers without ids are left out unless
-        ``every_server``."""
-        per_server = many.split_by_server([ids], [0], [0], self.num_servers, every_server)
-        return [(server, parts[0].positions) for server, parts in per_server]
-
     def pull_sparse(self, table_id: int, ids: torch.Tensor, min_version: int = 0) -> Future:
         """Future[Tensor]: rows ``[len(ids), dim]`` in the order of ``ids`` (unique ids; missing rows are created).
 
@@ -425,21 +366,11 @@ class PSClient:
         parts = [(r.server, many.pull_message(r, ids, versions, self._msg)) for r in plan]
 
         def assemble(replies: list[Message]) -> list[torch.Tensor]:
-            out = [torch.empty(x.numel(), d, dtype=torch.float32) for x, d in zip(ids, dims, strict=True)]
-            seen: list[dict[int, int]] = [{} for _ in ids]  # per entry: server -> its oldest shard version
-            for request, reply in zip(plan, replies, strict=True):
-                for part, rows, version in many.pull_rows(request, reply):
-                    if part.positions is None:
-                        out[part.item] = rows
-                    elif part.count:
-                        out[part.item].index_copy_(0, part.positions, rows)
-                    oldest = seen[part.item].get(request.server, version)
-                    seen[part.item][request.server] = min(oldest, version)
-            for t, by_server in zip(out, seen, strict=True):
-                versions = tuple(by_server[s] for s in sorted(by_server))
+            out = many.gather_pulls(plan, replies, ids, dims)
+            for t, versions in out:
                 t.ps_versions = versions  # type: ignore[attr-defined]
                 t.ps_version = min(versions) if versions else 0  # type: ignore[attr-defined]
-            return out[0] if one else out
+            return out[0][0] if one else [t for t, _ in out]
 
         return self._submit(parts, assemble)
 
@@ -450,7 +381,7 @@ class PSClient:
 
     def _push_sparse(self, pushes: Sequence[SparsePush], op: Op) -> Future:
         """Gradient pushes share requests (PUSH_SPARSE_GRAD_MANY); delta pushes go one table per request."""
-        pushes = [self._checked_push(p) for p in pushes]
+        pushes = [many.checked_push(p, self._sparse_info(p.table)[0]) for p in pushes]
         tables = [p.table for p in pushes]
         dims = [self._sparse_info(t)[0] for t in tables]
         every = any(self._sparse_info(t)[1].pushes_to_every_server for t in tables)
@@ -458,21 +389,6 @@ class PSClient:
         share = op == Op.PUSH_SPARSE_GRAD
         plan = many.pack(per_server, self.limits, many.push_pieces_of(pushes, self.limits), share)
         return self._submit([(r.server, many.push_message(r, pushes, self._msg, op)) for r in plan])
-
-    def _checked_push(self, push: SparsePush) -> SparsePush:
-        dim, _ = self._sparse_info(push.table)
-        ids = push.ids.detach().reshape(-1).to(torch.int64).contiguous()
-        grads = push.grads.detach().to(torch.float32).contiguous()
-        if list(grads.shape) != [ids.numel(), dim]:
-            raise ValueError(
-                f"sparse table {push.table}: rows of shape {list(grads.shape)} for {ids.numel()} ids, dim {dim}"
-            )
-        clicks = push.clicks
-        if clicks is not None:
-            clicks = clicks.detach().reshape(-1).to(torch.float32).contiguous()
-            if clicks.numel() != ids.numel():
-                raise ValueError(f"sparse table {push.table}: {clicks.numel()} clicks for {ids.numel()} ids")
-        return SparsePush(push.table, ids, grads, int(push.step), float(push.lr), clicks)
 
     def push_sparse_grad(
         self,
@@ -501,7 +417,7 @@ class PSClient:
         blob = json.dumps({"threshold": threshold}).encode()
 
         def total(replies: list[Message]) -> int:
-            return sum(int(info["removed"]) for info in self._json_list(replies))
+            return sum(int(info["removed"]) for info in json_replies(replies))
 
         return self._submit(self._all(Op.SHRINK, table_id, blob=blob), total, timeout_s)
 
@@ -524,7 +440,7 @@ class PSClient:
         msg = self._msg(Op.EXPORT_SPARSE, table_id, arg=int(start), step=self.limits.ids_per_request(dim))
 
         def unpack(replies: list[Message]) -> tuple[torch.Tensor, dict[str, torch.Tensor], int, dict[str, Any]]:
-            info = self._json_list(replies)[0]
+            info = json_replies(replies)[0]
             tensors = replies[0].tensors
             fields = dict(zip(info["names"], tensors[1:], strict=True))
             return tensors[0], fields, int(info["total"]), info["optimizer"]
@@ -541,21 +457,18 @@ class PSClient:
         fields = {k: v.detach().contiguous() for k, v in fields.items()}
         most = self.limits.ids_per_request(row_width(fields))
         blob = json.dumps({"names": list(fields)}).encode()
-        parts = []
-        for s, pos in self._split(ids, every_server=replace):
-            mine = [ids, *fields.values()] if pos is None else [t[pos] for t in (ids, *fields.values())]
-            n = mine[0].numel()
-            for k, lo in enumerate(range(0, max(n, 1), most)):
-                arg = WRITE_REPLACE if replace and k == 0 else 0
-                piece = [t[lo : lo + most] for t in mine]
-                parts.append((s, self._msg(Op.WRITE_SPARSE_ROWS, table_id, arg=arg, blob=blob, tensors=piece)))
+        parts = [
+            (s, self._msg(Op.WRITE_SPARSE_ROWS, table_id, arg=WRITE_REPLACE if first and replace else 0, blob=blob,
+                          tensors=piece))
+            for s, first, piece in many.write_pieces(ids, list(fields.values()), self.num_servers, most, replace)
+        ]  # fmt: skip
         return self._submit(parts)
 
     def sparse_rows(self, table_id: int) -> Future:
         """Future[int]: the rows sparse table ``table_id`` holds now, over all servers."""
 
         def total(replies: list[Message]) -> int:
-            return sum(int(info["tables"].get(str(table_id), {}).get("rows", 0)) for info in self._json_list(replies))
+            return sum(int(info["tables"].get(str(table_id), {}).get("rows", 0)) for info in json_replies(replies))
 
         return self._submit(self._all(Op.STATS), total)
 
@@ -587,7 +500,7 @@ class PSClient:
         """
         path = os.path.abspath(dirname).encode()
         # settle: on one server's error the caller removes the directory, so every server must be done with it
-        return self._submit(self._all(Op.SAVE, blob=path, arg=int(delta)), self._json_list, timeout_s, settle=True)
+        return self._submit(self._all(Op.SAVE, blob=path, arg=int(delta)), json_replies, timeout_s, settle=True)
 
     def load(self, dirname: str, timeout_s: float | None = None, phase: int = 0) -> Future:
         """Future[list[dict]]: every server restores its shards from ``dirname`` (same number of servers).
@@ -596,8 +509,8 @@ class PSClient:
         checks before any applies (``LOAD_STAGE``, then ``LOAD_COMMIT`` or ``LOAD_DISCARD``).
         """
         path = os.path.abspath(dirname).encode()
-        return self._submit(self._all(Op.LOAD, blob=path, arg=phase), self._json_list, timeout_s, settle=True)
+        return self._submit(self._all(Op.LOAD, blob=path, arg=phase), json_replies, timeout_s, settle=True)
 
     def stats(self) -> Future:
         """Future[list[dict]]: each server's counters, in server order."""
-        return self._submit(self._all(Op.STATS), self._json_list)
+        return self._submit(self._all(Op.STATS), json_replies)

@@ -2,7 +2,7 @@
 
 :meth:`PSClient.pull_sparse_many` and :meth:`PSClient.push_sparse_grads_many` take one entry per
 table and send each server one composite request (``PULL_SPARSE_MANY`` / ``PUSH_SPARSE_GRAD_MANY``,
-:mod:`fleet.ps.protocol.wire`) holding every table's part for it: a step of a model with 8 tables
+:mod:`fleet.ps.protocol.composite` writes and reads them) holding every table's part for it: a step of a model with 8 tables
 makes one pull and one push per server instead of 8 of each. What the request limits
 (:mod:`fleet.ps.protocol.limits`) do not let into one request goes in more: parts are packed in
 order into requests under the limits, and a table's part over the limits on its own goes as the
@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from fleet.ps.client.split import pull_pieces, push_pieces
+from fleet.ps.protocol import composite
+from fleet.ps.protocol.composite import MAX_MANY_TABLES
 from fleet.ps.protocol.limits import ID_BYTES, RequestLimits
-from fleet.ps.protocol.wire import MAX_MANY_TABLES, MORE_FOLLOWS, Message, Op, SparsePush
+from fleet.ps.protocol.wire import MORE_FOLLOWS, Message, Op, SparsePush
 
 
 @dataclass
@@ -148,22 +150,16 @@ def pull_message(request: Request, ids: list[torch.Tensor], min_versions: list[i
     if not request.composite:
         part = request.parts[0]
         return make(Op.PULL_SPARSE, part.table, arg=min_versions[part.item], tensors=[_pick(ids[part.item], part)])
-    meta = torch.tensor([[p.table, min_versions[p.item], p.count] for p in request.parts], dtype=torch.int64)
-    flat = torch.cat([_pick(ids[p.item], p) for p in request.parts])
-    return make(Op.PULL_SPARSE_MANY, 0, tensors=[meta, flat])
+    entries = [(p.table, min_versions[p.item], _pick(ids[p.item], p)) for p in request.parts]
+    return make(Op.PULL_SPARSE_MANY, 0, tensors=composite.pull_request(entries))
 
 
 def pull_rows(request: Request, reply: Message) -> list[tuple[TablePart, torch.Tensor, int]]:
     """(part, its rows ``[count, dim]``, its shard's version) of a pull reply."""
     if not request.composite:
         return [(request.parts[0], reply.tensors[0], reply.arg)]
-    flat, versions = reply.tensors
-    out, at = [], 0
-    for part, version in zip(request.parts, versions.tolist(), strict=True):
-        n = part.count * part.dim
-        out.append((part, flat[at : at + n].view(part.count, part.dim), version))
-        at += n
-    return out
+    rows = composite.read_pull_reply(reply, [(p.count, p.dim) for p in request.parts])
+    return [(part, got, version) for part, (got, version) in zip(request.parts, rows, strict=True)]
 
 
 def push_message(request: Request, pushes: list[SparsePush], make, op: Op = Op.PUSH_SPARSE_GRAD) -> Message:
@@ -175,15 +171,58 @@ def push_message(request: Request, pushes: list[SparsePush], make, op: Op = Op.P
         tensors = part.piece or [_pick(t, part) for t in (push.ids, push.grads, push.clicks) if t is not None]
         arg = MORE_FOLLOWS if request.more else 0
         return make(op, part.table, step=push.step, lr=push.lr, arg=arg, tensors=tensors)
-    parts = request.parts
-    meta = torch.tensor(
-        [[p.table, pushes[p.item].step, p.count, int(pushes[p.item].clicks is not None)] for p in parts],
-        dtype=torch.int64,
-    )
-    lrs = torch.tensor([pushes[p.item].lr for p in parts], dtype=torch.float64)
-    ids = torch.cat([_pick(pushes[p.item].ids, p) for p in parts])
-    grads = torch.cat([_pick(pushes[p.item].grads, p).reshape(-1) for p in parts])
-    clicks = torch.cat(
-        [_pick(pushes[p.item].clicks, p) if pushes[p.item].clicks is not None else torch.zeros(p.count) for p in parts]
-    )
-    return make(Op.PUSH_SPARSE_GRAD_MANY, 0, tensors=[meta, lrs, ids, grads, clicks])
+    entries = []
+    for p in request.parts:
+        push = pushes[p.item]
+        clicks = _pick(push.clicks, p) if push.clicks is not None else None
+        entries.append(SparsePush(p.table, _pick(push.ids, p), _pick(push.grads, p), push.step, push.lr, clicks))
+    return make(Op.PUSH_SPARSE_GRAD_MANY, 0, tensors=composite.push_request(entries))
+
+
+def gather_pulls(
+    plan: list[Request], replies: list[Message], ids: list[torch.Tensor], dims: list[int]
+) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """Each entry's rows ``[len(ids), dim]`` in the order of its ids, and the version of each server's shard
+    that answered for it (the oldest, where several requests went to one server), in server order."""
+    out = [torch.empty(x.numel(), d, dtype=torch.float32) for x, d in zip(ids, dims, strict=True)]
+    seen: list[dict[int, int]] = [{} for _ in ids]  # per entry: server -> its oldest shard version
+    for request, reply in zip(plan, replies, strict=True):
+        for part, rows, version in pull_rows(request, reply):
+            if part.positions is None:
+                out[part.item] = rows
+            elif part.count:
+                out[part.item].index_copy_(0, part.positions, rows)
+            oldest = seen[part.item].get(request.server, version)
+            seen[part.item][request.server] = min(oldest, version)
+    return [(t, tuple(by_server[s] for s in sorted(by_server))) for t, by_server in zip(out, seen, strict=True)]
+
+
+def checked_push(push: SparsePush, dim: int) -> SparsePush:
+    """``push`` with flat int64 ids, float32 rows and clicks, checked against the table's ``dim``."""
+    ids = push.ids.detach().reshape(-1).to(torch.int64).contiguous()
+    grads = push.grads.detach().to(torch.float32).contiguous()
+    if list(grads.shape) != [ids.numel(), dim]:
+        raise ValueError(
+            f"sparse table {push.table}: rows of shape {list(grads.shape)} for {ids.numel()} ids, dim {dim}"
+        )
+    clicks = push.clicks
+    if clicks is not None:
+        clicks = clicks.detach().reshape(-1).to(torch.float32).contiguous()
+        if clicks.numel() != ids.numel():
+            raise ValueError(f"sparse table {push.table}: {clicks.numel()} clicks for {ids.numel()} ids")
+    return SparsePush(push.table, ids, grads, int(push.step), float(push.lr), clicks)
+
+
+def write_pieces(
+    ids: torch.Tensor, fields: list[torch.Tensor], num_servers: int, most: int, every_server: bool
+) -> list[tuple[int, bool, list[torch.Tensor]]]:
+    """(server, whether it is the server's first piece, [ids, *fields] of at most ``most`` rows) for a write of
+    rows; every server gets a piece, empty or not, when ``every_server``."""
+    out = []
+    for server, parts in split_by_server([ids], [0], [0], num_servers, every_server):
+        pos = parts[0].positions
+        mine = [ids, *fields] if pos is None else [t[pos] for t in (ids, *fields)]
+        n = mine[0].numel()
+        for k, lo in enumerate(range(0, max(n, 1), most)):
+            out.append((server, k == 0, [t[lo : lo + most] for t in mine]))
+    return out

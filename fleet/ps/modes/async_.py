@@ -11,8 +11,11 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
-from fleet.ps.modes.base import Admit, UpdateMode, WorkerHost, WorkerPolicy
+from fleet.ps.modes.base import Admit, UpdateMode, WorkerPolicy
+from fleet.ps.modes.contracts import ServerCalls, WorkerHost
 from fleet.ps.modes.rows import RemoteRows
+from fleet.sparse.backends import TableModule
+from fleet.sparse.optim import OptimizerSpec
 
 MAX_IN_FLIGHT = 4  # pushes waiting for an answer before step() blocks on the oldest
 
@@ -61,10 +64,10 @@ class AsyncStep(WorkerPolicy):
 class AsyncMode(UpdateMode):
     name = "async"
 
-    def worker(self, host: Any, config: Any) -> WorkerPolicy:
+    def worker(self, host: WorkerHost, config: Any) -> WorkerPolicy:
         return AsyncStep(host)
 
-    def rows(self, client: Any, table_id: int, module: Any, spec: Any) -> RemoteRows:
+    def rows(self, client: ServerCalls, table_id: int, module: TableModule, spec: OptimizerSpec) -> RemoteRows:
         return RemoteRows(client, table_id, sync=False, module=module)
 
     def admit_gradient(self, table_id: int, version: int, worker: int, step: int, pushed: bool) -> Admit:

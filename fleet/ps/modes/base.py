@@ -22,24 +22,14 @@ import enum
 import math
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
-import torch
-
+from fleet.ps.modes.contracts import ServerCalls, WorkerHost
 from fleet.ps.protocol.errors import ShardError
 from fleet.sparse import nonfinite
+from fleet.sparse.backends import TableBackend, TableModule
+from fleet.sparse.optim import OptimizerSpec
 from fleet.telemetry import timing
-
-
-class WorkerHost(Protocol):
-    """What a worker policy uses of the wrapped optimizer (``fleet.ps.worker.optimizer.PSOptimizer``)."""
-
-    client: Any  # fleet.ps.client.client.PSClient
-    tables: Any  # fleet.ps.client.dense.DenseTables
-    sparse: list[tuple[Any, int, Any]]  # (table module, param group index, rows)
-
-    @property
-    def inner(self) -> torch.optim.Optimizer: ...
 
 
 class WorkerPolicy:
@@ -145,7 +135,7 @@ class UpdateMode:
         """The policy that runs one step of ``host`` (``config``: the job's ``DistributedStrategy``)."""
         raise NotImplementedError
 
-    def rows(self, client: Any, table_id: int, module: Any, spec: Any) -> Any:
+    def rows(self, client: ServerCalls, table_id: int, module: TableModule, spec: OptimizerSpec) -> TableBackend:
         """The row backend of a ``fleet.nn.SparseEmbedding`` ``module`` whose table ``table_id`` the servers hold."""
         raise NotImplementedError
 

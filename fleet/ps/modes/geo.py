@@ -18,9 +18,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fleet.ps.modes.base import UpdateMode, WorkerHost, WorkerPolicy
+from fleet.ps.modes.base import UpdateMode, WorkerPolicy
+from fleet.ps.modes.contracts import ServerCalls, WorkerHost
 from fleet.ps.modes.rows import GeoRows
 from fleet.sparse import nonfinite
+from fleet.sparse.backends import TableModule
+from fleet.sparse.optim import OptimizerSpec
 from fleet.telemetry import timing
 
 
@@ -70,10 +73,10 @@ class GeoMode(UpdateMode):
     options = ("k_steps",)
     steps_locally = True
 
-    def worker(self, host: Any, config: Any) -> WorkerPolicy:
+    def worker(self, host: WorkerHost, config: Any) -> WorkerPolicy:
         return GeoStep(host, max(1, int(getattr(config, "k_steps", 1) or 1)))
 
-    def rows(self, client: Any, table_id: int, module: Any, spec: Any) -> GeoRows:
+    def rows(self, client: ServerCalls, table_id: int, module: TableModule, spec: OptimizerSpec) -> GeoRows:
         return GeoRows(client, table_id, module, module.optimizer_override or spec)
 
     def admit_delta(self, table_id: int) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fleet.errors import FleetError
+from fleet.ps.modes.contracts import ServerCalls
 from fleet.ps.protocol.wire import SparsePush
 from fleet.sparse import nonfinite
 from fleet.sparse.backends import TableModule, per_row_fields
@@ -27,9 +28,6 @@ from fleet.sparse.optim import OptimizerSpec
 from fleet.sparse.table import SparseTable
 
 Guard = Callable[[Callable[[], Any]], Any]
-PSClient = (
-    Any  # fleet.ps.client.client.PSClient: the sparse-table requests (not imported: the client imports the modes)
-)
 
 
 def _unguarded(fn: Callable[[], Any]) -> Any:
@@ -39,7 +37,7 @@ def _unguarded(fn: Callable[[], Any]) -> Any:
 class _ServerTable:
     """What both backends ask of the servers' table as a whole (``client``, ``table_id`` and ``guard`` set)."""
 
-    client: PSClient
+    client: ServerCalls
     table_id: int
     guard: Guard
     module: TableModule | None
@@ -89,7 +87,7 @@ class _ServerTable:
 
 
 class RemoteRows(_ServerTable):
-    def __init__(self, client: PSClient, table_id: int, sync: bool = True, module: TableModule | None = None):
+    def __init__(self, client: ServerCalls, table_id: int, sync: bool = True, module: TableModule | None = None):
         self.client = client
         self.table_id = table_id
         self.sync = sync
@@ -167,7 +165,7 @@ class RemoteRows(_ServerTable):
 class GeoRows(_ServerTable):
     """Rows cached here; :meth:`num_rows`, :meth:`shrink` and :meth:`export` concern the servers' table."""
 
-    def __init__(self, client: PSClient, table_id: int, module: TableModule, spec: OptimizerSpec):
+    def __init__(self, client: ServerCalls, table_id: int, module: TableModule, spec: OptimizerSpec):
         self.client = client
         self.table_id = table_id
         self.module = module

@@ -15,8 +15,11 @@ from __future__ import annotations
 from typing import Any
 
 from fleet.ps.modes.base import Admit, UpdateMode, WorkerPolicy
+from fleet.ps.modes.contracts import ServerCalls, WorkerHost
 from fleet.ps.modes.rows import RemoteRows
 from fleet.ps.protocol.errors import ShardError
+from fleet.sparse.backends import TableModule
+from fleet.sparse.optim import OptimizerSpec
 
 
 class SyncStep(WorkerPolicy):
@@ -39,10 +42,10 @@ class SyncMode(UpdateMode):
     pushes_to_every_server = True
     closes_steps = True
 
-    def worker(self, host: Any, config: Any) -> WorkerPolicy:
+    def worker(self, host: WorkerHost, config: Any) -> WorkerPolicy:
         return SyncStep(host)
 
-    def rows(self, client: Any, table_id: int, module: Any, spec: Any) -> RemoteRows:
+    def rows(self, client: ServerCalls, table_id: int, module: TableModule, spec: OptimizerSpec) -> RemoteRows:
         return RemoteRows(client, table_id, sync=True, module=module)
 
     def admit_gradient(self, table_id: int, version: int, worker: int, step: int, pushed: bool) -> Admit:

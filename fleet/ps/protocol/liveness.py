@@ -16,6 +16,8 @@ on the job:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 HEARTBEAT_S = 1.0
 
 
@@ -57,3 +59,44 @@ class WorkerLiveness:
         self.gone.update(newly)
         self.ever_gone.update(newly)
         return newly
+
+
+class Workers:
+    """The workers one server serves: who said STOP, who went silent (:class:`WorkerLiveness`), and so who a sync
+    step, a barrier and an all-reduce wait for, and when the server is done."""
+
+    def __init__(self, num_workers: int, rejoin: bool, dead_after_s: float):
+        self.num_workers = num_workers
+        self.rejoin = rejoin
+        self.stopped: set[int] = set()
+        self.liveness = WorkerLiveness(dead_after_s)
+
+    @property
+    def active(self) -> set[int]:
+        """Workers a sync step waits for: not stopped, and not gone when restarts may bring them back."""
+        gone = self.liveness.gone if self.rejoin else set()
+        return set(range(self.num_workers)) - self.stopped - gone
+
+    @property
+    def finished_gone(self) -> set[int]:
+        """Gone workers the server no longer waits for before it ends (none while restarts may come)."""
+        return set() if self.rejoin else self.liveness.gone
+
+    def done(self) -> bool:
+        """Every worker stopped, or is gone for good: the server may end."""
+        return len(self.stopped | self.finished_gone) >= self.num_workers
+
+    def seen(self, worker: int, now: float) -> bool:
+        """Record a request of ``worker``; True when it was gone and is back."""
+        return worker not in self.stopped and self.liveness.seen(worker, now)
+
+    def stop(self, worker: int) -> None:
+        """``worker`` said STOP: it is done, and its silence from now on is expected."""
+        self.stopped.add(worker)
+        self.liveness.forget(worker)
+
+    def newly_gone(self, now: float, busy: Callable[[], set[int]]) -> list[int]:
+        """Workers that just went silent (checked twice a heartbeat; ``busy()``: those with a request parked)."""
+        if not self.liveness.due(now):
+            return []
+        return self.liveness.check(now, busy())

@@ -96,6 +96,11 @@ DENSE_STATE_GET, DENSE_STATE_SET_OPTIMIZER, DENSE_STATE_SET_VALUES = 0, 1, 2
 LOAD_NOW, LOAD_STAGE, LOAD_COMMIT, LOAD_DISCARD = 0, 1, 2, 3
 
 
+#: PUSH_DENSE_GRAD's optional second tensor: a uint8 flag per parameter of the dense table (its config's
+#: ``shapes``): frozen (``requires_grad=False``), trainable without a gradient on this worker, or with one.
+FROZEN, NO_GRAD, HAS_GRAD = 0, 1, 2
+
+
 #: EXPORT_SPARSE with ``step`` > 0 reads one bounded page: ``arg`` = first slot, ``step`` = rows asked for
 #: (the server gives at most what fits one request); reply [ids, *fields] with blob {"names": [...], "total": n}.
 #: WRITE_SPARSE_ROWS: request [ids, *fields] with blob {"names": [...]}; ``arg`` = WRITE_REPLACE clears the shard first.
@@ -108,17 +113,8 @@ def row_width(fields: dict[str, torch.Tensor]) -> int:
     return max(1, sum(math.prod(t.shape[1:]) for t in fields.values()))
 
 
-#: PULL_SPARSE_MANY / PUSH_SPARSE_GRAD_MANY: several sparse tables' pulls or pushes in one request
-#: (every feature of a ``fleet.nn.SparseFeatureCollection``, every table of a step), which the server
-#: serves as the one-table requests they stand for, in order, and answers once all are answered.
-#: Pull: [meta int64 [k, 3] (table, min_version, ids), ids]; reply [rows float32, flat in the
-#: request's order, versions int64 [k]]. Push: [meta int64 [k, 4] (table, step, ids, has clicks),
-#: lrs float64 [k], ids, grads float32 flat, clicks float32 (zeros where a table has none)];
-#: reply [statuses int64 [k]] (OK or STALE per table).
-MANY_PULL_META = ("table", "min_version", "ids")
-MANY_PUSH_META = ("table", "step", "ids", "has_clicks")
-#: tables one such request may name (a bound on the work of splitting it, not on any model)
-MAX_MANY_TABLES = 4096
+#: PULL_SPARSE_MANY / PUSH_SPARSE_GRAD_MANY: several sparse tables' pulls or pushes in one request;
+#: their layout, and the functions both ends write and read it with, are :mod:`fleet.ps.protocol.composite`.
 
 
 @dataclass

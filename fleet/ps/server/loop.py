@@ -8,18 +8,16 @@ barrier) are parked with a deadline and answered from the loop, so nothing in
 the loop ever blocks. Requests are served in turns by worker (:mod:`fleet.ps.server.inbox`),
 each worker's in the order sent, so one worker's huge batch cannot crowd out the others.
 
-Authentication (see :mod:`fleet.ps.protocol.auth`) is ZeroMQ's ZAP with the PLAIN
-mechanism; its handler is one more socket polled by this loop. The socket listens on TCP and,
-for workers on this host, on a Unix socket too (:mod:`fleet.ps.protocol.local`): one socket, so
-authentication, the frame cap and the request limits are the same on both.
+Where it listens, and how peers authenticate, is :mod:`fleet.ps.server.sockets`; how it answers
+(errors, parked requests, failures) is :mod:`fleet.ps.server.replies`.
 
 Bounds, so that neither a stranger nor one worker can take the server from the others:
-before authentication a peer can make the server allocate one frame,
-:data:`~fleet.ps.protocol.wire.FRAME_BYTES` (``zmq.MAXMSGSIZE``, with room for CURVE's envelope); after it, every message kind has a
-byte budget checked from the header before any tensor is built, and a sparse request at
-most the ids of :class:`~fleet.ps.protocol.limits.RequestLimits`, so one request holds the loop for a
-fraction of a second. A request that fails inside a table -- out of memory included --
-leaves the table as it was and gets an error naming the server, the table and the cause.
+before authentication a peer can make the server allocate one frame (:mod:`fleet.ps.server.sockets`);
+after it, every message kind has a byte budget checked from the header before any tensor is built
+(:meth:`~fleet.ps.server.table_ops.TableRequests.budget`), and a sparse request at most the ids of
+:class:`~fleet.ps.protocol.limits.RequestLimits`, so one request holds the loop for a fraction of a
+second. A request that fails inside a table -- out of memory included -- leaves the table as it was
+and gets an error naming the server, the table and the cause.
 """
 
 from __future__ import annotations
@@ -27,26 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import secrets
 import threading
 import time
-import traceback
 from collections import defaultdict
 from typing import Any
 
 import torch
 import zmq
 
-from fleet.errors import DiskFullError
 from fleet.ps.protocol import auth
-from fleet.ps.protocol import local as same_host
-from fleet.ps.protocol import unix as direct_path
-from fleet.ps.protocol.errors import WireError, is_out_of_memory
-from fleet.ps.protocol.limits import BLOB_SLACK, Limit, RequestLimits
-from fleet.ps.protocol.liveness import WorkerLiveness
+from fleet.ps.protocol.errors import WireError
+from fleet.ps.protocol.limits import RequestLimits
+from fleet.ps.protocol.liveness import Workers
+from fleet.ps.protocol.quick_pulls import plain_pull
 from fleet.ps.protocol.wire import (
-    MAX_WIRE_FRAME,
     Message,
     Op,
     RequestTooLarge,
@@ -57,15 +49,14 @@ from fleet.ps.protocol.wire import (
     read_request_id,
 )
 from fleet.ps.server import aggregator as agg
-from fleet.ps.server.direct_conns import DirectConnections
 from fleet.ps.server.inbox import FairInbox
 from fleet.ps.server.lanes import MAX_QUEUED, Lanes, Outbox, ServerLock, default_threads
 from fleet.ps.server.many import ManyRequests, Part, deliver
-from fleet.ps.server.quick_pulls import plain_pull
-from fleet.ps.server.reduce import Reductions, against_barrier
+from fleet.ps.server.reduce import Reductions
 from fleet.ps.server.replies import Replies
+from fleet.ps.server.sockets import ServerSockets
 from fleet.ps.server.table_ops import TableRequests
-from fleet.ps.server.waitlist import Parked, Waitlist
+from fleet.ps.server.waitlist import Waitlist
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +73,6 @@ _LANE_OPS = frozenset(
 )
 # Served on the loop thread without waiting for the lanes: they touch no table (a composite's parts go to lanes).
 _BESIDE_LANES = frozenset((Op.HELLO, Op.PULL_SPARSE_MANY, Op.PUSH_SPARSE_GRAD_MANY))
-
-
-def zmq_address(endpoint: str) -> str:
-    """'host:port' -> 'tcp://host:port'; port 0 asks ZeroMQ for an ephemeral port."""
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"endpoint {endpoint!r} is not host:port (for example 127.0.0.1:6170)")
-    return f"tcp://{host}:{'*' if int(port) == 0 else port}"
 
 
 class ParameterServer:
@@ -128,45 +111,24 @@ class ParameterServer:
         self.timeout_s = float(timeout_s)
         self.torch_threads = torch_threads
         self.limits = limits if limits is not None else RequestLimits()
-        self._request_budget = self.limits.budget()
         auth.check_secret(secret)
         self.encryption = auth.check_encryption(encryption)
-        self._ctx = zmq.Context(io_threads=1)
-        try:
-            self._zap = auth.ZapHandler(self._ctx, secret, self.encryption)
-            sock = self._ctx.socket(zmq.ROUTER)
-            sock.linger = 2000  # let the last STOP replies leave before the context closes
-            auth.configure_server(sock, self.encryption, secret)
-            sock.maxmsgsize = MAX_WIRE_FRAME  # what a peer that has not authenticated can make us allocate
-            sock.sndhwm = sock.rcvhwm = 10000
-            sock.sndbuf = sock.rcvbuf = 4 << 20  # fixed kernel buffers: fewer wake-ups per MB than autotuning
-            if ":" in endpoint.rpartition(":")[0]:
-                sock.ipv6 = True
-            self._sock = sock
-            sock.bind(zmq_address(endpoint))
-            bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        except Exception:
-            self._ctx.destroy(linger=0)
-            raise
-        self.endpoint = bound.removeprefix("tcp://")
+        self._sockets = ServerSockets(endpoint, secret, server_index, self.encryption, ipc)
+        self.endpoint = self._sockets.endpoint
         #: the Unix socket workers on this host use instead of TCP (None: off, or unusable here)
-        self.ipc_path = self._bind_ipc(secret) if same_host.enabled(ipc) else None
-        self._host = same_host.host_identity()
-        # Same-host callers' small blocking requests, plain Unix stream (fleet.ps.protocol.unix); never with CURVE.
-        self.incarnation = secrets.randbits(62) + 1
-        self._direct = self._bind_direct(secret) if self.ipc_path and self.encryption == "none" else None
+        self.ipc_path = self._sockets.ipc_path
+        self.incarnation = self._sockets.incarnation
+        self._sock = self._sockets.router
+        self._zap = self._sockets.zap
+        self._direct = self._sockets.direct
         self._shutdown = threading.Event()
         self._closed = False
         self._shards: dict[int, agg.DenseShard | agg.SparseShard] = {}
         self._waiting = Waitlist()
         self._inbox = FairInbox()
-        self._stopped: set[int] = set()
         self.rejoin = rejoin
-        self._liveness = WorkerLiveness(dead_after_s=max(3.0, min(self.timeout_s, 10.0)))
+        self._workers = Workers(num_workers, rejoin, dead_after_s=max(3.0, min(self.timeout_s, 10.0)))
         self._started = time.monotonic()
-        # self.incarnation (set above) tells this run of the server from an earlier one at the same endpoint: a
-        # worker whose request ZeroMQ delivered to a restarted server learns from the next HELLO that the state it
-        # knew is gone.
         self._ops: dict[str, int] = defaultdict(int)
         self._table_ops: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._counts: dict[str, int] = defaultdict(int)
@@ -175,16 +137,16 @@ class ParameterServer:
         self._lock = ServerLock()
         self._lanes: Lanes | None = None  # started by serve()
         self._outbox = Outbox() if self.threads else None
-        replies = Replies(
-            ok=self._ok, send=self._send, reply_error=self._reply_error, park=self._park, failure=self._failure
+        self.replies = replies = Replies(server_index, self.timeout_s, self._counts, self._send)
+        self.reductions = Reductions(
+            self._waiting, replies, lambda: self._workers.active, server_index, lambda: self.tables.close_ready_steps()
         )
-        self.reductions = Reductions(self._waiting, replies, lambda: self._active, server_index)
         self.tables = TableRequests(
             self._shards,
             self._waiting,
             replies,
             self._counts,
-            self._maybe_step,
+            lambda: self._workers.active,
             server_index=server_index,
             num_workers=num_workers,
             limits=self.limits,
@@ -192,7 +154,7 @@ class ParameterServer:
             outside=self._lock.outside,
         )
         tables = self.tables
-        many = ManyRequests(self._shards, self._route, self._ok)
+        many = ManyRequests(self._shards, self._route, replies.ok)
         self._handlers = {
             Op.HELLO: self._hello,
             Op.CREATE_DENSE: tables.create,
@@ -203,10 +165,10 @@ class ParameterServer:
             Op.PUSH_SPARSE_GRAD: tables.push,
             Op.PUSH_DENSE_DELTA: tables.push,
             Op.PUSH_SPARSE_DELTA: tables.push,
-            Op.BARRIER: self._barrier_op,
+            Op.BARRIER: self.reductions.barrier,
             Op.SAVE: tables.save,
             Op.LOAD: tables.load,
-            Op.STATS: lambda ident, msg: self._ok(msg, blob=json.dumps(self.stats()).encode()),
+            Op.STATS: lambda ident, msg: replies.ok(msg, blob=json.dumps(self.stats()).encode()),
             Op.STOP: self._stop,
             Op.ALL_REDUCE: self.reductions.all_reduce,
             Op.SHRINK: tables.shrink,
@@ -216,32 +178,6 @@ class ParameterServer:
             Op.PULL_SPARSE_MANY: many.pull,
             Op.PUSH_SPARSE_GRAD_MANY: many.push,
         }
-
-    def _bind_ipc(self, secret: bytes) -> str | None:
-        """Bind the same socket to this job's Unix socket for the TCP endpoint; None when that is not possible."""
-        path = same_host.prepare(secret, self.endpoint)
-        if path is None:
-            return None
-        try:
-            self._sock.bind(f"ipc://{path}")
-        except zmq.ZMQError as exc:
-            log.warning("parameter server %d: no same-host socket at %s: %s", self.server_index, path, exc)
-            return None
-        return path
-
-    def _bind_direct(self, secret: bytes) -> DirectConnections | None:
-        """Listen for the direct path beside the ZeroMQ Unix socket; None when that is not possible."""
-        assert self.ipc_path is not None
-        path = self.ipc_path.removesuffix(same_host.SUFFIX) + direct_path.SUFFIX
-        if len(path) > same_host.MAX_PATH:
-            return None
-        try:
-            if os.path.exists(path):  # left by a killed server at this endpoint
-                os.unlink(path)
-            return DirectConnections(path, secret, self.incarnation)
-        except OSError as exc:
-            log.warning("parameter server %d: no direct same-host socket at %s: %s", self.server_index, path, exc)
-            return None
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> dict[str, Any]:
@@ -257,16 +193,13 @@ class ParameterServer:
         if self.threads:
             self._lanes = Lanes(self.threads, self._lock, name=f"fleet-ps{self.server_index}-table")
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._zap.socket, zmq.POLLIN)
-        if self._direct is not None:
-            self._direct.attach(poller)
+        self._sockets.register(poller)
         if self._outbox is not None:
             poller.register(self._outbox.wake_r, zmq.POLLIN)
         lock = self._lock.lock
         log.info("parameter server %d serving at %s", self.server_index, self.endpoint)
         try:
-            while not self._shutdown.is_set() and len(self._stopped | self._finished_gone) < self.num_workers:
+            while not self._shutdown.is_set() and not self._workers.done():
                 with lock:
                     timeout = 0 if len(self._inbox) else self._poll_timeout_ms()
                 ready = dict(poller.poll(timeout))  # the table threads have the lock meanwhile
@@ -322,35 +255,14 @@ class ParameterServer:
         if self._outbox is not None:
             self._outbox.close()
         self._counts["dropped"] += self._inbox.clear()  # unread, as ZeroMQ drops what its pipes hold
-        if self._direct is not None:
-            self._direct.close()
-        self._sock.close()
-        self._zap.close()
-        self._ctx.term()
-        same_host.remove(self.ipc_path)  # libzmq leaves the file
+        self._sockets.close()
         log.info("parameter server %d at %s stopped", self.server_index, self.endpoint)
 
     def _close_parked(self) -> None:
         for parked in self._waiting.clear():
-            self._reply_error(parked.ident, parked.msg, "the parameter server is shutting down")
+            self.replies.reply_error(parked.ident, parked.msg, "the parameter server is shutting down")
 
     # ------------------------------------------------------------- dispatch
-    def _budget(self, op: int, table: int) -> Limit | None:
-        """What a message of kind ``op`` may carry: a dense table's values are its shard, anything else the limit."""
-        if op == Op.CREATE_DENSE:
-            return None  # the creator sets the size; the values must match it (checked on creation)
-        if op in (Op.PUSH_DENSE_GRAD, Op.PUSH_DENSE_DELTA, Op.DENSE_STATE):
-            shard = self._shards.get(table)
-            if not isinstance(shard, agg.DenseShard):
-                return self._request_budget  # unknown or sparse: refused by the handler, with the reason
-            copies = 3 if op == Op.DENSE_STATE else 1  # values, or optimizer state (Adam: two vectors)
-            return Limit(
-                4 * copies * shard.size + 8 * shard.parameters + BLOB_SLACK,
-                f"a {op_name(op)} of dense table {table} carries at most {copies} x its shard here "
-                f"({shard.size:,} float32 values)",
-            )
-        return self._request_budget
-
     def _handle(self, frames: list[Any]) -> None:
         if len(frames) < 2:
             self._counts["dropped"] += 1  # not even an identity plus one frame: nobody to answer
@@ -358,17 +270,19 @@ class ParameterServer:
         ident = frames[0].bytes
         self._counts["bytes_in"] += sum(len(f) for f in frames[1:])
         try:
-            msg = decode(frames[1:], self._budget)
+            msg = decode(frames[1:], self.tables.budget)
         except WireError as exc:
             over = isinstance(exc, RequestTooLarge)
             self._counts["over_limit" if over else "malformed"] += 1
             rid, op = (exc.request_id, exc.op) if exc.request_id else read_request_id(frames[1])
             text = f"request over the limit on parameter server {self.server_index}: {exc}" if over else None
-            self._reply_error(ident, Message(op=op, request_id=rid), text or f"malformed message: {exc}")
+            self.replies.reply_error(ident, Message(op=op, request_id=rid), text or f"malformed message: {exc}")
             return
         except Exception as exc:  # joining a large tensor's frames can run out of memory: answer, keep serving
             rid, op = read_request_id(frames[1])
-            self._reply_error(ident, Message(op=op, request_id=rid), self._failure(exc, op_name(op), None))
+            self.replies.reply_error(
+                ident, Message(op=op, request_id=rid), self.replies.failure(exc, op_name(op), None)
+            )
             return
         self._serve(ident, msg)
 
@@ -377,12 +291,12 @@ class ParameterServer:
         name = op_name(msg.op)
         self._ops[name] += 1
         if msg.status != Status.REQUEST:
-            self._reply_error(ident, msg, f"{name} arrived with reply status {msg.status}; expected a request")
+            self.replies.reply_error(ident, msg, f"{name} arrived with reply status {msg.status}; expected a request")
             return
         if not 0 <= msg.peer < self.num_workers:
-            self._reply_error(ident, msg, f"worker index {msg.peer} is outside [0, {self.num_workers - 1}]")
+            self.replies.reply_error(ident, msg, f"worker index {msg.peer} is outside [0, {self.num_workers - 1}]")
             return
-        if msg.peer not in self._stopped and self._liveness.seen(msg.peer, time.monotonic()):
+        if self._workers.seen(msg.peer, time.monotonic()):
             log.warning("parameter server %d: worker %d is back", self.server_index, msg.peer)
         if here:
             reply = self._dispatch(ident, msg)
@@ -394,7 +308,7 @@ class ParameterServer:
             self._send(ident, reply)
 
     def _serve_direct(self, ident: bytes, frames: list[memoryview]) -> bool:
-        """Serve a small pull from a direct connection as it is read (:mod:`fleet.ps.server.quick_pulls`).
+        """Serve a small pull from a direct connection as it is read (:mod:`fleet.ps.protocol.quick_pulls`).
 
         False (it then takes the usual way, through the inbox): it is not a plain pull, or other requests
         wait in the inbox (they go first, in their turns), or a table thread is busy (it must see its
@@ -402,7 +316,7 @@ class ParameterServer:
         """
         if len(self._inbox):
             return False
-        msg = plain_pull(frames, self._request_budget.bytes)
+        msg = plain_pull(frames, self.tables.request_budget.bytes)
         if msg is None:
             return False
         with self._lock.lock:
@@ -445,30 +359,11 @@ class ParameterServer:
             handler = self._handlers.get(msg.op)  # keyed by Op, which hashes as its int
             return (handler or self._handlers[Op(msg.op)])(ident, msg)
         except agg.ShardError as exc:
-            return self._error(msg, str(exc), exc.details)
+            return self.replies.error(msg, str(exc), exc.details)
         except (ValueError, KeyError, TypeError) as exc:
-            return self._error(msg, str(exc) or type(exc).__name__)
+            return self.replies.error(msg, str(exc) or type(exc).__name__)
         except Exception as exc:  # out of memory, or a bug in a table: either must not take the server down
-            return self._error(msg, self._failure(exc, name, msg.table if on_table else None))
-
-    def _failure(self, exc: BaseException, what: str, table: int | None) -> str:
-        """The error text for an unexpected failure; logged (with the traceback unless out of memory)."""
-        where = f"{what} of table {table}" if table is not None else what
-        if isinstance(exc, DiskFullError):  # the user's disk, not a bug: its message names the path, no traceback
-            log.error("parameter server %d could not finish %s: %s", self.server_index, where, exc)
-            self._counts["disk_full"] += 1
-            return f"parameter server {self.server_index}: {exc}"
-        if is_out_of_memory(exc):
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            log.error("parameter server %d ran out of memory in %s: %s", self.server_index, where, first)
-            self._counts["out_of_memory"] += 1
-            return (
-                f"parameter server {self.server_index} ran out of memory in {where} ({first}); the table is as "
-                "it was before and the server keeps serving. Free memory on its host, spread the tables over "
-                "more servers, or bound the sparse tables' rows (max_rows, ttl_steps)"
-            )
-        log.error("parameter server %d failed on %s:\n%s", self.server_index, where, traceback.format_exc())
-        return f"internal error in {where} on parameter server {self.server_index}: {type(exc).__name__}: {exc}"
+            return self.replies.error(msg, self.replies.failure(exc, name, msg.table if on_table else None))
 
     def _send(self, ident: bytes | Part, reply: Message) -> None:
         if self._outbox is not None and self._lock.on_pool_thread():
@@ -488,135 +383,46 @@ class ParameterServer:
                 Message(reply.op, reply.table, self.server_index, reply.request_id, status=Status.ERROR, blob=text)
             )
         self._counts["bytes_out"] += sum(map(len, frames))
-        if self._direct is not None and self._direct.owns(ident):
-            if not self._direct.send(ident, frames):
-                self._counts["replies_dropped"] += 1
-            return
-        try:  # ROUTER drops rather than blocks on a full or unknown peer; NOBLOCK makes sure
-            self._sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
+        try:
+            sent = self._sockets.send(ident, frames)
         except zmq.ZMQError as exc:
-            self._counts["replies_dropped"] += 1
+            sent = False
             log.warning("could not answer %s: %s", op_name(reply.op), exc)
-
-    def _ok(self, msg: Message, *, tensors=None, blob: bytes = b"", version: int = 0, status=Status.OK) -> Message:
-        return Message(
-            op=msg.op,
-            table=msg.table,
-            peer=self.server_index,
-            request_id=msg.request_id,
-            step=msg.step,
-            arg=version,
-            status=status,
-            tensors=list(tensors or ()),
-            blob=blob,
-        )
-
-    def _error(self, msg: Message, text: str, details: dict[str, Any] | None = None) -> Message:
-        """An error reply: the text, or with ``details`` a JSON object (see :func:`fleet.ps.protocol.errors.parse_error_reply`)."""
-        self._counts["errors"] += 1
-        blob = json.dumps({"message": text, **details}) if details else text
-        return self._ok(msg, blob=blob.encode("utf-8", errors="replace"), status=Status.ERROR)
-
-    def _reply_error(self, ident: bytes, msg: Message, text: str, details: dict[str, Any] | None = None) -> None:
-        self._send(ident, self._error(msg, text, details))
-
-    def _deadline(self, msg: Message, now: float) -> float:
-        """When a parked request gets its timeout error: a little before the sender gives up."""
-        budget = msg.timeout_ms / 1000 if msg.timeout_ms > 0 else self.timeout_s
-        return now + budget - min(0.25, 0.1 * budget)
-
-    def _park(self, ident: bytes, msg: Message) -> Parked:
-        now = time.monotonic()
-        return Parked(ident, msg, self._deadline(msg, now), now)
-
-    @property
-    def _active(self) -> set[int]:
-        """Workers a sync step waits for: not stopped, and not gone when restarts may bring them back."""
-        gone = self._liveness.gone if self.rejoin else set()
-        return set(range(self.num_workers)) - self._stopped - gone
-
-    @property
-    def _finished_gone(self) -> set[int]:
-        """Gone workers the server no longer waits for before it ends (none while restarts may come)."""
-        return set() if self.rejoin else self._liveness.gone
+        if not sent:
+            self._counts["replies_dropped"] += 1
 
     def _check_liveness(self, now: float) -> None:
-        if not self._liveness.due(now):
-            return  # the server loop runs this after every batch of requests
-        busy = {parked.msg.peer for parked in self._waiting}
-        for worker in self._liveness.check(now, busy):
+        """Name the workers that went silent (the loop runs this after every batch of requests)."""
+        for worker in self._workers.newly_gone(now, lambda: {parked.msg.peer for parked in self._waiting}):
             log.warning(
                 "parameter server %d: worker %d sent nothing for %.1f s: it died or hung%s",
                 self.server_index,
                 worker,
-                self._liveness.dead_after_s,
+                self._workers.liveness.dead_after_s,
                 "; sync steps go on without it until it rejoins" if self.rejoin else "",
             )
             if self.rejoin:
                 if self._lanes is not None:
                     self._lanes.drain()  # steps close on the loop thread: no table may be working meanwhile
-                self._close_ready_steps()
-                self._release_barrier()
+                self.tables.close_ready_steps()
+                self.reductions.release_barrier()
                 self.reductions.release()
-
-    def _maybe_step(self, shard: agg.Shard) -> bool:
-        """Close the shard's sync step if it is complete (see Shard.maybe_step); never raises.
-
-        When applying the step fails (out of memory), the shard keeps the step's gradients and
-        its version, records why in ``step_error``, and the workers waiting for the step hear
-        it now rather than at their timeout; the next push, stop or barrier tries again.
-        """
-        if not shard.mode.closes_steps:
-            return False  # applied on arrival (async, geo): no step to close, no worker sets to build per push
-        try:
-            return shard.maybe_step(self._active, set(self._waiting.barrier))
-        except Exception as exc:
-            what = f"applying sync step {shard.version}"
-            shard.fail_step(self._failure(exc, what, shard.table_id))
-            for parked in self._waiting.ready_pulls(shard.table_id, 1 << 62):
-                self._reply_error(parked.ident, parked.msg, shard.step_error)
-            return False
-
-    def _close_ready_steps(self) -> None:
-        """After workers stopped or reached a barrier: sync steps waiting only for them may complete."""
-        for table, shard in self._shards.items():
-            if self._maybe_step(shard):
-                self.tables.answer_pulls(table)
 
     # ------------------------------------------------------------------ ops
     def _hello(self, ident: bytes, msg: Message) -> Message:
         info = {"server_index": self.server_index, "num_workers": self.num_workers, "endpoint": self.endpoint}
-        if self.ipc_path is not None:  # where a worker on this host may reach this server (fleet.ps.protocol.local)
-            info.update(ipc=self.ipc_path, host=self._host)
-            if self._direct is not None:
-                info.update(direct=self._direct.path)
-        return self._ok(msg, blob=json.dumps(info).encode(), version=self.incarnation)
-
-    def _barrier_op(self, ident: bytes, msg: Message) -> None:
-        if msg.peer in self._waiting.barrier:
-            raise agg.ShardError(f"worker {msg.peer} entered the barrier twice")
-        if self._waiting.reduce:  # the others all-reduce a metric: nobody may wait here for them
-            waiting = [msg.peer, *self._waiting.barrier]
-            raise ValueError(self.reductions.fail_collectives(against_barrier(list(self._waiting.reduce), waiting)))
-        self._waiting.barrier[msg.peer] = self._park(ident, msg)
-        self._close_ready_steps()
-        self._release_barrier()
-        return None
-
-    def _release_barrier(self) -> None:
-        for parked in self._waiting.release_barrier(len(self._active)):
-            self._send(parked.ident, self._ok(parked.msg))
+        info.update(self._sockets.hello())  # where a worker on this host may reach this server
+        return self.replies.ok(msg, blob=json.dumps(info).encode(), version=self.incarnation)
 
     def _stop(self, ident: bytes, msg: Message) -> Message:
-        self._stopped.add(msg.peer)
-        self._liveness.forget(msg.peer)
+        self._workers.stop(msg.peer)
         self._waiting.barrier.pop(msg.peer, None)
         self._waiting.reduce.pop(msg.peer, None)
         # fewer workers now: sync steps, barriers and all-reduces waiting for the stopped one may complete
-        self._close_ready_steps()
-        self._release_barrier()
+        self.tables.close_ready_steps()
+        self.reductions.release_barrier()
         self.reductions.release()
-        return self._ok(msg)
+        return self.replies.ok(msg)
 
     # ------------------------------------------------------------- deadlines
     def _expire(self, now: float) -> None:
@@ -624,24 +430,12 @@ class ParameterServer:
         if self._waiting.empty():
             return
         pulls, creates, barrier = self._waiting.expired(now)
-        for table, parked in pulls:
-            shard = self._shards[table]
-            self._reply_error(
-                parked.ident,
-                parked.msg,
-                f"{op_name(parked.msg.op)} of table {table} waited {now - parked.since:.2f} s for version "
-                f"{parked.msg.arg}, but the shard is at version {shard.version}; missing pushes for step "
-                f"{shard.version} from workers {shard.waiting_for(self._active)} "
-                f"({shard.mode.name} needs {shard.needs(self._active)})",
-            )
+        self.tables.expire_pulls(pulls, now)
         for table, parked in creates:
             waited = now - parked.since
             text = f"table {table} was not created with initial values (by worker 0) within {waited:.2f} s"
-            self._reply_error(parked.ident, parked.msg, text)
-        for parked in barrier:
-            missing = sorted(self._active - set(self._waiting.barrier) - {parked.msg.peer})
-            text = f"barrier timed out after {now - parked.since:.2f} s waiting for workers {missing}"
-            self._reply_error(parked.ident, parked.msg, text)
+            self.replies.reply_error(parked.ident, parked.msg, text)
+        self.reductions.expire_barrier(barrier, now)
         self.reductions.expire(now)
 
     def restore(self, dirname: str) -> list[int]:
@@ -663,8 +457,8 @@ class ParameterServer:
             "table_ops": {str(t): dict(ops) for t, ops in self._table_ops.items()},
             "tables": {str(t): shard.info() for t, shard in self._shards.items()},
             "stale_dropped": dict(stale),
-            "stopped_workers": sorted(self._stopped),
-            "gone_workers": sorted(self._liveness.ever_gone),
+            "stopped_workers": sorted(self._workers.stopped),
+            "gone_workers": sorted(self._workers.liveness.ever_gone),
             **{
                 k: self._counts.get(k, 0)
                 for k in ("bytes_in", "bytes_out", "errors", "malformed", "over_limit", "out_of_memory", "disk_full")
@@ -674,7 +468,7 @@ class ParameterServer:
             "peers_admitted": dict(self._zap.admitted),
             "direct_admitted": self._direct.admitted if self._direct is not None else 0,
             "direct_rejected": self._direct.rejected if self._direct is not None else 0,
-            "direct_quick": self._counts.get("direct_quick", 0),  # pulls served as read (fleet.ps.server.quick_pulls)
+            "direct_quick": self._counts.get("direct_quick", 0),  # pulls served as read (fleet.ps.protocol.quick_pulls)
             "dropped": self._counts.get("dropped", 0) + self._counts.get("replies_dropped", 0),
             "table_threads": self.threads,
         }

@@ -3,7 +3,8 @@
 A model with many sparse features (a ``fleet.nn.SparseFeatureCollection``, or several
 ``SparseEmbedding`` modules) would otherwise send one pull and one push per table per server
 per step; DLRM's 8 tables made 16 round trips where 2 do. A composite request carries every
-table's part (the layout is in :mod:`fleet.ps.protocol.wire`), and the server serves it as the
+table's part (the layout, and its reading and writing, is :mod:`fleet.ps.protocol.composite`), and the
+server serves it as the
 one-table requests it stands for: the same handlers, the same checks and limits per table, in
 the request's order. Nothing new happens inside a table, so a composite push is exactly the
 pushes it replaces.
@@ -22,8 +23,9 @@ from typing import Any
 
 import torch
 
+from fleet.ps.protocol import composite
 from fleet.ps.protocol.errors import ShardError
-from fleet.ps.protocol.wire import MANY_PULL_META, MANY_PUSH_META, MAX_MANY_TABLES, Message, Op, Status, op_name
+from fleet.ps.protocol.wire import Message, Op, Status, op_name
 
 Dispatch = Callable[[Any, Message], "Message | None"]
 
@@ -73,85 +75,43 @@ class ManyRequests:
         self._ok = ok
 
     def pull(self, ident: bytes, msg: Message) -> Message | None:
-        meta, ids = self._tensors(msg, ("meta", "ids"))
-        self._check(msg, meta, len(MANY_PULL_META), ids)
-        subs = []
-        at = 0
-        for table, min_version, count in meta.tolist():
-            subs.append(self._sub(msg, Op.PULL_SPARSE, table, min_version, 0.0, 0, [ids[at : at + count]]))
-            at += count
+        parts = composite.read_pull(msg, lambda tables: self._dims(msg, tables))
+        subs = [self._sub(msg, Op.PULL_SPARSE, table, version, 0.0, 0, [ids]) for table, version, ids in parts]
 
         def combine(replies: list[Message]) -> Message:
-            rows = torch.cat([r.tensors[0].reshape(-1) for r in replies])
-            versions = torch.tensor([r.arg for r in replies], dtype=torch.int64)
-            return self._ok(msg, tensors=[rows, versions], version=int(versions.min()))
+            versions = [r.arg for r in replies]
+            tensors = composite.pull_reply([r.tensors[0] for r in replies], versions)
+            return self._ok(msg, tensors=tensors, version=min(versions))
 
         return self._serve(ident, msg, subs, combine)
 
     def push(self, ident: bytes, msg: Message) -> Message | None:
-        meta, lrs, ids, grads, clicks = self._tensors(msg, ("meta", "lrs", "ids", "grads", "clicks"))
-        tables, counts, dims = self._check(msg, meta, len(MANY_PUSH_META), ids)
-        if lrs.dtype != torch.float64 or list(lrs.shape) != [len(tables)]:
-            raise ShardError(
-                f"{op_name(msg.op)}: lrs must be float64 [{len(tables)}], got {lrs.dtype} {list(lrs.shape)}"
-            )
-        want = sum(c * d for c, d in zip(counts, dims, strict=True))
-        if grads.dtype != torch.float32 or grads.dim() != 1 or grads.numel() != want:
-            raise ShardError(
-                f"{op_name(msg.op)}: grads must be float32, flat, {want} values (the tables' ids x their dims), "
-                f"got {grads.dtype} {list(grads.shape)}"
-            )
-        if clicks.dtype != torch.float32 or list(clicks.shape) != [ids.numel()]:
-            raise ShardError(f"{op_name(msg.op)}: clicks must be float32 [{ids.numel()}], got {list(clicks.shape)}")
-        subs = []
-        at = flat = 0
-        for (table, step, count, has_clicks), dim, lr in zip(meta.tolist(), dims, lrs.tolist(), strict=True):
-            tensors = [ids[at : at + count], grads[flat : flat + count * dim].view(count, dim)]
-            if has_clicks:
-                tensors.append(clicks[at : at + count])
-            subs.append(self._sub(msg, Op.PUSH_SPARSE_GRAD, table, 0, lr, step, tensors))
-            at += count
-            flat += count * dim
+        pushes = composite.read_push(msg, lambda tables: self._dims(msg, tables))
+        subs = [
+            self._sub(msg, Op.PUSH_SPARSE_GRAD, p.table, 0, p.lr, p.step,
+                      [p.ids, p.grads] if p.clicks is None else [p.ids, p.grads, p.clicks])
+            for p in pushes
+        ]  # fmt: skip
 
         def combine(replies: list[Message]) -> Message:
-            statuses = torch.tensor([int(r.status) for r in replies], dtype=torch.int64)
-            return self._ok(msg, tensors=[statuses], version=min(r.arg for r in replies))
+            tensors = composite.push_reply([int(r.status) for r in replies])
+            return self._ok(msg, tensors=tensors, version=min(r.arg for r in replies))
 
         return self._serve(ident, msg, subs, combine)
 
     # ------------------------------------------------------------------ parts
-    @staticmethod
-    def _tensors(msg: Message, names: tuple[str, ...]) -> list[torch.Tensor]:
-        if len(msg.tensors) != len(names):
-            raise ShardError(
-                f"{op_name(msg.op)} carries {len(msg.tensors)} tensors, expected {len(names)} ({', '.join(names)})"
-            )
-        return msg.tensors
-
-    def _check(
-        self, msg: Message, meta: torch.Tensor, columns: int, ids: torch.Tensor
-    ) -> tuple[list[int], list[int], list[int]]:
-        """(tables, id counts, dims) of a composite request, every part checked before any is served."""
-        what = op_name(msg.op)
-        if meta.dtype != torch.int64 or meta.dim() != 2 or meta.shape[1] != columns:
-            raise ShardError(f"{what}: meta must be int64 [tables, {columns}], got {meta.dtype} {list(meta.shape)}")
-        if not 1 <= meta.shape[0] <= MAX_MANY_TABLES:
-            raise ShardError(f"{what} names {meta.shape[0]} tables; one request names 1 to {MAX_MANY_TABLES}")
-        if ids.dtype != torch.int64 or ids.dim() != 1:
-            raise ShardError(f"{what}: ids must be a flat int64 tensor, got {ids.dtype} {list(ids.shape)}")
-        tables, counts = meta[:, 0].tolist(), meta[:, 2].tolist()  # the same columns in both layouts
-        if len(set(tables)) != len(tables):
-            raise ShardError(f"{what} names a table twice: {tables}")
-        if any(c < 0 for c in counts) or sum(counts) != ids.numel():
-            raise ShardError(f"{what}: the tables' id counts {counts} do not add up to the {ids.numel()} ids sent")
+    def _dims(self, msg: Message, tables: list[int]) -> list[int]:
+        """Each table's row width; every table must be a sparse table here."""
         dims = []
         for table in tables:
             shard = self._shards.get(table)
             if shard is None or shard.kind != "sparse":
                 known = sorted(t for t, s in self._shards.items() if s.kind == "sparse")
-                raise ShardError(f"{what}: table {table} is not a sparse table here (sparse tables: {known})")
+                raise ShardError(
+                    f"{op_name(msg.op)}: table {table} is not a sparse table here (sparse tables: {known})"
+                )
             dims.append(int(shard.dim))
-        return tables, counts, dims
+        return dims
 
     @staticmethod
     def _sub(msg: Message, op: Op, table: int, arg: int, lr: float, step: int, tensors: list[torch.Tensor]) -> Message:

@@ -1,4 +1,9 @@
-"""ALL_REDUCE on server 0: the workers' float64 vectors reduced element-wise (``fleet.metrics``).
+"""The workers' collectives on a server: BARRIER, and ALL_REDUCE on server 0 (``fleet.metrics``).
+
+A BARRIER is parked until every active worker (not stopped, not gone for good) reached it on
+this server; a sync step waiting only for the workers at the barrier closes first.
+
+ALL_REDUCE: the workers' float64 vectors reduced element-wise.
 
 A parameter-server job has no process group over its workers, so a global metric's one
 collective goes through server 0: every worker sends its vector (one 1-D float64 tensor, the
@@ -9,7 +14,8 @@ agree in length and reduction; otherwise every parked worker, and the one that d
 an error naming who sent what, and so do workers reducing while others wait in the barrier.
 
 :class:`Reductions` is an object the server composes, given the waitlist, the reply helpers,
-the workers a collective waits for (``active``) and the server's index through its constructor.
+the workers a collective waits for (``active``), the server's index, and how to close the sync steps
+that wait only for workers at the barrier (``close_steps``) through its constructor.
 """
 
 from __future__ import annotations
@@ -18,19 +24,50 @@ from collections.abc import Callable
 
 import torch
 
+from fleet.ps.protocol.errors import ShardError
 from fleet.ps.protocol.wire import REDUCE_OPS, Message
 from fleet.ps.server.replies import Replies
 from fleet.ps.server.waitlist import Parked, Waitlist
 
 
 class Reductions:
-    """The ALL_REDUCE handler, its release and its deadline, and failing the parked collectives."""
+    """The BARRIER and ALL_REDUCE handlers, their releases and deadlines, and failing the parked collectives."""
 
-    def __init__(self, waiting: Waitlist, replies: Replies, active: Callable[[], set[int]], server_index: int):
+    def __init__(
+        self,
+        waiting: Waitlist,
+        replies: Replies,
+        active: Callable[[], set[int]],
+        server_index: int,
+        close_steps: Callable[[], None],
+    ):
         self._waiting = waiting
         self._replies = replies
         self._active = active
         self.server_index = server_index
+        self._close_steps = close_steps
+
+    def barrier(self, ident: bytes, msg: Message) -> None:
+        if msg.peer in self._waiting.barrier:
+            raise ShardError(f"worker {msg.peer} entered the barrier twice")
+        if self._waiting.reduce:  # the others all-reduce a metric: nobody may wait here for them
+            waiting = [msg.peer, *self._waiting.barrier]
+            raise ValueError(self.fail_collectives(against_barrier(list(self._waiting.reduce), waiting)))
+        self._waiting.barrier[msg.peer] = self._replies.park(ident, msg)
+        self._close_steps()
+        self.release_barrier()
+        return None
+
+    def release_barrier(self) -> None:
+        """Answer the parked BARRIERs once every active worker reached it (after arrivals, stops and losses)."""
+        for parked in self._waiting.release_barrier(len(self._active())):
+            self._replies.send(parked.ident, self._replies.ok(parked.msg))
+
+    def expire_barrier(self, expired: list[Parked], now: float) -> None:
+        for parked in expired:
+            missing = sorted(self._active() - set(self._waiting.barrier) - {parked.msg.peer})
+            text = f"barrier timed out after {now - parked.since:.2f} s waiting for workers {missing}"
+            self._replies.reply_error(parked.ident, parked.msg, text)
 
     def all_reduce(self, ident: bytes, msg: Message) -> None:
         check(msg)

@@ -3,7 +3,7 @@
 :class:`TableRequests` is an object the server composes: it is given, through its
 constructor, the shards it serves (the server's table map), the waitlist for parked
 requests, the server's reply helpers (:class:`~fleet.ps.server.replies.Replies`), the counters it adds to, and the
-one server decision it needs (``close_step``: close a shard's sync step if complete). The
+the workers a sync step waits for (``active``), and closes the shards' sync steps. The
 server loop dispatches to its public handlers, which return the reply, or None when the
 request was parked to be answered later.
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager
 from typing import Any
 
-from fleet.ps.protocol.limits import RequestLimits
+from fleet.ps.protocol.limits import BLOB_SLACK, Limit, RequestLimits
 from fleet.ps.protocol.wire import (
     DENSE_STATE_GET,
     DENSE_STATE_SET_OPTIMIZER,
@@ -41,7 +41,7 @@ from fleet.ps.protocol.wire import (
 from fleet.ps.server import aggregator as agg
 from fleet.ps.server import shard_io, staged_load
 from fleet.ps.server.replies import Replies
-from fleet.ps.server.waitlist import Waitlist
+from fleet.ps.server.waitlist import Parked, Waitlist
 
 Shards = MutableMapping[int, "agg.DenseShard | agg.SparseShard"]
 
@@ -71,7 +71,7 @@ class TableRequests:
         waiting: Waitlist,
         replies: Replies,
         counts: MutableMapping[str, int],
-        close_step: Callable[[agg.Shard], bool],
+        active: Callable[[], set[int]],
         *,
         server_index: int,
         num_workers: int,
@@ -86,13 +86,69 @@ class TableRequests:
         self._waiting = waiting
         self._replies = replies
         self._counts = counts
-        self._close_step = close_step
+        self._active = active
         self.server_index = server_index
         self.num_workers = num_workers
         self.limits = limits
+        #: what a request of any kind but a dense table's values may carry (fleet.ps.protocol.limits)
+        self.request_budget = limits.budget()
         self.checkpoint_record_dir = checkpoint_record_dir  # where each SAVE is recorded for a restart
         self.last_save: str | None = None  # the directory of this server's last save or load
         self._staged: staged_load.StagedLoad | None = None  # a LOAD_STAGE waiting for its commit (or discard)
+
+    def close_step(self, shard: agg.Shard) -> bool:
+        """Close the shard's sync step if it is complete (see Shard.maybe_step); never raises.
+
+        When applying the step fails (out of memory), the shard keeps the step's gradients and
+        its version, records why in ``step_error``, and the workers waiting for the step hear
+        it now rather than at their timeout; the next push, stop or barrier tries again.
+        """
+        if not shard.mode.closes_steps:
+            return False  # applied on arrival (async, geo): no step to close, no worker sets to build per push
+        try:
+            return shard.maybe_step(self._active(), set(self._waiting.barrier))
+        except Exception as exc:
+            what = f"applying sync step {shard.version}"
+            shard.fail_step(self._replies.failure(exc, what, shard.table_id))
+            for parked in self._waiting.ready_pulls(shard.table_id, 1 << 62):
+                self._replies.reply_error(parked.ident, parked.msg, shard.step_error)
+            return False
+
+    def close_ready_steps(self) -> None:
+        """After workers stopped or reached a barrier: sync steps waiting only for them may complete."""
+        for table, shard in self._shards.items():
+            if self.close_step(shard):
+                self.answer_pulls(table)
+
+    def expire_pulls(self, pulls: list[tuple[int, Parked]], now: float) -> None:
+        """Answer pulls that waited past their deadline for a version, naming the workers the step misses."""
+        active = self._active()
+        for table, parked in pulls:
+            shard = self._shards[table]
+            self._replies.reply_error(
+                parked.ident,
+                parked.msg,
+                f"{op_name(parked.msg.op)} of table {table} waited {now - parked.since:.2f} s for version "
+                f"{parked.msg.arg}, but the shard is at version {shard.version}; missing pushes for step "
+                f"{shard.version} from workers {shard.waiting_for(active)} "
+                f"({shard.mode.name} needs {shard.needs(active)})",
+            )
+
+    def budget(self, op: int, table: int) -> Limit | None:
+        """What a message of kind ``op`` may carry: a dense table's values are its shard, anything else the limit."""
+        if op == Op.CREATE_DENSE:
+            return None  # the creator sets the size; the values must match it (checked on creation)
+        if op in (Op.PUSH_DENSE_GRAD, Op.PUSH_DENSE_DELTA, Op.DENSE_STATE):
+            shard = self._shards.get(table)
+            if not isinstance(shard, agg.DenseShard):
+                return self.request_budget  # unknown or sparse: refused by the handler, with the reason
+            copies = 3 if op == Op.DENSE_STATE else 1  # values, or optimizer state (Adam: two vectors)
+            return Limit(
+                4 * copies * shard.size + 8 * shard.parameters + BLOB_SLACK,
+                f"a {op_name(op)} of dense table {table} carries at most {copies} x its shard here "
+                f"({shard.size:,} float32 values)",
+            )
+        return self.request_budget
 
     def _shard(self, msg: Message, kind: str) -> agg.DenseShard | agg.SparseShard:
         shard = self._shards.get(msg.table)
@@ -234,7 +290,7 @@ class TableRequests:
                 )
         if status == Status.STALE and not more:
             self._counts["stale_dropped"] += 1
-        self._close_step(shard)
+        self.close_step(shard)
         if shard.step_error is not None:  # this push completed a step that could not be applied
             raise agg.ShardError(shard.step_error)
         self.answer_pulls(msg.table)

@@ -1,6 +1,6 @@
 """The worker side of parameter-server training: a wrapped optimizer over a PSClient.
 
-Each param group becomes one flat dense table (:mod:`fleet.ps.client.dense`) and each
+Each param group becomes one flat dense table (:mod:`fleet.ps.worker.dense_tables`) and each
 ``fleet.nn.SparseEmbedding`` the optimizer holds one sparse table, whose rows the strategy
 serves to the module (:mod:`fleet.ps.modes.rows`, chosen by the update mode). ``step()`` runs the
 update mode's worker policy (:mod:`fleet.ps.modes`) under :class:`~fleet.ps.worker.recovery.Recovery`, which rides out server
@@ -25,11 +25,11 @@ import torch
 
 from fleet.errors import FleetError
 from fleet.ps.client.client import PSClient
-from fleet.ps.client.dense import DenseTables
 from fleet.ps.modes import mode_for
 from fleet.ps.modes.rows import RemoteRows
 from fleet.ps.protocol.errors import PSRemoteError
 from fleet.ps.worker.dense_allreduce import AllReducedDense, PushedRows
+from fleet.ps.worker.dense_tables import DenseTables
 from fleet.ps.worker.recovery import Recovery
 from fleet.ps.worker.step_checks import GradWatch, HyperParameters
 from fleet.ps.worker.table_names import TableNames, dense_name, explain_conflict

@@ -1,19 +1,20 @@
-"""Small pulls on the direct path, recognised as they are read: the server's share of a same-host round trip.
+"""Small pulls recognised as they are read: the wire format's second reader, for the server's quick way.
 
 Why: a caller blocked on ``client.pull_dense(t).result()`` waits for the server's whole
 path, and for a 16-byte request that path was all overhead: queue the copied frames in the
 inbox, go round the poller again, decode them generically, answer through the table lanes.
 Measured on 2 cores, the server spent ~160 us of CPU per such request against ~25 us for a
-raw echo. Here the direct connection's reader (:mod:`fleet.ps.server.direct_conns`) hands
-each complete message to the loop, which serves it at once when :func:`plain_pull` reads it
-as a plain, well-formed pull -- with the same handler, the same checks and the same reply
-as any other request.
+raw echo. So the server's direct connections (:mod:`fleet.ps.server.direct_conns`) hand each
+complete message to the loop, which serves it at once when :func:`plain_pull` reads it as a
+plain, well-formed pull -- with the same handler, the same checks and the same reply as any
+other request. It lives here, beside :func:`~fleet.ps.protocol.wire.decode`, because it reads
+the same bytes: the wire format is read and written in this package only.
 
 Nothing new is trusted: :func:`plain_pull` accepts only the messages that
 :func:`~fleet.ps.protocol.wire.decode` would turn into the same :class:`~fleet.ps.protocol.wire.Message`
 (and within the request budget); anything else -- a malformed header, an unknown op, a tensor
 of the wrong kind, a blob, a request over a limit -- returns None and takes the usual way,
-which answers it with the usual error. The loop also takes the usual way whenever other
+which answers it with the usual error. The server also takes the usual way whenever other
 requests are queued or a table thread is busy (fleet.ps.server.loop), so the order in which
 requests are served, and the tables' one-at-a-time rule, are those of the usual path.
 """

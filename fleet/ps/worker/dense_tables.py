@@ -18,7 +18,7 @@ import torch
 from fleet.errors import FleetError
 from fleet.ps.client.client import PSClient
 from fleet.ps.protocol.errors import PSRemoteError
-from fleet.ps.server.aggregator import FROZEN, HAS_GRAD, NO_GRAD
+from fleet.ps.protocol.wire import FROZEN, HAS_GRAD, NO_GRAD
 from fleet.sparse.optim import OptimizerSpec
 from fleet.sparse.rowwise_adagrad import RowWiseAdagrad
 from fleet.training import owners
