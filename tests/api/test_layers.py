@@ -44,7 +44,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "fleet.sparse": GROUND,
     "fleet.nn": GROUND | {"fleet.sparse"},
     # the engines
-    "fleet.collective": GROUND | {"fleet.training"},
+    "fleet.collective": GROUND | {"fleet.training", "fleet.sparse"},  # sharded tables: rows kept by their owners
     "fleet.sharding": GROUND | {"fleet.collective", "fleet.training", "fleet.sparse", "fleet.nn"},
     "fleet.ps.modes": GROUND | {"fleet.ps.protocol", "fleet.sparse"},
     "fleet.ps.server": GROUND | PS_WIRE | {"fleet.sparse"},
