@@ -8,7 +8,7 @@ import pydantic
 import torch
 
 from fleet.sparse.row_optimizers.base import Hyper, RowOptimizer, finite_non_negative, number
-from fleet.sparse.rowwise_adagrad import RowWiseAdagrad, accumulate_rows
+from fleet.sparse.row_optimizers.rowwise_adagrad import RowWiseAdagrad, accumulate_rows
 
 _EPS = 1e-10  # torch.optim.Adagrad's default, unlike Adam's 1e-8
 
