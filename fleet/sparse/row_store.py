@@ -83,6 +83,33 @@ class RowStore:
         out.update({f"stats.{k}": t for k, t in self.stats.items()})
         return out
 
+    def copy_fields(self, pick: slice | torch.Tensor, live: int) -> dict[str, torch.Tensor]:
+        """Copies of the saved fields of the slots ``pick`` among the ``live`` rows (``steps`` 0 where not counted)."""
+        out = {name: t[:live][pick].clone() for name, t in self.saved_fields().items()}
+        if "steps" not in out:  # not counted by this optimizer: 0, as documented for saves
+            out["steps"] = torch.zeros(out["rows"].shape[0], dtype=torch.int64)
+        return out
+
+    def given_fields(
+        self, fields: dict[str, torch.Tensor], n: int, check_rows: Callable[..., torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """``fields`` given for ``n`` rows (``rows`` required; ``steps``, ``state.*``, ``stats.*`` optional), checked
+        and converted to the stored dtypes (``steps`` dropped where not counted); ``check_rows`` checks 2-D ones."""
+        names = self.saved_fields()
+        known = set(names) | {"steps"}  # steps: stored where the optimizer counts them, else always 0
+        unknown = sorted(set(fields) - known)
+        if unknown or "rows" not in fields:
+            raise ValueError(f"write_rows takes 'rows' and optionally {sorted(known - {'rows'})}, got {unknown}")
+        given = {}
+        for name, value in fields.items():
+            if name == "rows" or name.startswith("state."):
+                given[name] = check_rows(name, value, n, names[name].shape[1])
+            elif tuple(value.shape) != (n,):
+                raise ValueError(f"write_rows: '{name}' has shape {tuple(value.shape)}, expected ({n},)")
+            elif name in names:
+                given[name] = value.to(names[name].dtype)
+        return given
+
     # ------------------------------------------------------------------ growth
     def grow_to(self, needed: int, used: int, grow_tensor: Callable[[torch.Tensor, int, int], torch.Tensor]) -> None:
         """Make room for ``needed`` rows (keeping the first ``used``), doubling so growth is amortised.
@@ -104,6 +131,16 @@ class RowStore:
             self.prefaulted = min(self.prefaulted, used)  # copied into fresh memory: not faulted in yet
         self._take(records)
         self.dirty, self.capacity = dirty, cap
+
+    def slots_creating(self, ids: torch.Tensor, live: int, undo: UndoLog, grow_tensor: Callable) -> torch.Tensor:
+        """``ids``' slots, appending a slot after the ``live`` rows for each id not held yet (undone with ``undo``);
+        the caller writes the new slots' fields."""
+        slots = self.index.lookup(ids)
+        new = (slots < 0).nonzero().squeeze(1)
+        if new.numel():
+            self.grow_to(live + new.numel(), live, grow_tensor)
+            slots.index_copy_(0, new, self.index.insert_new(ids.index_select(0, new), undo))
+        return slots
 
     def prefault_ahead(self, end: int) -> None:
         """Have the pages of the rows after ``end`` made present off the loop, a few MiB ahead (fleet.sparse.pages)."""

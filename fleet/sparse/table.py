@@ -6,12 +6,11 @@ is created the first time any request (pull or push) names its id, with the
 value :func:`fleet.sparse.optim.initial_rows` gives that id, so the result does not
 depend on which worker touched it first or how ids are sharded over servers.
 
-Storage: a :class:`~fleet.sparse.row_store.RowStore` (the table's part that knows the layout): an
-id index mapping id -> dense slot over one record per slot (id, row, optimizer state, step count where
-the optimizer reads it, life-cycle statistics). Every operation is a fixed number of whole-batch torch
-ops or one native pass; nothing loops over ids in Python. The table composes three parts, each through a
-declared face of the table: the store, its life cycle (:class:`~fleet.sparse.table_lifecycle.TableLifeCycle`,
-through ``LivingTable``) and its saves (:class:`~fleet.sparse.saves.TableSaves`, through ``StoredTable``).
+The table composes three parts, each through a declared face of the table: its storage (a
+:class:`~fleet.sparse.row_store.RowStore`: records, id index, growth, the native optimizer step), its life
+cycle (:class:`~fleet.sparse.table_lifecycle.TableLifeCycle`, through ``LivingTable``) and its saves
+(:class:`~fleet.sparse.saves.TableSaves`, through ``StoredTable``). Every operation is a fixed number of
+whole-batch torch ops or one native pass; nothing loops over ids in Python.
 
 Updates are row-wise ("lazy"): only the rows named in a push change, each with
 its own state and step, so a row that gets a gradient every step follows
@@ -21,10 +20,7 @@ With a life cycle (:mod:`fleet.sparse.lifecycle`: admission, TTL, ``max_rows``) 
 created by updates only, once admitted; a pull of an id without a row returns its
 initial value (zeros while an entry has not admitted it) and stores nothing. Every
 table remembers which rows changed since the last save and which ids it evicted, so a
-save can be a delta (:meth:`state_dict` with ``delta=True``, :meth:`apply_delta`). What a save
-holds and how it is checked is :mod:`fleet.sparse.saves` (a :class:`~fleet.sparse.saves.TableSaves`
-the table composes), working through the table's storage methods (:meth:`slot_ids`,
-:meth:`copy_rows`, :meth:`header`, :meth:`replace_rows`, :meth:`merge_rows`, ...).
+save can be a delta (:meth:`state_dict` with ``delta=True``, :meth:`apply_delta`).
 
 Every operation is all-or-nothing (:meth:`transaction`, :mod:`fleet.sparse.undo`): if any step
 fails -- an allocation when memory runs out, above all -- the table is rolled back to what
@@ -283,11 +279,7 @@ class SparseTable:
 
     def copy_rows(self, pick: slice | torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of the per-row fields (``rows``, ``steps``, ``state.*``, ``stats.*``) of the slots ``pick``."""
-        n = len(self)
-        out = {name: t[:n][pick].clone() for name, t in self._saved_fields().items()}
-        if "steps" not in out:  # not counted by this optimizer: 0, as documented for saves
-            out["steps"] = torch.zeros(out["rows"].shape[0], dtype=torch.int64)
-        return out
+        return self._store.copy_fields(pick, len(self))
 
     def changed_slots(self) -> torch.Tensor:
         """The slots of rows created or changed since :meth:`mark_saved`."""
@@ -346,7 +338,7 @@ class SparseTable:
                 gone = torch.zeros(len(self), dtype=torch.bool)
                 gone[slots[slots >= 0]] = True
                 self.remove_slots(gone)
-            slots = self._slots_creating(ids, undo)
+            slots = self._store.slots_creating(ids, len(self), undo, grow)
             for name, t in self._saved_fields().items():
                 undo.rows(self.getter(name), slots)
                 t.index_copy_(0, slots, fields[name])
@@ -371,16 +363,6 @@ class SparseTable:
             self._recent.forget()  # slots move
             self._store.reorder(order, undo)
 
-    def _slots_creating(self, ids: torch.Tensor, undo: Any) -> torch.Tensor:
-        """``ids``' slots, appending a row for each id not in the table yet (undone with ``undo``)."""
-        first = len(self)
-        slots = self._store.index.lookup(ids)
-        new = (slots < 0).nonzero().squeeze(1)
-        if new.numel():
-            self._store.grow_to(first + new.numel(), first, grow)
-            slots.index_copy_(0, new, self._store.index.insert_new(ids.index_select(0, new), undo))
-        return slots
-
     def write_rows(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], replace: bool = False) -> None:
         """Set rows ``ids`` to ``fields`` (``rows`` required; ``steps``, ``state.*``, ``stats.*`` optional).
 
@@ -394,22 +376,11 @@ class SparseTable:
         if torch.unique(ids).numel() != n:
             raise ValueError("write_rows: 'ids' contains duplicates")
         names = self._saved_fields()
-        known = set(names) | {"steps"}  # steps: stored where the optimizer counts them, else always 0
-        unknown = sorted(set(fields) - known)
-        if unknown or "rows" not in fields:
-            raise ValueError(f"write_rows takes 'rows' and optionally {sorted(known - {'rows'})}, got {unknown}")
-        given = {}
-        for name, value in fields.items():
-            if name == "rows" or name.startswith("state."):
-                given[name] = self.check_rows(name, value, n, names[name].shape[1])
-            elif tuple(value.shape) != (n,):
-                raise ValueError(f"write_rows: '{name}' has shape {tuple(value.shape)}, expected ({n},)")
-            elif name in names:
-                given[name] = value.to(names[name].dtype)
+        given = self._store.given_fields(fields, n, self.check_rows)
         with self.transaction() as undo:
             if replace and len(self):
                 self.remove_slots(torch.ones(len(self), dtype=torch.bool))
-            slots = self._slots_creating(ids, undo)
+            slots = self._store.slots_creating(ids, len(self), undo, grow)
             fresh = {k: t.new_empty((n, *t.shape[1:])) for k, t in names.items() if k not in given}
             self._start_fresh(fresh)
             for name, t in self._saved_fields().items():
