@@ -38,12 +38,18 @@ from fleet.sparse.row_optimizers.base import number
 _COMMON = ("kind", "lr", "weight_decay", "maximize")
 
 
-def _format_validation_error(what: str, err: pydantic.ValidationError) -> str:
+def _error_parts(err: pydantic.ValidationError) -> str:
+    """Each error of ``err``, naming its field (a model's own check names its fields itself)."""
     parts = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
-        parts.append(f"field '{loc}': {e['msg']}")
-    return f"invalid {what} config: " + "; ".join(parts)
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"field '{loc}': {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def _format_validation_error(what: str, err: pydantic.ValidationError) -> str:
+    return f"invalid {what} config: " + _error_parts(err)
 
 
 def _validate(model: type[pydantic.BaseModel], what: str, data: Any) -> Any:
@@ -96,7 +102,7 @@ class OptimizerSpec(pydantic.BaseModel, frozen=True, extra="allow"):
         try:
             checked = rule.hyper.model_validate(hyper)
         except pydantic.ValidationError as err:
-            raise ValueError(_format_validation_error(f"'{rule.name}' optimizer", err)) from None
+            raise ValueError(_error_parts(err)) from None
         return {**common, **checked.model_dump()}
 
     @pydantic.model_validator(mode="after")
