@@ -76,7 +76,7 @@ setup(
         Extension(
             "fleet.sparse._native",
             sources=sorted(str(p) for p in Path("fleet/sparse/csrc").glob("*.cpp")),
-            depends=["fleet/sparse/csrc/common.h"],
+            depends=sorted(str(p) for p in Path("fleet/sparse/csrc").glob("*.h")),  # a header changed: rebuild
             language="c++",
             extra_compile_args=_compile_args,
             extra_link_args=_link_args,
