@@ -68,3 +68,9 @@ def native_hyper(spec: Any, lr: float) -> tuple:
         bool(rule.decoupled_weight_decay),
         tuple(float(v) for v in rule.native_params(spec)),
     )
+
+
+def with_lr(hyper: tuple, lr: float) -> tuple:
+    """A :func:`native_hyper` tuple for another learning rate (the spec's part is built once per table: reading a
+    rule's hyper-parameters off the spec costs several microseconds, a push's kernel call a few)."""
+    return (hyper[0], float(lr), *hyper[2:])

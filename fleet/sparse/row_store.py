@@ -22,7 +22,7 @@ import torch
 
 from fleet.sparse.growable import row_tensor
 from fleet.sparse.id_index import IdIndex
-from fleet.sparse.native import buf, kernels, native_hyper
+from fleet.sparse.native import buf, kernels, with_lr
 from fleet.sparse.pages import prefault
 from fleet.sparse.records import RowRecords
 from fleet.sparse.undo import Getter, UndoLog
@@ -165,9 +165,9 @@ class RowStore:
 
     # ------------------------------------------------------------------ the row optimizer's step
     def step_rows(
-        self, spec: Any, slots: torch.Tensor, grads: torch.Tensor, lr: float, live: int, undo: UndoLog | None
+        self, hyper: tuple, slots: torch.Tensor, grads: torch.Tensor, lr: float, live: int, undo: UndoLog | None
     ) -> None:
-        """The row optimizer ``spec``'s step on ``slots`` (of ``live`` rows) (duplicates' gradients summed first, in batch order), natively.
+        """The row optimizer's step (``hyper``: its :func:`~fleet.sparse.native.native_hyper`, any lr) on ``slots`` (of ``live`` rows) (duplicates' gradients summed first, in batch order), natively.
 
         The kernel finds repeated slots with a hash of the batch (no sort) and updates each row once
         with its total: the same sums as ``torch.unique`` + ``index_add_``. It checks every slot before
@@ -192,7 +192,7 @@ class RowStore:
             old = [old_rows.numpy()] + [old_state[name].numpy() for name in names] + [None] * (2 - len(names))
             old.append(old_steps.numpy() if old_steps is not None else None)
         kernels.apply_rows(
-            native_hyper(spec, lr),
+            with_lr(hyper, lr),
             buf(store.rows, "rows", torch.float32, 2, strided=True),
             state[0] if names else None,
             state[1] if len(names) > 1 else None,

@@ -39,6 +39,7 @@ import torch
 from fleet.sparse.growable import grow
 from fleet.sparse.id_index import IdIndex, as_ids
 from fleet.sparse.lifecycle import LifeCycle
+from fleet.sparse.native import native_hyper
 from fleet.sparse.optim import (
     InitializerSpec,
     OptimizerSpec,
@@ -80,6 +81,7 @@ class SparseTable:
         self.initializer = initializer if initializer is not None else InitializerSpec()
         self.seed = seed
         self._opt = ServerOptimizer(optimizer)
+        self._hyper = native_hyper(optimizer, optimizer.lr)  # each push passes its own lr (native.with_lr)
         # Per-row step counts cost two random accesses per row; keep them only where the math reads them.
         self._track_steps = self._opt.needs_step
         self.lifecycle = lifecycle if lifecycle is not None else LifeCycle()
@@ -505,7 +507,7 @@ class SparseTable:
                 return
             self._life.touch(slots, clicks, mark_dirty=nested)  # outermost, the kernel marks the rows changed
             # the last change: keep it last (see RowStore.step_rows)
-            self._store.step_rows(self.optimizer, slots, grads, float(lr), len(self), undo if nested else None)
+            self._store.step_rows(self._hyper, slots, grads, float(lr), len(self), undo if nested else None)
 
     def add_delta(
         self, ids: torch.Tensor, deltas: torch.Tensor, step: int | None = None, clicks: torch.Tensor | None = None
