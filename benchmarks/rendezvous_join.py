@@ -20,8 +20,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from _common import record_result
 
+from fleet.roles import RoleInfo
 from fleet.runtime import rendezvous
-from fleet.runtime.roles import RoleInfo
 from fleet.runtime.signed_store import SignedStore
 
 

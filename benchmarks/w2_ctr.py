@@ -9,7 +9,8 @@ examples/single_to_multi/train_ctr.py (the W2 model: 26 slots of uniform ids in
 BCE, SGD lr 0.1, batch 512 per worker). Figure: total samples/s over both workers
 after 10 warm-up steps, and each worker's loss at the last step.
 
-``--peers``: fleet's PS async and sync with 1 and 2 servers (``--modes``/``--servers`` narrow
+``--peers``: fleet's PS async and sync with 1 and 2 servers, and PS async with the dense layers
+all-reduced among the workers (``async-dense-ar``: ``dense_placement="allreduce"``; ``--modes``/``--servers`` narrow
 them), alternately with TorchRec's configurations (benchmarks/peers/w2_torchrec.py) and
 PaddlePaddle's Fleet parameter server (benchmarks/peers/w2_paddle.py) on the same workload, each
 peer from its own venv (``bash benchmarks/peers/setup.sh``; a missing one is skipped with a note).
@@ -47,6 +48,9 @@ STRATEGIES = {
     "async-noprefetch": 'mode = "ps"\nupdate = "async"\n',  # the same, without SparseEmbedding.prefetch
     "sync": 'mode = "ps"\nupdate = "sync"\n',
     "geo": 'mode = "ps"\nupdate = "geo"\nk_steps = 100\n',
+    # the server holds only the table; the workers all-reduce the MLP (PERSIA's hybrid)
+    "async-dense-ar": 'mode = "ps"\nupdate = "async"\ndense_placement = "allreduce"\n',
+    "sync-dense-ar": 'mode = "ps"\nupdate = "sync"\ndense_placement = "allreduce"\n',
 }
 TORCHREC_CONFIGS = "tw-fused,rw-fused,dp"
 PADDLE_CONFIGS = "async-1-run,async-1-dataset,async-2-run,async-2-dataset"
@@ -231,7 +235,7 @@ def loss_fell(sample: dict) -> bool:
 
 
 def run_peers(args: argparse.Namespace) -> int:
-    modes = (args.modes or "async,sync").split(",")
+    modes = (args.modes or "async,sync,async-dense-ar").split(",")
     servers = [int(s) for s in args.servers.split(",")]
     fleet = fleet_configs(modes, servers)
     peer_lists, skipped = [], []
@@ -419,7 +423,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="W2: CTR model on fleet's parameter server, and against its peers")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument(
-        "--modes", default=None, help="fleet PS modes (default async,sync,geo; with --peers async,sync)"
+        "--modes",
+        default=None,
+        help="fleet PS modes (default async,sync,geo; with --peers async,sync,async-dense-ar; also "
+        "sync-dense-ar, async-noprefetch)",
     )
     parser.add_argument("--servers", default="1,2")
     parser.add_argument("--peers", action="store_true", help="fleet alternately with TorchRec and PaddlePaddle")

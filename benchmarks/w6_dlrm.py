@@ -10,6 +10,8 @@ MLPs, BCE, SGD lr 0.5, batch 256 per worker. Configurations (``--configs``, comm
 - ``torch-1p``: the same model with ``nn.EmbeddingBag`` tables (sparse gradients), plain PyTorch;
 - ``fleet-ps-sync``, ``fleet-ps-async``: fleet's parameter server, 1 server + 2 workers
   (``python -m fleet.launch``);
+- ``fleet-ps-async-dense-ar`` (``fleet-ps-sync-dense-ar`` on request): the same with
+  ``dense_placement="allreduce"``: the server holds only the tables, the workers all-reduce the MLPs;
 - ``torchrec-tw-fused``, ``torchrec-rw-fused``, ``torchrec-auto`` (``torchrec-dp`` on request):
   TorchRec 1.8's ``EmbeddingBagCollection`` under ``DistributedModelParallel``, 2 ranks, from the
   peers' venv (``bash benchmarks/peers/setup.sh torchrec``; skipped with a note when missing);
@@ -51,13 +53,16 @@ ALL_CONFIGS = (
     "torch-1p",
     "fleet-ps-sync",
     "fleet-ps-async",
+    "fleet-ps-async-dense-ar",
+    "fleet-ps-sync-dense-ar",
     "torchrec-tw-fused",
     "torchrec-rw-fused",
     "torchrec-auto",
     "torchrec-dp",
     "ddp",
 )
-DEFAULT_CONFIGS = [c for c in ALL_CONFIGS if c != "torchrec-dp"]  # dp all-reduces every table, 1 GB a step
+# dp all-reduces every table, 1 GB a step; sync with the dense layers all-reduced is the same math as fleet-ps-sync
+DEFAULT_CONFIGS = [c for c in ALL_CONFIGS if c not in ("torchrec-dp", "fleet-ps-sync-dense-ar")]
 
 
 # --------------------------------------------------------------------------- fleet's model
@@ -253,7 +258,7 @@ def launch(config: str, args: argparse.Namespace) -> list[dict]:
         if config.startswith("fleet-ps-"):
             strategy = os.path.join(tmp, "strategy.toml")
             with open(strategy, "w") as f:
-                f.write(f'mode = "ps"\nupdate = "{config.removeprefix("fleet-ps-")}"\n')
+                f.write(ps_strategy(config))
             cmd = [sys.executable, "-m", "fleet.launch", "--servers", "1", "--workers", str(WORKERS)]
             cmd += ["--strategy", strategy, "--log-dir", os.path.join(tmp, "logs"), *me, "--role", "worker"]
             return _job(cmd, report, args.timeout, WORKERS)
@@ -261,6 +266,13 @@ def launch(config: str, args: argparse.Namespace) -> list[dict]:
         peer = config.removeprefix("torchrec-")
         cmd = [python, os.path.join(PEERS, "w6_torchrec.py"), "--config", peer, *_common(args), "--report", report]
         return _job([*cmd, "--timeout", str(args.timeout)], report, args.timeout + 60, WORKERS)
+
+
+def ps_strategy(config: str) -> str:
+    """The strategy file of a ``fleet-ps-UPDATE[-dense-ar]`` configuration."""
+    update, _, placement = config.removeprefix("fleet-ps-").partition("-")
+    text = f'mode = "ps"\nupdate = "{update}"\n'
+    return text + ('dense_placement = "allreduce"\n' if placement == "dense-ar" else "")
 
 
 @dataclass

@@ -27,10 +27,10 @@ _EXPORTS = {
     "ModelMismatchError": "fleet.errors",
     "PeerError": "fleet.errors",
     "StoreTamperedError": "fleet.errors",
-    "PaddleCloudRoleMaker": "fleet.runtime.roles",
-    "Role": "fleet.runtime.roles",
-    "RoleInfo": "fleet.runtime.roles",
-    "UserDefinedRoleMaker": "fleet.runtime.roles",
+    "PaddleCloudRoleMaker": "fleet.roles",
+    "Role": "fleet.roles",
+    "RoleInfo": "fleet.roles",
+    "UserDefinedRoleMaker": "fleet.roles",
     "Strategy": "fleet.strategies",
     "register_strategy": "fleet.strategies",
     "barrier_worker": "fleet.api",
@@ -134,8 +134,8 @@ if TYPE_CHECKING:
         StrategyError,
     )
     from fleet.export import export_for_inference, load_for_inference  # noqa: F401
+    from fleet.roles import PaddleCloudRoleMaker, Role, RoleInfo, UserDefinedRoleMaker  # noqa: F401
     from fleet.runtime.env import EnvError  # noqa: F401
-    from fleet.runtime.roles import PaddleCloudRoleMaker, Role, RoleInfo, UserDefinedRoleMaker  # noqa: F401
     from fleet.sparse.lifecycle import CountFilterEntry, ProbabilityEntry  # noqa: F401
     from fleet.strategies import Strategy, register_strategy  # noqa: F401
     from fleet.strategy import DistributedStrategy  # noqa: F401

@@ -20,8 +20,8 @@ from fleet import registry
 from fleet.collective.liveness import Liveness
 from fleet.data.loader import shard_loader
 from fleet.errors import FleetError, StoreTamperedError
+from fleet.roles import RoleInfo, RoleMaker, detect
 from fleet.runtime import context, default_group, env, job_files, job_secret, netif, rendezvous
-from fleet.runtime.roles import RoleInfo, RoleMaker, detect
 from fleet.runtime.signed_store import SignedStore
 from fleet.sparse import backends as tables
 from fleet.strategies.base import Strategy
@@ -480,13 +480,15 @@ def distributed_model(
 def _with_ddp_habits(model: torch.nn.Module) -> torch.nn.Module:
     """``model.module`` and ``model.no_sync()``, as on a DDP-wrapped model, unless the model has its own.
 
-    The model is returned as itself (its state_dict has no ``module.`` prefix), so ``.module`` is the
-    model too; set past nn.Module's __setattr__ so that it is no submodule (no cycle, no new keys).
+    These are writes to the user's model, on purpose: DDP's users reach its surface by attribute, and the
+    model is returned as itself (its state_dict has no ``module.`` prefix), so ``.module`` is the model
+    too, set past nn.Module's __setattr__ so that it is no submodule (no cycle, no new keys). The other
+    two go through the model's own __setattr__ (a plain attribute for a function or a bool).
     """
     if "module" not in model._modules and not hasattr(model, "module"):
         object.__setattr__(model, "module", model)
     if not hasattr(model, "no_sync"):
-        object.__setattr__(model, "no_sync", context.no_sync)
+        model.no_sync = context.no_sync
     return _with_grad_sync_flag(model)
 
 
@@ -494,7 +496,7 @@ def _with_grad_sync_flag(model: torch.nn.Module) -> torch.nn.Module:
     """DDP's ``model.require_backward_grad_sync`` (True; False skips the reduction of the backward after the
     next forward, as in DDP), once per model, unless the model has an attribute of that name itself."""
     if context.GRAD_SYNC_FLAG not in model.__dict__ and not hasattr(model, context.GRAD_SYNC_FLAG):
-        object.__setattr__(model, context.GRAD_SYNC_FLAG, True)
+        setattr(model, context.GRAD_SYNC_FLAG, True)
         model.register_forward_pre_hook(context.read_grad_sync_flag)
     return model
 

@@ -102,6 +102,16 @@ class DistributedStrategy(BaseModel):
     arrival order (fleet.ps.server.lanes); 0 runs them all on the server's loop thread. None: none
     on a machine of 2 cores or fewer, else half the cores, at most 8."""
 
+    dense_placement: Literal["servers", "allreduce"] = "servers"
+    """PS: where the dense parameters (every parameter that is not a ``fleet.nn`` sparse table) live.
+    "servers": flat tables on the parameter servers, which step them; each step pushes their
+    gradients and pulls their values. "allreduce" (PERSIA's hybrid): they stay on the workers, their
+    gradients are averaged every step by the collective engine (shared memory on one host, the
+    process group across hosts; ``bucket_mb`` and ``shared_memory`` apply) and the user's optimizer
+    steps them on every worker, so they are identical on every worker after every step; the servers
+    hold only the sparse tables, in sync, async or geo mode. Not with ``backup_workers`` (the
+    all-reduce waits for every worker) nor with restarts (``fleetrun --max-restarts``)."""
+
     servers: int = Field(0, ge=0)
     """Under rank-only launchers (torchrun, mpirun, srun): the first ``servers`` ranks serve."""
 
@@ -143,6 +153,15 @@ class DistributedStrategy(BaseModel):
 
     local_sgd_steps: int = Field(0, ge=0)
     """Collective: if > 0, no gradient all-reduce; parameters are averaged every this many steps."""
+
+    table_placement: Literal["auto", "replicated", "sharded"] = "auto"
+    """Where the rows of ``fleet.nn.SparseEmbedding`` tables (bags, feature collections) live in
+    collective and sharding mode: "replicated" (every worker holds every row; each step's row
+    gradients go to every worker), "sharded" (each worker holds the rows whose id hashes to it,
+    1/N of them; ids and rows, then gradients, go to their owners by all-to-all), or "auto":
+    sharded in mode="sharding" (its promise is memory per worker of about 1/N) except tables with
+    a ``max_rows`` cap (sharded, the cap is split over the workers), replicated in mode="collective".
+    In mode="ps" the servers hold the tables ("auto" only). See docs/modes.md, "Where the tables live"."""
 
     seed: int = 0
     """Seed for anything fleet itself draws (sparse row initialisation)."""
@@ -221,6 +240,15 @@ class DistributedStrategy(BaseModel):
         if mode not in registry.names():
             raise ValueError(f"expected one of {', '.join(repr(n) for n in registry.names())}")
         return mode
+
+    @model_validator(mode="after")
+    def _tables_on_workers(self) -> DistributedStrategy:
+        if self.table_placement != "auto" and self.mode == "ps":
+            raise ValueError(
+                f"table_placement={self.table_placement!r} places sparse tables on the workers; in mode='ps' the "
+                "servers hold them (keep table_placement='auto', or use mode='collective' or 'sharding')"
+            )
+        return self
 
     @model_validator(mode="after")
     def _supported_combination(self) -> DistributedStrategy:

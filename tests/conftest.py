@@ -12,6 +12,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def pytest_configure(config) -> None:
     # tests/launch/test_slurm.py: a real one-node Slurm cluster (skipped, with the reason, without slurm-wlm)
     config.addinivalue_line("markers", "slurm: starts a one-node Slurm controller and daemon on this machine")
+    # Every torch.optim optimizer imports torch._dynamo on first use (1-2 s idle, over 60 s at load 15-20 on 2
+    # cores): import it here, outside any test's timeout, so the first test of a file that builds a reference
+    # optimizer does not pay it inside its bound (a test_collective timeout at load 13-20, issue 34's proof runs).
+    import torch._dynamo  # noqa: F401
 
 
 @pytest.fixture

@@ -86,7 +86,15 @@ class Join:
             strategy.adopt_state(steps.index(max(steps)))
 
 
-SHADOWED = (lockstep.ROUND, lockstep.BUFFERS, lockstep.SPARSE_ROWS, lockstep.AVERAGE, lockstep.BARRIER)
+# TABLE_PULL too: the strategy's shadow says why a sharded table cannot be shadowed (its rows live on every worker)
+SHADOWED = (
+    lockstep.ROUND,
+    lockstep.BUFFERS,
+    lockstep.SPARSE_ROWS,
+    lockstep.AVERAGE,
+    lockstep.BARRIER,
+    lockstep.TABLE_PULL,
+)
 
 
 def _who(headers: list[lockstep.Header]) -> str:

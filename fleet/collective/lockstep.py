@@ -49,8 +49,9 @@ SHARD_FORWARD = 10  # mode="sharding": FSDP2 gathers a module's parameters: a = 
 SHARD_BACKWARD = 11  # mode="sharding": a backward after sharded forwards: a = 1 backward, 2 torch.autograd.grad
 SHARD_REDUCE = 12  # mode="sharding": FSDP2 reduce-scatters a module's gradients: a = its index, b = which it has
 SHARD_STEP = 13  # mode="sharding": an optimizer step: b = which parameters carry a gradient set by hand
+TABLE_PULL = 14  # a table sharded across the workers: rows fetched from their owners (forward): a = table, b = dim
 
-TRAINING = (ROUND, BUFFERS, SPARSE_ROWS, AVERAGE, PARAMS)
+TRAINING = (ROUND, BUFFERS, SPARSE_ROWS, AVERAGE, PARAMS, TABLE_PULL)
 ENDED = (BARRIER, FINISH, JOINED)
 
 WHAT = {
@@ -67,6 +68,7 @@ WHAT = {
     SHARD_BACKWARD: "run backward",
     SHARD_REDUCE: "reduce-scatter a sharded module's gradients (backward)",
     SHARD_STEP: "step the optimizer",
+    TABLE_PULL: "pull the rows of a fleet.nn.SparseEmbedding sharded across the workers (forward)",
 }
 
 REDUCE_OPS = ("sum", "max", "min")  # REDUCE's b, by index: fleet.strategies.base.REDUCE_OPS (tested equal)

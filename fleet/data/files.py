@@ -46,7 +46,7 @@ def worker_position() -> tuple[int, int]:
     After ``fleet.init`` from the job's role; before it from the launcher's environment
     (fleetrun, Paddle) or a single process (0, 1). A server has no share: (-1, workers).
     """
-    from fleet.runtime.roles import detect
+    from fleet.roles import detect
 
     job = context.current()
     role = job.role if job is not None else detect()

@@ -42,6 +42,7 @@ from fleet.nn import rows_state, torch_signature
 from fleet.nn.bag_kernels import unique_inverse
 from fleet.runtime import context
 from fleet.sparse import backends as tables
+from fleet.sparse import native
 from fleet.sparse.lifecycle import Entry, LifeCycle
 from fleet.sparse.optim import InitializerSpec, OptimizerSpec, initial_rows
 
@@ -101,6 +102,7 @@ class SparseEmbedding(nn.Module):
     ):
         super().__init__()
         owner = type(self).__name__
+        native.require(f"fleet.nn.{owner}")  # here, not at the first step: a job without the engine stops at once
         given = torch_signature.sizes(owner, sizes, num_embeddings, embedding_dim, "initializer")
         if given.second is not None:
             if initializer is not None:

@@ -66,12 +66,14 @@ class Probe:
 
     # --- what the hooks feed ------------------------------------------------------
 
-    def on_fleet_boundary(self) -> None:
+    def on_fleet_boundary(self, timed: tuple[float, float, float] | None) -> None:
+        """A step boundary in fleet's step recorder (a listener of it): ``timed`` is the step's
+        ``(wall, compute, comm)``, None at the first boundary, which only starts the clock."""
         self.from_fleet = True  # fleet times the steps; torch's hook only names the optimizer
-
-    def on_fleet_step(self, wall: float, compute: float) -> None:
-        self._inspect_modules()
-        self._step(wall, compute)
+        if timed is not None:
+            wall, compute, _ = timed
+            self._inspect_modules()
+            self._step(wall, compute)
 
     def on_torch_step(self, optimizer: Any) -> None:
         if not self.optimizer:
@@ -189,20 +191,9 @@ def install(probe: Probe) -> None:
     from fleet.nn import SparseEmbedding
     from fleet.telemetry import timing
 
-    recorder = timing.recorder()
-    original = recorder.end_step
-
-    def end_step(micro_batches: int = 1) -> None:
-        probe.on_fleet_boundary()
-        before = recorder.steps
-        original(micro_batches)
-        if recorder.steps > before:  # the first boundary only starts the clock
-            wall, compute, _ = recorder.window[-1]
-            probe.on_fleet_step(wall, compute)
-
-    # Fleet's own recorder is where every strategy reports a step; listening on this one instance
-    # sees them all without changing any strategy.
-    recorder.end_step = end_step  # type: ignore[method-assign]
+    # Fleet's own recorder is where every strategy reports a step; listening to it sees them all
+    # without changing any strategy.
+    timing.recorder().subscribe(probe.on_fleet_boundary)
     register_optimizer_step_post_hook(lambda opt, args, kwargs: probe.on_torch_step(opt))
 
     def before(module: Any, args: tuple) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
-from fleet.runtime.roles.role import RoleInfo
+from fleet.roles.role import RoleInfo
 
 __all__ = [
     "GRAD_SYNC_FLAG",

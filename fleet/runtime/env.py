@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, MutableMapping
 
-# --- fleetrun's own variables (set by fleet.launch, read by fleet.runtime.roles) -----
+# --- fleetrun's own variables (set by fleet.launch, read by fleet.roles) -----
 FLEET_ROLE = "FLEET_ROLE"  # "worker" or "server"
 FLEET_WORKER_INDEX = "FLEET_WORKER_INDEX"
 FLEET_WORKER_NUM = "FLEET_WORKER_NUM"

@@ -32,10 +32,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from fleet.errors import FleetError, PeerError, StoreTamperedError
+from fleet.roles import RoleInfo
 from fleet.runtime import env, job_files
 from fleet.runtime.env import EnvError, EnvReader
 from fleet.runtime.rendezvous import bounded
-from fleet.runtime.roles import RoleInfo
 from fleet.runtime.store_calls import StoreSilentError
 
 RANK_ONLY = ("torchrun", "mpi", "slurm")

@@ -32,8 +32,8 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from fleet.errors import FleetError, PeerError, StoreTamperedError
+from fleet.roles import RoleInfo
 from fleet.runtime import env
-from fleet.runtime.roles import RoleInfo
 from fleet.runtime.signed_store import SignedStore, session_key
 from fleet.runtime.store_calls import StoreSilentError, within
 

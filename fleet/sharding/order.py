@@ -57,6 +57,7 @@ class ShardedOrder:
         diagnose: Callable[[], str | None] | None = None,
         shared_memory: bool = True,
         clock: CommClock | None = None,
+        entry_points: autograd.EntryPoints | None = None,
     ):
         self.group = group
         self.clock = clock if clock is not None else CommClock()  # FSDP2's collectives and the waits here
@@ -69,8 +70,11 @@ class ShardedOrder:
         self.roots: list[str] = []  # the models sharded, described, in the order they were
         self._ran_forward = False  # a sharded module ran forward since the last backward announced
         self._in_backward = False  # a backward through sharded modules is running
-        autograd.before_backward(self.before_backward)
-        autograd.after_backward(self.after_backward)
+        # torch.autograd's entry points, held by the strategy (or by this object when none is given)
+        self._entry_points = entry_points if entry_points is not None else autograd.EntryPoints()
+        self._own_entry_points = entry_points is None
+        self._entry_points.before_backward(self.before_backward)
+        self._entry_points.after_backward(self.after_backward)
 
     def watch(self, modules: list[tuple[str, torch.nn.Module]]) -> None:
         """Announce the forward and the reduce-scatter of each of ``modules`` (already given to fully_shard)."""
@@ -159,8 +163,10 @@ class ShardedOrder:
         return both[: len(flags)].tolist(), (-both[len(flags) :]).tolist()
 
     def close(self) -> None:
-        autograd.forget(self.before_backward)
-        autograd.forget(self.after_backward)
+        self._entry_points.forget(self.before_backward)
+        self._entry_points.forget(self.after_backward)
+        if self._own_entry_points:
+            self._entry_points.close()
 
     def _mismatch(self, agreement: lockstep.Agreement) -> str:
         groups: dict[str, list[int]] = {}

@@ -159,11 +159,19 @@ def collect_many(future: Any) -> list[torch.Tensor] | None:
 
 
 def step_tables(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
-    """Global step hook: an optimizer holding a table module's placeholder steps the module's backend."""
+    """Global step hook: an optimizer holding a table module's placeholder steps the module's backend; backends
+    that step together (tables sharded across the workers, of one process group: ``batch_key``) step at once."""
     if not _BY_PLACEHOLDER:  # every optimizer step of the process passes here
         return
+    together: dict[tuple[type, int], list[tuple[Any, dict[str, Any]]]] = {}
     for module, group in modules_in(optimizer):
-        module.backend().step(type(optimizer), group)
+        backend = module.backend()
+        if hasattr(backend, "step_together"):  # tables sharded across the workers: one exchange for all
+            together.setdefault((type(backend), id(backend.batch_key())), []).append((backend, group))
+        else:
+            backend.step(type(optimizer), group)
+    for (kind, _), members in together.items():
+        kind.step_together(members, type(optimizer))
 
 
 register_optimizer_step_post_hook(step_tables)

@@ -52,6 +52,12 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def _wrap(value: int) -> int:
+    """``value`` as a signed 64-bit integer (two's complement wrap-around)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def _mix(x: torch.Tensor, multiplier: int) -> torch.Tensor:
     """splitmix64's finaliser over ``x * multiplier`` (wrapping int64 arithmetic)."""
     h = x * multiplier
@@ -293,7 +299,8 @@ class Admission:
             return torch.ones(new_ids.numel(), dtype=torch.bool)
         if self.sketch is not None:
             return self.sketch.add(new_ids, undo) >= self.entry.min_count
-        draw = _mix(new_ids ^ (clock * _MULTIPLIERS[3]) ^ (self.seed * _MULTIPLIERS[4]), _MULTIPLIERS[0])
+        # the products wrapped to int64 as the hash's other steps are (a Python int past 64 bits cannot meet a tensor)
+        draw = _mix(new_ids ^ _wrap(clock * _MULTIPLIERS[3]) ^ _wrap(self.seed * _MULTIPLIERS[4]), _MULTIPLIERS[0])
         uniform = _shr(draw, 11).to(torch.float64) / float(1 << 53)
         return uniform < self.entry.probability
 

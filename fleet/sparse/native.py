@@ -9,30 +9,106 @@ rather than crash. They run with the GIL released.
 Built by ``pip install -e .`` / ``pip wheel .``; in a source tree used with ``PYTHONPATH=$PWD``,
 ``python setup.py build_ext --inplace`` builds (or rebuilds, after a change under ``csrc/``) the
 module next to its source (docs/development.md).
+
+The compiled module is optional (fleet installs without a compiler, setup.py): it is imported on
+first use, through :data:`kernels`, so a collective or sharding job without sparse tables never
+loads it. Whoever needs it -- a ``fleet.nn.SparseEmbedding``, a parameter-server job -- calls
+:func:`require` first, and a missing or stale build is a :class:`NativeEngineError` naming the
+command that builds it, at the line that asked, rather than an ``ImportError`` at ``import fleet``.
 """
 
 from __future__ import annotations
 
+import json
+import urllib.parse
+import urllib.request
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from fleet.errors import FleetError
+
 #: the kernels' interface version this Python code was written for (kAbiVersion in csrc/module.cpp)
 ABI_VERSION = 8
-_REBUILD = "python setup.py build_ext --inplace"
+_COMPILER = "a C++17 compiler and the Python headers (Debian/Ubuntu: `apt-get install g++ python3-dev`)"
 
-try:
-    from fleet.sparse import _native as kernels
-except ImportError as err:  # not built: a source tree used without an install
-    raise ImportError(
-        f"fleet's native sparse-table engine is not built ({err}). In a source tree, build it in place with "
-        f"`{_REBUILD}` (needs g++ and the Python headers), or install fleet with `pip install -e .`"
-    ) from err
-if kernels.abi_version() != ABI_VERSION:
-    raise ImportError(
-        f"fleet's native sparse-table engine ({kernels.__file__}) is a stale build (interface "
-        f"{kernels.abi_version()}, this code needs {ABI_VERSION}): rebuild it with `{_REBUILD}` or `pip install -e .`"
-    )
+
+class NativeEngineError(FleetError, ImportError):
+    """fleet's native sparse-table engine is not built here, or is a stale build (sparse tables and
+    parameter-server jobs need it; collective and sharding jobs without sparse tables do not)."""
+
+
+def build_command() -> str:
+    """The command that (re)builds the engine for this installation of fleet, quoted for a message."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "setup.py").is_file() and (root / "fleet" / "sparse" / "csrc").is_dir():  # a source tree
+        return (
+            f"`pip install --force-reinstall --no-deps -e {root}` (or, with the tree on PYTHONPATH, "
+            f"`python setup.py build_ext --inplace` in {root})"
+        )
+    return f"`pip install --force-reinstall --no-deps {_installed_from() or 'fleet'}`"
+
+
+def _installed_from() -> str | None:
+    """What pip installed this fleet from (its direct_url.json, PEP 610): a path or URL, or None."""
+    try:
+        dist = metadata.distribution("fleet")
+        if Path(str(dist.locate_file("fleet"))).resolve() != Path(__file__).resolve().parents[1]:
+            return None  # that distribution is another installation of fleet than this one
+        url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    except (metadata.PackageNotFoundError, ValueError, OSError):
+        return None
+    if url.startswith("file:"):
+        return urllib.request.url2pathname(urllib.parse.urlparse(url).path)
+    return url or None
+
+
+_module: Any = None
+
+
+def load(what: str = "This use of a sparse table") -> Any:
+    """The compiled module, imported on the first call; :class:`NativeEngineError` if it is missing or stale.
+
+    ``what``: who needs it, for the message ("fleet.nn.SparseEmbedding", "A parameter-server job").
+    """
+    global _module
+    if _module is not None:
+        return _module
+    try:
+        from fleet.sparse import _native as module
+    except ImportError as err:  # installed without a compiler, or a source tree never built
+        raise NativeEngineError(
+            f"{what} needs fleet's native sparse-table engine, which is not built in this installation ({err}). "
+            f"Collective and sharding jobs without sparse tables run without it. To build it, install {_COMPILER}, "
+            f"then run {build_command()}."
+        ) from err
+    if module.abi_version() != ABI_VERSION:
+        raise NativeEngineError(
+            f"fleet's native sparse-table engine ({module.__file__}) is a stale build (interface "
+            f"{module.abi_version()}, this code needs {ABI_VERSION}): rebuild it with {build_command()}."
+        )
+    _module = module
+    return module
+
+
+def require(what: str) -> None:
+    """Raise :class:`NativeEngineError` naming ``what`` and the build command unless the engine loads."""
+    load(what)
+
+
+class _Kernels:
+    """The compiled module's functions, the module imported on the first one used (:func:`load`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(load(), name)
+        self.__dict__[name] = value  # later calls find it here: no cost on the hot path
+        return value
+
+
+kernels: Any = _Kernels()
+"""``kernels.apply_rows(...)`` and the rest of ``fleet/sparse/csrc/module.cpp``'s functions."""
 
 
 def buf(t: Any, name: str, dtype: torch.dtype, ndim: int, strided: bool = False) -> Any:

@@ -39,7 +39,7 @@ from fleet import registry
 from fleet.errors import FleetError, PeerError
 
 if TYPE_CHECKING:
-    from fleet.runtime.roles import RoleInfo
+    from fleet.roles import RoleInfo
     from fleet.sparse.backends import TableBackend, TableModule
     from fleet.storage.layout import Save, SaveWriter
     from fleet.strategy import DistributedStrategy

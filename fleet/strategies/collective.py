@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fleet.collective import lockstep, sparse_grads, transports
+from fleet.collective import lockstep, sharded_rows, sparse_grads, transports
 from fleet.collective.broadcast import (
     average_tensors,
     broadcast_optimizer_state,
@@ -162,13 +162,32 @@ class CollectiveStrategy(Strategy):
         return Join(self)
 
     def table_backend(self, module: tables.TableModule) -> tables.TableBackend | None:
-        """Every worker keeps the module's table; each step's row gradients are merged over the workers first."""
+        """Every worker keeps the module's table, each step's row gradients merged over the workers first; or,
+        with ``table_placement="sharded"``, each worker its share of the rows (fleet.collective.sharded_rows)."""
         if self.runtime.role.worker_num == 1:
             return None
         backend = self._backends.get(module)
         if backend is None:
-            backend = self._backends[module] = tables.ExchangedRows(module.local, self._exchange_rows)
+            if sharded_rows.shards(self.config.table_placement, False, module):
+                backend = sharded_rows.ShardedRows(
+                    module, self.group, self.config.collective_wait_s, "with tables sharded in collective mode",
+                    lambda values: self.all_reduce(values, "sum"), self._announce_table, self.runtime.diagnose_peers,
+                )  # fmt: skip
+            else:
+                backend = tables.ExchangedRows(module.local, self._exchange_rows)
+            self._backends[module] = backend
         return backend
+
+    def _announce_table(self, what: str, module: Any, width: int, lr: float) -> None:
+        """Before a sharded table's exchange: every worker must be about to do the same (lockstep)."""
+        lock = self.sync().lockstep
+        assert lock is not None
+        kind = lockstep.TABLE_PULL if what == "pull" else lockstep.SPARSE_ROWS
+        index = tables.all_modules().index(module)
+        agreement = lock.announce(kind, index, width, lockstep.float_bits(lr))
+        if len(agreement.active) < self.runtime.role.worker_num:
+            finished = sorted(set(range(self.runtime.role.worker_num)) - set(agreement.active))
+            raise sharded_rows.refuse_join(f"worker(s) {finished} finished their loop")
 
     def shutdown(self) -> None:
         sync = self._sync
@@ -231,6 +250,11 @@ class CollectiveStrategy(Strategy):
             sync.shadow_round(agreement)
         elif leader.kind == lockstep.BUFFERS:
             broadcast_tensors(list(self._models[leader.a]().buffers()), self.group, agreement.source)
+        elif leader.kind == lockstep.TABLE_PULL or (
+            leader.kind == lockstep.SPARSE_ROWS
+            and any(isinstance(b, sharded_rows.ShardedRows) for b in self._backends.values())
+        ):
+            raise sharded_rows.refuse_join("this worker's loop ended while the others train")
         elif leader.kind == lockstep.SPARSE_ROWS:
             param = sync.registered()[leader.a]
             module = tables.module_of(param)

@@ -7,6 +7,10 @@ needs no server branch). On a worker, ``wrap_optimizer`` returns a
 and the ``fleet.nn.SparseEmbedding`` tables that optimizer holds are served from the
 servers (:meth:`table_backend`). ``save_persistables``/``load_persistables`` checkpoint
 every server's shards plus worker 0's optimizer-side state.
+
+``dense_placement="allreduce"`` (PERSIA's hybrid): the servers hold only the sparse tables; the
+workers form a process group of their own (:mod:`fleet.ps.worker.workers_group`) and average
+their dense gradients through the collective engine (:mod:`fleet.ps.worker.dense_allreduce`).
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ import atexit
 import os
 import sys
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fleet.errors import FleetError
+from fleet.errors import FleetError, PeerError
 from fleet.ps import modes
 from fleet.ps.worker.persistables import WORKER_FILE
+from fleet.runtime import env
+from fleet.sparse import native
 from fleet.storage import persist
 from fleet.storage.layout import SAVES, Save, SaveWriter
 from fleet.strategies.base import Runtime, Strategy, check_reduce
@@ -31,7 +39,8 @@ __all__ = ["WORKER_FILE", "ParameterServerStrategy"]
 if TYPE_CHECKING:
     from fleet.ps.client.client import PSClient
     from fleet.ps.server.loop import ParameterServer
-    from fleet.runtime.roles import RoleInfo
+    from fleet.ps.worker.workers_group import WorkersGroup
+    from fleet.roles import RoleInfo
     from fleet.sparse.backends import TableBackend, TableModule
     from fleet.strategy import DistributedStrategy
 
@@ -43,12 +52,22 @@ class ParameterServerStrategy(Strategy):
 
     @classmethod
     def check_launch(cls, config: DistributedStrategy, role: RoleInfo) -> None:
+        native.require("A parameter-server job (mode='ps')")  # its servers' tables and checks are native
         if config.backup_workers >= role.worker_num:
             raise ValueError(
                 f"backup_workers={config.backup_workers} must be below the number of workers ({role.worker_num})."
             )
+        restarts = env.current().int(env.FLEET_MAX_RESTARTS, 0) or 0
+        if config.dense_placement == "allreduce" and restarts > 0 and role.server_num:
+            raise ValueError(
+                f"dense_placement='allreduce' cannot run with restarts ({env.FLEET_MAX_RESTARTS}={restarts}, "
+                "fleetrun --max-restarts): a restarted worker cannot rejoin the workers' process group in the middle "
+                "of the job, and a restarted server brings the tables back to their last checkpoint while the dense "
+                "layers, on the workers, would stay where they are. Launch without --max-restarts (resume from "
+                "fleet.save_persistables instead), or keep dense_placement='servers'."
+            )
 
-    owned_fields = frozenset({"backup_workers", "servers"})
+    owned_fields = frozenset({"backup_workers", "servers", "dense_placement"})
 
     @classmethod
     def check(cls, config: DistributedStrategy) -> None:
@@ -61,6 +80,13 @@ class ParameterServerStrategy(Strategy):
             )
         if config.grad_accumulation_steps > 1:
             raise ValueError("grad_accumulation_steps applies to mode='collective' only")
+        if config.dense_placement == "allreduce" and config.backup_workers:
+            raise ValueError(
+                f"backup_workers={config.backup_workers} cannot be combined with dense_placement='allreduce': the "
+                "dense layers' all-reduce waits for every worker at every step, so a backup worker saves no time "
+                "(and the dense and sparse updates of a step would average different sets of workers). Use "
+                "backup_workers with dense_placement='servers', or update='async' for the tables"
+            )
         super().check(config)
 
     def __init__(self, config: DistributedStrategy, runtime: Runtime):
@@ -72,6 +98,7 @@ class ParameterServerStrategy(Strategy):
         self._endpoints: tuple[str, ...] = tuple(runtime.role.server_endpoints)
         self._persisted: str | None = None  # worker 0: the last complete save it wrote or loaded (a delta's parent)
         self._save_failed = False  # worker 0: the last save failed, so the servers' delta marks are not trusted
+        self._workers: WorkersGroup | None = None  # dense_placement="allreduce": the workers' group and synchroniser
 
     @property
     def optimizers(self) -> list[Any]:
@@ -93,10 +120,28 @@ class ParameterServerStrategy(Strategy):
             return  # mode='ps' with no servers: wrap_optimizer explains
         refuse_user_group(self.config, self.runtime.role, "before fleet.init()")
         launch_server.resolve_secret(self.runtime)
+        hybrid = self.config.dense_placement == "allreduce"
+        if hybrid and self.runtime.role.worker_num > 1:  # one worker needs no group, nor the rendezvous
+            from fleet.ps.worker.workers_group import need_master
+
+            need_master(self.runtime.role)
+            try:
+                self.runtime.rendezvous_store()  # every process, servers too: the join counts them all
+            except PeerError as error:
+                raise PeerError(
+                    f"{error} With dense_placement='allreduce' every process of the job, servers included, joins "
+                    "the rendezvous at fleet.init(): give that strategy to every process (fleetrun --strategy, "
+                    "FLEET_STRATEGY, or fleet.init(strategy=...) in the script), not only to "
+                    "fleet.distributed_optimizer, which the servers never call."
+                ) from None
         if self.runtime.role.is_server:
             self.serve(run=True)
         else:
             self.client()
+            if hybrid and self._workers is None:
+                from fleet.ps.worker.workers_group import WorkersGroup
+
+                self._workers = WorkersGroup(self.runtime, self.config)
 
     def serve(self, run: bool) -> None:
         from fleet.ps.server import launch as launch_server
@@ -167,10 +212,15 @@ class ParameterServerStrategy(Strategy):
             for opt in self.optimizers:
                 opt.flush()
         finally:
-            if self._client is not None:
-                atexit.unregister(self._stop_at_exit)
-                self._client.close()
-                self._client = None
+            try:
+                if self._client is not None:
+                    atexit.unregister(self._stop_at_exit)
+                    self._client.close()
+                    self._client = None
+            finally:
+                if self._workers is not None:
+                    workers, self._workers = self._workers, None
+                    workers.close()
 
     # --- training -------------------------------------------------------------------------------
 
@@ -190,9 +240,42 @@ class ParameterServerStrategy(Strategy):
         refuse_user_group(self.config, role, "after fleet.init()")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         model = self.runtime.model_for(params)
-        wrapped = PSOptimizer(optimizer, self.client(), self.config, role, self._new_table, model)
+        dense = None
+        if self._workers is not None:
+            from fleet.ps.worker.dense_allreduce import AllReducedDense
+
+            dense = AllReducedDense(self._workers.sync, optimizer)
+        wrapped = PSOptimizer(optimizer, self.client(), self.config, role, self._new_table, model, dense)
         self._optimizers.append(weakref.ref(wrapped))
         return wrapped
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """dense_placement="allreduce": backward passes inside keep the dense gradients local (DDP's no_sync)."""
+        if self._workers is None:
+            yield
+            return
+        self._workers.sync.pause()
+        try:
+            yield
+        finally:
+            self._workers.sync.resume()
+
+    def uneven_inputs(self) -> Any:
+        """``with fleet.join():`` Nothing to do with the dense layers on the servers (a finished worker is not waited
+        for); refused with them all-reduced, where a finished worker cannot shadow the others' rounds yet."""
+        if self._workers is not None and self.runtime.role.worker_num > 1:
+            raise FleetError(
+                "fleet.join() is not supported with dense_placement='allreduce' yet: the dense layers' all-reduce "
+                "pairs every worker's step, and a finished worker cannot shadow the others' rounds here. Give every "
+                "worker the same number of batches (fleet.distributed_loader does), or use dense_placement='servers' "
+                "for uneven loops."
+            )
+        return super().uneven_inputs()
+
+    def defer_reduction(self, defer: bool) -> None:
+        if self._workers is not None:
+            self._workers.sync.hold(defer)
 
     def table_backend(self, module: TableModule) -> TableBackend | None:
         """The servers' rows, once an optimizer holding the module was wrapped (its initial rows before)."""
@@ -291,7 +374,10 @@ class ParameterServerStrategy(Strategy):
                 flush=True,
             )
             delta = False
-        state = {"optimizers": [opt.inner.state_dict() for opt in optimizers]}
+        state: dict[str, Any] = {"optimizers": [opt.inner.state_dict() for opt in optimizers]}
+        if self._workers is not None:  # the dense parameters are the workers' (equal on every one): worker 0's
+            state["dense_placement"] = "allreduce"
+            state["dense"] = [[p.detach().clone() for p in opt.parameters()] for opt in optimizers]
         return save_servers(self.client(), dirname, state, delta, self._persisted if delta else None)
 
     def load_persistables(self, dirname: str) -> None:
@@ -314,6 +400,17 @@ class ParameterServerStrategy(Strategy):
                 f"{save.part(WORKER_FILE)} holds {len(state['optimizers'])} optimizers' states, this worker has "
                 f"{len(optimizers)} wrapped optimizers: the save is of another script"
             )
+        saved_placement = state.get("dense_placement", "servers")
+        if saved_placement != self.config.dense_placement:
+            raise FleetError(
+                f"{dirname!r} was saved with dense_placement={saved_placement!r} (the dense parameters "
+                f"{'on the workers' if saved_placement == 'allreduce' else 'as tables on the servers'}), but this "
+                f"job has dense_placement={self.config.dense_placement!r}: load it with the placement it was saved "
+                "with (then save again under the other one: its parameters are in the model on every worker)."
+            )
+        dense = state.get("dense")
+        if dense is not None:
+            _check_dense_save(save.part(WORKER_FILE), dense, optimizers)
         self.barrier()
         failure: BaseException | None = None
         if self.runtime.role.is_first_worker:
@@ -330,8 +427,12 @@ class ParameterServerStrategy(Strategy):
                 f"load_persistables({dirname!r}) failed on worker 0 (its error names the server and the file); no "
                 "table changed on any parameter server."
             )
-        for opt, saved in zip(optimizers, state["optimizers"], strict=True):
+        for index, (opt, saved) in enumerate(zip(optimizers, state["optimizers"], strict=True)):
             opt.inner.load_state_dict(saved)
+            if dense is not None:  # every worker read the same file: the dense parameters agree again
+                with torch.no_grad():
+                    for param, value in zip(opt.parameters(), dense[index], strict=True):
+                        param.copy_(value)
             opt.refresh()
             opt.remember_checkpoint(os.path.abspath(source))
 
@@ -342,3 +443,16 @@ class ParameterServerStrategy(Strategy):
         )
 
     load_state = save_state
+
+
+def _check_dense_save(where: str, dense: Any, optimizers: list[Any]) -> None:
+    """A save's dense parameters (dense_placement="allreduce") must fit this script's, optimizer by optimizer."""
+    for index, (values, opt) in enumerate(zip(dense, optimizers, strict=True)):
+        params = opt.parameters()
+        shapes = [tuple(p.shape) for p in params]
+        saved = [tuple(v.shape) for v in values]
+        if saved != shapes:
+            raise FleetError(
+                f"{where} holds dense parameters of shapes {saved} for optimizer {index}, this worker's optimizer "
+                f"{index} has {shapes}: the save is of another model"
+            )

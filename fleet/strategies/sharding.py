@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fleet.collective import lockstep, sparse_grads
+from fleet.collective import lockstep, sharded_rows, sparse_grads
 from fleet.collective.broadcast import average_tensors, broadcast_tensors, check_same_shapes
 from fleet.collective.layout import ParamMap
 from fleet.errors import FleetError
@@ -101,7 +101,9 @@ class ShardingStrategy(Strategy):
         self._replaced = ParamMap()  # an old parameter (weakly) -> its sharded replacement
         self._optimizers: list[weakref.ref] = []
         self._order: ShardedOrder | None = None  # every worker runs the same sharded modules (made with the group)
+        self._autograd: sharded_autograd.EntryPoints | None = None  # torch.autograd's, held until shutdown
         self._shared: shm_collectives.SharedMemoryCollectives | None = None  # CPU workers on one host
+        self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its ShardedRows
 
     # --- sharding the model ----------------------------------------------------------------
 
@@ -162,8 +164,13 @@ class ShardingStrategy(Strategy):
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         units = self._units(model)
         if self._order is None:
+            self._autograd = sharded_autograd.EntryPoints()
             self._order = ShardedOrder(
-                group, self.config.timeout_s, self.runtime.diagnose_peers, self.config.shared_memory
+                group,
+                self.config.timeout_s,
+                self.runtime.diagnose_peers,
+                self.config.shared_memory,
+                entry_points=self._autograd,
             )
         root = _describe(model, len(self._order.roots))  # before fully_shard renames its class
         self._order.roots.append(root)
@@ -184,7 +191,7 @@ class ShardingStrategy(Strategy):
         # FSDP2 picks its root at the first forward and refuses a submodule called before the model
         # ("requires running forward through the root module first"); the model is the root.
         model._get_fsdp_state()._lazy_init()
-        sharded_autograd.track(model)  # backward(inputs=...) and autograd.grad on its parameters
+        self._autograd.track(model)  # backward(inputs=...) and autograd.grad on its parameters
         self._order.watch([(f"{root}.{inside[id(m)]}", m) for unit in units for m in unit] + [(root, model)])
         self._sharded.add(model)
         return self._replacements(before, dict(model.named_parameters()))
@@ -290,10 +297,20 @@ class ShardingStrategy(Strategy):
         return replaced
 
     def table_backend(self, module: tables.TableModule) -> tables.TableBackend | None:
-        """fleet.nn.SparseEmbedding tables stay whole on every worker, updated with every worker's rows."""
+        """fleet.nn.SparseEmbedding tables sharded across the workers (fleet.collective.sharded_rows), or (with
+        ``table_placement="replicated"``, or a ``max_rows`` cap under "auto") whole on every worker, updated with
+        every worker's rows."""
         group = self.runtime.process_group(self.config.timeout_s)
         if group is None:
             return None
+        if sharded_rows.shards(self.config.table_placement, True, module):
+            backend = self._tables.get(module)
+            if backend is None:
+                backend = self._tables[module] = sharded_rows.ShardedRows(
+                    module, group, self.config.collective_wait_s, "with tables sharded in sharding mode",
+                    lambda values: self.all_reduce(values, "sum"), diagnose=self.runtime.diagnose_peers,
+                )  # fmt: skip
+            return backend
         world = dist.get_world_size(group)
         return tables.ExchangedRows(
             module.local,
@@ -311,6 +328,8 @@ class ShardingStrategy(Strategy):
     def shutdown(self) -> None:
         if self._order is not None:
             self._order.close()
+        if self._autograd is not None:
+            self._autograd.close()  # torch.autograd.backward and grad are torch's own again
         if self._shared is not None:
             self._shared.close()
         super().shutdown()
@@ -409,8 +428,8 @@ def _swap_parameters(optimizer: torch.optim.Optimizer, replaced: dict[int, torch
         state = optimizer.state.pop(old)
         optimizer.state[new] = {
             key: distribute_tensor(value, new.device_mesh, new.placements)
-            if torch.is_tensor(value) and value.shape == new.shape
-            else value
+            if torch.is_tensor(value) and value.shape == new.shape and hasattr(new, "device_mesh")
+            else value  # a table's zero-size placeholder stays a plain tensor, and so does its state (Adagrad's)
             for key, value in state.items()
         }
 

@@ -25,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fleet.storage.atomic import write_text_atomic
+from fleet.telemetry import link_report
 
 _BIN = math.log(1.05)
 _FLOOR_S = 1e-6
@@ -202,7 +203,7 @@ def build_report(
     comm = sum(records[r]["run"]["comm_s_total"] for r in records)
     rates = [row["samples_per_s"] for row in rows if row["samples_per_s"] is not None]
     workers = len(records)
-    return {
+    report = {
         # "backward": no worker called optimizer.step() (weights updated by hand); a "step" is then a backward pass
         "per": "backward" if any(records[r].get("per") == "backward" for r in records) else "step",
         "workers": rows,
@@ -210,6 +211,10 @@ def build_report(
         "stragglers": sorted(set(stragglers)),
         "speedup_condition": speedup_condition(comm / steps if steps else 0.0, comp / steps if steps else 0.0, workers),
     }
+    links = link_report.link_summary(records)
+    if links is not None:  # the workers talked to other hosts: per peer, and the slow link named (link_report)
+        report["links"] = links
+    return report
 
 
 def read_records(log_dir: str | Path) -> dict[int, dict[str, Any]]:
@@ -287,7 +292,10 @@ def report_table(report: dict[str, Any]) -> RenderableType:
         f"speedup condition T_sync < (R-1)/R x T_comp with R={condition['workers']}: {condition['verdict']}",
         style=style,
     )
-    return Group(table, legend, line)
+    message = (report.get("links") or {}).get("message")
+    if message is None:
+        return Group(table, legend, line)
+    return Group(table, legend, line, Text(message, style="bold yellow"))
 
 
 def report_at_exit(rec: Any, rank: int, count: int, wait_s: float = 3.0) -> Path | None:

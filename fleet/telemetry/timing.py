@@ -21,6 +21,11 @@ backward, communication, update); the first boundary only starts the clock.
   parameter server: a push), with its bytes, so the report shows reductions per optimizer step: one
   with gradient accumulation done right, one per micro-batch when accumulation still communicates.
 - restarts: ``FLEET_RESTART_COUNT``.
+- links to other hosts: bytes and link time per peer host (or parameter server) from the kernel's TCP
+  counters (:mod:`fleet.telemetry.links`), read when the summary is written, never per step; from the first
+  step boundary on. Absent when the worker talks to no other host.
+- listeners: :meth:`StepMetrics.subscribe` calls a function at every step boundary, with the step just
+  timed (``fleet.plan.probe`` reads a script's steps this way, the recorder left as it is).
 - a script that never calls ``step()`` (weights updated by hand, ``p.data.add_(p.grad, alpha=-lr)``)
   is timed per backward instead: strategies that reduce gradients in backward call
   :meth:`StepMetrics.end_backward` at its end, and the summary says ``"per": "backward"``.
@@ -44,16 +49,20 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fleet.runtime import context, env
 from fleet.storage.atomic import write_text_atomic
-from fleet.telemetry import step_report
+from fleet.telemetry import links, step_report
 from fleet.telemetry.step_report import LogHistogram, median
 
 WINDOW_STEPS = 20
 WRITE_EVERY_S = 1.0
+
+StepListener = Callable[[tuple[float, float, float] | None], None]
+"""Told of every step boundary: the step's ``(wall, compute, comm)`` seconds, None at the first one."""
 
 
 def worker_identity() -> tuple[int, int]:
@@ -86,6 +95,7 @@ class StepMetrics:
         restarts: int = 0,
         write_every_s: float = WRITE_EVERY_S,
         clock: Any = time.perf_counter,
+        count_links: bool = True,
     ):
         self.log_dir = Path(log_dir) if log_dir else None
         self.rank = rank
@@ -107,6 +117,9 @@ class StepMetrics:
         self._last: float | None = None
         self._written = 0.0
         self._per_backward: StepMetrics | None = None  # boundaries at each backward, for scripts without step()
+        self._count_links = count_links
+        self._links: links.LinkCounters | None = None  # from the first boundary (step or backward) on
+        self._listeners: list[StepListener] = []
 
     # --- what strategies and users call ------------------------------------------
 
@@ -136,12 +149,24 @@ class StepMetrics:
             raise ValueError(f"fleet.telemetry.timing.set_batch_size(n) needs a positive int, got {n!r}.")
         self.batch_size, self._batch_explicit = n, self._batch_explicit or not inferred
 
+    def subscribe(self, listener: StepListener) -> None:
+        """Call ``listener`` at the end of every step boundary from now on (until :meth:`unsubscribe`): with
+        the step just timed as ``(wall, compute, comm)`` seconds, or None at the first boundary, which
+        only starts the clock."""
+        self._listeners.append(listener)
+
+    def unsubscribe(self, listener: StepListener) -> None:
+        self._listeners = [known for known in self._listeners if known != listener]  # a bound method is made anew
+
     def end_step(self, micro_batches: int = 1) -> None:
         """Close the current step: called by the wrapped optimizer at every step boundary."""
         now = self._clock()
         if self._last is None:  # the first boundary starts the clock: what came before it is not a timed step
             self._last, self._comm, self._written = now, 0.0, now
             self.reductions = self.reduced_bytes = 0
+            self._mark_links()
+            for listener in list(self._listeners):
+                listener(None)
             return
         wall = now - self._last
         comm = min(self._comm, wall)
@@ -157,6 +182,8 @@ class StepMetrics:
         if self.log_dir is not None and now - self._written >= self.write_every_s:
             self._written = now
             self.write()
+        for listener in list(self._listeners):
+            listener((wall, compute, comm))
 
     def end_backward(self, comm_s: float = 0.0) -> None:
         """A backward pass ended, after ``comm_s`` seconds of communication since the previous one (strategies
@@ -165,7 +192,10 @@ class StepMetrics:
         if self._last is not None:  # a step boundary was seen: the job is timed per step
             return
         if self._per_backward is None:
-            self._per_backward = StepMetrics(rank=self.rank, restarts=self.restarts, clock=self._clock)
+            self._per_backward = StepMetrics(
+                rank=self.rank, restarts=self.restarts, clock=self._clock, count_links=False
+            )
+            self._mark_links()
         if self.batch_size is not None:
             self._per_backward.set_batch_size(self.batch_size)
         self._per_backward.add_comm(comm_s)
@@ -180,22 +210,40 @@ class StepMetrics:
         """Whether there is anything to report: an optimizer step, or else a backward pass, was timed."""
         return bool(self.steps or (self._last is None and self._per_backward is not None and self._per_backward.steps))
 
+    def _mark_links(self) -> None:
+        """Start counting the links to other hosts here: what crossed them before is not a timed step's."""
+        if not self._count_links:
+            return
+        job = context.current()
+        servers = frozenset(job.role.server_endpoints) if job is not None else frozenset()
+        self._links = links.LinkCounters(servers)
+        self._links.mark()
+
+    def _link_peers(self, final: bool) -> dict[str, Any]:
+        if self._links is None:
+            return {}
+        self._links.sample(force=final)
+        return self._links.peers()
+
     # --- what fleetrun reads ------------------------------------------------------
 
     def summary(self, final: bool = False) -> dict[str, Any]:
         if self.rank is None:
             self.rank = worker_identity()[0]
+        peers = self._link_peers(final)
         if self._last is None and self._per_backward is not None and self._per_backward.steps:
             by_backward = self._per_backward.summary(final)
             by_backward.update(rank=self.rank, dropped_stale=self.dropped_stale, restarts=self.restarts)
             by_backward.update(reductions=self.reductions, reduced_bytes=self.reduced_bytes)
+            if peers:
+                by_backward["links"] = peers
             return {**by_backward, "per": "backward"}
         window = list(self.window)
         run: dict[str, Any] = {f"{name}_s_total": round(value, 6) for name, value in self.total.items()}
         for name, hist in self.hist.items():
             run[f"{name}_p50"] = hist.percentile(50)
             run[f"{name}_p95"] = hist.percentile(95)
-        return {
+        out = {
             "rank": self.rank,
             "pid": os.getpid(),
             "time": time.time(),
@@ -216,6 +264,9 @@ class StepMetrics:
             },
             "run": run,
         }
+        if peers:  # only where the worker talks to other hosts: a one-host job's summary is as it was
+            out["links"] = peers
+        return out
 
     def path(self) -> Path | None:
         if self.log_dir is None:

@@ -23,6 +23,7 @@ the servers step and the user's optimizer never does.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -33,23 +34,24 @@ import torch
 from fleet.runtime import context, inject
 from fleet.telemetry import timing
 
+_HOOKED: weakref.WeakSet = weakref.WeakSet()  # the methods below made: never wrapped twice
+
 
 def _outermost(method: Callable) -> Callable:
     """Run ``method`` with its hooks only in the outermost call (a subclass may call super's)."""
-    flag = f"_fleet_in_{method.__name__}"
+    name = method.__name__
 
     def decorate(hooked: Callable) -> Callable:
         @functools.wraps(method)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.__dict__.get(flag):
+            if not self._enter_hooked(name):
                 return method(self, *args, **kwargs)
-            self.__dict__[flag] = True
             try:
                 return hooked(self, *args, **kwargs)
             finally:
-                self.__dict__[flag] = False
+                self._leave_hooked(name)
 
-        call._fleet_hooked = True  # type: ignore[attr-defined]
+        _HOOKED.add(call)
         return call
 
     return decorate
@@ -108,18 +110,21 @@ _HOOKED_METHODS = {
 }
 
 
-def _hook_methods(cls: type) -> None:
-    for name, wrap in _HOOKED_METHODS.items():
-        method = cls.__dict__.get(name)
-        if method is not None and not getattr(method, "_fleet_hooked", False):
-            setattr(cls, name, wrap(method))
+class _RunsHooks(type):
+    """WrappedOptimizer's metaclass: a class of the family that defines ``step``, ``state_dict`` or
+    ``load_state_dict`` is made with them already wrapped in the wrapper's hooks, so that a strategy's
+    override runs them too, as torch runs an optimizer's hooks around its own methods. The wrapping is
+    done to the namespace the class is made from: no class is rewritten once it exists."""
+
+    def __new__(mcls, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **kwargs: Any) -> type:
+        hooked = {
+            key: _HOOKED_METHODS[key](value) if key in _HOOKED_METHODS and value not in _HOOKED else value
+            for key, value in namespace.items()
+        }
+        return super().__new__(mcls, name, bases, hooked, **kwargs)
 
 
-class WrappedOptimizer(torch.optim.Optimizer):
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        _hook_methods(cls)  # a strategy's own step/state_dict/load_state_dict run the wrapper's hooks too
-
+class WrappedOptimizer(torch.optim.Optimizer, metaclass=_RunsHooks):
     def __init__(self, optimizer: torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -230,5 +235,15 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._inner!r})"
 
+    # --- the hooked methods' own bookkeeping -----------------------------------------
 
-_hook_methods(WrappedOptimizer)
+    def _enter_hooked(self, name: str) -> bool:
+        """Whether this call of the hooked method ``name`` is the outermost one (it runs the hooks)."""
+        running = self.__dict__.setdefault("_fleet_running", set())  # also on an unpickled wrapper
+        if name in running:
+            return False
+        running.add(name)
+        return True
+
+    def _leave_hooked(self, name: str) -> None:
+        self.__dict__["_fleet_running"].discard(name)

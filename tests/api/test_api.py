@@ -551,3 +551,37 @@ def test_hooks_registered_on_the_wrapped_optimizer_run():
         ("step_pre", True), ("step_post", True), ("state_dict_pre", True), ("load_pre", True), ("load_post", True)
     ]  # fmt: skip
     fleet.stop_worker()
+
+
+def test_a_subclass_chain_runs_the_hooks_once_around_the_outermost_call():
+    """Each class of the family is made with its own step/state_dict/load_state_dict already hooked (no
+    class is rewritten afterwards); calls through super() run the hooks once, around the outermost."""
+
+    class Middle(WrappedOptimizer):
+        def step(self, closure=None):
+            self.seen.append("middle")
+            return super().step(closure)
+
+        def state_dict(self):
+            return {**super().state_dict(), "middle": 1}
+
+    middle_step = Middle.__dict__["step"]
+
+    class Outer(Middle):
+        def step(self, closure=None):
+            self.seen.append("outer")
+            return super().step(closure)
+
+    assert Middle.__dict__["step"] is middle_step  # defining a subclass changed nothing of its parent
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = Outer(torch.optim.SGD([param], lr=1.0))
+    opt.seen = []
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", list(o.seen))))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", list(o.seen))))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "hooked": len(calls)})
+    param.grad = torch.ones(1)
+    opt.step()
+    assert calls == [("pre", []), ("post", ["outer", "middle"])] and param.item() == -1.0
+    saved = opt.state_dict()
+    assert saved["middle"] == 1 and saved["hooked"] == 2  # the post-hook ran once, on the outermost result

@@ -18,6 +18,8 @@ ROOT = Path(fleet.__file__).parent
 # Lowest first. A module may import its own group and the groups listed before it, never after.
 LAYERS: list[tuple[str, ...]] = [
     ("fleet.errors", "fleet.strategy_file", "fleet.registry"),
+    ("fleet.runtime.env",),
+    ("fleet.roles",),  # reads the launchers' variables through runtime.env; the rest of runtime takes its RoleInfo
     ("fleet.runtime", "fleet.storage", "fleet.ps.protocol"),
     ("fleet.telemetry",),
     ("fleet.data",),

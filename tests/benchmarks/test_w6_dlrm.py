@@ -80,10 +80,12 @@ def test_fleet_model_in_one_process_equals_the_nn_embedding_bag_model(fresh_flee
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_the_benchmark_runs_and_ps_sync_equals_one_process(tmp_path) -> None:
-    """One small run of the driver: fleet and PyTorch in one process, fleet's PS sync (1 server + 2 workers)."""
+    """One small run of the driver: fleet and PyTorch in one process, fleet's PS sync (1 server + 2 workers), with
+    the dense layers on the server and all-reduced among the workers."""
     out = tmp_path / "w6.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "w6_dlrm.py"), "--sizes", "tiny", "--batch", "8"]
-    cmd += ["--steps", "5", "--warmup", "1", "--rounds", "1", "--configs", "fleet-1p,torch-1p,fleet-ps-sync"]
+    configs = "fleet-1p,torch-1p,fleet-ps-sync,fleet-ps-sync-dense-ar"
+    cmd += ["--steps", "5", "--warmup", "1", "--rounds", "1", "--configs", configs]
     cmd += ["--timeout", "200", "--no-record", "--json", str(out)]
     env = {**os.environ, "FLEET_BENCH_RESULTS": str(tmp_path / "results")}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
@@ -100,3 +102,4 @@ def test_the_benchmark_runs_and_ps_sync_equals_one_process(tmp_path) -> None:
     one = curve("fleet-1p")
     assert len(one) == 5 and one[-1] != one[0]
     assert curve("fleet-ps-sync") == pytest.approx(one, abs=1e-5)
+    assert curve("fleet-ps-sync-dense-ar") == pytest.approx(one, abs=1e-5)  # the MLPs all-reduced, the same math

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from fleet import registry
+from fleet.roles import Role, detect
 from fleet.runtime import job_secret
 from fleet.runtime.env import EnvReader
-from fleet.runtime.roles import Role, detect
 from fleet.strategy import DistributedStrategy
 
 yaml = pytest.importorskip("yaml")  # PyYAML comes with mkdocs, a test dependency

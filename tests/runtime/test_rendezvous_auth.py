@@ -20,8 +20,8 @@ import torch.distributed as dist
 from dist_harness import run_processes
 from fleet.collective.liveness import Liveness
 from fleet.errors import StoreTamperedError
+from fleet.roles import RoleInfo
 from fleet.runtime import rendezvous
-from fleet.runtime.roles import RoleInfo
 from fleet.runtime.signed_store import SignedStore
 
 TAMPERED = "tampered with by a process without the job's secret"

@@ -117,7 +117,7 @@ def test_a_store_silent_during_the_join_fails_it_within_the_timeout(store_host):
     host, port = store_host
     code = f"""
         from fleet.runtime import rendezvous
-        from fleet.runtime.roles import RoleInfo
+        from fleet.roles import RoleInfo
         role = RoleInfo(worker_index=1, worker_num=2, rank=1, world_size=2, master="127.0.0.1:{port}", source="fleetrun")
         store = rendezvous.connect(role, {TIMEOUT_S})
         print("connected", flush=True)
@@ -137,7 +137,7 @@ def test_the_server_endpoint_exchange_on_a_silent_store_fails_naming_it(store_ho
         from datetime import timedelta
         import torch.distributed as dist
         from fleet.ps.server.launch import worker_endpoints
-        from fleet.runtime.roles import RoleInfo
+        from fleet.roles import RoleInfo
         from fleet.strategy import DistributedStrategy
 
         class Runtime:

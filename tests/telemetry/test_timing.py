@@ -79,6 +79,24 @@ def test_step_metrics_split_compute_and_comm_and_write_atomically(tmp_path):
     assert m.batch_size == 16
 
 
+@pytest.mark.timeout(10)
+def test_listeners_hear_every_step_boundary_until_they_unsubscribe():
+    clock = FakeClock()
+    m = timing.StepMetrics(clock=clock)
+    heard: list = []
+    m.subscribe(heard.append)
+    m.end_step()  # the first boundary starts the clock: no step to tell of
+    clock.now += 0.5
+    m.add_comm(0.2)
+    m.end_step()
+    m.unsubscribe(heard.append)
+    clock.now += 0.5
+    m.end_step()
+    assert heard[0] is None and heard[1] == pytest.approx((0.5, 0.3, 0.2)) and len(heard) == 2
+    assert "end_step" not in vars(m)  # listened to, not patched
+    assert m.steps == 2
+
+
 @pytest.mark.timeout(30)
 def test_wrapped_optimizer_times_steps_and_injects_delay(fresh_recorder, monkeypatch):
     monkeypatch.setenv(env.FLEET_INJECT, json.dumps({"ranks": [0], "delay": {"mu": -5.0, "sigma": 0.0}}))

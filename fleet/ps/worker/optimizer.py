@@ -6,6 +6,10 @@ serves to the module (:mod:`fleet.ps.modes.rows`, chosen by the update mode). ``
 update mode's worker policy (:mod:`fleet.ps.modes`) under :class:`~fleet.ps.worker.recovery.Recovery`, which rides out server
 restarts. Param groups added later (``add_param_group`` on this optimizer, or found at
 ``step()`` when added to the unwrapped one) get their tables the same way.
+
+With ``dense_placement="allreduce"`` the servers hold the sparse tables only: the dense
+parameters stay here and an :class:`~fleet.ps.worker.dense_allreduce.AllReducedDense` averages
+their gradients over the workers and steps them locally (``dense``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from fleet.errors import FleetError
 from fleet.ps.client.client import PSClient
 from fleet.ps.client.dense import DenseTables
 from fleet.ps.modes import mode_for
+from fleet.ps.modes.rows import RemoteRows
 from fleet.ps.protocol.errors import PSRemoteError
+from fleet.ps.worker.dense_allreduce import AllReducedDense, PushedRows
 from fleet.ps.worker.recovery import Recovery
 from fleet.ps.worker.step_checks import GradWatch, HyperParameters
 from fleet.ps.worker.table_names import TableNames, dense_name, explain_conflict
@@ -46,8 +52,10 @@ class PSOptimizer(WrappedOptimizer):
         role: Any,
         new_table: Callable[[], int],
         model: torch.nn.Module | None = None,
+        dense: AllReducedDense | None = None,
     ):
         super().__init__(optimizer)
+        self._dense = dense  # None: the dense parameters are tables on the servers
         self.client = client
         self.config = config
         self.is_first = role.worker_index == 0
@@ -66,7 +74,8 @@ class PSOptimizer(WrappedOptimizer):
         self.update = self.mode.worker(self, config)
         self.recovery = Recovery(self, (env.current().int(env.FLEET_MAX_RESTARTS, 0) or 0) > 0)
         self._add_groups(range(len(optimizer.param_groups)), check_values=False)
-        self._share_buffers()
+        if dense is None:  # else every worker took worker 0's buffers through the workers' group
+            self._share_buffers()
 
     def _share_buffers(self) -> None:
         """Every worker starts from worker 0's buffers too (a random projection, spectral_norm's u and v),
@@ -128,7 +137,11 @@ class PSOptimizer(WrappedOptimizer):
         for index in indices:  # dense tables first, then the sparse ones: every worker gets the same ids
             self._groups.append([id(p) for p in self._inner.param_groups[index]["params"]])
             self._hyper.record(index)
-            created += self.tables.create(index, lambda i, params: _dense_names(names, i, params))
+            if self._dense is None:
+                created += self.tables.create(index, lambda i, params: _dense_names(names, i, params))
+        if self._dense is not None and indices.start > 0:
+            # added after wrapping: worker 0's values on every worker (those at wrapping were broadcast then)
+            self._dense.add_params([p for i in indices for p in self._inner.param_groups[i]["params"]])
         first_sparse = len(self.sparse)
         for index in indices:
             created += self._add_sparse(index, names)
@@ -151,6 +164,8 @@ class PSOptimizer(WrappedOptimizer):
     def _check_dtypes(self, indices: range) -> None:
         """The servers keep dense values, gradients and optimizer state in float32: refuse any other dtype
         rather than train a float64 (or bfloat16) model in float32 arithmetic without a word."""
+        if self._dense is not None:
+            return  # the dense parameters stay here, stepped by the user's optimizer in their own dtype
         for index in indices:
             for p in self._inner.param_groups[index]["params"]:
                 if p.numel() and p.dtype != torch.float32:
@@ -187,6 +202,8 @@ class PSOptimizer(WrappedOptimizer):
             self._sparse_creates.append(lambda t=table_id, c=sparse_cfg: self.client.create_sparse(t, c))
             futures.append(self._sparse_creates[-1]())
             rows = self.mode.rows(self.client, table_id, module, spec)
+            if self._dense is not None and isinstance(rows, RemoteRows):
+                rows = PushedRows.like(rows)  # the user's optimizer steps here too (the dense layers)
             rows.guard_with(self.recovery.guard)
             self.sparse.append((module, index, rows))
         return futures
@@ -201,6 +218,8 @@ class PSOptimizer(WrappedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
+        if self._dense is not None:
+            self._dense.zero_grad()
         self._watch_grads()  # a layer unfrozen before zero_grad is watched from this backward on
 
     def _adopt_new_groups(self, check_values: bool = True) -> None:
@@ -227,14 +246,21 @@ class PSOptimizer(WrappedOptimizer):
         self._adopt_new_groups()
         self._check_step()
         started = time.perf_counter()
+        if self._dense is not None:
+            self._dense.before_step()
         try:
             self.recovery.guard(self._send_parameter_writes, lossy=True)
             local_s = self.recovery.guard(self.update.step, lossy=True) or 0.0
         except PSRemoteError as exc:
             raise self._explain(exc) from None
+        dense_wait_s = 0.0
+        if self._dense is not None:
+            if not self.mode.steps_locally:  # geo's step stepped the user's optimizer already
+                local_s += self._dense.step()
+            dense_wait_s = self._dense.after_step()  # the all-reduces' waits, mostly during backward
         self.metrics.set_dropped(self.stale_dropped)
         # step timings, straggler watch and injection (fleet.telemetry.timing / fleet.runtime.inject)
-        self._end_step(comm_s=time.perf_counter() - started - local_s)
+        self._end_step(comm_s=time.perf_counter() - started - local_s + dense_wait_s)
         return loss
 
     def geo_sync(self) -> None:

@@ -11,6 +11,10 @@ differently from one process; under rank-only launchers the group even counts th
 which leave it at ``fleet.init()``. The check runs at ``fleet.init()`` (group made before),
 at ``fleet.distributed_optimizer`` and at every ``optimizer.step()`` (made after): one
 ``is_initialized`` test.
+
+With ``dense_placement="allreduce"`` fleet makes the workers' default group itself
+(:mod:`fleet.ps.worker.workers_group`); that one is fleet's (:func:`default_group.found` passes
+over it), and a script's own is refused all the same: fleet's would be a second default group.
 """
 
 from __future__ import annotations
@@ -34,12 +38,17 @@ def refuse_user_group(config: Any, role: Any, when: str) -> None:
         if found.world_size != role.worker_num
         else ""
     )
+    shared = (
+        "The workers of this parameter-server job average their dense layers through the process group fleet makes "
+        "for them at fleet.init() (dense_placement='allreduce') and share the tables through the servers"
+        if getattr(config, "dense_placement", "servers") == "allreduce"
+        else "The workers of a parameter-server job share parameters only through the servers and have no process group"
+    )
     raise default_group.refuse(
         found,
         job,
         when,
-        "The workers of a parameter-server job share parameters only through the servers and have no process "
-        "group: a script's own distributed mode (DDP, DistributedSampler, embedding tables split over the ranks, "
+        f"{shared}: a script's own distributed mode (DDP, DistributedSampler, embedding tables split over the ranks, "
         f"all_to_all) builds a different model on each worker or trains differently from one process.{servers}",
         "Remove the init_process_group call and what it switches on (fleet.distributed_loader shards the data, "
         "fleet.metrics reduces metrics over the workers). Under fleetrun every worker sees torchrun's variables "

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import hashlib
 
+from fleet.roles.role import Role, RoleInfo
 from fleet.runtime import env
 from fleet.runtime.env import EnvError, EnvReader
-from fleet.runtime.roles.role import Role, RoleInfo
 
 DEFAULT_MASTER_PORT = 29500
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from fleet.roles import PaddleCloudRoleMaker, Role, UserDefinedRoleMaker, detect
 from fleet.runtime.env import EnvError, EnvReader
-from fleet.runtime.roles import PaddleCloudRoleMaker, Role, UserDefinedRoleMaker, detect
 
 
 def roles(environ: dict[str, str], servers: int = 0):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from fleet.roles.detect import detect
+from fleet.roles.role import Role, RoleInfo
 from fleet.runtime import env
-from fleet.runtime.roles.detect import detect
-from fleet.runtime.roles.role import Role, RoleInfo
 
 
 class RoleMaker:

@@ -1,0 +1,120 @@
+"""Several sharded tables in one exchange: their pulls (counts, ids, rows) and their steps (counts, gradients).
+
+A ``fleet.nn.SparseFeatureCollection`` looks up every table of a CTR model in one forward
+(DLRM: 8 to 26 of them), and one optimizer steps them all. One table at a time
+(:class:`fleet.collective.sharded_rows.ShardedRows`), each pull costs three all-to-alls and each
+step two, each a round trip among all the workers; together they cost three and two whatever
+the number of tables (TorchRec's one input and one output exchange per step for all the features
+of a sharding). :func:`fleet.sparse.backends.pull_many` and ``step_tables`` group the backends of
+one process group (``batch_key``) and call :func:`pull_together` and :func:`step_together`.
+
+Every worker sends each owner one block: table 0's part, then table 1's, ...; the counts
+all-to-all says how many rows of each table (one column per table, and for a step one
+non-finite flag per table). Tables may differ in width, so blocks travel flat and are cut back by
+the same counts. A step's rows carry their id as two more float32 columns (its bits, never
+computed on), and each owner applies each table's rows as :meth:`ShardedRows.step` would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fleet.collective import all_to_all
+
+
+def pull_together(backends: list[Any], ids_list: list[torch.Tensor], what: str) -> list[torch.Tensor]:
+    """Rows for each ``(backend, unique ids)``: :class:`~fleet.collective.sharded_rows.ShardedRows` of one group."""
+    first = backends[0]
+    workers, tables = first.workers, len(backends)
+    dims = [b.shard.embedding_dim for b in backends]
+    owners = [b.owners(ids) for b, ids in zip(backends, ids_list, strict=True)]
+    sends = torch.stack([torch.bincount(o, minlength=workers) for o in owners], 1)  # [workers, tables]
+    # grouped by owner, then table; within a table each owner's ids keep their order (a stable sort)
+    tag = torch.cat([o * tables + t for t, o in enumerate(owners)])
+    order = torch.argsort(tag, stable=True)
+    header = torch.cat([sends, torch.zeros(workers, 1, dtype=torch.int64)], 1).to(first.device)
+    got = all_to_all.counts(header, first.group, first.timeout_s, what, first.diagnose)[:, :tables].cpu()
+    asked = all_to_all.rows(
+        torch.cat(ids_list).index_select(0, order).to(first.device),
+        sends.sum(1).tolist(),
+        got.sum(1).tolist(),
+        first.group,
+        first.timeout_s,
+        what,
+        first.diagnose,
+    ).cpu()
+    # the asked ids, grouped by requester then table: each table's share looks its own up at once
+    asked_tag = torch.arange(tables).repeat(workers).repeat_interleave(got.reshape(-1))
+    found = [b.local.pull(asked[asked_tag == t]) for t, b in enumerate(backends)]
+    starts = torch.cumsum(got, 0) - got  # where requester i's rows of table t begin in found[t]
+    reply = torch.cat(
+        [
+            found[t][int(starts[i, t]) : int(starts[i, t] + got[i, t])].reshape(-1)
+            for i in range(workers)
+            for t in range(tables)
+        ]
+    )
+    widths = torch.tensor(dims, dtype=torch.int64)
+    back = all_to_all.rows(
+        reply.to(first.device),
+        (got * widths).sum(1).tolist(),
+        (sends * widths).sum(1).tolist(),
+        first.group,
+        first.timeout_s,
+        what,
+        first.diagnose,
+    )
+    # back: owner j's block holds table 0's rows, then table 1's ...; cut it by the counts sent
+    pieces: list[list[torch.Tensor]] = [[] for _ in range(tables)]
+    at = 0
+    for j in range(workers):
+        for t in range(tables):
+            n = int(sends[j, t]) * dims[t]
+            pieces[t].append(back[at : at + n].view(-1, dims[t]))
+            at += n
+    out = []
+    for t, ids in enumerate(ids_list):
+        rows = torch.cat(pieces[t]).to(ids.device) if pieces[t] else back.new_empty(0, dims[t])
+        placed = torch.empty_like(rows)
+        placed[torch.argsort(owners[t], stable=True).to(rows.device)] = rows
+        out.append(placed)
+    return out
+
+
+def step_together(items: list[tuple[Any, dict[str, Any]]], optimizer_class: type, what: str) -> None:
+    """Step each ``(backend, param group)``: every table's gradients to their owners in one exchange."""
+    first = items[0][0]
+    workers, tables = first.workers, len(items)
+    parts = [backend.gradients(group) for backend, group in items]  # (ids, block [n, width + 2], lr, finite)
+    widths = [block.shape[1] for _, block, _, _ in parts]
+    owners = [backend.owners(ids) for (backend, _), (ids, _, _, _) in zip(items, parts, strict=True)]
+    sends = torch.stack([torch.bincount(o, minlength=workers) for o in owners], 1)  # [workers, tables]
+    bad = torch.tensor([[0 if finite else 1 for *_, finite in parts]] * workers, dtype=torch.int64)
+    header = torch.cat([sends, bad], 1).to(first.device)
+    got = all_to_all.counts(header, first.group, first.timeout_s, what, first.diagnose).cpu()
+    got, any_bad = got[:, :tables], got[:, tables:].any(0).tolist()
+    blocks = []  # owner j's block: table 0's rows (flat), then table 1's ...
+    orders = [torch.argsort(o, stable=True) for o in owners]
+    sorted_blocks = [
+        block.index_select(0, order.to(block.device)) for (_, block, _, _), order in zip(parts, orders, strict=True)
+    ]
+    starts = torch.cumsum(sends, 0) - sends
+    for j in range(workers):
+        for t in range(tables):
+            blocks.append(sorted_blocks[t][int(starts[j, t]) : int(starts[j, t] + sends[j, t])].reshape(-1))
+    flat = torch.cat(blocks).to(first.device)
+    w = torch.tensor(widths, dtype=torch.int64)
+    back = all_to_all.rows(
+        flat, (sends * w).sum(1).tolist(), (got * w).sum(1).tolist(), first.group, first.timeout_s, what, first.diagnose
+    ).cpu()
+    received: list[list[torch.Tensor]] = [[] for _ in range(tables)]
+    at = 0
+    for i in range(workers):
+        for t in range(tables):
+            n = int(got[i, t]) * widths[t]
+            received[t].append(back[at : at + n].view(-1, widths[t]))
+            at += n
+    for t, (backend, group) in enumerate(items):
+        backend.apply_received(optimizer_class, group, torch.cat(received[t]), parts[t][2], bool(any_bad[t]))

@@ -1,0 +1,405 @@
+"""A sparse table sharded across the workers, row-wise by id: each worker holds and updates 1/N of its rows.
+
+The table backend (:class:`fleet.sparse.backends.TableBackend`) of a ``fleet.nn.SparseEmbedding``
+(and of the bags and feature collections built on it) in ``mode="sharding"`` by default and in
+``mode="collective"`` with ``table_placement="sharded"``. Worker :func:`owner` ``(id)`` holds id's row:
+``splitmix64(id) mod workers``, so ids that share a stride (a feature prefix in the high bits,
+a multiple of the worker count) still spread evenly. Each worker keeps its own rows in a table of
+its own (:class:`~fleet.sparse.backends.LocalRows` over a :class:`TableShard`), with the module's
+optimizer, initializer and life cycle.
+
+A step, TorchRec's row-wise layout in fleet's form (:mod:`fleet.collective.all_to_all`):
+
+- **pull** (forward): the batch's unique ids go to their owners, each owner reads (or creates)
+  their rows exactly as one process would, and the rows come back: two all-to-alls (ids,
+  rows) after one of counts.
+- **step** (the optimizer holding the module steps): each worker's (id, gradient) pairs go to
+  the owners, clicks and the ids riding along as more columns; the owner divides by the number
+  of workers (each worker's loss is its batch's mean) and applies one row-optimizer step in
+  which duplicate ids' gradients are summed first: the update one process applies to the union
+  of the batches, row for row (the rows a replica applies, :mod:`fleet.collective.sparse_grads`,
+  restricted to the owner's). A NaN or Inf on any worker (a flag riding with the counts) skips
+  the step on every owner. Every owner steps every step, so clocks and TTLs advance as one table's.
+
+Several tables of one optimizer or collection share their exchanges (:mod:`fleet.collective.sharded_many`).
+
+Rows in ``state_dict`` are gathered from every owner in pieces of at most :data:`PIECE_BYTES`
+per worker per exchange, so a saved checkpoint holds every row, and any number of workers
+loads it: each keeps the rows it owns (N -> M). ``load_rows`` and loading a state dict keep
+the owned rows of what every worker is given. Life cycle: TTL and ``ProbabilityEntry`` follow
+one process exactly (same clock; same hash of id and step); ``max_rows`` is split evenly
+(``max_rows // workers`` per owner, as a parameter server's cap is split over its servers);
+``CountFilterEntry`` counts each id on its owner's sketch, as a parameter server counts it on
+its server's, and the sketches are not in ``state_dict`` (they restart after a load, as on a
+parameter server). ``num_rows``, ``shrink``, ``export``, ``dense_weight`` and ``state_dict``
+are collectives: every worker calls them. ``fleet.join()`` (uneven inputs) is not supported yet.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fleet.collective import all_to_all, sharded_many
+from fleet.errors import FleetError
+from fleet.sparse import nonfinite
+from fleet.sparse.backends import LocalRows, per_row_fields
+from fleet.sparse.lifecycle import LifeCycle
+
+PIECE_BYTES = 32 << 20
+"""Most bytes of rows one worker contributes to one exchange of a gathered ``state_dict``."""
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)  # torch's >> on int64 is arithmetic
+
+
+def owner(ids: torch.Tensor, workers: int) -> torch.Tensor:
+    """The worker that holds each id's row: splitmix64(id) mod ``workers`` (int64, on ``ids``' device)."""
+    h = (ids.to(torch.int64) + _GOLDEN) * _MIX1  # wrapping int64 arithmetic, as splitmix64's
+    h = (h ^ _logical_shift(h, 30)) * _MIX2
+    h = h ^ _logical_shift(h, 27)
+    return _logical_shift(h, 1) % workers
+
+
+def shards(placement: str, by_default: bool, module: Any) -> bool:
+    """Whether a strategy with ``table_placement=placement`` shards ``module``'s table across the workers.
+
+    "auto" shards where the mode does by default (``by_default``: mode="sharding"), except a table
+    with a ``max_rows`` cap: sharded, each worker would evict within its share of the cap, which is
+    no longer the one-process math; such a table stays replicated unless "sharded" is asked for.
+    """
+    if placement != "auto":
+        return placement == "sharded"
+    return by_default and module.lifecycle.max_rows is None
+
+
+class TableShard:
+    """One worker's part of a table module: the module's settings, with ``max_rows`` split over the workers.
+
+    What :class:`~fleet.sparse.backends.LocalRows` reads of a table module, so that the shard's
+    rows live in a table of their own while the module's own table stays empty.
+    """
+
+    def __init__(self, module: Any, workers: int):
+        self.embedding_dim = module.embedding_dim
+        self.initializer = module.initializer
+        self.seed = module.seed
+        self.optimizer_override = module.optimizer_override
+        self.name = type(module).__name__
+        config = module.lifecycle.to_config()
+        cap = config.get("max_rows")
+        if cap is not None and cap < workers:
+            raise ValueError(
+                f"{self.name}(max_rows={cap}) is sharded across {workers} workers, each holding max_rows // "
+                f"{workers} rows: give max_rows >= {workers}, or keep the table replicated (table_placement)"
+            )
+        self.lifecycle = LifeCycle.from_config(config, shards=workers)
+
+
+class ShardedRows:
+    """A table module's rows sharded across the workers of ``group`` (see the module docstring).
+
+    ``announce(what, module, width, lr)``: called before each exchange of a training step (what:
+    "pull" or "step"), where the strategy checks that every worker does the same (collective
+    mode's lockstep); ``reduce_sum(values)`` sums a float64 vector over the workers (the
+    strategy's ``all_reduce``).
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        group: Any,
+        timeout_s: float,
+        where: str,
+        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        announce: Callable[[str, Any, int, float], None] | None = None,
+        diagnose: Callable[[], str | None] | None = None,
+    ):
+        self._module = weakref.ref(module)
+        self.group = group
+        self.workers = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.timeout_s = timeout_s
+        self.where = where
+        self._reduce_sum = reduce_sum
+        self._announce = announce
+        self.diagnose = diagnose
+        # gloo moves CPU tensors; NCCL only CUDA ones (the table itself stays in host memory)
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.shard = TableShard(module, self.workers)
+        self.local = LocalRows(self.shard)
+        """This worker's rows: a table of its own (the module's ``local`` table stays empty)."""
+        self._adopt(module)
+
+    def _adopt(self, module: Any) -> None:
+        """Rows the module's own table took before it was sharded (load_rows, a state dict): keep the owned ones."""
+        pending = module.local.pending_rows()
+        if pending is None:
+            return
+        self.local.load_rows_state(self._owned(pending), replace=False)
+        empty = {"ids": torch.empty(0, dtype=torch.int64), "rows": torch.empty(0, module.embedding_dim)}
+        module.local.load_rows_state(empty, replace=True)
+
+    # ------------------------------------------------------------------ routing
+    def _what(self, action: str) -> str:
+        module = self._module()
+        name = type(module).__name__ if module is not None else "SparseEmbedding"
+        return f"{action} the rows of a {name}(dim {self.shard.embedding_dim}) sharded across the workers"
+
+    def owners(self, ids: torch.Tensor) -> torch.Tensor:
+        """The worker holding each id's row."""
+        return owner(ids, self.workers)
+
+    def _route(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """(the order that groups ``ids`` by owner, how many go to each worker)."""
+        owners = owner(ids, self.workers)
+        order = torch.argsort(owners, stable=True)
+        sends = torch.bincount(owners, minlength=self.workers)
+        return order, sends.tolist()
+
+    def _counts(self, sends: list[int], flag: int, what: str) -> tuple[list[int], bool]:
+        """(rows each worker sends here, whether any worker raised ``flag``)."""
+        mine = torch.tensor([[n, flag] for n in sends], dtype=torch.int64, device=self.device)
+        got = all_to_all.counts(mine, self.group, self.timeout_s, what, self.diagnose).cpu()
+        return got[:, 0].tolist(), bool(got[:, 1].any())
+
+    def _move(self, send: torch.Tensor, sends: list[int], recvs: list[int], what: str) -> torch.Tensor:
+        return all_to_all.rows(send.to(self.device), sends, recvs, self.group, self.timeout_s, what, self.diagnose)
+
+    # ------------------------------------------------------------------ a training step
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for unique ``ids``, from their owners (every worker pulls, with its own ids)."""
+        module = self._module()
+        if self._announce is not None:
+            self._announce("pull", module, self.shard.embedding_dim, 0.0)
+        what = self._what("pulling")
+        order, sends = self._route(ids)
+        recvs, _ = self._counts(sends, 0, what)
+        asked = self._move(ids.index_select(0, order), sends, recvs, what).cpu()
+        found = self.local.pull(asked)
+        back = self._move(found, recvs, sends, what).to(ids.device)
+        out = torch.empty_like(back)
+        out[order.to(back.device)] = back
+        return out
+
+    def batch_key(self) -> Any:
+        """Tables of one process group pull together (:func:`fleet.sparse.backends.pull_many`)."""
+        return self.group
+
+    @classmethod
+    def pull_together(cls, backends: list[ShardedRows], ids_list: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Rows for each backend's unique ids, every table's in one exchange (:mod:`fleet.collective.sharded_many`)."""
+        first = backends[0]
+        if len(backends) == 1:
+            return [first.pull(ids_list[0])]
+        if first._announce is not None:
+            first._announce("pull", first._module(), sum(b.shard.embedding_dim for b in backends), 0.0)
+        return sharded_many.pull_together(backends, ids_list, first._what("pulling"))
+
+    @classmethod
+    def prefetch_together(cls, backends: list[ShardedRows], ids_list: list[torch.Tensor]) -> None:
+        """No prefetch: a step's rows must include the step before it (the forward pulls)."""
+        return None
+
+    @classmethod
+    def step_together(cls, items: list[tuple[ShardedRows, dict[str, Any]]], optimizer_class: type) -> None:
+        """Step several tables (one optimizer's), every table's gradients in one exchange."""
+        first = items[0][0]
+        if len(items) == 1:
+            first.step(optimizer_class, items[0][1])
+            return
+        if first._announce is not None:
+            first._announce("step", first._module(), len(items), float(items[0][1]["lr"]))
+        sharded_many.step_together(items, optimizer_class, first._what("sending gradients to"))
+
+    def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
+        """Send this worker's row gradients to their owners; apply the ones received here (the mean over the
+        workers, clicks summed), or skip the step on every owner where any worker's hold NaN or Inf."""
+        ids, block, lr, finite = self.gradients(group)
+        if self._announce is not None:
+            self._announce("step", self._module(), block.shape[1], lr)
+        what = self._what("sending gradients to")
+        order, sends = self._route(ids)
+        recvs, any_bad = self._counts(sends, 0 if finite else 1, what)
+        got = self._move(block.index_select(0, order.to(block.device)), sends, recvs, what).cpu()
+        self.apply_received(optimizer_class, group, got, lr, any_bad)
+
+    def gradients(self, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+        """(ids, [gradients | clicks | the ids' bits as two float32 columns], lr, whether all is finite) of the
+        forwards since the last step: what travels to the owners."""
+        ids, grads, clicks = self._module().take_gradients()
+        lr = float(group["lr"])
+        if self.shard.lifecycle.active:  # clicks ride along as one more column, summed, not averaged
+            column = clicks.to(grads) if clicks is not None else grads.new_zeros(ids.numel())
+            grads = torch.cat([grads, column.unsqueeze(1)], 1)
+        finite = nonfinite.finite(grads, lr)
+        # the ids travel as two more float32 columns of the same block (their bits, never computed on): one exchange
+        bits = ids.to(grads.device).contiguous().view(torch.float32).view(-1, 2)
+        return ids, torch.cat([grads.to(torch.float32), bits], 1), lr, finite
+
+    def apply_received(
+        self, optimizer_class: type, group: dict[str, Any], got: torch.Tensor, lr: float, any_bad: bool
+    ) -> None:
+        """Apply the rows every worker sent here (:meth:`gradients`' blocks): the mean over the workers, once."""
+        ids = got[:, -2:].contiguous().view(torch.int64).view(-1)
+        grads = got[:, :-2]
+        dim = self.shard.embedding_dim
+        if any_bad:
+            nonfinite.refuse(f"sparse table of {self.shard.name}(dim {dim})", None, self.where)
+            return
+        grads[:, :dim].div_(self.workers)
+        self.local.apply(optimizer_class, group, ids, grads, lr, where=self.where)
+
+    # ------------------------------------------------------------------ the whole table (collectives)
+    def num_rows(self) -> int:
+        return int(self._reduce_sum(torch.tensor([float(self.local.num_rows())], dtype=torch.float64))[0])
+
+    def shrink(self, threshold: float | None) -> int:
+        gone = self.local.shrink(threshold)
+        return int(self._reduce_sum(torch.tensor([float(gone)], dtype=torch.float64))[0])
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, rows = self.local.export()
+        state = self._gather({"ids": ids, "rows": rows}, {})
+        return state["ids"], state["rows"]
+
+    def rows_state(self) -> dict[str, Any]:
+        """Every owner's rows with their per-row fields (gathered in bounded pieces) and the table's settings."""
+        state = self.local.rows_state()
+        header = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor) and k != "admission"}
+        return self._gather({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, header)
+
+    def load_rows_state(self, state: dict[str, Any], replace: bool) -> None:
+        """Keep the rows this worker owns of ``state`` (every worker is given the same rows)."""
+        self.local.load_rows_state(self._owned(state), replace)
+
+    def _owned(self, state: dict[str, Any]) -> dict[str, Any]:
+        ids = state["ids"]
+        mine = owner(ids, self.workers) == self.rank
+        out = {k: v for k, v in state.items() if k != "admission"}  # a sketch counts every owner's ids
+        for key, value in per_row_fields(state).items():
+            out[key] = value[mine]
+        out["ids"] = ids[mine]
+        if "counts" in out and self.rank != 0:  # the table-wide counts are held once, by worker 0's shard
+            out["counts"] = json.dumps({})
+        return out
+
+    # ------------------------------------------------------------------ gathering
+    def _gather(self, fields: dict[str, torch.Tensor], header: dict[str, Any]) -> dict[str, Any]:
+        """Every worker's ``fields`` (per-row tensors) concatenated, and the merged ``header``: each exchange
+        carries at most PIECE_BYTES of rows per worker."""
+        n = int(fields["ids"].numel())
+        layout = {k: [str(v.dtype).removeprefix("torch."), list(v.shape[1:])] for k, v in fields.items()}
+        text = json.dumps({"n": n, "layout": layout, "header": header}, sort_keys=True).encode()
+        described = [json.loads(t) for t in self._all_gather_bytes(text)]
+        keep = _common_fields(described)
+        layouts = {key: next(d["layout"][key] for d in described if key in d["layout"]) for key in keep}
+        piece = max(1, PIECE_BYTES // max(1, _row_bytes(layouts)))  # the same on every worker
+        counts = [d["n"] for d in described]
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in keep}
+        for start in range(0, max(counts), piece):
+            for key in keep:
+                block = _padded(fields.get(key), start, piece, *layouts[key])
+                every = [torch.empty_like(block) for _ in range(self.workers)]
+                self._all_gather(every, block, f"gathering the rows of a sharded table ({key})")
+                for worker, got in enumerate(every):
+                    parts[key].append(got[: max(0, min(piece, counts[worker] - start))])
+        out: dict[str, Any] = _merged_header([d["header"] for d in described], self._module())
+        for key in keep:
+            out[key] = torch.cat(parts[key]) if parts[key] else _empty(*layouts[key])
+        return out
+
+    def _all_gather(self, every: list[torch.Tensor], block: torch.Tensor, what: str) -> None:
+        every_on = [t.to(self.device) for t in every]
+        work = dist.all_gather(every_on, block.to(self.device), group=self.group, async_op=True)
+        all_to_all.finish(work, self.timeout_s, what, self.diagnose)
+        for target, got in zip(every, every_on, strict=True):
+            target.copy_(got)
+
+    def _all_gather_bytes(self, data: bytes) -> list[bytes]:
+        what = "describing the rows of a sharded table"
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.workers)]
+        self._all_gather(sizes, size, what)
+        longest = max(int(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(self.workers)]
+        self._all_gather(every, mine, what)
+        return [bytes(t[: int(s)].tolist()) for t, s in zip(every, sizes, strict=True)]
+
+
+def _row_bytes(layout: dict[str, list]) -> int:
+    total = 0
+    for dtype_name, shape in layout.values():
+        count = 1
+        for d in shape:
+            count *= int(d)
+        total += count * torch.empty(0, dtype=getattr(torch, dtype_name)).element_size()
+    return total
+
+
+def _common_fields(described: list[dict[str, Any]]) -> list[str]:
+    """The per-row fields every worker holding rows has (a worker without rows may have no table yet)."""
+    holding = [d for d in described if d["n"] > 0] or described
+    keys = set(holding[0]["layout"])
+    for d in holding[1:]:
+        keys &= set(d["layout"])
+    return ["ids", "rows"] + sorted(keys - {"ids", "rows"})
+
+
+def _padded(mine: torch.Tensor | None, start: int, piece: int, dtype_name: str, shape: list[int]) -> torch.Tensor:
+    block = torch.zeros(piece, *shape, dtype=getattr(torch, dtype_name))
+    if mine is not None:
+        chunk = mine[start : start + piece]
+        block[: chunk.shape[0]] = chunk
+    return block
+
+
+def _empty(dtype_name: str, shape: list[int]) -> torch.Tensor:
+    return torch.empty(0, *shape, dtype=getattr(torch, dtype_name))
+
+
+def _merged_header(headers: list[dict[str, Any]], module: Any) -> dict[str, Any]:
+    """One table's settings from every owner's: counts summed, the latest clock, the module's whole life cycle."""
+    held = [h for h in headers if "optimizer" in h]
+    if not held:
+        return {}
+    out = dict(held[0])
+    out["clock"] = max(int(h.get("clock", 0)) for h in held)
+    out["next_expiry"] = max(int(h.get("next_expiry", 0)) for h in held)
+    counts: dict[str, int] = {}
+    for h in held:
+        for key, value in json.loads(h.get("counts", "{}")).items():
+            counts[key] = counts.get(key, 0) + int(value)
+    out["counts"] = json.dumps(counts, sort_keys=True)
+    if module is not None:  # the whole table's cap, not one owner's share
+        out["lifecycle"] = json.dumps(module.lifecycle.to_config(), sort_keys=True)
+    return out
+
+
+def refuse_join(what: str) -> FleetError:
+    """``fleet.join()`` with sharded tables: a finished worker would have to keep serving its rows."""
+    return FleetError(
+        f"fleet.join() (uneven inputs) is not supported yet with sparse tables sharded across the workers ({what}): "
+        "a worker whose loop ended still owns rows the others pull and update. Give every worker the same number "
+        "of batches (fleet.distributed_loader does), or keep the tables replicated: "
+        "DistributedStrategy(table_placement='replicated')."
+    )
