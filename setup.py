@@ -99,7 +99,7 @@ setup(
         Extension(
             "fleet.sparse._native",
             sources=sorted(str(p) for p in Path("fleet/sparse/csrc").glob("*.cpp")),
-            depends=["fleet/sparse/csrc/common.h"],
+            depends=sorted(str(p) for p in Path("fleet/sparse/csrc").glob("*.h")),  # a header changed: rebuild
             language="c++",
             optional=True,  # BuildNative says what is missing; editable installs then skip its copy
             extra_compile_args=_compile_args,

@@ -35,7 +35,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def make_model(name: str) -> Net:
-    """``+adagrad_rows``: the sparse table overrides the dense optimizer with its own (Adagrad).
+    """``+adagrad_rows``: the sparse table overrides the dense optimizer with its own (Adagrad); ``+ftrl_rows``: FTRL.
 
     ``+life``: a life cycle (ids admitted on their second sighting, rows unseen for 3 steps
     evicted, clicks fed); ``+cap``: at most 30 rows (of the 40 ids the data uses).
@@ -47,7 +47,10 @@ def make_model(name: str) -> Net:
         lifecycle = {"entry": fleet.CountFilterEntry(2), "ttl_steps": 3}
     if "+cap" in name:
         lifecycle["max_rows"] = 30
-    return Net({"kind": "adagrad", "lr": 0.1} if name.endswith("+adagrad_rows") else None, **lifecycle)
+    rows = {"kind": "adagrad", "lr": 0.1} if name.endswith("+adagrad_rows") else None
+    if name.endswith("+ftrl_rows"):  # FTRL-Proximal, an L1 strong enough to zero some rows
+        rows = {"kind": "ftrl", "lr": 0.1, "l1": 0.004, "l2": 0.01, "beta": 0.5}
+    return Net(rows, **lifecycle)
 
 
 def feed_clicks(name: str, model: Net, label: torch.Tensor) -> None:

@@ -3,7 +3,7 @@
 from fleet.nn.feature_collection import FeatureTable, JaggedFeatures, SparseFeatureCollection
 from fleet.nn.sparse_embedding import SparseEmbedding
 from fleet.nn.sparse_embedding_bag import SparseEmbeddingBag
-from fleet.sparse.rowwise_adagrad import RowWiseAdagrad
+from fleet.sparse.row_optimizers.rowwise_adagrad import RowWiseAdagrad
 
 __all__ = [
     "FeatureTable",

@@ -31,7 +31,7 @@ import torch
 from fleet.errors import FleetError
 
 #: the kernels' interface version this Python code was written for (kAbiVersion in csrc/module.cpp)
-ABI_VERSION = 7
+ABI_VERSION = 8
 _COMPILER = "a C++17 compiler and the Python headers (Debian/Ubuntu: `apt-get install g++ python3-dev`)"
 
 
@@ -132,22 +132,21 @@ def buf(t: Any, name: str, dtype: torch.dtype, ndim: int, strided: bool = False)
     return t.detach().numpy()
 
 
-_KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3, "adamw": 4}
-
-
 def native_hyper(spec: Any, lr: float) -> tuple:
-    """An :class:`~fleet.sparse.optim.OptimizerSpec`'s rule and hyper-parameters as ``apply_rows`` takes them."""
-    beta1, beta2 = spec.betas
+    """An :class:`~fleet.sparse.optim.OptimizerSpec` as ``apply_rows`` takes it: the rule's kernel entry, what every
+    rule reads, and the rule's own hyper-parameters (:meth:`fleet.sparse.row_optimizers.RowOptimizer.native_params`)."""
+    rule = spec.rule
     return (
-        _KINDS[spec.kind],
+        rule.native_kind,
         float(lr),
         float(spec.weight_decay),
-        float(spec.momentum),
-        float(spec.dampening),
-        bool(spec.nesterov),
-        float(beta1),
-        float(beta2),
-        float(spec.eps),
-        float(spec.lr_decay),
         bool(spec.maximize),
+        bool(rule.decoupled_weight_decay),
+        tuple(float(v) for v in rule.native_params(spec)),
     )
+
+
+def with_lr(hyper: tuple, lr: float) -> tuple:
+    """A :func:`native_hyper` tuple for another learning rate (the spec's part is built once per table: reading a
+    rule's hyper-parameters off the spec costs several microseconds, a push's kernel call a few)."""
+    return (hyper[0], float(lr), *hyper[2:])

@@ -31,29 +31,25 @@ from typing import Any, Literal
 import pydantic
 import torch
 
+from fleet.sparse import row_optimizers
 from fleet.sparse.native import kernels
-from fleet.sparse.rowwise_adagrad import RowWiseAdagrad, accumulate_rows
+from fleet.sparse.row_optimizers.base import number
 
-Kind = Literal["sgd", "adam", "adamw", "adagrad", "rowwise_adagrad"]
+_COMMON = ("kind", "lr", "weight_decay", "maximize")
 
-# Fields each optimizer kind reads; setting any other hyper-parameter is a mistake we report.
-_FIELDS_FOR: dict[str, frozenset[str]] = {
-    "sgd": frozenset({"momentum", "dampening", "nesterov"}),
-    "adam": frozenset({"betas", "eps"}),
-    "adamw": frozenset({"betas", "eps"}),
-    "adagrad": frozenset({"eps", "lr_decay", "initial_accumulator_value"}),
-    "rowwise_adagrad": frozenset({"eps", "lr_decay", "initial_accumulator_value"}),
-}
-_COMMON = frozenset({"kind", "lr", "weight_decay", "maximize"})
-_ADAGRAD_EPS = 1e-10  # torch.optim.Adagrad's default, unlike Adam's 1e-8
+
+def _error_parts(err: pydantic.ValidationError) -> str:
+    """Each error of ``err``, naming its field (a model's own check names its fields itself)."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"field '{loc}': {msg}" if loc else msg)
+    return "; ".join(parts)
 
 
 def _format_validation_error(what: str, err: pydantic.ValidationError) -> str:
-    parts = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
-        parts.append(f"field '{loc}': {e['msg']}")
-    return f"invalid {what} config: " + "; ".join(parts)
+    return f"invalid {what} config: " + _error_parts(err)
 
 
 def _validate(model: type[pydantic.BaseModel], what: str, data: Any) -> Any:
@@ -66,53 +62,61 @@ def _validate(model: type[pydantic.BaseModel], what: str, data: Any) -> Any:
         raise ValueError(_format_validation_error(what, err)) from None
 
 
-class OptimizerSpec(pydantic.BaseModel, frozen=True, extra="forbid"):
-    """A ``torch.optim`` optimizer's rule and hyper-parameters, as plain data for the wire."""
+class OptimizerSpec(pydantic.BaseModel, frozen=True, extra="allow"):
+    """A row optimizer's kind and hyper-parameters, as plain data for the wire.
 
-    kind: Kind
-    """Update rule: torch.optim.SGD, Adam, AdamW (decoupled weight decay), Adagrad, or row-wise Adagrad
-    (``fleet.nn.RowWiseAdagrad`` on a sparse table: one accumulator per row, see :mod:`fleet.sparse.rowwise_adagrad`)."""
+    ``kind`` names a rule of :mod:`fleet.sparse.row_optimizers` (sgd, adam, adamw, adagrad,
+    rowwise_adagrad, ftrl), which declares the rest of the fields (``momentum``, ``betas``, ``l1``, ...:
+    attributes of the spec, with the rule's defaults), their checks and the math.
+    """
+
+    kind: str
+    """The rule's name (:func:`fleet.sparse.row_optimizers.names`)."""
     lr: float
     """Default learning rate; each update passes its own (the worker's current one)."""
-    momentum: float = 0.0
-    dampening: float = 0.0
-    nesterov: bool = False
     weight_decay: float = 0.0
-    """L2 penalty added to the gradient (sgd, adam, adagrad); decoupled decay for adamw."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    """Adam's default; Adagrad's default (1e-10) is filled in when ``eps`` is not given."""
-    lr_decay: float = 0.0
-    initial_accumulator_value: float = 0.0
+    """L2 penalty added to the gradient; decoupled decay for adamw."""
     maximize: bool = False
 
     @pydantic.model_validator(mode="before")
     @classmethod
-    def _kind_defaults(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("kind") in ("adagrad", "rowwise_adagrad") and "eps" not in data:
-            data = {**data, "eps": _ADAGRAD_EPS}
-        return data
+    def _rule_fields(cls, data: Any) -> Any:
+        """The rule's own hyper-parameters, validated by it and given its defaults (extra fields of the spec)."""
+        if not isinstance(data, dict) or "kind" not in data:
+            return data
+        rule = row_optimizers.get(data["kind"])
+        own = dict(rule.hyper.model_fields)
+        hyper, common = {}, {}
+        for key, value in data.items():
+            if key in _COMMON:
+                common[key] = value
+            elif key in own:
+                hyper[key] = value
+            elif not _default_elsewhere(key, value):
+                reads = sorted({*_COMMON, *own} - {"kind"})
+                if not any(key in r.hyper.model_fields for r in row_optimizers.all_rules()):
+                    raise ValueError(
+                        f"field '{key}': no optimizer kind has this hyper-parameter (kind '{rule.name}' reads {reads})"
+                    )
+                raise ValueError(f"{key} does not apply to optimizer kind '{rule.name}' (it reads {reads})")
+        try:
+            checked = rule.hyper.model_validate(hyper)
+        except pydantic.ValidationError as err:
+            raise ValueError(_error_parts(err)) from None
+        return {**common, **checked.model_dump()}
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> OptimizerSpec:
-        for name in ("lr", "momentum", "dampening", "weight_decay", "eps", "lr_decay", "initial_accumulator_value"):
+        for name in ("lr", "weight_decay"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        for i, beta in enumerate(self.betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
-        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ValueError(
-                f"nesterov needs momentum > 0 and dampening == 0 (got momentum={self.momentum}, "
-                f"dampening={self.dampening}), as in torch.optim.SGD"
-            )
-        allowed = _FIELDS_FOR[self.kind] | _COMMON
-        defaults = {name: f.default for name, f in type(self).model_fields.items()}
-        for name in sorted(self.model_fields_set - allowed):
-            if getattr(self, name) != defaults[name]:
-                raise ValueError(f"{name} does not apply to optimizer kind '{self.kind}' (it reads {sorted(allowed)})")
         return self
+
+    @property
+    def rule(self) -> row_optimizers.RowOptimizer:
+        """The :class:`~fleet.sparse.row_optimizers.RowOptimizer` this spec configures."""
+        return row_optimizers.get(self.kind)
 
     @classmethod
     def from_torch(
@@ -128,54 +132,42 @@ class OptimizerSpec(pydantic.BaseModel, frozen=True, extra="forbid"):
         (``foreach``, ``fused``, ``capturable``, ``differentiable``) are ignored.
         ``where`` names the context in errors ("in one process", "by the parameter server").
         """
-        g = param_group
-
-        def num(key: str, default: float) -> float:
-            v = g.get(key, default)
-            return float(v.item()) if isinstance(v, torch.Tensor) else float(v)
-
         if not isinstance(optimizer_class, type):
             raise ValueError(f"optimizer_class must be a class, got {optimizer_class!r}")
-        common = {"lr": num("lr", 0.0), "weight_decay": num("weight_decay", 0.0), "maximize": bool(g.get("maximize"))}
-        if issubclass(optimizer_class, torch.optim.SGD):
-            return cls(
-                kind="sgd",
-                momentum=num("momentum", 0.0),
-                dampening=num("dampening", 0.0),
-                nesterov=bool(g.get("nesterov", False)),
-                **common,
-            )
-        if issubclass(optimizer_class, torch.optim.Adam | torch.optim.AdamW):
-            if g.get("amsgrad"):
-                raise ValueError(f"{optimizer_class.__name__}(amsgrad=True) is not supported {where}")
-            decoupled = issubclass(optimizer_class, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay"))
-            betas = tuple(
-                float(b.item()) if isinstance(b, torch.Tensor) else float(b) for b in g.get("betas", (0.9, 0.999))
-            )
-            return cls(kind="adamw" if decoupled else "adam", betas=betas, eps=num("eps", 1e-8), **common)
-        rowwise = issubclass(optimizer_class, RowWiseAdagrad)
-        if issubclass(optimizer_class, torch.optim.Adagrad) or rowwise:
-            return cls(
-                kind="rowwise_adagrad" if rowwise and rows else "adagrad",
-                eps=num("eps", _ADAGRAD_EPS),
-                lr_decay=num("lr_decay", 0.0),
-                initial_accumulator_value=num("initial_accumulator_value", 0.0),
-                **common,
-            )
+        g = param_group
+        common = {
+            "lr": number(g, "lr", 0.0),
+            "weight_decay": number(g, "weight_decay", 0.0),
+            "maximize": bool(g.get("maximize")),
+        }
+        for rule in row_optimizers.all_rules():
+            own = rule.from_torch(optimizer_class, g, rows, where)
+            if own is not None:
+                return cls(kind=rule.name, **own, **common)
+        supported = [n for rule in row_optimizers.all_rules() for n in rule.torch_names]
         raise ValueError(
-            f"optimizer {optimizer_class.__name__} is not supported {where}; supported: torch.optim.SGD, "
-            "torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, fleet.nn.RowWiseAdagrad"
+            f"optimizer {optimizer_class.__name__} is not supported {where}; supported: {', '.join(supported)}"
         )
 
     def to_config(self) -> dict[str, Any]:
         """JSON-able dict holding only the fields this kind reads (``from_config`` inverts it)."""
-        keep = _FIELDS_FOR[self.kind] | _COMMON
-        return self.model_dump(mode="json", include=set(keep))
+        return self.model_dump(mode="json")
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> OptimizerSpec:
         """Inverse of :meth:`to_config`; a bad config raises ``ValueError`` naming the field."""
         return _validate(cls, "optimizer", config)
+
+
+def _default_elsewhere(key: str, value: Any) -> bool:
+    """Whether ``key`` is another rule's hyper-parameter given at its default (accepted and dropped, as always)."""
+    for rule in row_optimizers.all_rules():
+        field = rule.hyper.model_fields.get(key)
+        if field is not None and not field.is_required():
+            default = field.default
+            if value == default or (isinstance(default, tuple) and isinstance(value, list) and tuple(value) == default):
+                return True
+    return False
 
 
 class InitializerSpec(pydantic.BaseModel, frozen=True, extra="forbid"):
@@ -319,32 +311,29 @@ def initial_rows(
 
 # --------------------------------------------------------------------------- update rules
 class ServerOptimizer:
-    """Applies one :class:`OptimizerSpec` to parameter blocks and their state tensors.
+    """Applies one :class:`OptimizerSpec` to parameter blocks and their state tensors, in plain torch.
 
     ``update`` is called with ``step`` either as an ``int`` (dense: every
     element is on the same step, and the code is torch's single-tensor path
     line by line) or as an int64 tensor ``[rows]`` (row-wise: each row's own
-    step count, already incremented for this update).
+    step count, already incremented for this update). The math is the spec's rule's
+    (:mod:`fleet.sparse.row_optimizers`); this applies what every rule shares (``maximize``, weight decay).
     """
 
     def __init__(self, spec: OptimizerSpec) -> None:
         self.spec = spec
-        if spec.kind == "sgd":
-            self.state_names: tuple[str, ...] = ("momentum_buffer",) if spec.momentum != 0 else ()
-        elif spec.kind in ("adam", "adamw"):
-            self.state_names = ("exp_avg", "exp_avg_sq")
-        else:
-            self.state_names = ("sum",)
-        # Row-wise Adagrad keeps one accumulator per row, not one per element.
-        self.state_width = 1 if spec.kind == "rowwise_adagrad" else None
+        self.rule = spec.rule
+        self.state_names: tuple[str, ...] = self.rule.state_names(spec)
+        #: columns of each state tensor: None for one per element, else that many (1: row-wise Adagrad)
+        self.state_width = self.rule.state_width(spec)
         # Whether updates read the step count (momentum's first step, Adam's bias correction, Adagrad's
         # lr decay). When False, ``update`` accepts any step value, so callers may skip counting.
-        self.needs_step = spec.kind in ("adam", "adamw") or spec.momentum != 0 or spec.lr_decay != 0
+        self.needs_step = self.rule.needs_step(spec)
 
     def fill_new_state(self, state: dict[str, torch.Tensor]) -> None:
         """Set freshly created state (slices of the state tensors) to its initial value."""
         for name, t in state.items():
-            t.fill_(self.spec.initial_accumulator_value if name == "sum" else 0.0)
+            t.fill_(self.rule.initial_state(self.spec, name))
 
     def update(
         self,
@@ -357,67 +346,9 @@ class ServerOptimizer:
         """Update ``param`` and ``state`` in place; ``grad`` is left untouched."""
         s = self.spec
         g = -grad if s.maximize else grad
-        if s.weight_decay != 0 and s.kind != "adamw":
+        if s.weight_decay != 0 and not self.rule.decoupled_weight_decay:
             g = g.add(param, alpha=s.weight_decay)
-        if s.kind == "sgd":
-            self._sgd(param, g, state, step, lr)
-        elif s.kind in ("adagrad", "rowwise_adagrad"):
-            self._adagrad(param, g, state, step, lr)
-        else:
-            self._adam(param, g, state, step, lr)
-
-    def _sgd(self, param: torch.Tensor, g: torch.Tensor, state: dict, step: int | torch.Tensor, lr: float) -> None:
-        s = self.spec
-        if s.momentum != 0:
-            buf = state["momentum_buffer"]
-            if isinstance(step, int):
-                if step == 1:
-                    buf.copy_(g)
-                else:
-                    buf.mul_(s.momentum).add_(g, alpha=1 - s.dampening)
-            else:
-                # A row's first update copies the gradient, later ones accumulate (torch's buf is None).
-                buf.mul_(s.momentum).add_(g, alpha=1 - s.dampening)
-                torch.where((step == 1).unsqueeze(1), g, buf, out=buf)
-            g = g.add(buf, alpha=s.momentum) if s.nesterov else buf
-        param.add_(g, alpha=-lr)
-
-    def _adam(self, param: torch.Tensor, g: torch.Tensor, state: dict, step: int | torch.Tensor, lr: float) -> None:
-        s = self.spec
-        beta1, beta2 = s.betas
-        if s.kind == "adamw" and s.weight_decay != 0:
-            param.mul_(1 - lr * s.weight_decay)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(g, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        if isinstance(step, int):
-            step_size = lr / (1 - beta1**step)
-            bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(s.eps)
-            param.addcdiv_(exp_avg, denom, value=-step_size)
-            return
-        t = step.to(torch.float64)
-        # Python computes these per-step scalars in float64 and torch rounds them to float32 at use.
-        neg_step_size = (-lr / (1 - torch.pow(beta1, t))).to(torch.float32).unsqueeze(1)
-        bias_correction2_sqrt = torch.sqrt(1 - torch.pow(beta2, t)).to(torch.float32).unsqueeze(1)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(s.eps)
-        param.add_(neg_step_size * exp_avg / denom)
-
-    def _adagrad(self, param: torch.Tensor, g: torch.Tensor, state: dict, step: int | torch.Tensor, lr: float) -> None:
-        s = self.spec
-        state_sum = state["sum"]
-        if s.kind == "rowwise_adagrad":
-            accumulate_rows(param, g, state_sum)  # one accumulator per row
-        else:
-            state_sum.addcmul_(g, g, value=1)
-        std = state_sum.sqrt().add_(s.eps)
-        if isinstance(step, int) or s.lr_decay == 0:
-            n = step if isinstance(step, int) else 1
-            clr = lr / (1 + (n - 1) * s.lr_decay)
-            param.addcdiv_(g, std, value=-clr)
-            return
-        neg_clr = (-lr / (1 + (step.to(torch.float64) - 1) * s.lr_decay)).to(torch.float32).unsqueeze(1)
-        param.add_(neg_clr * g / std)
+        self.rule.update(s, param, g, state, step, lr)
 
 
 def optimizer_config_json(spec: OptimizerSpec) -> str:

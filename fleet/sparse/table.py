@@ -6,13 +6,11 @@ is created the first time any request (pull or push) names its id, with the
 value :func:`fleet.sparse.optim.initial_rows` gives that id, so the result does not
 depend on which worker touched it first or how ids are sharded over servers.
 
-Storage: an :class:`~fleet.sparse.id_index.IdIndex` maps id -> dense slot; each slot's
-id, row, optimizer state (momentum buffer, Adam moments, Adagrad sum), step count (where
-the optimizer reads it) and life-cycle statistics are one record of a growable row-major
-array (:mod:`fleet.sparse.records`; amortised doubling of reserved address space), which the
-table reads through strided views of each field (``_rows``, ``_state``, ``_steps``, ``_stats``).
-The index confirms a match by reading the id in the record, next to the row. Every
-operation is a fixed number of whole-batch torch ops or one native pass; nothing loops over ids in Python.
+The table composes three parts, each through a declared face of the table: its storage (a
+:class:`~fleet.sparse.row_store.RowStore`: records, id index, growth, the native optimizer step), its life
+cycle (:class:`~fleet.sparse.table_lifecycle.TableLifeCycle`, through ``LivingTable``) and its saves
+(:class:`~fleet.sparse.saves.TableSaves`, through ``StoredTable``). Every operation is a fixed number of
+whole-batch torch ops or one native pass; nothing loops over ids in Python.
 
 Updates are row-wise ("lazy"): only the rows named in a push change, each with
 its own state and step, so a row that gets a gradient every step follows
@@ -22,10 +20,7 @@ With a life cycle (:mod:`fleet.sparse.lifecycle`: admission, TTL, ``max_rows``) 
 created by updates only, once admitted; a pull of an id without a row returns its
 initial value (zeros while an entry has not admitted it) and stores nothing. Every
 table remembers which rows changed since the last save and which ids it evicted, so a
-save can be a delta (:meth:`state_dict` with ``delta=True``, :meth:`apply_delta`). What a save
-holds and how it is checked is :mod:`fleet.sparse.saves` (a :class:`~fleet.sparse.saves.TableSaves`
-the table composes), working through the table's storage methods (:meth:`slot_ids`,
-:meth:`copy_rows`, :meth:`header`, :meth:`replace_rows`, :meth:`merge_rows`, ...).
+save can be a delta (:meth:`state_dict` with ``delta=True``, :meth:`apply_delta`).
 
 Every operation is all-or-nothing (:meth:`transaction`, :mod:`fleet.sparse.undo`): if any step
 fails -- an allocation when memory runs out, above all -- the table is rolled back to what
@@ -41,10 +36,10 @@ from typing import Any
 
 import torch
 
-from fleet.sparse.growable import grow, row_tensor
+from fleet.sparse.growable import grow
 from fleet.sparse.id_index import IdIndex, as_ids
-from fleet.sparse.lifecycle import Admission, LifeCycle
-from fleet.sparse.native import buf, kernels, native_hyper
+from fleet.sparse.lifecycle import LifeCycle
+from fleet.sparse.native import native_hyper
 from fleet.sparse.optim import (
     InitializerSpec,
     OptimizerSpec,
@@ -52,17 +47,16 @@ from fleet.sparse.optim import (
     check_table_config,
     initial_rows,
 )
-from fleet.sparse.pages import prefault
 from fleet.sparse.recent_slots import RecentSlots
-from fleet.sparse.records import RowRecords
-from fleet.sparse.saves import TableSaves
+from fleet.sparse.row_store import RowStore
+from fleet.sparse.saves import MAX_REMEMBERED_DELETIONS, TableSaves
 from fleet.sparse.table_lifecycle import TableLifeCycle
 from fleet.sparse.undo import Getter, UndoLog
 
 _REQUIRED_KEYS = ("dim", "optimizer")
 
 
-class SparseTable(TableLifeCycle):
+class SparseTable:
     """Rows of width ``dim`` keyed by int64 id, updated by a row-wise server optimizer."""
 
     #: what a table config may hold (a shard's config has more: the update mode, backup workers)
@@ -87,13 +81,13 @@ class SparseTable(TableLifeCycle):
         self.initializer = initializer if initializer is not None else InitializerSpec()
         self.seed = seed
         self._opt = ServerOptimizer(optimizer)
+        self._hyper = native_hyper(optimizer, optimizer.lr)  # each push passes its own lr (native.with_lr)
         # Per-row step counts cost two random accesses per row; keep them only where the math reads them.
         self._track_steps = self._opt.needs_step
         self.lifecycle = lifecycle if lifecycle is not None else LifeCycle()
-        self._admission = Admission(self.lifecycle.entry, self.lifecycle.sketch_width, seed)
         self.clock = 0
         self.counts = {"dropped_gradients": 0, "evicted": 0, "refused_rows": 0}
-        self._next_expiry = 0
+        self._life = TableLifeCycle(self, seed)
         self._deleted: list[torch.Tensor] | None = []  # None: too many to remember, the next save must be a base
         self._deleted_count = 0
         self.saved = False  # whether a save (or load) set the start of the next delta
@@ -104,36 +98,25 @@ class SparseTable(TableLifeCycle):
 
     def _reset(self, capacity: int) -> None:
         self._recent.forget()
-        # Per-row storage over reserved address space: growing it is a longer view, not a copy.
         # Steps are kept only where the math reads them (a save holds zeros otherwise, as it always did).
-        self._set_records(
-            RowRecords(
-                capacity,
-                self.dim,
-                self.state_width,
-                self._opt.state_names,
-                steps=self._track_steps,
-                stats=self.lifecycle.active,
-            )
+        self._store = RowStore(
+            capacity,
+            self.dim,
+            self.state_width,
+            self._opt.state_names,
+            steps=self._track_steps,
+            stats=self.lifecycle.active,
         )
-        self._index = IdIndex(capacity * 2, keys=self._key_column)
-        self._capacity = capacity
-        self._prefaulted = 0  # rows whose pages were handed to fleet.sparse.pages.prefault (a hint)
-        if self._rec.dirty is None:  # changed since the last save: in the records where they have room
-            self._dirty = row_tensor(capacity, (), torch.bool).zero_()
 
-    def _set_records(self, records: RowRecords) -> None:
-        """Take ``records`` as the row storage, with a view of each field."""
-        self._rec = records
-        self._records = records.data
-        self._rows, self._steps = records.rows, records.steps
-        self._state, self._stats = dict(records.state), dict(records.stats)
-        if records.dirty is not None:
-            self._dirty = records.dirty
-
-    def _key_column(self) -> torch.Tensor:
-        """The id of each slot (the id index's key column): the records' id field."""
-        return self._rec.ids
+    # The store's and the life cycle's pieces under the names the table's tests and benchmarks read.
+    _index = property(lambda self: self._store.index)
+    _capacity = property(lambda self: self._store.capacity)
+    _records = property(lambda self: self._store.records)
+    _rows = property(lambda self: self._store.rows)
+    _state = property(lambda self: self._store.state)
+    _dirty = property(lambda self: self._store.dirty)
+    _next_expiry = property(lambda self: self._life.next_expiry)
+    _admission = property(lambda self: self._life.admission)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> SparseTable:
@@ -165,7 +148,7 @@ class SparseTable(TableLifeCycle):
 
     def __len__(self) -> int:
         """Number of rows the table holds now."""
-        return len(self._index)
+        return len(self._store.index)
 
     def info(self) -> dict[str, Any]:
         return {"rows": len(self), "clock": self.clock, **self.counts}
@@ -182,7 +165,8 @@ class SparseTable(TableLifeCycle):
             yield self._undo
             return
         undo = UndoLog()
-        undo.attrs(self, "clock", "_next_expiry", "counts", "_deleted", "_deleted_count", "saved")
+        undo.attrs(self, "clock", "counts", "_deleted", "_deleted_count", "saved")
+        undo.attrs(self._life, "next_expiry")
         self.counts = dict(self.counts)  # changed in place below: the rollback restores the original
         if self._deleted is not None:
             self._deleted = list(self._deleted)
@@ -196,24 +180,65 @@ class SparseTable(TableLifeCycle):
         finally:
             self._undo = None
 
-    def _log(self) -> UndoLog:
+    def undo_log(self) -> UndoLog:
+        """The open transaction's undo log (a change outside one is a bug)."""
         if self._undo is None:
             raise RuntimeError("a sparse table change outside a transaction cannot be undone")
         return self._undo
 
-    #: per-row tensors, by name: what compaction and reordering move (the records hold every saved field and the id)
-    def _row_names(self) -> list[str]:
-        return ["records"] if self._rec.dirty is not None else ["records", "dirty"]
+    @property
+    def index(self) -> IdIndex:
+        """The id index: id -> slot of the live rows."""
+        return self._store.index
 
-    def _getter(self, name: str) -> Getter:
-        """The tensor called ``name`` as the table holds it when the getter runs (storage may grow meanwhile)."""
-        kind, _, key = name.partition(".")
-        if kind == "state":
-            return lambda: self._state[key]
-        if kind == "stats":
-            return lambda: self._stats[key]
-        attr = f"_{kind}"
-        return lambda: getattr(self, attr)
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        """The life cycle's per-row statistics (``last_seen``, ``show``, ``click``), by slot; empty without one."""
+        return self._store.stats
+
+    @property
+    def dirty(self) -> torch.Tensor:
+        """By slot: changed since the last save (a flag per row)."""
+        return self._store.dirty
+
+    def getter(self, name: str) -> Getter:
+        """The per-row tensor called ``name`` as the table holds it when the getter runs (storage may grow)."""
+        return self._store.getter(name)
+
+    # ------------------------------------------------------------------ life cycle (the composed part)
+    def tick(self, step: int | None = None) -> None:
+        """Advance the clock: to ``step`` when given (never back), else by one; expire rows past their TTL."""
+        self._life.tick(step)
+
+    def advance_clock(self, step: int | None) -> None:
+        """The clock to ``step`` (never back), or one on (in the open transaction)."""
+        self.clock = self.clock + 1 if step is None else max(self.clock, int(step))
+
+    def scores(self) -> torch.Tensor:
+        """Each row's decayed show/click score (Paddle's CTR accessor score), by slot."""
+        return self._life.scores()
+
+    def shrink(self, threshold: float | None = None) -> int:
+        """Remove rows past their TTL and, with ``threshold``, rows scoring below it; return how many went."""
+        return self._life.shrink(threshold)
+
+    def remove_slots(self, gone: torch.Tensor) -> int:
+        """Drop the rows whose slot is set in ``gone`` (compacting the rest, slot order kept); return how many.
+
+        Their ids are remembered for the next delta save, and count as evicted.
+        """
+        count = int(gone.sum())
+        if not count:
+            return 0
+        self._recent.forget()  # compaction moves slots
+        removed_ids = self._store.compact(gone, self.undo_log())
+        if self._deleted is not None:
+            self._deleted.append(removed_ids)
+            self._deleted_count += removed_ids.numel()
+            if self._deleted_count > max(MAX_REMEMBERED_DELETIONS, 4 * len(self)):
+                self._deleted = None  # unbounded memory otherwise, for a job that never saves a delta
+        self.counts["evicted"] += count
+        return count
 
     # ------------------------------------------------------------------ saves
     def state_dict(self, delta: bool = False) -> dict[str, Any]:
@@ -230,7 +255,7 @@ class SparseTable(TableLifeCycle):
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, rows) of every row the table holds, for serving (no optimizer state, no statistics)."""
-        return self.slot_ids(), self._rows[: len(self)].clone()
+        return self.slot_ids(), self._store.rows[: len(self)].clone()
 
     @property
     def state_width(self) -> int:
@@ -244,32 +269,23 @@ class SparseTable(TableLifeCycle):
 
     def stat_dtypes(self) -> dict[str, torch.dtype]:
         """The life cycle's per-row statistics (``stats.<name>`` in a save) and their dtypes."""
-        return {name: t.dtype for name, t in self._stats.items()}
+        return {name: t.dtype for name, t in self._store.stats.items()}
 
     def slot_ids(self) -> torch.Tensor:
         """The ids of the rows, in slot order (row ``i`` of :meth:`copy_rows` belongs to ``slot_ids()[i]``)."""
-        return self._index.ids_by_slot()
+        return self._store.index.ids_by_slot()
 
     def _saved_fields(self) -> dict[str, torch.Tensor]:
         """The per-row fields a save holds that the table stores (``steps`` only where the optimizer counts them)."""
-        out = {"rows": self._rows}
-        if self._steps is not None:
-            out["steps"] = self._steps
-        out.update({f"state.{k}": t for k, t in self._state.items()})
-        out.update({f"stats.{k}": t for k, t in self._stats.items()})
-        return out
+        return self._store.saved_fields()
 
     def copy_rows(self, pick: slice | torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of the per-row fields (``rows``, ``steps``, ``state.*``, ``stats.*``) of the slots ``pick``."""
-        n = len(self)
-        out = {name: t[:n][pick].clone() for name, t in self._saved_fields().items()}
-        if "steps" not in out:  # not counted by this optimizer: 0, as documented for saves
-            out["steps"] = torch.zeros(out["rows"].shape[0], dtype=torch.int64)
-        return out
+        return self._store.copy_fields(pick, len(self))
 
     def changed_slots(self) -> torch.Tensor:
         """The slots of rows created or changed since :meth:`mark_saved`."""
-        return self._dirty[: len(self)].nonzero().squeeze(1)
+        return self._store.dirty[: len(self)].nonzero().squeeze(1)
 
     def evicted_since_save(self) -> torch.Tensor | None:
         """The ids evicted since :meth:`mark_saved`; None when too many to remember (the next save is a base)."""
@@ -281,26 +297,23 @@ class SparseTable(TableLifeCycle):
         """The table-wide state a save holds besides the rows: clock, next expiry, counts, admission."""
         return {
             "clock": self.clock,
-            "next_expiry": self._next_expiry,
+            "next_expiry": self._life.next_expiry,
             "counts": dict(self.counts),
-            "admission": self._admission.state_dict(),
+            "admission": self._life.admission.state_dict(),
         }
 
     def mark_saved(self) -> None:
         """The last :meth:`state_dict` is on disk: the next delta starts from here."""
         with self.transaction() as undo:
-            undo.span(self._getter("dirty"), 0, len(self))
-            self._dirty[: len(self)] = False  # rows past the end are marked when created
+            undo.span(self.getter("dirty"), 0, len(self))
+            self._store.dirty[: len(self)] = False  # rows past the end are marked when created
             self._deleted, self._deleted_count = [], 0
             self.saved = True
 
     def _set_header(self, header: dict[str, Any]) -> None:
         self.clock = int(header["clock"])
-        self._next_expiry = int(header["next_expiry"])
         self.counts.update(header["counts"])
-        if self._admission.sketch is not None:
-            self._log().attrs(self._admission.sketch, "counters", "added")
-        self._admission.load_state_dict(header["admission"])
+        self._life.load_state_dict(header, self.undo_log())
 
     def replace_rows(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], header: dict[str, Any]) -> None:
         """Replace every row with ``ids`` and their checked ``fields`` (as :meth:`copy_rows` names them); saved."""
@@ -309,11 +322,9 @@ class SparseTable(TableLifeCycle):
         while cap < n:
             cap *= 2
         with self.transaction() as undo:
-            # everything is replaced by new tensors: the undo keeps the old ones
-            undo.attrs(self, "_index", "_capacity", "_rec", "_records", "_rows", "_steps", "_state", "_dirty")
-            undo.attrs(self, "_stats")
+            undo.attrs(self, "_store")  # everything is replaced by a new store: the undo keeps the old one
             self._reset(cap)
-            self._index.insert_new(ids)
+            self._store.index.insert_new(ids)
             for name, t in self._saved_fields().items():
                 t[:n] = fields[name]
             self._set_header(header)
@@ -325,13 +336,13 @@ class SparseTable(TableLifeCycle):
         """Evict ``deleted``, then write ``ids``' checked ``fields`` (creating rows as needed); saved."""
         with self.transaction() as undo:
             if deleted.numel():
-                slots = self._index.lookup(deleted)
+                slots = self._store.index.lookup(deleted)
                 gone = torch.zeros(len(self), dtype=torch.bool)
                 gone[slots[slots >= 0]] = True
-                self._remove(gone)
-            slots = self._slots_creating(ids, undo)
+                self.remove_slots(gone)
+            slots = self._store.slots_creating(ids, len(self), undo, grow)
             for name, t in self._saved_fields().items():
-                undo.rows(self._getter(name), slots)
+                undo.rows(self.getter(name), slots)
                 t.index_copy_(0, slots, fields[name])
             self._set_header(header)
             self.mark_saved()
@@ -350,26 +361,9 @@ class SparseTable(TableLifeCycle):
         if n < 2 or bool((ids[1:] > ids[:-1]).all()):
             return
         order = torch.argsort(ids)
-        new_slot = torch.empty(n, dtype=torch.int64)
-        new_slot[order] = torch.arange(n)
         with self.transaction() as undo:
             self._recent.forget()  # slots move
-            for name in self._row_names():
-                get = self._getter(name)
-                undo.span(get, 0, n)
-                t = get()
-                t[:n] = t[:n].index_select(0, order)
-            self._index.renumber(new_slot, undo)
-
-    def _slots_creating(self, ids: torch.Tensor, undo: Any) -> torch.Tensor:
-        """``ids``' slots, appending a row for each id not in the table yet (undone with ``undo``)."""
-        first = len(self)
-        slots = self._index.lookup(ids)
-        new = (slots < 0).nonzero().squeeze(1)
-        if new.numel():
-            self._grow_to(first + new.numel(), used=first)
-            slots.index_copy_(0, new, self._index.insert_new(ids.index_select(0, new), undo))
-        return slots
+            self._store.reorder(order, undo)
 
     def write_rows(self, ids: torch.Tensor, fields: dict[str, torch.Tensor], replace: bool = False) -> None:
         """Set rows ``ids`` to ``fields`` (``rows`` required; ``steps``, ``state.*``, ``stats.*`` optional).
@@ -384,51 +378,21 @@ class SparseTable(TableLifeCycle):
         if torch.unique(ids).numel() != n:
             raise ValueError("write_rows: 'ids' contains duplicates")
         names = self._saved_fields()
-        known = set(names) | {"steps"}  # steps: stored where the optimizer counts them, else always 0
-        unknown = sorted(set(fields) - known)
-        if unknown or "rows" not in fields:
-            raise ValueError(f"write_rows takes 'rows' and optionally {sorted(known - {'rows'})}, got {unknown}")
-        given = {}
-        for name, value in fields.items():
-            if name == "rows" or name.startswith("state."):
-                given[name] = self.check_rows(name, value, n, names[name].shape[1])
-            elif tuple(value.shape) != (n,):
-                raise ValueError(f"write_rows: '{name}' has shape {tuple(value.shape)}, expected ({n},)")
-            elif name in names:
-                given[name] = value.to(names[name].dtype)
+        given = self._store.given_fields(fields, n, self.check_rows)
         with self.transaction() as undo:
             if replace and len(self):
-                self._remove(torch.ones(len(self), dtype=torch.bool))
-            slots = self._slots_creating(ids, undo)
+                self.remove_slots(torch.ones(len(self), dtype=torch.bool))
+            slots = self._store.slots_creating(ids, len(self), undo, grow)
             fresh = {k: t.new_empty((n, *t.shape[1:])) for k, t in names.items() if k not in given}
             self._start_fresh(fresh)
             for name, t in self._saved_fields().items():
-                undo.rows(self._getter(name), slots)
+                undo.rows(self.getter(name), slots)
                 t.index_copy_(0, slots, given[name] if name in given else fresh[name])
-            undo.rows(self._getter("dirty"), slots)
-            self._dirty.index_fill_(0, slots, True)
+            undo.rows(self.getter("dirty"), slots)
+            self._store.dirty.index_fill_(0, slots, True)
             self._recent.forget()
 
     # ------------------------------------------------------------------ storage
-    def _grow_to(self, needed: int, used: int) -> None:
-        """Make room for ``needed`` rows (keeping the first ``used``), doubling so growth is amortised.
-
-        Usually a longer view of reserved memory (:mod:`fleet.sparse.growable`); otherwise every new tensor
-        is made before any is swapped in, so a failed allocation changes nothing.
-        """
-        if needed <= self._capacity:
-            return
-        cap = self._capacity
-        while cap < needed:
-            cap *= 2
-        n = used
-        records = self._rec.over(grow(self._records, cap, n))
-        dirty = grow(self._dirty, cap, n) if records.dirty is None else records.dirty  # rows past n: marked when made
-        if records.data.data_ptr() != self._records.data_ptr():
-            self._prefaulted = min(self._prefaulted, n)  # copied into fresh memory: not faulted in yet
-        self._set_records(records)
-        self._dirty, self._capacity = dirty, cap
-
     def _slots(self, ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Slots for ``ids`` (any order, duplicates allowed), creating missing rows (in a transaction).
 
@@ -436,7 +400,7 @@ class SparseTable(TableLifeCycle):
         de-duplicated and sorted, so their slots follow id order within one call; their rows are
         written before the index learns them.
         """
-        slots = self._index.lookup(ids) if slots is None else slots
+        slots = self._store.index.lookup(ids) if slots is None else slots
         missing = slots < 0
         if not bool(missing.any()):
             return slots
@@ -445,19 +409,20 @@ class SparseTable(TableLifeCycle):
         inverse = None
         if not bool((new_ids[1:] > new_ids[:-1]).all()):  # ascending ids (a pull's unique ids) are unique already
             new_ids, inverse = torch.unique(new_ids, sorted=True, return_inverse=True)
-        self._init_rows(len(self), new_ids)
-        new_slots = self._index.insert_new(new_ids, self._log())
+        self.init_rows(len(self), new_ids)
+        new_slots = self._store.index.insert_new(new_ids, self.undo_log())
         slots.index_copy_(0, where, new_slots if inverse is None else new_slots.index_select(0, inverse))
         return slots
 
-    def _init_rows(self, first: int, new_ids: torch.Tensor) -> None:
+    def init_rows(self, first: int, new_ids: torch.Tensor) -> None:
         """Fill the free slots ``first ..`` (past the live length: nothing to undo) for ``new_ids``."""
         end = first + new_ids.numel()
-        self._grow_to(end, used=first)
-        initial_rows(new_ids, self.dim, self.initializer, self.seed, out=self._rows[first:end])
-        self._start_fresh({name: t[first:end] for name, t in self._saved_fields().items() if name != "rows"})
-        self._dirty[first:end] = True
-        self._prefault_ahead(end)
+        store = self._store
+        store.grow_to(end, first, grow)
+        initial_rows(new_ids, self.dim, self.initializer, self.seed, out=store.rows[first:end])
+        self._start_fresh({name: t[first:end] for name, t in store.saved_fields().items() if name != "rows"})
+        store.dirty[first:end] = True
+        store.prefault_ahead(end)
 
     def _start_fresh(self, fields: dict[str, torch.Tensor]) -> None:
         """Set per-row ``fields`` (named as :meth:`copy_rows` names them, any but ``rows``) as a new row starts:
@@ -471,18 +436,6 @@ class SparseTable(TableLifeCycle):
             else:  # steps, stats.show, stats.click
                 t.zero_()
         self._opt.fill_new_state(state)
-
-    def _prefault_ahead(self, end: int) -> None:
-        """Have the pages of the rows after ``end`` made present off the loop, a few MiB ahead (fleet.sparse.pages)."""
-        ahead = max(4096, (2 << 20) // self._rec.record_bytes)  # about one (huge) page of records
-        if end + ahead // 2 < self._prefaulted:
-            return
-        lo = max(end, self._prefaulted)
-        hi = min(self._capacity, lo + ahead)
-        if hi > lo:
-            for name in self._row_names():
-                prefault(self._getter(name)()[lo:hi])
-        self._prefaulted = hi
 
     def check_rows(self, name: str, values: torch.Tensor, n: int, width: int | None = None) -> torch.Tensor:
         """``values`` as float32 ``[n, width]`` rows (``width``: ``dim`` unless given), or an error naming ``name``."""
@@ -505,18 +458,18 @@ class SparseTable(TableLifeCycle):
         ids = as_ids(ids)
         if not self.lifecycle.active:
             # one native pass: each row is copied as its id is confirmed in the record (same cache lines)
-            slots, rows = self._index.lookup_rows(ids, self._rows[: len(self)])
+            slots, rows = self._store.index.lookup_rows(ids, self._store.rows[: len(self)])
             if not bool((slots < 0).any()):
                 self._recent.remember(ids, slots)  # nothing changed: no transaction needed
                 return rows
             new = (slots < 0).nonzero().squeeze(1)  # before _slots, which fills these slots in
             with self.transaction():  # the gather below can fail too: then the new rows go again
-                slots = self._slots(ids, slots)  # first: creating rows may replace self._rows
+                slots = self._slots(ids, slots)  # first: creating rows may replace the store's rows
                 # the rows found were copied by the lookup: only the new ones (their initial values) are gathered
-                rows.index_copy_(0, new, self._gather_rows(slots.index_select(0, new)))
+                rows.index_copy_(0, new, self._store.gather_rows(slots.index_select(0, new), len(self)))
                 self._recent.remember(ids, slots)  # a failure here takes the rows back and forgets
                 return rows
-        slots, out = self._index.lookup_rows(ids, self._rows[: len(self)])  # absent ids' rows: filled below
+        slots, out = self._store.index.lookup_rows(ids, self._store.rows[: len(self)])  # absent ids: filled below
         missing = (slots < 0).nonzero().squeeze(1)
         if missing.numel():
             if self.lifecycle.entry is not None:
@@ -552,8 +505,9 @@ class SparseTable(TableLifeCycle):
             slots, grads, clicks = self._update_slots(ids, grads, clicks)
             if slots.numel() == 0:
                 return
-            self._touch(slots, clicks, mark_dirty=nested)  # outermost, the kernel marks the rows changed
-            self._step_rows(slots, grads, float(lr), undo if nested else None)  # the last change: keep it last
+            self._life.touch(slots, clicks, mark_dirty=nested)  # outermost, the kernel marks the rows changed
+            # the last change: keep it last (see RowStore.step_rows)
+            self._store.step_rows(self._hyper, slots, grads, float(lr), len(self), undo if nested else None)
 
     def add_delta(
         self, ids: torch.Tensor, deltas: torch.Tensor, step: int | None = None, clicks: torch.Tensor | None = None
@@ -567,62 +521,16 @@ class SparseTable(TableLifeCycle):
             self.tick(step)
             if ids.numel():
                 slots, deltas, clicks = self._update_slots(ids, deltas, clicks)
-                self._touch(slots, clicks)
-                undo.rows(self._getter("rows"), slots)
-                self._rows.index_add_(0, slots, deltas)
+                self._life.touch(slots, clicks)
+                undo.rows(self.getter("rows"), slots)
+                self._store.rows.index_add_(0, slots, deltas)
 
-    def _step_rows(self, slots: torch.Tensor, grads: torch.Tensor, lr: float, undo: UndoLog | None) -> None:
-        """The row optimizer's step on ``slots`` (duplicates' gradients summed first, in batch order), natively.
-
-        The kernel finds repeated slots with a hash of the batch (no sort) and updates each row once
-        with its total: the same sums as ``torch.unique`` + ``index_add_``. It checks every slot before
-        it writes. With ``undo`` it hands back what each row held, which the undo writes back if a later
-        step fails (repeated slots get the same old values, so the undo's writes agree whatever their
-        order); ``undo`` None is for a caller whose operation ends with this step (nothing after it can
-        fail), which spares copying every touched row of every state tensor; the kernel then also sets
-        the rows' dirty flags (else :meth:`_touch` did, with their undo record).
-        """
-        names = self._opt.state_names
-        state = [buf(self._state[name], f"state.{name}", torch.float32, 2, strided=True) for name in names]
-        steps = buf(self._steps, "steps", torch.int64, 1, strided=True) if self._track_steps else None
-        # else marked by _touch; a strided view where the records hold the flags
-        dirty = buf(self._dirty, "dirty", torch.bool, 1, strided=True) if undo is None else None
-        old: list[Any] = [None] * 4
-        if undo is not None:
-            n = slots.numel()
-            old_rows = torch.empty(n, self.dim)
-            old_state = {name: torch.empty(n, self._state[name].shape[1]) for name in names}
-            old_steps = torch.empty(n, dtype=torch.int64) if self._track_steps else None
-            old = [old_rows.numpy()] + [old_state[name].numpy() for name in names] + [None] * (2 - len(names))
-            old.append(old_steps.numpy() if old_steps is not None else None)
-        kernels.apply_rows(
-            native_hyper(self.optimizer, lr),
-            buf(self._rows, "rows", torch.float32, 2, strided=True),
-            state[0] if names else None,
-            state[1] if len(names) > 1 else None,
-            steps,
-            dirty,
-            slots.contiguous().numpy(),
-            buf(grads.contiguous(), "grads", torch.float32, 2),
-            len(self),
-            *old,
-        )
-        if undo is None:
-            return
-        # recorded after the kernel's one write (it either writes everything or raises before writing)
-        undo.rows(self._getter("rows"), slots, old_rows)
-        for name in names:
-            undo.rows(self._getter(f"state.{name}"), slots, old_state[name])
-        if old_steps is not None:
-            undo.rows(self._getter("steps"), slots, old_steps)
-
-    def _gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """``self._rows[slots]`` as a new tensor: a native gather (prefetching, GIL released, bounds checked)."""
-        out = torch.empty(slots.numel(), self.dim, dtype=torch.float32)
-        if slots.numel():
-            rows = buf(self._rows, "rows", torch.float32, 2, strided=True)
-            kernels.gather_rows(rows, slots.contiguous().numpy(), len(self), out.numpy())
-        return out
+    def _update_slots(self, ids: torch.Tensor, values: torch.Tensor, clicks: torch.Tensor | None):
+        """Slots, values and clicks of the ids an update changes: every id's (rows created as needed) without a
+        life cycle; with one, the admitted ids' (the life cycle drops, and counts, the rest)."""
+        if not self.lifecycle.active:
+            return self._slots(ids, self._recent.take(ids)), values, clicks
+        return self._life.update_slots(ids, values, clicks)
 
     def _check_clicks(self, clicks: torch.Tensor | None, n: int) -> torch.Tensor | None:
         if clicks is None:

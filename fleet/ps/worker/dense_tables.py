@@ -20,7 +20,7 @@ from fleet.ps.client.client import PSClient
 from fleet.ps.protocol.errors import PSRemoteError
 from fleet.ps.protocol.wire import FROZEN, HAS_GRAD, NO_GRAD
 from fleet.sparse.optim import OptimizerSpec
-from fleet.sparse.rowwise_adagrad import RowWiseAdagrad
+from fleet.sparse.row_optimizers.rowwise_adagrad import RowWiseAdagrad
 from fleet.training import owners
 
 

@@ -395,13 +395,7 @@ def _dense_names(names: TableNames, index: int, params: list[torch.Tensor]) -> d
 
 def torch_param_state(spec: OptimizerSpec, pieces: dict[str, torch.Tensor], step: int) -> dict[str, Any]:
     """One parameter's state as the torch.optim class of ``spec`` keeps it ({} where torch keeps none)."""
-    if spec.kind == "adagrad":  # torch makes Adagrad's state at construction, step 0 included
-        return {"step": torch.tensor(float(max(step, 0))), **pieces}
-    if step <= 0:
-        return {}  # never stepped: torch has no state for it yet
-    if spec.kind == "sgd":
-        return pieces  # the momentum buffer, or nothing without momentum
-    return {"step": torch.tensor(float(step)), **pieces}
+    return spec.rule.torch_state(pieces, step)
 
 
 def param_step(state: dict[str, Any]) -> int:

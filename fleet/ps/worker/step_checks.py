@@ -56,7 +56,7 @@ class HyperParameters:
             now = self._spec(index)
             if now == before:
                 continue
-            name = next(n for n in type(now).model_fields if getattr(now, n) != getattr(before, n))
+            name = next(n for n in now.model_dump() if getattr(now, n) != getattr(before, n))  # the rule's fields too
             raise FleetError(
                 f"param group {index}'s {name!r} changed from {_plain(getattr(before, name))} to "
                 f"{_plain(getattr(now, name))} after fleet.distributed_optimizer (a scheduler such as "

@@ -1,18 +1,49 @@
 // The row optimizers' step on a table's rows (apply_rows): every optimizer fleet offers, one pass per batch.
 #include "common.h"
+#include "ftrl.h"
 
 namespace fleet_native {
 
 // ------------------------------------------------------------------ row optimizers
-enum OptKind { kSgd = 0, kAdagrad = 1, kRowwiseAdagrad = 2, kAdam = 3, kAdamW = 4 };
+// Each rule's entry: its number (RowOptimizer.native_kind in fleet/sparse/row_optimizers), its own
+// hyper-parameters (RowOptimizer.native_params, in this order), the state tensors it keeps.
+enum OptKind { kSgd = 0, kAdagrad = 1, kRowwiseAdagrad = 2, kAdam = 3, kAdamW = 4, kFtrl = 5, kKinds };
+constexpr int kParams[kKinds] = {3, 2, 2, 3, 3, 4};  // sgd (momentum, dampening, nesterov), adagrad (eps, lr_decay),
+                                                     // adam (beta1, beta2, eps), ftrl (beta, l1, l2, lr_power)
+constexpr int kMaxParams = 4;
 
 struct Hyper {
   int kind;
-  double lr, weight_decay, momentum, dampening;
-  int nesterov;
-  double beta1, beta2, eps, lr_decay;
-  int maximize;
-  double log_beta1, log_beta2;  // set once per call (Adam's bias corrections)
+  double lr, weight_decay;
+  int maximize, decoupled;  // decoupled: weight decay by the rule (AdamW), not added to the gradient
+  double momentum = 0, dampening = 0;
+  int nesterov = 0;
+  double beta1 = 0, beta2 = 0, eps = 0, lr_decay = 0;
+  double beta = 0, l1 = 0, l2 = 0, lr_power = 0;
+  double log_beta1 = 0, log_beta2 = 0;  // set once per call (Adam's bias corrections)
+
+  // The rule's own hyper-parameters, from the values in its order.
+  void set_params(const double* v) {
+    switch (kind) {
+      case kSgd:
+        momentum = v[0], dampening = v[1], nesterov = v[2] != 0;
+        break;
+      case kAdagrad:
+      case kRowwiseAdagrad:
+        eps = v[0], lr_decay = v[1];
+        break;
+      case kAdam:
+      case kAdamW:
+        beta1 = v[0], beta2 = v[1], eps = v[2];
+        log_beta1 = std::log(beta1), log_beta2 = std::log(beta2);
+        break;
+      default:  // ftrl
+        beta = v[0], l1 = v[1], l2 = v[2], lr_power = v[3];
+    }
+  }
+  int states() const { return kind == kAdam || kind == kAdamW || kind == kFtrl ? 2 : kind == kSgd && momentum == 0 ? 0 : 1; }
+  bool needs_steps() const { return kind == kAdam || kind == kAdamW || (kind == kSgd && momentum != 0) || lr_decay != 0; }
+  bool rowwise() const { return kind == kRowwiseAdagrad; }
 };
 
 // Adam's bias corrections depend on the row's step only: remembered for a few recent steps, since
@@ -65,7 +96,7 @@ FLEET_ROW_CLONES __attribute__((noinline)) void update_row(const Hyper& h, int64
   // g is the caller's scratch (the row's summed gradient): these two loops write nothing of the table's
   if (h.maximize)
     for (int64_t j = 0; j < dim; ++j) g[j] = -g[j];
-  if (h.weight_decay != 0 && h.kind != kAdamW) {
+  if (h.weight_decay != 0 && !h.decoupled) {
     const float wd = static_cast<float>(h.weight_decay);
     for (int64_t j = 0; j < dim; ++j) g[j] = g[j] + wd * p[j];
   }
@@ -108,8 +139,17 @@ FLEET_ROW_CLONES __attribute__((noinline)) void update_row(const Hyper& h, int64
       }
       break;
     }
+    case kFtrl: {
+      const float lr = static_cast<float>(h.lr), beta = static_cast<float>(h.beta), l1 = static_cast<float>(h.l1);
+      const float l2x2 = static_cast<float>(2 * h.l2), power = static_cast<float>(-h.lr_power);
+      if (h.lr_power == -0.5)
+        ftrl_row<true>(dim, p, g, s0, s1, lr, beta, l1, l2x2, power);
+      else
+        ftrl_row<false>(dim, p, g, s0, s1, lr, beta, l1, l2x2, power);
+      break;
+    }
     default: {  // adam, adamw
-      const bool decay = h.kind == kAdamW && h.weight_decay != 0;
+      const bool decay = h.decoupled && h.weight_decay != 0;
       const float decay_by = static_cast<float>(1 - h.lr * h.weight_decay);
       const float w1 = static_cast<float>(1 - h.beta1), b2 = static_cast<float>(h.beta2);
       const float w2 = static_cast<float>(1 - h.beta2), eps = static_cast<float>(h.eps);
@@ -148,23 +188,30 @@ FLEET_ROW_CLONES __attribute__((noinline)) void update_row(const Hyper& h, int64
 // either happens whole or not at all and there is nothing to take back.
 PyObject* py_apply_rows(PyObject*, PyObject* args) {
   Hyper h;
-  PyObject *rows_o, *s0_o, *s1_o, *steps_o, *dirty_o, *slots_o, *grads_o, *orows_o, *os0_o, *os1_o, *osteps_o;
+  PyObject *params_o, *rows_o, *s0_o, *s1_o, *steps_o, *dirty_o, *slots_o, *grads_o, *orows_o, *os0_o, *os1_o, *osteps_o;
   Py_ssize_t live;
-  if (!PyArg_ParseTuple(args, "(iddddpddddp)OOOOOOOnOOOO:apply_rows", &h.kind, &h.lr, &h.weight_decay, &h.momentum,
-                        &h.dampening, &h.nesterov, &h.beta1, &h.beta2, &h.eps, &h.lr_decay, &h.maximize, &rows_o, &s0_o,
-                        &s1_o, &steps_o, &dirty_o, &slots_o, &grads_o, &live, &orows_o, &os0_o, &os1_o, &osteps_o))
+  if (!PyArg_ParseTuple(args, "(iddppO)OOOOOOOnOOOO:apply_rows", &h.kind, &h.lr, &h.weight_decay, &h.maximize,
+                        &h.decoupled, &params_o, &rows_o, &s0_o, &s1_o, &steps_o, &dirty_o, &slots_o, &grads_o, &live,
+                        &orows_o, &os0_o, &os1_o, &osteps_o))
     return nullptr;
-  if (h.kind < kSgd || h.kind > kAdamW) return PyErr_Format(PyExc_ValueError, "unknown optimizer kind %d", h.kind);
-  h.log_beta1 = std::log(h.beta1);
-  h.log_beta2 = std::log(h.beta2);
-  const bool need_s0 = h.kind != kSgd || h.momentum != 0, need_s1 = h.kind == kAdam || h.kind == kAdamW;
-  const bool need_steps = need_s1 || (h.kind == kSgd && h.momentum != 0) || h.lr_decay != 0;
+  if (h.kind < 0 || h.kind >= kKinds) return PyErr_Format(PyExc_ValueError, "unknown optimizer kind %d", h.kind);
+  if (!PyTuple_Check(params_o) || PyTuple_GET_SIZE(params_o) != kParams[h.kind])
+    return PyErr_Format(PyExc_ValueError, "apply_rows: optimizer kind %d takes a tuple of %d hyper-parameters", h.kind,
+                        kParams[h.kind]);
+  double params[kMaxParams] = {0, 0, 0, 0};
+  for (int k = 0; k < kParams[h.kind]; ++k) {
+    params[k] = PyFloat_AsDouble(PyTuple_GET_ITEM(params_o, k));
+    if (params[k] == -1.0 && PyErr_Occurred()) return nullptr;
+  }
+  h.set_params(params);
+  const bool need_s0 = h.states() >= 1, need_s1 = h.states() == 2;
+  const bool need_steps = h.needs_steps();
   const bool record = orows_o != Py_None;
   if (!record && (os0_o != Py_None || os1_o != Py_None || osteps_o != Py_None))
     return PyErr_Format(PyExc_ValueError, "apply_rows: old rows None but other old_* given (all or none)");
   Buf rows, s0, s1, steps, dirty, slots, grads, orows, os0, os1, osteps;
   if (!rows.get(rows_o, "rows", Kind::kFloat32, 2, -1, true, true)) return nullptr;
-  const Py_ssize_t dim = rows.cols(), width = h.kind == kRowwiseAdagrad ? 1 : dim;
+  const Py_ssize_t dim = rows.cols(), width = h.rowwise() ? 1 : dim;
   if ((s0_o == Py_None) == need_s0 || (s1_o == Py_None) == need_s1)
     return PyErr_Format(PyExc_ValueError, "apply_rows: optimizer kind %d takes %s state tensors", h.kind,
                         need_s1 ? "two" : need_s0 ? "one" : "no");
