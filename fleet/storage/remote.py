@@ -65,7 +65,9 @@ class FsspecStore(Store):
 
     def _key(self, path: str) -> str:
         """The filesystem's own name of ``path`` (no scheme, no trailing ``/``)."""
-        return self.fs._strip_protocol(path).rstrip("/")
+        from fsspec.core import strip_protocol
+
+        return strip_protocol(path).rstrip("/")
 
     def entry(self, path: str, follow_links: bool = False) -> Entry | None:
         self.fs.invalidate_cache(self._key(path))
@@ -139,11 +141,11 @@ class FsspecStore(Store):
         self.fs.invalidate_cache(self._key(path))
 
     def checkpoint_writer(self, path: str) -> Any:
-        from torch.distributed.checkpoint import FsspecWriter
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         return FsspecWriter(path)
 
     def checkpoint_reader(self, path: str) -> Any:
-        from torch.distributed.checkpoint import FsspecReader
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(path)
