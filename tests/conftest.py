@@ -53,6 +53,7 @@ def s3_endpoint():
 def bucket(s3_endpoint):
     """An empty bucket on the test S3 server (``s3://fleet-<hex>``), fsspec in this process pointed at it."""
     import fsspec.config
+
     from s3_server import configure, new_bucket
 
     before = dict(fsspec.config.conf)
