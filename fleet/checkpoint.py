@@ -38,7 +38,7 @@ from fleet.errors import DiskFullError, FleetError, PeerError
 from fleet.nn import rows_state
 from fleet.storage.atomic import is_disk_full, save_atomic
 from fleet.storage.layout import STEPS, Layout, LayoutError, Save
-from fleet.storage.store import store_for
+from fleet.storage.paths import store_for
 
 META = "meta.pt"
 

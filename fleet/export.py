@@ -24,7 +24,7 @@ from fleet.runtime import context
 from fleet.sparse import backends as tables
 from fleet.sparse.table import SparseTable
 from fleet.storage.atomic import make_dirs, save_atomic
-from fleet.storage.store import store_for
+from fleet.storage.paths import store_for
 
 FILE = "inference.pt"
 FORMAT = "fleet-inference-1"

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from fleet.errors import FleetError
 from fleet.runtime import context
-from fleet.storage.store import is_url, store_for
+from fleet.storage.paths import is_url, store_for
 
 PathLike = str | os.PathLike
 

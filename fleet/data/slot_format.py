@@ -43,7 +43,7 @@ from typing import IO
 
 import numpy as np
 
-from fleet.storage.store import is_url, store_for
+from fleet.storage.paths import is_url, store_for
 
 MAGIC = b"\x93FLSLOTS"
 VERSION = 1

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from fleet.storage.local import is_disk_full
-from fleet.storage.store import store_for
+from fleet.storage.paths import store_for
 
 __all__ = ["Hashing", "commit_text", "is_disk_full", "make_dirs", "save_atomic", "write_atomic", "write_text_atomic"]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from fleet.errors import FleetError
 from fleet.storage.atomic import write_text_atomic
-from fleet.storage.store import join, store_for
+from fleet.storage.paths import join, store_for
 
 __all__ = ["CHECKSUMS", "MAX_FILES", "LayoutError", "file_sum", "read_manifest", "read_verified", "walk"]
 

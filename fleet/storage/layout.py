@@ -38,8 +38,8 @@ from collections.abc import Callable
 from fleet.storage import checksums
 from fleet.storage.atomic import commit_text
 from fleet.storage.checksums import CHECKSUMS, LayoutError
+from fleet.storage.paths import absolute, store_for
 from fleet.storage.save import Save, SaveKind, SaveWriter
-from fleet.storage.store import absolute, store_for
 
 __all__ = [
     "CHECKSUMS",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from fleet.storage import layout
 from fleet.storage.layout import LATEST, MANIFEST, SAVES, Layout, SaveWriter
-from fleet.storage.store import absolute, basename, split
+from fleet.storage.paths import absolute, basename, split
 
 __all__ = ["LATEST", "MANIFEST", "abandon", "begin", "commit", "committed", "resolve", "writer"]
 

@@ -15,7 +15,8 @@ from typing import Any, Protocol
 from fleet.storage import checksums
 from fleet.storage.atomic import make_dirs, save_atomic, write_text_atomic
 from fleet.storage.checksums import CHECKSUMS, LayoutError
-from fleet.storage.store import Store, store_for
+from fleet.storage.paths import store_for
+from fleet.storage.store import Store
 
 __all__ = ["Save", "SaveKind", "SaveWriter"]
 

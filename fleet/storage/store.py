@@ -1,10 +1,10 @@
 """Where fleet's files live: the :class:`Store` protocol, through which every save, load and export of fleet
-(and every data-file list) reaches storage, and :func:`store_for`, which picks the store of a path.
+(and every data-file list) reaches storage (:func:`fleet.storage.paths.store_for` picks the store of a path).
 
 Paths stay strings everywhere: a local path (``ckpt/run``, ``/data/run``) or a URL (``s3://bucket/run``,
 ``gs://...``, ``hdfs://...``: any scheme `fsspec <https://filesystem-spec.readthedocs.io>`_ knows). A local
 path goes to :class:`~fleet.storage.local.LocalStore` (the local filesystem, as fleet always wrote it); a URL to
-the store registered for its scheme (:func:`register`), else to
+the store registered for its scheme (:func:`fleet.storage.paths.register`), else to
 :class:`~fleet.storage.remote.FsspecStore` when fsspec is installed (``pip install 'fleet[s3]'``). A URL no store
 can write is an error naming it and the install command, never a local folder named ``s3:``.
 
@@ -26,37 +26,23 @@ save counts only once ``latest`` names it, so a reader never sees half a save (o
 parts that no pointer names), and every part is checked against its checksum before a byte of it is used:
 damage is an error naming the object.
 
-A third store (say, a company's blob service) is one subclass of :class:`Store` and one :func:`register` call.
+A third store (say, a company's blob service) is one subclass of :class:`Store` and one
+:func:`~fleet.storage.paths.register` call.
 """
 
 from __future__ import annotations
 
-import os
 import posixpath
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import IO, Any, NamedTuple
 
 from fleet.errors import FleetError
 
-__all__ = [
-    "Entry",
-    "Store",
-    "StorageError",
-    "absolute",
-    "basename",
-    "is_url",
-    "join",
-    "register",
-    "split",
-    "store_for",
-]
+__all__ = ["INSTALL", "Entry", "StorageError", "Store"]
 
 INSTALL = "pip install 'fleet[s3]'"
 """How to get fsspec and s3fs (the optional extra); other schemes need fsspec's package for them."""
-
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
 
 class StorageError(FleetError):
@@ -163,55 +149,3 @@ class Store:
 
     def checkpoint_reader(self, path: str) -> Any:
         raise NotImplementedError
-
-
-_STORES: dict[str, Callable[[str], Store]] = {}
-_LOCAL: list[Store] = []
-
-
-def register(scheme: str, make: Callable[[str], Store]) -> None:
-    """Serve URLs ``<scheme>://...`` with ``make(scheme)`` (before fsspec is asked): how a third store plugs in."""
-    _STORES[scheme.lower()] = make
-
-
-def scheme_of(path: str) -> str | None:
-    """The scheme of a URL (``s3`` of ``s3://b/k``); None for a local path."""
-    match = _SCHEME.match(path)
-    return match.group(1).lower() if match else None
-
-
-def is_url(path: str | os.PathLike[str]) -> bool:
-    return isinstance(path, str) and scheme_of(path) is not None
-
-
-def store_for(path: str | os.PathLike[str]) -> Store:
-    """The store that holds ``path``; :class:`StorageError` for a URL that none can write."""
-    if isinstance(path, os.PathLike) or (scheme := scheme_of(path)) is None:
-        if not _LOCAL:
-            from fleet.storage.local import LocalStore
-
-            _LOCAL.append(LocalStore())
-        return _LOCAL[0]
-    if scheme in _STORES:
-        return _STORES[scheme](scheme)
-    from fleet.storage.remote import fsspec_store
-
-    return fsspec_store(scheme, path)
-
-
-def join(base: str, *names: str) -> str:
-    return store_for(base).join(base, *names)
-
-
-def split(path: str) -> tuple[str, str]:
-    return store_for(path).split(path)
-
-
-def basename(path: str) -> str:
-    return split(path)[1]
-
-
-def absolute(path: str | os.PathLike[str]) -> str:
-    """``path`` as every process names it: a local path made absolute, a URL as it is (checked: writable)."""
-    path = os.fspath(path)
-    return store_for(path).absolute(path)

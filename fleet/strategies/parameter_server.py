@@ -24,7 +24,7 @@ from fleet.ps import modes
 from fleet.ps.worker.persistables import WORKER_FILE
 from fleet.storage import persist
 from fleet.storage.layout import SAVES, Save, SaveWriter
-from fleet.storage.store import absolute
+from fleet.storage.paths import absolute
 from fleet.strategies.base import Runtime, Strategy, check_reduce
 
 __all__ = ["WORKER_FILE", "ParameterServerStrategy"]

@@ -21,7 +21,8 @@ from fleet.errors import FleetError
 from fleet.ps.worker.persistables import load_servers, save_servers
 from fleet.storage import atomic, persist
 from fleet.storage.layout import STEPS, Layout, LayoutError, Save
-from fleet.storage.store import StorageError, store_for
+from fleet.storage.paths import store_for
+from fleet.storage.store import StorageError
 from ps_servers import SGD, client, servers
 
 IDS = torch.arange(-8, 8)

@@ -60,7 +60,7 @@ from fleet.ps.protocol.wire import (
     SparsePush,
     row_width,
 )
-from fleet.storage.store import absolute
+from fleet.storage.paths import absolute
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,8 @@ from typing import Any
 
 from fleet.storage import checksums, layout, persist
 from fleet.storage.atomic import make_dirs, save_atomic, write_text_atomic
-from fleet.storage.store import StorageError, absolute, basename, join, store_for
+from fleet.storage.paths import absolute, basename, join, store_for
+from fleet.storage.store import StorageError
 
 _NAME = re.compile(r"^table-(\d+)\.pt$")
 RECORDS = 8  # saves a server's restart record remembers (newest last)

@@ -22,7 +22,8 @@ from typing import Any
 from fleet.ps.server import aggregator as agg
 from fleet.ps.server import shard_io
 from fleet.storage.layout import LayoutError
-from fleet.storage.store import StorageError, absolute, join
+from fleet.storage.paths import absolute, join
+from fleet.storage.store import StorageError
 
 Shards = MutableMapping[int, "agg.DenseShard | agg.SparseShard"]
 

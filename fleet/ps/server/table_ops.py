@@ -41,7 +41,7 @@ from fleet.ps.server import aggregator as agg
 from fleet.ps.server import shard_io, staged_load
 from fleet.ps.server.replies import Replies
 from fleet.ps.server.waitlist import Waitlist
-from fleet.storage.store import absolute
+from fleet.storage.paths import absolute
 
 Shards = MutableMapping[int, "agg.DenseShard | agg.SparseShard"]
 
