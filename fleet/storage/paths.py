@@ -14,11 +14,13 @@ from collections.abc import Callable
 
 from fleet.storage.local import LocalStore
 from fleet.storage.remote import fsspec_store
-from fleet.storage.store import Store
+from fleet.storage.store import StorageError, Store
 
 __all__ = ["absolute", "basename", "is_url", "join", "register", "scheme_of", "split", "store_for"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+_COLLAPSED = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):/(?!/)")
+"""A URL whose ``//`` was lost (``pathlib.Path("s3://b/run")`` is ``s3:/b/run``): never a local folder ``s3:``."""
 _LOCAL = LocalStore()
 _STORES: dict[str, Callable[[str], Store]] = {}
 
@@ -41,6 +43,12 @@ def is_url(path: str | os.PathLike[str]) -> bool:
 def store_for(path: str | os.PathLike[str]) -> Store:
     """The store that holds ``path``; :class:`StorageError` for a URL that none can write."""
     if isinstance(path, os.PathLike) or (scheme := scheme_of(path)) is None:
+        text = os.fspath(path)
+        if isinstance(text, str) and (collapsed := _COLLAPSED.match(text)) and len(collapsed.group(1)) > 1:
+            raise StorageError(
+                f"{text} looks like a {collapsed.group(1)}:// URL whose '//' was lost (pathlib.Path collapses it): "
+                "pass the URL as a str, not a pathlib.Path"
+            )
         return _LOCAL
     if scheme in _STORES:
         return _STORES[scheme](scheme)

@@ -114,6 +114,8 @@ def test_a_url_no_store_can_write_is_an_error_never_a_local_folder(job, tmp_path
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 def test_a_save_killed_half_way_is_never_seen_and_every_interrupted_save_leaves_the_last_one(
     bucket: str, job, s3_endpoint: str
 ) -> None:
@@ -144,7 +146,7 @@ def test_a_save_killed_half_way_is_never_seen_and_every_interrupted_save_leaves_
         """
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "RANK", "WORLD_SIZE"))}
-    killed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=60)
+    killed = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=200)
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
     assert "step-000000002/state.pt" in objects(run) and "step-000000002/checksums.json" not in objects(run)
     step(model, opt)
@@ -250,7 +252,7 @@ def test_parameter_server_saves_with_a_delta_chain_in_the_bucket(bucket: str) ->
     import fsspec
 
     run = f"{bucket}/persist"
-    with servers(2, 1) as srvs, client(srvs, 0) as c:
+    with servers(2, 1, timeout_s=60.0) as srvs, client(srvs, 0, timeout_s=60.0) as c:  # a bucket is slower
         c.create_dense(0, torch.arange(6.0), {"optimizer": SGD, "update": "async"}).result()
         c.create_sparse(1, {"dim": 4, "optimizer": SGD, "update": "async", "seed": 3}).result()
         c.pull_sparse(1, IDS).result()
@@ -297,3 +299,31 @@ def test_a_store_is_chosen_by_the_path(tmp_path) -> None:
     assert type(memory).__name__ == "FsspecStore"
     assert memory.join("memory://fleet-test/run", "latest") == "memory://fleet-test/run/latest"
     assert memory.split("memory://fleet-test/run/step-1") == ("memory://fleet-test/run", "step-1")
+
+
+def test_a_checkpoint_on_an_fsspec_filesystem_with_folders_and_renames(job) -> None:
+    """memory:// (fsspec's, in this process): the path for stores that are not object stores (HDFS, mounts):
+    uploads under a temporary name, then moved."""
+    pytest.importorskip("fsspec")
+    model, opt = job
+    run = "memory://fleet-test-checkpoint/run"
+    store = store_for(run)
+    try:
+        fleet.save_checkpoint(run, model, opt, 1)
+        saved = state(model, opt)
+        step(model, opt)
+        assert fleet.load_checkpoint(run, model, opt).step == 1 and same(state(model, opt), saved)
+        assert sorted(store.list(run)) == ["latest", "step-000000001"]
+        assert not [name for name, _ in store.walk(run) if ".tmp" in name]
+    finally:
+        store.delete("memory://fleet-test-checkpoint")
+
+
+def test_a_url_that_pathlib_collapsed_is_refused(job, tmp_path, monkeypatch) -> None:
+    model, opt = job
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StorageError, match=r"s3:/bucket/run looks like a s3:// URL whose '//' was lost"):
+        fleet.save_checkpoint(str(Path("s3://bucket/run")), model, opt, 1)
+    with pytest.raises(StorageError, match="pass the URL as a str"):
+        fleet.save(model.state_dict(), Path("s3://bucket/model.pt"))
+    assert os.listdir(tmp_path) == []
