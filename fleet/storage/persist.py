@@ -14,8 +14,8 @@ newest one builds on (``save.json`` names its parent); older ones are removed.
 
 The server records each save in its restart record (:mod:`fleet.ps.server.shard_io`); a
 restarted server loads the newest recorded save that ``latest`` committed. Worker 0 and
-the servers must see ``dirname`` as one filesystem (shared, or one host), as
-``save_checkpoint`` assumes for its workers.
+the servers must see ``dirname`` as one filesystem (shared, one host, or a URL every one of them
+reaches: ``s3://bucket/run``, :mod:`fleet.storage.store`), as ``save_checkpoint`` assumes for its workers.
 """
 
 from __future__ import annotations
