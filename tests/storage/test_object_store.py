@@ -246,12 +246,27 @@ def test_a_sharding_checkpoint_with_table_rows_through_the_bucket(bucket: str, m
         fleet.api._reset_for_tests()
 
 
-def test_parameter_server_saves_with_a_delta_chain_in_the_bucket(bucket: str) -> None:
+@pytest.fixture
+def own_bucket(bucket: str) -> Iterator[str]:
+    """A bucket on an S3 server of this test's own: run after the other tests of this file on the shared server,
+    the parameter servers' LOAD hung in s3fs requests that were never answered (not understood yet: see the
+    branch's report); on a server of its own it passes every time."""
+    import fsspec.config
+
+    from s3_server import configure, moto_server, new_bucket
+
+    with moto_server() as endpoint:
+        configure(endpoint)
+        yield new_bucket()
+    fsspec.config.conf.pop("s3", None)
+
+
+def test_parameter_server_saves_with_a_delta_chain_in_the_bucket(own_bucket: str) -> None:
     """Base, delta, delta: the servers write their shards into the bucket, worker 0 commits; a load of the newest
     replays the chain; a damaged delta is named and changes no table."""
     import fsspec
 
-    run = f"{bucket}/persist"
+    run = f"{own_bucket}/persist"
     with servers(2, 1, timeout_s=60.0) as srvs, client(srvs, 0, timeout_s=60.0) as c:  # a bucket is slower
         c.create_dense(0, torch.arange(6.0), {"optimizer": SGD, "update": "async"}).result()
         c.create_sparse(1, {"dim": 4, "optimizer": SGD, "update": "async", "seed": 3}).result()
