@@ -248,9 +248,9 @@ def test_a_sharding_checkpoint_with_table_rows_through_the_bucket(bucket: str, m
 
 @pytest.fixture
 def own_bucket(bucket: str) -> Iterator[str]:
-    """A bucket on an S3 server of this test's own: run after the other tests of this file on the shared server,
-    the parameter servers' LOAD hung in s3fs requests that were never answered (not understood yet: see the
-    branch's report); on a server of its own it passes every time."""
+    """A bucket on an S3 server of this test's own. On the server the other tests of this file used before, the
+    two parameter servers' concurrent LOAD requests hung: moto's server itself stopped answering (a plain HTTP
+    request to it timed out too), which it never did fresh; a server of its own sidesteps that test-server fault."""
     import fsspec.config
 
     from s3_server import configure, moto_server, new_bucket
