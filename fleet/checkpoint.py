@@ -10,9 +10,11 @@ the whole model, a sharded ``torch.distributed.checkpoint`` directory under shar
 Layout (:mod:`fleet.storage.layout`, kind :data:`~fleet.storage.layout.STEPS`):
 ``<dirname>/step-<n>/`` holds the strategy's files, ``meta.pt`` (step, extras, the number of
 workers, written by worker 0) and ``worker-<i>.pt`` (each worker's RNG states and loader
-positions); ``<dirname>/latest`` names the newest complete step directory. Every part goes
-through a :class:`~fleet.storage.layout.SaveWriter`: written under a temporary name and renamed;
-``latest`` moves only after every worker has written its part, so a crash at any moment leaves
+positions); ``<dirname>/latest`` names the newest complete step directory. ``dirname`` is a local
+path or a URL of any store (``s3://bucket/run``: :mod:`fleet.storage.store`; a URL no store can write is an
+error, never a local folder). Every part goes through a :class:`~fleet.storage.layout.SaveWriter`: written
+whole or not at all (locally under a temporary name, then renamed); ``latest`` moves only after every worker
+has written its part, so a crash at any moment leaves
 the previous checkpoint intact and readable, and a ``latest`` that names anything but a step
 directory right inside ``dirname`` is refused. Every file is checked against the checksums the
 save recorded before it is used, and every worker reads and checks its files before any of them
@@ -36,6 +38,7 @@ from fleet.errors import DiskFullError, FleetError, PeerError
 from fleet.nn import rows_state
 from fleet.storage.atomic import is_disk_full, save_atomic
 from fleet.storage.layout import STEPS, Layout, LayoutError, Save
+from fleet.storage.paths import store_for
 
 META = "meta.pt"
 
@@ -85,6 +88,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
             "for a file object, call torch.save on worker 0 yourself."
         )
     path = os.fspath(path)
+    store_for(path)  # a URL no store can write is refused on every worker, never written as a local folder
     sharded = _first_shard(obj)
     if sharded is not None:
         raise FleetError(

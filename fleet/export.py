@@ -13,8 +13,8 @@ it, or zeros when the table admits ids by an ``entry`` (what training returned).
 
 from __future__ import annotations
 
+import io
 import json
-import os
 from typing import Any
 
 import torch
@@ -23,7 +23,8 @@ from fleet.nn import rows_state
 from fleet.runtime import context
 from fleet.sparse import backends as tables
 from fleet.sparse.table import SparseTable
-from fleet.storage.atomic import save_atomic
+from fleet.storage.atomic import make_dirs, save_atomic
+from fleet.storage.paths import store_for
 
 FILE = "inference.pt"
 FORMAT = "fleet-inference-1"
@@ -47,7 +48,11 @@ def _placeholder_keys(model: torch.nn.Module) -> set[str]:
 
 
 def export_for_inference(dirname: str, model: torch.nn.Module) -> str:
-    """Write ``<dirname>/inference.pt`` for serving; call on every worker (worker 0 writes). Returns the path."""
+    """Write ``<dirname>/inference.pt`` for serving; call on every worker (worker 0 writes). Returns the path.
+
+    ``dirname`` may be a URL of any store (``s3://bucket/model``: :mod:`fleet.storage.store`).
+    """
+    store = store_for(dirname)  # a URL no store can write is refused on every worker, before any work
     strategy = context.strategy()
     with rows_state.rows_in_state_dict(False):  # the tables' rows are exported below, once
         dense = strategy.inference_state(model) if strategy is not None else model.state_dict()
@@ -67,9 +72,9 @@ def export_for_inference(dirname: str, model: torch.nn.Module) -> str:
             "missing": "zeros" if module.lifecycle.entry is not None else "initial",
         }
     job = context.current()
-    path = os.path.join(dirname, FILE)
+    path = store.join(dirname, FILE)
     if job is None or job.role.worker_index == 0:
-        os.makedirs(dirname, exist_ok=True)
+        make_dirs(dirname)
         save_atomic(payload, path)
     if strategy is not None:
         strategy.barrier()  # the file is complete before any worker goes on
@@ -78,8 +83,15 @@ def export_for_inference(dirname: str, model: torch.nn.Module) -> str:
 
 def load_for_inference(dirname: str, model: torch.nn.Module) -> torch.nn.Module:
     """Fill ``model`` (built as for training) from :func:`export_for_inference`'s file; returns it in eval mode."""
-    path = os.path.join(dirname, FILE) if os.path.isdir(dirname) else dirname
-    payload = torch.load(path, weights_only=True)
+    store = store_for(dirname)
+    path = store.join(dirname, FILE) if store.is_dir(dirname) else dirname
+    entry = store.entry(path, follow_links=True)
+    if entry is None or entry.kind != "file":
+        raise FileNotFoundError(f"{path} does not exist: export the model with fleet.export_for_inference first")
+    try:
+        payload = torch.load(io.BytesIO(store.read(path, entry.size + 1)), weights_only=True)
+    except Exception as error:  # noqa: BLE001 - whatever it is, the file is unusable: said with its name
+        raise ValueError(f"{path} cannot be loaded ({type(error).__name__}: {error}): damaged?") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path} is not a file written by fleet.export_for_inference")
     modules = _table_modules(model)

@@ -39,3 +39,31 @@ def hosts():
         pytest.skip(reason)
     with EmulatedHosts() as emulated:
         yield emulated
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's standalone S3 server (tests/s3_server.py), one per test process; skipped, with the reason, without
+    the test extra's fsspec, s3fs and moto[server]."""
+    for module in ("fsspec", "s3fs", "moto.server"):
+        pytest.importorskip(module, reason=f"{module} is in the test extra: pip install -e '.[test]'")
+    from s3_server import moto_server
+
+    with moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def bucket(s3_endpoint):
+    """An empty bucket on the test S3 server (``s3://fleet-<hex>``), fsspec in this process pointed at it."""
+    import fsspec.config
+
+    from s3_server import configure, new_bucket
+
+    before = dict(fsspec.config.conf)
+    configure(s3_endpoint)
+    try:
+        yield new_bucket()
+    finally:
+        fsspec.config.conf.clear()
+        fsspec.config.conf.update(before)

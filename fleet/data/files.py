@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from fleet.errors import FleetError
 from fleet.runtime import context
+from fleet.storage.paths import is_url, store_for
 
 PathLike = str | os.PathLike
 
@@ -60,7 +61,8 @@ def worker_position() -> tuple[int, int]:
 
 
 def check_files(files: Sequence[PathLike], what: str = "fleet.file_shard") -> list[str]:
-    """``files`` as a list of strings: a non-empty list (not one string) of existing files."""
+    """``files`` as a list of strings: a non-empty list (not one string) of existing files, local paths or
+    URLs of any store (``s3://bucket/part-00000``: :mod:`fleet.storage.store`)."""
     if isinstance(files, str | bytes | os.PathLike):
         raise TypeError(
             f"{what} needs a list of files, got the single {type(files).__name__} {files!r}; "
@@ -69,11 +71,30 @@ def check_files(files: Sequence[PathLike], what: str = "fleet.file_shard") -> li
     names = [os.fspath(f) for f in files]
     if not names:
         raise ValueError(f"{what} got an empty list of files: there is no data to read.")
-    missing = [name for name in names if not os.path.isfile(name)]
+    missing = _missing(names)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise FileNotFoundError(f"{what}: data file {missing[0]!r} does not exist{more}.")
     return names
+
+
+def _missing(names: list[str]) -> list[str]:
+    """The names that are no file: local ones checked one by one, URLs through their store (one listing of
+    each folder, not one request per file: a list may hold thousands of parts)."""
+    listed: dict[str, set[str]] = {}
+    missing = []
+    for name in names:
+        if not is_url(name):
+            if not os.path.isfile(name):
+                missing.append(name)
+            continue
+        store = store_for(name)  # a scheme no store handles: an error naming the URL and what to install
+        folder, base = store.split(name)
+        if folder not in listed:
+            listed[folder] = set(store.list(folder))
+        if base not in listed[folder]:
+            missing.append(name)
+    return missing
 
 
 def file_shard(files: Sequence[PathLike]) -> list[str]:

@@ -39,8 +39,11 @@ import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import IO
 
 import numpy as np
+
+from fleet.storage.paths import is_url, store_for
 
 MAGIC = b"\x93FLSLOTS"
 VERSION = 1
@@ -88,15 +91,32 @@ class SlotLayout:
 # --- formats and counts ----------------------------------------------------------------
 
 
+def _open(path: str, buffering: int = -1) -> IO[bytes]:
+    """``path`` to read: a local file, or a URL through its store (``s3://bucket/part-00000``)."""
+    if is_url(path):
+        return store_for(path).open_read(path)
+    return open(path, "rb", buffering=buffering)  # noqa: SIM115 - the caller closes it
+
+
+def _size(path: str, handle: IO[bytes] | None = None) -> int:
+    """The size of ``path`` now (of the open ``handle`` when it is a local file)."""
+    if not is_url(path):
+        return os.fstat(handle.fileno()).st_size if handle is not None else os.path.getsize(path)
+    entry = store_for(path).entry(path, follow_links=True)
+    if entry is None:
+        raise FileNotFoundError(f"{path} does not exist")
+    return entry.size
+
+
 def is_binary(path: str) -> bool:
-    with open(path, "rb") as f:
+    with _open(path) as f:
         return f.read(len(MAGIC)) == MAGIC
 
 
 def _binary_header(path: str, layout: SlotLayout) -> int:
     """Checks the header against ``layout``; returns the record count."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = _size(path)
+    with _open(path) as f:
         head = f.read(HEADER.size)
     if len(head) < HEADER.size:
         raise ValueError(f"{path}: a binary slot file's {HEADER.size}-byte header is cut short ({size} bytes).")
@@ -123,7 +143,7 @@ def count_records(path: str, layout: SlotLayout) -> int:
     if is_binary(path):
         return _binary_header(path, layout)
     lines, last = 0, b"\n"
-    with open(path, "rb") as f:
+    with _open(path) as f:
         while block := f.read(16 << 20):
             lines += block.count(b"\n")
             last = block[-1:]
@@ -148,7 +168,7 @@ def _binary_chunks(path: str, layout: SlotLayout, chunk_bytes: int) -> Iterator[
     size = HEADER.size + records * layout.record.itemsize
     step = max(1, min(chunk_bytes // layout.record.itemsize, records))
     buffer = np.empty(step, dtype=layout.record)  # reused: its pages are faulted in once, not per chunk
-    with open(path, "rb", buffering=0) as f:
+    with _open(path, buffering=0) as f:
         f.seek(HEADER.size)
         for start in range(0, records, step):
             want = min(step, records - start)
@@ -156,7 +176,7 @@ def _binary_chunks(path: str, layout: SlotLayout, chunk_bytes: int) -> Iterator[
             view, got = memoryview(rows).cast("B"), 0
             while got < len(view) and (part := f.readinto(view[got:])):  # a regular file rarely reads short
                 got += part
-            now = os.fstat(f.fileno()).st_size
+            now = _size(path, f)
             if got != rows.nbytes or now != size:
                 raise ValueError(
                     f"{path} changed while it was read: it had {size} bytes ({records} records) when reading began "
@@ -169,7 +189,7 @@ def _binary_chunks(path: str, layout: SlotLayout, chunk_bytes: int) -> Iterator[
 def _text_chunks(path: str, layout: SlotLayout, chunk_bytes: int) -> Iterator[Arrays]:
     line = 1  # number of the chunk's first line
     carry = b""
-    with open(path, "rb") as f:
+    with _open(path) as f:
         while True:
             block = f.read(chunk_bytes)
             data = carry + block

@@ -1,58 +1,57 @@
-"""Files written so that a reader (or a crash) never sees half of one: a temporary name, then a rename.
+"""Files that are never torn: written whole through their store (:mod:`fleet.storage.store`), or not at all.
 
-A full disk (or a spent quota) is said as such: :class:`~fleet.errors.DiskFullError`, "No
-space left on device" with the path, and the temporary file is gone. ``torch.save`` alone
-would say ``unexpected pos 1600 vs 1494``: it turns the failed write into a RuntimeError, so
-the file object it writes to records the OSError underneath.
+Every file fleet saves goes through :func:`write_atomic` (the one funnel: a test that counts or fails writes
+patches it). On the local filesystem a file is written under a temporary name, then renamed; a full disk (or a
+spent quota) is said as such: :class:`~fleet.errors.DiskFullError`, "No space left on device" with the path,
+and the temporary file is gone. ``torch.save`` alone would say ``unexpected pos 1600 vs 1494``: it turns the
+failed write into a RuntimeError, so the file object it writes to records the OSError underneath.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
+import io
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from fleet.errors import DiskFullError
+from fleet.storage.local import is_disk_full
+from fleet.storage.paths import store_for
 
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-def is_disk_full(error: BaseException) -> bool:
-    return isinstance(error, OSError) and error.errno in _FULL
+__all__ = ["Hashing", "commit_text", "is_disk_full", "make_dirs", "save_atomic", "write_atomic", "write_text_atomic"]
 
 
-def write_atomic(path: str | Path, write: Callable[[str], None]) -> None:
-    """``write(temporary path)``, then move it over ``path``; on failure the temporary file is removed."""
-    path = str(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException as error:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if is_disk_full(error) and not isinstance(error, DiskFullError):
-            raise DiskFullError(path) from error
-        raise
+def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None], commit: bool = False) -> None:
+    """``write(file)``, then the file appears under ``path`` whole; on failure nothing of it does.
+
+    ``commit``: ``path`` is a commit object (a ``latest`` pointer), replaced in one step (:meth:`Store.commit
+    <fleet.storage.store.Store.commit>`).
+    """
+    path = os.fspath(path)
+    store = store_for(path)
+    if commit:
+        buffer = io.BytesIO()
+        write(buffer)
+        store.commit(path, buffer.getvalue())
+        return
+    with store.open_write(path) as handle:
+        write(handle)
 
 
 def make_dirs(path: str | Path) -> None:
-    """``os.makedirs(path, exist_ok=True)``, a full disk said as such."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        if is_disk_full(error):
-            raise DiskFullError(str(path), "creating the directory") from error
-        raise
+    """The folder ``path`` made (where the store has folders), a full disk said as such."""
+    path = os.fspath(path)
+    store_for(path).make_dirs(path)
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+    write_atomic(path, lambda handle: handle.write(text.encode()))
+
+
+def commit_text(path: str | Path, text: str) -> None:
+    """Replace the commit object ``path`` (a ``latest`` pointer) with ``text`` in one step."""
+    write_atomic(path, lambda handle: handle.write(text.encode()), commit=True)
 
 
 class _Recording:
@@ -102,16 +101,15 @@ def save_atomic(obj: Any, path: str | Path) -> dict[str, Any]:
 
     hashing: list[Hashing] = []
 
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as handle:
-            hashing[:] = [Hashing(handle)]
-            target = _Recording(hashing[0])
-            try:
-                torch.save(obj, target)
-            except RuntimeError:
-                if target.error is not None:
-                    raise target.error from None
-                raise
+    def write(handle: IO[bytes]) -> None:
+        hashing[:] = [Hashing(handle)]
+        target = _Recording(hashing[0])
+        try:
+            torch.save(obj, target)
+        except RuntimeError:
+            if target.error is not None:
+                raise target.error from None
+            raise
 
     write_atomic(path, write)
     return hashing[0].sum()

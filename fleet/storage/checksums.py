@@ -9,7 +9,7 @@ bit-flipped after it was written no longer matches, and its reader says so, nami
 before anything is loaded from it.
 
 Every walk over a save is bounded (:data:`MAX_FILES` files, links not followed), and a file
-is read only when it is a regular file of the size recorded, so a link to ``/dev/zero`` or a
+is read only when it is a regular file (on any store: :mod:`fleet.storage.store`) of the size recorded, so a link to ``/dev/zero`` or a
 FIFO put in a save is an error, never an endless read or a hang.
 """
 
@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import stat
 from typing import Any
 
 from fleet.errors import FleetError
 from fleet.storage.atomic import write_text_atomic
+from fleet.storage.paths import join, store_for
 
 __all__ = ["CHECKSUMS", "MAX_FILES", "LayoutError", "file_sum", "read_manifest", "read_verified", "walk"]
 
@@ -37,22 +36,21 @@ class LayoutError(FleetError):
     """A checkpoint directory that does not hold what its pointer or manifest says."""
 
 
-def _regular(path: str) -> os.stat_result:
-    """``path``'s stat; :class:`LayoutError` unless it is a regular file (a link is not followed)."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        raise LayoutError(f"{path} is missing") from None
-    if not stat.S_ISREG(info.st_mode):
+def _regular(path: str) -> int:
+    """``path``'s size; :class:`LayoutError` unless it is a regular file (a link is not followed)."""
+    entry = store_for(path).entry(path)
+    if entry is None:
+        raise LayoutError(f"{path} is missing")
+    if entry.kind != "file":
         raise LayoutError(f"{path} is not a regular file (a link, a folder or a device): not written by fleet")
-    return info
+    return entry.size
 
 
 def file_sum(path: str) -> dict[str, Any]:
     """The size and SHA-256 of the regular file ``path``, read in bounded chunks up to its size."""
-    size = _regular(path).st_size
+    size = _regular(path)
     digest, left = hashlib.sha256(), size
-    with open(path, "rb") as handle:
+    with store_for(path).open_read(path) as handle:
         while left > 0:
             chunk = handle.read(min(_CHUNK, left))
             if not chunk:
@@ -66,35 +64,27 @@ def walk(root: str, skip: tuple[str, ...] = ()) -> list[str]:
     """Every regular file under ``root`` (relative, ``/``-separated, sorted), links not followed; names in
     ``skip`` right under ``root`` left out. More than :data:`MAX_FILES` entries is a :class:`LayoutError`."""
     found: list[str] = []
-    seen = 0
-    for top, dirs, files in os.walk(root, followlinks=False):
-        seen += len(dirs) + len(files)
+    for seen, (rel, entry) in enumerate(store_for(root).walk(root), 1):
         if seen > MAX_FILES:
             raise LayoutError(f"{root} holds more than {MAX_FILES} files and folders: not a save fleet wrote")
-        rel = os.path.relpath(top, root)
-        for name in files:
-            path = name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
-            if rel == "." and name in skip:
-                continue
-            if stat.S_ISREG(os.lstat(os.path.join(top, name)).st_mode):
-                found.append(path)
+        if entry.kind == "file" and rel not in skip:
+            found.append(rel)
     return sorted(found)
 
 
 def read_manifest(save: str) -> dict[str, dict[str, Any]] | None:
     """The sums ``<save>/checksums.json`` lists; None for a save written before checksums (no such file)."""
-    path = os.path.join(save, CHECKSUMS)
+    path = join(save, CHECKSUMS)
     try:
-        size = _regular(path).st_size
+        size = _regular(path)
     except LayoutError:
-        if not os.path.lexists(path):
+        if not store_for(path).exists(path):
             return None
         raise
     if size > _MAX_MANIFEST_BYTES:
         raise LayoutError(f"{path} is {size} bytes, more than any list of checksums fleet writes: damaged")
     try:
-        with open(path, encoding="utf-8") as handle:
-            files = json.load(handle)["files"]
+        files = json.loads(store_for(path).read(path, size + 1).decode("utf-8"))["files"]
         if not isinstance(files, dict) or not all(
             isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
             for v in files.values()
@@ -107,7 +97,7 @@ def read_manifest(save: str) -> dict[str, dict[str, Any]] | None:
 
 def write_manifest(save: str, sums: dict[str, dict[str, Any]]) -> None:
     """Write ``<save>/checksums.json`` (atomically)."""
-    write_text_atomic(os.path.join(save, CHECKSUMS), json.dumps({"files": dict(sorted(sums.items()))}, indent=0))
+    write_text_atomic(join(save, CHECKSUMS), json.dumps({"files": dict(sorted(sums.items()))}, indent=0))
 
 
 def read_verified(path: str, expected: dict[str, Any] | None) -> bytes:
@@ -115,13 +105,12 @@ def read_verified(path: str, expected: dict[str, Any] | None) -> bytes:
 
     A file of another size is refused before it is read; one whose SHA-256 differs after reading.
     """
-    size = _regular(path).st_size
+    size = _regular(path)
     if expected is not None and size != expected["size"]:
         raise LayoutError(
             f"{path} is {size} bytes but was {expected['size']} when saved: truncated or changed since (checksums)"
         )
-    with open(path, "rb") as handle:
-        data = handle.read(size + 1)
+    data = store_for(path).read(path, size + 1)
     if len(data) != size:
         raise LayoutError(f"{path} changed size while it was read ({size} bytes, then {len(data)})")
     if expected is not None and hashlib.sha256(data).hexdigest() != expected["sha256"]:

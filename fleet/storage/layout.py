@@ -32,13 +32,13 @@ one builds on.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from collections.abc import Callable
 
 from fleet.storage import checksums
-from fleet.storage.atomic import write_text_atomic
+from fleet.storage.atomic import commit_text
 from fleet.storage.checksums import CHECKSUMS, LayoutError
+from fleet.storage.paths import absolute, store_for
 from fleet.storage.save import Save, SaveKind, SaveWriter
 
 __all__ = [
@@ -79,16 +79,16 @@ def follow(
     is written by fleet and a loop in it means the files were edited or mixed up.
     """
     chain = [start]
-    seen = {os.path.abspath(start)}
+    seen = {absolute(start)}
     while (parent := parent_of(chain[-1])) is not None:
-        if os.path.abspath(parent) in seen:
+        if absolute(parent) in seen:
             raise LayoutError(
                 f"the {what} {chain[-1]} builds on {parent}, which was already read (a cycle): "
                 f"{' -> '.join(chain)} -> {parent}"
             )
         if len(chain) > max_depth:
             raise LayoutError(f"the {what} {start} builds on more than {max_depth} saves before a base (a loop?)")
-        seen.add(os.path.abspath(parent))
+        seen.add(absolute(parent))
         chain.append(parent)
     return chain
 
@@ -99,20 +99,18 @@ class Layout:
     def __init__(self, dirname: str, kind: SaveKind):
         self.dirname = dirname
         self.kind = kind
+        self.store = store_for(dirname)
 
     @property
     def pointer(self) -> str:
-        return os.path.join(self.dirname, LATEST)
+        return self.store.join(self.dirname, LATEST)
 
     def path(self, number: int) -> str:
-        return os.path.join(self.dirname, self.kind.name(number))
+        return self.store.join(self.dirname, self.kind.name(number))
 
     def numbers(self) -> list[int]:
         """The numbers of every save directory here, finished or not, ascending."""
-        try:
-            names = os.listdir(self.dirname)
-        except FileNotFoundError:
-            return []
+        names = self.store.list(self.dirname)
         return sorted(n for n in map(self.kind.number, names) if n is not None)
 
     def writer(self, number: int | None = None) -> SaveWriter:
@@ -127,10 +125,10 @@ class Layout:
         A pointer that is not a small regular text file is a :class:`LayoutError`: a folder or a
         device there must never read as "no checkpoint yet".
         """
-        if not os.path.lexists(self.pointer):
+        if not self.store.exists(self.pointer):
             return None
         try:
-            data = checksums.read_verified(self.pointer, None) if _small(self.pointer) else None
+            data = checksums.read_verified(self.pointer, None) if self._small(self.pointer) else None
         except (OSError, LayoutError) as error:
             raise LayoutError(f"{self.pointer} cannot be read as the name of a save ({error})") from None
         if data is None:
@@ -152,7 +150,7 @@ class Layout:
         name = self.pointed()
         if name is None:
             return None
-        path = os.path.join(self.dirname, name)
+        path = self.store.join(self.dirname, name)
         if not name:
             wrong = "it is empty"
         elif os.path.isabs(name):
@@ -161,9 +159,9 @@ class Layout:
             wrong = "a path, not the name of a save right inside the directory"
         elif self.kind.number(name) is None:
             wrong = f"not named {self.kind.prefix}-<n>"
-        elif not os.path.isdir(path):
+        elif not self.store.is_dir(path):
             wrong = "there is no such directory"
-        elif not _inside(path, self.dirname):
+        elif not self.store.inside(path, self.dirname):
             wrong = "a link to a directory outside it"
         else:
             return Save(path, self.kind)
@@ -176,7 +174,7 @@ class Layout:
         so "nothing saved yet" would silently drop it); None when no save here completed."""
         if self.pointed() is not None:
             return None
-        complete = [n for n in self.numbers() if os.path.isfile(os.path.join(self.path(n), CHECKSUMS))]
+        complete = [n for n in self.numbers() if self.store.is_file(self.store.join(self.path(n), CHECKSUMS))]
         if not complete:
             return None
         return LayoutError(
@@ -189,13 +187,13 @@ class Layout:
         """Point ``latest`` at save ``name`` (atomically), then drop the saves nothing needs."""
         if self.kind.number(name) is None:
             raise ValueError(f"{name!r} is not a {self.kind.prefix}-<n> save")
-        write_text_atomic(self.pointer, name)
+        commit_text(self.pointer, name)
         self.prune(name)
 
     def committed(self, name: str) -> bool:
         """Whether save ``name`` is complete: it exists and ``latest`` names it or a later save."""
         number, latest = self.kind.number(name), self.kind.number(self.pointed() or "")
-        return number is not None and latest is not None and number <= latest and os.path.isdir(self.path(number))
+        return number is not None and latest is not None and number <= latest and self.store.is_dir(self.path(number))
 
     def chain(self, save: Save) -> list[Save]:
         """``save`` and every save it builds on back to its base (cycle and depth checked)."""
@@ -219,36 +217,25 @@ class Layout:
         except LayoutError as error:
             print(f"fleet: not pruning {self.dirname} (every save is kept): {error}", file=sys.stderr, flush=True)
             return
-        here = os.path.abspath(self.dirname)
+        here = absolute(self.dirname)
         for save in ancestors:  # a parent in another directory is not this layout's to keep or remove
-            if os.path.dirname(os.path.abspath(save.path)) == here and save.number is not None:
+            if self.store.split(absolute(save.path))[0] == here and save.number is not None:
                 keep.add(save.number)
         for number in numbers:
             if number not in keep:
-                shutil.rmtree(self.path(number), ignore_errors=True)
+                self.store.delete(self.path(number))
+
+    def _small(self, path: str) -> bool:
+        """Whether ``path`` is a regular file (a link followed) no larger than a pointer ever is."""
+        entry = self.store.entry(path, follow_links=True)
+        return entry is not None and entry.kind == "file" and entry.size <= _MAX_POINTER_BYTES
 
 
 def committed(path: str, kind: SaveKind) -> bool:
     """Whether ``path`` is a complete save: a ``<prefix>-<n>`` its directory's ``latest`` covers, or, for a
     directory not named as a save (written before numbered saves), that it exists."""
-    parent, name = os.path.split(os.path.abspath(path))
+    store = store_for(path)
+    parent, name = store.split(store.absolute(path))
     if kind.number(name) is None:
-        return os.path.isdir(path)
+        return store.is_dir(path)
     return Layout(parent, kind).committed(name)
-
-
-def _small(path: str) -> bool:
-    """Whether ``path`` is a regular file (a link followed) no larger than a pointer ever is."""
-    import stat
-
-    try:
-        info = os.stat(path)
-    except OSError:
-        return False
-    return stat.S_ISREG(info.st_mode) and info.st_size <= _MAX_POINTER_BYTES
-
-
-def _inside(path: str, dirname: str) -> bool:
-    """Whether ``path``, links resolved, lies inside ``dirname`` (links resolved too)."""
-    real, root = os.path.realpath(path), os.path.realpath(dirname)
-    return os.path.commonpath([real, root]) == root and real != root

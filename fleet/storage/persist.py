@@ -14,23 +14,22 @@ newest one builds on (``save.json`` names its parent); older ones are removed.
 
 The server records each save in its restart record (:mod:`fleet.ps.server.shard_io`); a
 restarted server loads the newest recorded save that ``latest`` committed. Worker 0 and
-the servers must see ``dirname`` as one filesystem (shared, or one host), as
-``save_checkpoint`` assumes for its workers.
+the servers must see ``dirname`` as one filesystem (shared, one host, or a URL every one of them
+reaches: ``s3://bucket/run``, :mod:`fleet.storage.store`), as ``save_checkpoint`` assumes for its workers.
 """
 
 from __future__ import annotations
 
-import os
-
 from fleet.storage import layout
 from fleet.storage.layout import LATEST, MANIFEST, SAVES, Layout, SaveWriter
+from fleet.storage.paths import absolute, basename, split
 
 __all__ = ["LATEST", "MANIFEST", "abandon", "begin", "commit", "committed", "resolve", "writer"]
 
 
 def writer(dirname: str) -> SaveWriter:
     """A prepared writer for a new save under ``dirname`` (numbered above every save there, finished or not)."""
-    return Layout(os.path.abspath(dirname), SAVES).writer().prepare()
+    return Layout(absolute(dirname), SAVES).writer().prepare()
 
 
 def resolve(dirname: str) -> str:
@@ -50,13 +49,13 @@ def committed(path: str) -> bool:
 
 def begin(dirname: str) -> str:
     """A new, empty ``save-<n>`` under ``dirname`` (its absolute path)."""
-    return os.path.abspath(writer(dirname).path)
+    return absolute(writer(dirname).path)
 
 
 def commit(dirname: str, path: str, parent: str | None) -> None:
     """Every part of ``path`` is written: record its parent, point ``latest`` at it, drop the saves nothing needs."""
     saves = Layout(dirname, SAVES)
-    number = SAVES.number(os.path.basename(path))
+    number = SAVES.number(basename(path))
     if number is None:
         raise ValueError(f"{path} is not a save-<n> directory")
     saves.writer(number).commit(parent)
@@ -64,7 +63,7 @@ def commit(dirname: str, path: str, parent: str | None) -> None:
 
 def abandon(path: str) -> None:
     """Remove an unfinished save (what the servers and worker 0 wrote of it)."""
-    parent, name = os.path.split(os.path.abspath(path))
+    parent, name = split(absolute(path))
     number = SAVES.number(name)
     if number is None:
         raise ValueError(f"{path} is not a save-<n> directory")

@@ -9,13 +9,14 @@ import io
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fleet.storage import checksums
 from fleet.storage.atomic import make_dirs, save_atomic, write_text_atomic
 from fleet.storage.checksums import CHECKSUMS, LayoutError
+from fleet.storage.paths import store_for
+from fleet.storage.store import Store
 
 __all__ = ["Save", "SaveKind", "SaveWriter"]
 
@@ -64,11 +65,12 @@ class Save:
     def __init__(self, path: str, kind: SaveKind):
         self.path = path
         self.kind = kind
+        self.store: Store = store_for(path)
         self._sums: dict[str, dict[str, Any]] | None | bool = False  # False: checksums.json not read yet
 
     @property
     def name(self) -> str:
-        return os.path.basename(self.path)
+        return self.store.split(self.path)[1]
 
     @property
     def number(self) -> int | None:
@@ -78,17 +80,17 @@ class Save:
         """The path of part ``name`` (a file or directory name right inside the save)."""
         if not name or name in (".", "..") or os.sep in name or (os.altsep and os.altsep in name):
             raise ValueError(f"a part of a save is a name inside it, not a path (got {name!r})")
-        return os.path.join(self.path, name)
+        return self.store.join(self.path, name)
 
     def file(self, rel: str) -> str:
         """The path of file ``rel`` inside the save (``part`` or ``part/inner/name``; never leaving it)."""
         pieces = rel.split("/")
         for piece in pieces:
             self.part(piece)
-        return os.path.join(self.path, *pieces)
+        return self.store.join(self.path, *pieces)
 
     def has(self, name: str) -> bool:
-        return os.path.exists(self.part(name))
+        return self.store.exists(self.part(name))
 
     def checksums(self) -> dict[str, dict[str, Any]] | None:
         """The sums ``checksums.json`` lists (read once); None for a save written before checksums."""
@@ -102,8 +104,8 @@ class Save:
         sums = self.checksums()
         if sums is not None and rel not in sums:
             raise LayoutError(
-                f"{path} is not among the files {os.path.join(self.path, CHECKSUMS)} lists: "
-                + ("it is missing" if not os.path.lexists(path) else "it was added after the save")
+                f"{path} is not among the files {self.store.join(self.path, CHECKSUMS)} lists: "
+                + ("it is missing" if not self.store.exists(path) else "it was added after the save")
             )
         return checksums.read_verified(path, None if sums is None else sums[rel])
 
@@ -120,6 +122,10 @@ class Save:
         except Exception as error:  # noqa: BLE001 - said with the file's name: whatever it is, the file is unusable
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise LayoutError(f"{self.file(rel)} cannot be loaded ({type(error).__name__}: {first})") from None
+
+    def checkpoint_reader(self, name: str) -> Any:
+        """A ``torch.distributed.checkpoint`` storage reader of the part ``name`` (check it first: :meth:`verify`)."""
+        return self.store.checkpoint_reader(self.part(name))
 
     def verify(self, under: str | None = None) -> list[str]:
         """Check every file the checksums list (or those under part ``under``) against its sum; their names.
@@ -146,7 +152,7 @@ class Save:
         if self.kind.manifest is None:
             return None
         path = self.part(self.kind.manifest)
-        if not os.path.lexists(path):
+        if not self.store.exists(path):
             return None
         try:
             parent = json.loads(checksums.read_verified(path, None)).get("parent")
@@ -179,7 +185,7 @@ class SaveWriter(Save):
     def prepare(self) -> SaveWriter:
         """Create the save's directory (a full disk raises :class:`~fleet.errors.DiskFullError`)."""
         make_dirs(self.layout.dirname)
-        self.fresh = not os.path.isdir(self.path)
+        self.fresh = not self.store.is_dir(self.path)
         make_dirs(self.path)
         return self
 
@@ -197,6 +203,10 @@ class SaveWriter(Save):
         is no reason to remove the others'.
         """
         return self.part(name)
+
+    def checkpoint_writer(self, name: str) -> Any:
+        """A ``torch.distributed.checkpoint`` storage writer filling the part ``name`` (see :meth:`directory`)."""
+        return self.store.checkpoint_writer(self.directory(name))
 
     def commit(self, parent: str | None = None, sums: dict[str, dict[str, Any]] | None = None) -> None:
         """Every part is on disk: list every file's checksum, record ``parent`` (kinds with a manifest),
@@ -225,8 +235,7 @@ class SaveWriter(Save):
         """Remove the files this writer wrote (:meth:`write`); with ``whole``, the save's whole directory
         (when no other writer shares it). ``latest`` still names the save before."""
         if whole:
-            shutil.rmtree(self.path, ignore_errors=True)
+            self.store.delete(self.path)
             return
         for path in reversed(self._written):
-            if os.path.exists(path):
-                os.unlink(path)
+            self.store.delete(path)

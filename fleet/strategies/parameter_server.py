@@ -32,6 +32,7 @@ from fleet.runtime import env
 from fleet.sparse import native
 from fleet.storage import persist
 from fleet.storage.layout import SAVES, Save, SaveWriter
+from fleet.storage.paths import absolute
 from fleet.strategies.base import Runtime, Strategy, check_reduce
 
 __all__ = ["WORKER_FILE", "ParameterServerStrategy"]
@@ -359,7 +360,7 @@ class ParameterServerStrategy(Strategy):
             )
         latest = persist.resolve(dirname)
         for opt in optimizers:
-            opt.remember_checkpoint(os.path.abspath(latest))  # where a sync job rolls back after a server restart
+            opt.remember_checkpoint(absolute(latest))  # where a sync job rolls back after a server restart
 
     def _save_new(self, dirname: str, mode: str, optimizers: list[Any]) -> str:
         """Worker 0's part of a save: a new directory, the servers' shards, its own file, then ``latest``."""
@@ -416,7 +417,7 @@ class ParameterServerStrategy(Strategy):
         if self.runtime.role.is_first_worker:
             try:
                 load_servers(self.client(), source)
-                self._persisted = os.path.abspath(source)
+                self._persisted = absolute(source)
             except Exception as error:  # every worker must hear of it, not wait for tables that never load
                 failure = error
         loaded = self.all_reduce(torch.tensor([0.0 if failure else 1.0], dtype=torch.float64), "min")
@@ -434,7 +435,7 @@ class ParameterServerStrategy(Strategy):
                     for param, value in zip(opt.parameters(), dense[index], strict=True):
                         param.copy_(value)
             opt.refresh()
-            opt.remember_checkpoint(os.path.abspath(source))
+            opt.remember_checkpoint(absolute(source))
 
     def save_state(self, save: SaveWriter, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         raise FleetError(

@@ -357,7 +357,12 @@ class ShardingStrategy(Strategy):
             model_state, optim_state = get_state_dict(model, _inner(optimizer))
         state = {"model": model_state, "optimizer": table_rows.split_placeholders(optim_state, model)[0]}
         with _one_process_quietly():
-            dcp.save(state, checkpoint_id=save.directory(SHARDED), no_dist=not dist.is_initialized())
+            dcp.save(
+                state,
+                checkpoint_id=save.directory(SHARDED),
+                storage_writer=save.checkpoint_writer(SHARDED),
+                no_dist=not dist.is_initialized(),
+            )
         table_rows.save(save, model, self.runtime.role.worker_index)
 
     def load_state(self, save: Save, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -371,7 +376,12 @@ class ShardingStrategy(Strategy):
             optim_state, placeholders = table_rows.split_placeholders(optim_state, model)
             state = {"model": model_state, "optimizer": optim_state}
             with _one_process_quietly():
-                dcp.load(state, checkpoint_id=save.part(SHARDED), no_dist=not dist.is_initialized())
+                dcp.load(
+                    state,
+                    checkpoint_id=save.part(SHARDED),
+                    storage_reader=save.checkpoint_reader(SHARDED),
+                    no_dist=not dist.is_initialized(),
+                )
             state["optimizer"]["state"].update(placeholders)
             set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         table_rows.load(save, model)  # after set_state_dict, whose initialising step may have stepped the tables

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +59,7 @@ from fleet.ps.protocol.wire import (
     SparsePush,
     row_width,
 )
+from fleet.storage.paths import absolute
 
 __all__ = ["DenseState", "PSClient", "shard_ranges", "sparse_owner"]
 
@@ -498,7 +498,7 @@ class PSClient:
 
         ``delta``: sparse tables write only the rows changed since the servers' previous save.
         """
-        path = os.path.abspath(dirname).encode()
+        path = absolute(dirname).encode()
         # settle: on one server's error the caller removes the directory, so every server must be done with it
         return self._submit(self._all(Op.SAVE, blob=path, arg=int(delta)), json_replies, timeout_s, settle=True)
 
@@ -508,7 +508,7 @@ class PSClient:
         ``phase``: :data:`~fleet.ps.protocol.wire.LOAD_NOW`, or one step of a load every server
         checks before any applies (``LOAD_STAGE``, then ``LOAD_COMMIT`` or ``LOAD_DISCARD``).
         """
-        path = os.path.abspath(dirname).encode()
+        path = absolute(dirname).encode()
         return self._submit(self._all(Op.LOAD, blob=path, arg=phase), json_replies, timeout_s, settle=True)
 
     def stats(self) -> Future:

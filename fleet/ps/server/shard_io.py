@@ -1,13 +1,13 @@
-"""Saving and loading a server's table shards to local files.
+"""Saving and loading a server's table shards, on any store (:mod:`fleet.storage.store`).
 
 Layout: ``<dirname>/ps-server-<index>/table-<id>.pt``, one file per table,
 holding the shard's kind, its config (canonical JSON text) and its state
 (version + the table's ``state_dict``). A delta save (``delta=True``) writes, for
 each sparse table saved before, only the rows changed since that save and the ids
 evicted since, with the path of that save as ``parent``; loading follows the parents
-back to a base and replays the deltas forward. Each file is written to a temporary
-name and moved into place with :func:`os.replace`, so a crash mid-save never
-leaves a half-written checkpoint under the real name; each file's size and SHA-256 are
+back to a base and replays the deltas forward. Each file is written whole or not at all
+(:func:`~fleet.storage.atomic.save_atomic`: locally a temporary name moved into place), so a
+crash mid-save never leaves a half-written checkpoint under the real name; each file's size and SHA-256 are
 hashed as it is written and go back to worker 0, which lists them in the save's
 ``checksums.json`` (:mod:`fleet.storage.checksums`). A load reads every file of the
 chain (checked against those sums, then ``torch.load(weights_only=True)``: even our own
@@ -36,6 +36,8 @@ from typing import Any
 
 from fleet.storage import checksums, layout, persist
 from fleet.storage.atomic import make_dirs, save_atomic, write_text_atomic
+from fleet.storage.paths import absolute, basename, join, store_for
+from fleet.storage.store import StorageError
 
 _NAME = re.compile(r"^table-(\d+)\.pt$")
 RECORDS = 8  # saves a server's restart record remembers (newest last)
@@ -62,12 +64,12 @@ def save_shards(
     written, sums = [], {}
     for table, shard in sorted(shards.items()):
         name = f"table-{table}.pt"
-        path = os.path.join(target, name)
+        path = join(target, name)
         delta = parent is not None and shard.kind == "sparse" and shard.table.saved
         record = {"kind": shard.kind, "config": shard.key, "state": shard.state(delta=delta)}
         if delta:
-            record["parent"] = os.path.abspath(parent)
-        sums[f"{os.path.basename(target)}/{name}"] = save_atomic(record, path)
+            record["parent"] = absolute(parent)
+        sums[f"{basename(target)}/{name}"] = save_atomic(record, path)
         written.append(path)
     for shard in shards.values():
         shard.saved()
@@ -82,15 +84,15 @@ def record_checkpoint(record_dir: str, server_index: int, dirname: str) -> str:
     """Remember ``dirname`` as this server's newest save (atomic: temporary name, then rename)."""
     make_dirs(record_dir)
     path = record_path(record_dir, server_index)
-    history = [d for d in _recorded(path) if d != os.path.abspath(dirname)][-(RECORDS - 1) :]
-    write_text_atomic(path, "\n".join([*history, os.path.abspath(dirname)]))
+    history = [d for d in _recorded(path) if d != absolute(dirname)][-(RECORDS - 1) :]
+    write_text_atomic(path, "\n".join([*history, absolute(dirname)]))
     return path
 
 
 def last_checkpoint(record_dir: str, server_index: int) -> str | None:
     """The newest recorded save of this server that is complete, or None when there is none (or it vanished)."""
     for dirname in reversed(_recorded(record_path(record_dir, server_index))):
-        if persist.committed(dirname) and os.path.isdir(shard_dir(dirname, server_index)):
+        if persist.committed(dirname) and store_for(dirname).is_dir(shard_dir(dirname, server_index)):
             return dirname
     return None
 
@@ -112,15 +114,15 @@ def load_shards(dirname: str, server_index: int) -> list[tuple[int, str, dict[st
     """
     dirname = persist.resolve(dirname)
     source = shard_dir(dirname, server_index)
-    if not os.path.isdir(source):
+    if not store_for(source).is_dir(source):
         raise ValueError(f"LOAD: {source} does not exist (was the checkpoint saved with this many servers?)")
-    folder = os.path.basename(source)
+    folder = basename(source)
     names = [n for n in checksums.walk(source) if _NAME.match(n)]
     sums = layout.Save(dirname, layout.SAVES).checksums()
     if sums is not None:  # a file the save lists must be there: one that went missing is not "no table"
         listed = sorted(rel.split("/", 1)[1] for rel in sums if rel.startswith(f"{folder}/"))
         for name in sorted(set(listed) - set(names)):
-            raise ValueError(f"LOAD: {os.path.join(source, name)} is missing (the save's checksums.json lists it)")
+            raise ValueError(f"LOAD: {join(source, name)} is missing (the save's checksums.json lists it)")
     out = []
     for name in names:
         chain = _chain(dirname, name, server_index)
@@ -131,9 +133,9 @@ def load_shards(dirname: str, server_index: int) -> list[tuple[int, str, dict[st
             if not isinstance(config, dict):
                 raise ValueError("not a JSON object")
         except (TypeError, ValueError) as error:
-            raise ValueError(f"LOAD: {os.path.join(source, name)} holds a damaged table config ({error})") from None
+            raise ValueError(f"LOAD: {join(source, name)} holds a damaged table config ({error})") from None
         if any(c["kind"] != kind for c in chain):
-            raise ValueError(f"LOAD: {os.path.join(source, name)} is a {kind} table but a save it builds on is not")
+            raise ValueError(f"LOAD: {join(source, name)} is a {kind} table but a save it builds on is not")
         out.append((int(_NAME.match(name).group(1)), kind, config, [c["state"] for c in chain]))
     return out
 
@@ -151,7 +153,7 @@ def _chain(dirname: str, name: str, server_index: int) -> list[dict[str, Any]]:
             except layout.LayoutError as error:
                 raise ValueError(f"LOAD: {error}") from None
             if not isinstance(data, dict) or data.get("kind") not in ("dense", "sparse") or "state" not in data:
-                raise ValueError(f"LOAD: {os.path.join(save, rel)} is not a parameter-server shard file")
+                raise ValueError(f"LOAD: {join(save, rel)} is not a parameter-server shard file")
             records[save] = data
         return records[save]
 
@@ -159,15 +161,24 @@ def _chain(dirname: str, name: str, server_index: int) -> list[dict[str, Any]]:
         parent = read(save).get("parent")
         if not parent:
             return None
-        if not isinstance(parent, str) or not os.path.isfile(os.path.join(parent, rel)):
+        if not isinstance(parent, str) or not _is_file(join(parent, rel)):
             raise ValueError(
-                f"LOAD: {os.path.join(save, rel)} is a delta on the save in {parent}, but {os.path.join(parent, rel)} "
+                f"LOAD: {join(save, rel)} is a delta on the save in {parent}, but {join(parent, rel)} "
                 "does not exist: a delta loads only with the saves before it back to a base"
             )
-        return os.path.abspath(parent)
+        return absolute(parent)
 
     try:
-        saves = layout.follow(os.path.abspath(dirname), parent_of, what="save")
+        saves = layout.follow(absolute(dirname), parent_of, what="save")
     except layout.LayoutError as error:
         raise ValueError(f"LOAD: {error}: a delta loads only with the saves before it back to a base") from None
     return [read(save) for save in saves]
+
+
+def _is_file(path: str) -> bool:
+    """Whether ``path`` is a file (a link to one counts); False for a name no store can reach."""
+    try:
+        entry = store_for(path).entry(path, follow_links=True)
+    except StorageError:
+        return False
+    return entry is not None and entry.kind == "file"

@@ -16,13 +16,14 @@ the worker then says which servers applied (``fleet.ps.worker.persistables``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from fleet.ps.server import aggregator as agg
 from fleet.ps.server import shard_io
 from fleet.storage.layout import LayoutError
+from fleet.storage.paths import absolute, join
+from fleet.storage.store import StorageError
 
 Shards = MutableMapping[int, "agg.DenseShard | agg.SparseShard"]
 
@@ -65,7 +66,7 @@ def stage(
     try:
         staged: dict[int, agg.Shard] = {}
         for table, kind, config, states in shard_io.load_shards(dirname, server_index):
-            current = os.path.join(shard_io.shard_dir(dirname, server_index), f"table-{table}.pt")
+            current = join(shard_io.shard_dir(dirname, server_index), f"table-{table}.pt")
             existing = shards.get(table)
             if existing is not None:
                 if "name" not in config:  # saved before tables carried their names: matched by number alone
@@ -78,7 +79,7 @@ def stage(
             fresh = (agg.DenseShard if kind == "dense" else agg.SparseShard)(table, config, num_workers)
             fresh.load(states)
             staged[table] = fresh
-    except (agg.ShardError, ValueError, KeyError, TypeError, LayoutError) as error:
+    except (agg.ShardError, ValueError, KeyError, TypeError, LayoutError, StorageError) as error:
         where = f" ({current})" if current and current not in str(error) else ""
         text = str(error) or type(error).__name__
         details = error.details if isinstance(error, agg.ShardError) else None
@@ -87,4 +88,4 @@ def stage(
             "this server.",
             details,
         ) from None
-    return StagedLoad(os.path.abspath(dirname), server_index, staged)
+    return StagedLoad(absolute(dirname), server_index, staged)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -42,6 +41,7 @@ from fleet.ps.server import aggregator as agg
 from fleet.ps.server import shard_io, staged_load
 from fleet.ps.server.replies import Replies
 from fleet.ps.server.waitlist import Parked, Waitlist
+from fleet.storage.paths import absolute
 
 Shards = MutableMapping[int, "agg.DenseShard | agg.SparseShard"]
 
@@ -396,10 +396,10 @@ class TableRequests:
                 f"a delta save needs an earlier save (or load) of parameter server {self.server_index} to build "
                 "on: save a base first (save_persistables(dirname, mode='base'))"
             )
-        if msg.arg == 1 and os.path.abspath(msg.text()) == last:
+        if msg.arg == 1 and absolute(msg.text()) == last:
             raise agg.ShardError(f"a delta save cannot overwrite the save it builds on ({last}): use a new directory")
         files, sums = shard_io.save_shards(msg.text(), self.server_index, self._shards, last if msg.arg == 1 else None)
-        self.last_save = os.path.abspath(msg.text())
+        self.last_save = absolute(msg.text())
         record_dir = self.checkpoint_record_dir
         if record_dir:  # a restarted server loads its shards from here (fleetrun --max-restarts)
             shard_io.record_checkpoint(record_dir, self.server_index, msg.text())
@@ -407,7 +407,7 @@ class TableRequests:
 
     def load(self, ident: bytes, msg: Message) -> Message:
         """``arg``: LOAD_NOW (stage and apply), or one phase of a load across servers (see wire.LOAD_STAGE)."""
-        dirname = os.path.abspath(msg.text())
+        dirname = absolute(msg.text())
         if msg.arg == LOAD_NOW:
             loaded = self.restore(dirname)
         elif msg.arg == LOAD_STAGE:
@@ -432,7 +432,7 @@ class TableRequests:
     def restore(self, dirname: str) -> list[int]:
         """Load this server's shards saved under ``dirname`` (tables, values, optimizer state, versions):
         every file read and checked first; on any failure no table changed."""
-        return self._apply(self._stage(os.path.abspath(dirname)))
+        return self._apply(self._stage(absolute(dirname)))
 
     def _stage(self, dirname: str) -> staged_load.StagedLoad:
         return staged_load.stage(dirname, self.server_index, self._shards, self.num_workers, self._check_same)
