@@ -9,8 +9,8 @@ servers (:meth:`table_backend`). ``save_persistables``/``load_persistables`` che
 every server's shards plus worker 0's optimizer-side state.
 
 ``dense_placement="allreduce"`` (PERSIA's hybrid): the servers hold only the sparse tables; the
-workers form a process group of their own (:mod:`fleet.ps.worker.workers_group`) and average
-their dense gradients through the collective engine (:mod:`fleet.ps.worker.dense_allreduce`).
+workers form a process group of their own (:mod:`fleet.strategies.ps_workers_group`) and average
+their dense gradients through the collective engine (:mod:`fleet.strategies.ps_dense_allreduce`).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ __all__ = ["WORKER_FILE", "ParameterServerStrategy"]
 if TYPE_CHECKING:
     from fleet.ps.client.client import PSClient
     from fleet.ps.server.loop import ParameterServer
-    from fleet.ps.worker.workers_group import WorkersGroup
     from fleet.roles import RoleInfo
     from fleet.sparse.backends import TableBackend, TableModule
+    from fleet.strategies.ps_workers_group import WorkersGroup
     from fleet.strategy import DistributedStrategy
 
 
@@ -123,7 +123,7 @@ class ParameterServerStrategy(Strategy):
         launch_server.resolve_secret(self.runtime)
         hybrid = self.config.dense_placement == "allreduce"
         if hybrid and self.runtime.role.worker_num > 1:  # one worker needs no group, nor the rendezvous
-            from fleet.ps.worker.workers_group import need_master
+            from fleet.strategies.ps_workers_group import need_master
 
             need_master(self.runtime.role)
             try:
@@ -140,7 +140,7 @@ class ParameterServerStrategy(Strategy):
         else:
             self.client()
             if hybrid and self._workers is None:
-                from fleet.ps.worker.workers_group import WorkersGroup
+                from fleet.strategies.ps_workers_group import WorkersGroup
 
                 self._workers = WorkersGroup(self.runtime, self.config)
 
@@ -243,7 +243,7 @@ class ParameterServerStrategy(Strategy):
         model = self.runtime.model_for(params)
         dense = None
         if self._workers is not None:
-            from fleet.ps.worker.dense_allreduce import AllReducedDense
+            from fleet.strategies.ps_dense_allreduce import AllReducedDense
 
             dense = AllReducedDense(self._workers.sync, optimizer)
         wrapped = PSOptimizer(optimizer, self.client(), self.config, role, self._new_table, model, dense)

@@ -88,12 +88,7 @@ INDEPENDENT: list[tuple[str, str]] = [
 
 # Crossings of an independence rule that exist today, each a debt with its reason: module -> the packages it may
 # import against the rules. The tests fail when another module crosses, and when a debt is paid (then remove it).
-CROSSINGS: dict[str, set[str]] = {
-    # dense_placement="allreduce" (the PS hybrid): the workers' own group and the dense all-reduce reuse the
-    # collective engine from inside ps.worker; fleet.strategies, which composes engines, should hand them in.
-    "fleet.ps.worker.dense_allreduce": {"fleet.collective"},
-    "fleet.ps.worker.workers_group": {"fleet.collective"},
-}
+CROSSINGS: dict[str, set[str]] = {}  # none today (the PS hybrid's was paid: fleet.strategies composes it)
 
 # A public face: a module other layers' tools may use without knowing an engine's insides. The fleet
 # package and its top-level modules (what users import), and per package the one or two modules it offers

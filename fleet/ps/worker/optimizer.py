@@ -8,7 +8,8 @@ restarts. Param groups added later (``add_param_group`` on this optimizer, or fo
 ``step()`` when added to the unwrapped one) get their tables the same way.
 
 With ``dense_placement="allreduce"`` the servers hold the sparse tables only: the dense
-parameters stay here and an :class:`~fleet.ps.worker.dense_allreduce.AllReducedDense` averages
+parameters stay here and a :class:`LocalDense` (the strategy's
+:class:`~fleet.strategies.ps_dense_allreduce.AllReducedDense`) averages
 their gradients over the workers and steps them locally (``dense``).
 """
 
@@ -19,7 +20,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -28,8 +29,8 @@ from fleet.ps.client.client import PSClient
 from fleet.ps.modes import mode_for
 from fleet.ps.modes.rows import RemoteRows
 from fleet.ps.protocol.errors import PSRemoteError
-from fleet.ps.worker.dense_allreduce import AllReducedDense, PushedRows
 from fleet.ps.worker.dense_tables import DenseTables
+from fleet.ps.worker.pushed_rows import PushedRows
 from fleet.ps.worker.recovery import Recovery
 from fleet.ps.worker.step_checks import GradWatch, HyperParameters
 from fleet.ps.worker.table_names import TableNames, dense_name, explain_conflict
@@ -39,6 +40,22 @@ from fleet.sparse import backends as tables
 from fleet.sparse.optim import OptimizerSpec, ServerOptimizer
 from fleet.training import owners
 from fleet.training.optimizer import WrappedOptimizer
+
+
+class LocalDense(Protocol):
+    """The dense parameters of a wrapped optimizer when they stay on the workers (``dense_placement="allreduce"``):
+    averaged over the workers by the collective engine, stepped here. Built by the strategy, which composes
+    the engines (:mod:`fleet.strategies.ps_dense_allreduce`); the parameter server never imports that engine."""
+
+    def zero_grad(self) -> None: ...
+
+    def add_params(self, params: list[torch.Tensor]) -> None: ...
+
+    def before_step(self) -> None: ...
+
+    def step(self) -> float: ...
+
+    def after_step(self) -> float: ...
 
 
 class PSOptimizer(WrappedOptimizer):
@@ -52,7 +69,7 @@ class PSOptimizer(WrappedOptimizer):
         role: Any,
         new_table: Callable[[], int],
         model: torch.nn.Module | None = None,
-        dense: AllReducedDense | None = None,
+        dense: LocalDense | None = None,
     ):
         super().__init__(optimizer)
         self._dense = dense  # None: the dense parameters are tables on the servers

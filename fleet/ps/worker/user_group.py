@@ -13,7 +13,7 @@ at ``fleet.distributed_optimizer`` and at every ``optimizer.step()`` (made after
 ``is_initialized`` test.
 
 With ``dense_placement="allreduce"`` fleet makes the workers' default group itself
-(:mod:`fleet.ps.worker.workers_group`); that one is fleet's (:func:`default_group.found` passes
+(:mod:`fleet.strategies.ps_workers_group`); that one is fleet's (:func:`default_group.found` passes
 over it), and a script's own is refused all the same: fleet's would be a second default group.
 """
 

@@ -3,38 +3,29 @@
 One :class:`AllReducedDense` per wrapped optimizer of a parameter-server job whose servers hold
 only the sparse tables. Its dense parameters stay on the workers: at wrap time every worker takes
 worker 0's parameters, buffers and optimizer state (through the workers' group,
-:mod:`fleet.ps.worker.workers_group`); the job's gradient synchroniser
+:mod:`fleet.strategies.ps_workers_group`); the job's gradient synchroniser
 (:class:`~fleet.collective.grad_sync.GradSync`, the same one ``mode="collective"`` uses) averages
 their gradients during backward; and ``step()`` steps the user's optimizer on them locally, so
 every worker's dense parameters are identical after every step whatever the update mode of the
 tables. The tables' row gradients still go to the servers (sync, async or geo), pushed by the
-mode's step (:mod:`fleet.ps.modes`); :class:`PushedRows` is the servers' row backend whose local
-step is then nothing to do.
+mode's step (:mod:`fleet.ps.modes`; :class:`fleet.ps.worker.pushed_rows.PushedRows`).
+
+Why here and not in ``fleet.ps.worker``: it is the collective engine at work inside a parameter-server
+job, and the parameter server imports nothing of the collective engine (tests/api/test_layers.py); the
+strategy, which composes engines, builds it and hands it to the PS optimizer as its ``dense`` part
+(:class:`fleet.ps.worker.optimizer.LocalDense`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
 from fleet.collective import lockstep
 from fleet.collective.broadcast import broadcast_optimizer_state, broadcast_tensors, check_same_shapes
 from fleet.collective.grad_sync import GradSync
-from fleet.ps.modes.rows import RemoteRows
 from fleet.training.owners import model_buffers, names_of
-
-
-class PushedRows(RemoteRows):
-    """Rows on the servers (sync, async) when the user's optimizer also steps locally (the dense layers)."""
-
-    @classmethod
-    def like(cls, rows: RemoteRows) -> PushedRows:
-        return cls(rows.client, rows.table_id, sync=rows.sync, module=rows.module)
-
-    def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
-        """Nothing: the wrapped step pushed these rows' gradients to the servers, which apply them."""
 
 
 class AllReducedDense:
