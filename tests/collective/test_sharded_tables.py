@@ -68,6 +68,7 @@ def test_life_cycle_and_clicks_on_sharded_tables_equal_one_process(workers: int)
         _check(result, want, workers)
 
 
+@pytest.mark.slow  # two jobs each (N then M workers): the slow set keeps the README suite under 10 min
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 2)])
 def test_a_state_dict_saved_by_n_workers_loads_on_m_and_trains_on_as_one_process(before: int, after: int) -> None:
@@ -116,6 +117,7 @@ def test_a_nan_on_one_worker_skips_the_step_on_every_owner() -> None:
         assert sum("NaN or Inf and was skipped" in w for w in result["warned"]) == 4, result["warned"]  # 4 tables
 
 
+@pytest.mark.slow  # two jobs (2 then 3 workers): the slow set keeps the README suite under 10 min
 @pytest.mark.timeout(300)
 def test_a_sharding_checkpoint_of_sharded_tables_resumes_on_another_number_of_workers(tmp_path) -> None:
     """fleet.save_checkpoint with 2 workers holds every row; fleet.load_checkpoint with 3 spreads them over their

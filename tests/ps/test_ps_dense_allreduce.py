@@ -345,6 +345,7 @@ def uneven(rank: int, steps: int) -> dict:
     return {"refused": refused, "error": None}
 
 
+@pytest.mark.slow  # waits out an uneven end: the slow set keeps the README suite under 10 min
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_uneven_loops_fail_naming_the_worker_that_finished_and_fleet_join_is_refused() -> None:

@@ -8,7 +8,7 @@ import torch
 
 from dist_harness import run_workers
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # two jobs beside an S3 server: the slow set
 
 
 def sharded_job(rank: int, endpoint: str, ckpt: str, save: bool) -> dict:
