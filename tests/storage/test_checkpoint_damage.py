@@ -11,47 +11,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 
 import fleet
 import fleet.api
 from fleet.errors import FleetError
 from fleet.storage import atomic, checksums
 from fleet.storage.layout import LATEST, STEPS, Layout
-
-
-@pytest.fixture
-def trained(monkeypatch) -> Iterator[tuple[torch.nn.Module, torch.optim.Optimizer]]:
-    """A single-process job: a model and its wrapped optimizer, stepped once."""
-    for name in ("FLEET_ROLE", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    fleet.api._reset_for_tests()
-    fleet.init()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    opt = fleet.distributed_optimizer(torch.optim.Adam(model.parameters(), lr=0.1))
-    step(model, opt)
-    try:
-        yield model, opt
-    finally:
-        fleet.api._reset_for_tests()
-
-
-def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    opt.zero_grad()
-    model(torch.ones(4, 3)).sum().backward()
-    opt.step()
-
-
-def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    state = [t.clone() for t in model.state_dict().values()]
-    for per_param in opt.state_dict()["state"].values():
-        state += [v.clone() for v in per_param.values() if isinstance(v, torch.Tensor)]
-    return state
-
-
-def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+from one_process_job import same, snapshot, step
 
 
 def test_a_damaged_checkpoint_is_an_error_naming_the_file_never_a_fresh_start(tmp_path: Path, trained, capsys) -> None:

@@ -23,43 +23,10 @@ from fleet.storage import atomic, persist
 from fleet.storage.layout import STEPS, Layout, LayoutError, Save
 from fleet.storage.paths import store_for
 from fleet.storage.store import StorageError
+from one_process_job import same, snapshot, step
 from ps_servers import SGD, client, servers
 
 IDS = torch.arange(-8, 8)
-
-
-@pytest.fixture
-def job(monkeypatch) -> Iterator[tuple[torch.nn.Module, torch.optim.Optimizer]]:
-    """A one-process collective job: a model and its wrapped optimizer, stepped once."""
-    for name in ("FLEET_ROLE", "RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    fleet.api._reset_for_tests()
-    fleet.init()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    opt = fleet.distributed_optimizer(torch.optim.Adam(model.parameters(), lr=0.1))
-    step(model, opt)
-    try:
-        yield model, opt
-    finally:
-        fleet.api._reset_for_tests()
-
-
-def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    opt.zero_grad()
-    model(torch.ones(4, 3)).sum().backward()
-    opt.step()
-
-
-def state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    out = [t.clone() for t in model.state_dict().values()]
-    for per_param in opt.state_dict()["state"].values():
-        out += [v.clone() for v in per_param.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def objects(url: str) -> list[str]:
@@ -72,20 +39,20 @@ def objects(url: str) -> list[str]:
     return sorted(name.removeprefix(root) for name in fs.find(url))
 
 
-def test_a_checkpoint_an_export_and_a_fleet_save_go_to_the_bucket_and_load_back(bucket: str, job, tmp_path) -> None:
-    model, opt = job
+def test_a_checkpoint_an_export_and_a_fleet_save_go_to_the_bucket_and_load_back(bucket: str, trained, tmp_path) -> None:
+    model, opt = trained
     run = f"{bucket}/run"
     os.chdir(tmp_path)  # nothing may land in a local folder named after the URL
     saved = {}
     for number in (1, 2, 3):
         fleet.save_checkpoint(run, model, opt, number, note=f"step {number}")
-        saved[number] = state(model, opt)
+        saved[number] = snapshot(model, opt)
         step(model, opt)
     assert objects(run) == ["latest"] + [
         f"step-00000000{n}/{name}" for n in (2, 3) for name in ("checksums.json", "meta.pt", "state.pt", "worker-0.pt")
     ]  # the newest two kept, as on a local disk
     assert fleet.load_checkpoint(run, model, opt) == (3, {"note": "step 3"})
-    assert same(state(model, opt), saved[3])
+    assert same(snapshot(model, opt), saved[3])
     fleet.save({"weight": model.weight.detach()}, f"{bucket}/saved.pt")
     exported = fleet.export_for_inference(f"{bucket}/serving", model)
     assert exported == f"{bucket}/serving/inference.pt"
@@ -95,9 +62,9 @@ def test_a_checkpoint_an_export_and_a_fleet_save_go_to_the_bucket_and_load_back(
     assert os.listdir(tmp_path) == []
 
 
-def test_a_url_no_store_can_write_is_an_error_never_a_local_folder(job, tmp_path, monkeypatch) -> None:
+def test_a_url_no_store_can_write_is_an_error_never_a_local_folder(trained, tmp_path, monkeypatch) -> None:
     """Before: save_checkpoint("s3://bucket/run") wrote a local folder named s3: and loaded it back."""
-    model, opt = job
+    model, opt = trained
     monkeypatch.chdir(tmp_path)
     with pytest.raises(StorageError, match=r"nosuch://bucket/run: no store knows the scheme nosuch://"):
         fleet.save_checkpoint("nosuch://bucket/run", model, opt, 1)
@@ -117,12 +84,12 @@ def test_a_url_no_store_can_write_is_an_error_never_a_local_folder(job, tmp_path
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_save_killed_half_way_is_never_seen_and_every_interrupted_save_leaves_the_last_one(
-    bucket: str, job, s3_endpoint: str
+    bucket: str, trained, s3_endpoint: str
 ) -> None:
-    model, opt = job
+    model, opt = trained
     run = f"{bucket}/run"
     fleet.save_checkpoint(run, model, opt, 1)
-    first = state(model, opt)
+    first = snapshot(model, opt)
     # A process killed (SIGKILL) right after the save's third object, before checksums.json and latest.
     script = textwrap.dedent(
         f"""
@@ -151,7 +118,7 @@ def test_a_save_killed_half_way_is_never_seen_and_every_interrupted_save_leaves_
     assert "step-000000002/state.pt" in objects(run) and "step-000000002/checksums.json" not in objects(run)
     step(model, opt)
     assert fleet.load_checkpoint(run, model, opt).step == 1  # the half save is not seen
-    assert same(state(model, opt), first)
+    assert same(snapshot(model, opt), first)
     # Failing after every number of objects: the save before still loads, whole.
     real = atomic.write_atomic
     for k in range(4):
@@ -179,10 +146,10 @@ def failing_after(real, k: int):
     return write
 
 
-def test_a_damaged_object_is_an_error_naming_it(bucket: str, job) -> None:
+def test_a_damaged_object_is_an_error_naming_it(bucket: str, trained) -> None:
     import fsspec
 
-    model, opt = job
+    model, opt = trained
     run = f"{bucket}/run"
     fleet.save_checkpoint(run, model, opt, 1)
     fs = fsspec.filesystem("s3")
@@ -191,7 +158,7 @@ def test_a_damaged_object_is_an_error_naming_it(bucket: str, job) -> None:
     data = bytearray(original)
     data[len(data) // 2] ^= 0xFF  # one bit flipped, same size
     fs.pipe_file(target, bytes(data))
-    before = state(model, opt)
+    before = snapshot(model, opt)
     with pytest.raises(LayoutError, match="does not match its checksum") as caught:
         fleet.load_checkpoint(run, model, opt)
     assert target in str(caught.value)
@@ -204,7 +171,7 @@ def test_a_damaged_object_is_an_error_naming_it(bucket: str, job) -> None:
     with pytest.raises(LayoutError) as caught:
         fleet.load_checkpoint(run, model, opt)
     assert f"{run}/step-000000001/meta.pt" in str(caught.value)
-    assert same(state(model, opt), before)  # nothing was loaded from a damaged save
+    assert same(snapshot(model, opt), before)  # nothing was loaded from a damaged save
 
 
 def test_a_sharding_checkpoint_with_table_rows_through_the_bucket(bucket: str, monkeypatch) -> None:
@@ -316,26 +283,26 @@ def test_a_store_is_chosen_by_the_path(tmp_path) -> None:
     assert memory.split("memory://fleet-test/run/step-1") == ("memory://fleet-test/run", "step-1")
 
 
-def test_a_checkpoint_on_an_fsspec_filesystem_with_folders_and_renames(job) -> None:
+def test_a_checkpoint_on_an_fsspec_filesystem_with_folders_and_renames(trained) -> None:
     """memory:// (fsspec's, in this process): the path for stores that are not object stores (HDFS, mounts):
     uploads under a temporary name, then moved."""
     pytest.importorskip("fsspec")
-    model, opt = job
+    model, opt = trained
     run = "memory://fleet-test-checkpoint/run"
     store = store_for(run)
     try:
         fleet.save_checkpoint(run, model, opt, 1)
-        saved = state(model, opt)
+        saved = snapshot(model, opt)
         step(model, opt)
-        assert fleet.load_checkpoint(run, model, opt).step == 1 and same(state(model, opt), saved)
+        assert fleet.load_checkpoint(run, model, opt).step == 1 and same(snapshot(model, opt), saved)
         assert sorted(store.list(run)) == ["latest", "step-000000001"]
         assert not [name for name, _ in store.walk(run) if ".tmp" in name]
     finally:
         store.delete("memory://fleet-test-checkpoint")
 
 
-def test_a_url_that_pathlib_collapsed_is_refused(job, tmp_path, monkeypatch) -> None:
-    model, opt = job
+def test_a_url_that_pathlib_collapsed_is_refused(trained, tmp_path, monkeypatch) -> None:
+    model, opt = trained
     monkeypatch.chdir(tmp_path)
     with pytest.raises(StorageError, match=r"s3:/bucket/run looks like a s3:// URL whose '//' was lost"):
         fleet.save_checkpoint(str(Path("s3://bucket/run")), model, opt, 1)
