@@ -145,8 +145,18 @@ def train(rank: int, opt_name: str, steps: int, want_stats: bool = False) -> dic
     return out
 
 
-def run_job(fn, servers: int, workers: int, strategy: dict, *args, timeout: float = 90.0) -> list:
-    """``servers`` + ``workers`` processes with fleetrun's environment; returns the workers' results."""
+def run_job(
+    fn,
+    servers: int,
+    workers: int,
+    strategy: dict,
+    *args,
+    timeout: float = 90.0,
+    extra_env: dict[str, str] | None = None,
+    served: int = 0,
+) -> list:
+    """``servers`` + ``workers`` processes with fleetrun's environment (plus ``extra_env``); returns the workers'
+    results, after checking that every server served and exited with ``served`` (1 when a worker failed)."""
     secret = secrets.token_hex(16)
     endpoints = ",".join(f"127.0.0.1:{free_port()}" for _ in range(servers))
     common = {
@@ -155,6 +165,7 @@ def run_job(fn, servers: int, workers: int, strategy: dict, *args, timeout: floa
         "FLEET_SERVER_ENDPOINTS": endpoints,
         "FLEET_WORKER_NUM": str(workers),
         "FLEET_STRATEGY": json.dumps({"mode": "ps", "timeout_s": 30, **strategy}),
+        **(extra_env or {}),
     }
     envs = [{**common, "FLEET_ROLE": "server", "FLEET_SERVER_INDEX": str(i)} for i in range(servers)]
     envs += [{**common, "FLEET_ROLE": "worker", "FLEET_WORKER_INDEX": str(r)} for r in range(workers)]
@@ -163,7 +174,7 @@ def run_job(fn, servers: int, workers: int, strategy: dict, *args, timeout: floa
         names = [f"server {i}" for i in range(servers)] + [f"worker {r}" for r in range(workers)]
         raise AssertionError(describe(outcome, names))
     values = [torch.load(io.BytesIO(value), weights_only=False) for _, value in outcome]
-    assert all(v == {"served": 0} for v in values[:servers]), values[:servers]
+    assert all(v == {"served": served} for v in values[:servers]), values[:servers]
     return values[servers:]
 
 

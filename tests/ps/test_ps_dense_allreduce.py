@@ -18,38 +18,20 @@ import torch
 
 import fleet
 from dist_harness import describe, free_port, run_processes
-from ps_jobs import batch, make_model, make_optimizer, one_step, reference, snapshot
+from ps_jobs import batch, make_model, make_optimizer, one_step, reference, run_job, snapshot
 
 HYBRID = {"dense_placement": "allreduce"}
 
 
-def run_hybrid(
-    fn, servers: int, workers: int, strategy: dict, *args, extra_env=None, timeout: float = 90.0, served: int = 0
-) -> list:
-    """``servers`` + ``workers`` processes with fleetrun's environment (the rendezvous address included);
-    the workers' results (a server's is checked to have served and exited with ``served``: 1 when a worker
-    failed)."""
-    common = {
-        "FLEET_SECRET": secrets.token_hex(16),
-        "FLEET_SERVER_NUM": str(servers),
-        "FLEET_SERVER_ENDPOINTS": ",".join(f"127.0.0.1:{free_port()}" for _ in range(servers)),
-        "FLEET_WORKER_NUM": str(workers),
-        "FLEET_MASTER": f"127.0.0.1:{free_port()}",
-        "FLEET_STRATEGY": json.dumps({"mode": "ps", "timeout_s": 30, **HYBRID, **strategy}),
-        **(extra_env or {}),
-    }
-    envs = [{**common, "FLEET_ROLE": "server", "FLEET_SERVER_INDEX": str(i)} for i in range(servers)]
-    envs += [{**common, "FLEET_ROLE": "worker", "FLEET_WORKER_INDEX": str(r)} for r in range(workers)]
-    outcome = run_processes(_shift, envs, fn, servers, *args, timeout=timeout)
-    if any(status != "ok" for status, _ in outcome):
-        names = [f"server {i}" for i in range(servers)] + [f"worker {r}" for r in range(workers)]
-        raise AssertionError(describe(outcome, names))
-    values = [torch.load(io.BytesIO(value), weights_only=False) for _, value in outcome]
-    assert all(v == {"served": served} for v in values[:servers]), values[:servers]
-    return values[servers:]
+def run_hybrid(fn, servers: int, workers: int, strategy: dict, *args, extra_env=None, **options) -> list:
+    """A PS job (ps_jobs.run_job) with the dense layers all-reduced, and the rendezvous address the workers'
+    group needs."""
+    env = {"FLEET_MASTER": f"127.0.0.1:{free_port()}", **(extra_env or {})}
+    return run_job(fn, servers, workers, {**HYBRID, **strategy}, *args, extra_env=env, **options)
 
 
 def _shift(rank: int, fn, servers: int, *args):
+    """A server's index or a worker's, from the harness's process number (servers first)."""
     return fn(rank - servers if rank >= servers else rank, *args)
 
 
