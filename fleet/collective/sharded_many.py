@@ -66,14 +66,7 @@ def pull_together(backends: list[Any], ids_list: list[torch.Tensor], what: str) 
         what,
         first.diagnose,
     )
-    # back: owner j's block holds table 0's rows, then table 1's ...; cut it by the counts sent
-    pieces: list[list[torch.Tensor]] = [[] for _ in range(tables)]
-    at = 0
-    for j in range(workers):
-        for t in range(tables):
-            n = int(sends[j, t]) * dims[t]
-            pieces[t].append(back[at : at + n].view(-1, dims[t]))
-            at += n
+    pieces = _cut(back, sends, dims)  # owner j's block holds table 0's rows, then table 1's ...
     out = []
     for t, ids in enumerate(ids_list):
         rows = torch.cat(pieces[t]).to(ids.device) if pieces[t] else back.new_empty(0, dims[t])
@@ -109,12 +102,19 @@ def step_together(items: list[tuple[Any, dict[str, Any]]], optimizer_class: type
     back = all_to_all.rows(
         flat, (sends * w).sum(1).tolist(), (got * w).sum(1).tolist(), first.group, first.timeout_s, what, first.diagnose
     ).cpu()
-    received: list[list[torch.Tensor]] = [[] for _ in range(tables)]
-    at = 0
-    for i in range(workers):
-        for t in range(tables):
-            n = int(got[i, t]) * widths[t]
-            received[t].append(back[at : at + n].view(-1, widths[t]))
-            at += n
+    received = _cut(back, got, widths)
     for t, (backend, group) in enumerate(items):
         backend.apply_received(optimizer_class, group, torch.cat(received[t]), parts[t][2], bool(any_bad[t]))
+
+
+def _cut(flat: torch.Tensor, counts: torch.Tensor, widths: list[int]) -> list[list[torch.Tensor]]:
+    """Per table, the rows of each worker's block of ``flat``: worker j's block holds ``counts[j, 0]`` rows of
+    table 0 (``widths[0]`` values each), then table 1's ..., in worker order."""
+    pieces: list[list[torch.Tensor]] = [[] for _ in widths]
+    at = 0
+    for j in range(counts.shape[0]):
+        for t, width in enumerate(widths):
+            n = int(counts[j, t]) * width
+            pieces[t].append(flat[at : at + n].view(-1, width))
+            at += n
+    return pieces
