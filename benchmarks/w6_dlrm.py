@@ -12,6 +12,9 @@ MLPs, BCE, SGD lr 0.5, batch 256 per worker. Configurations (``--configs``, comm
   (``python -m fleet.launch``);
 - ``fleet-ps-async-dense-ar`` (``fleet-ps-sync-dense-ar`` on request): the same with
   ``dense_placement="allreduce"``: the server holds only the tables, the workers all-reduce the MLPs;
+- ``fleet-sharded``: ``mode="collective"`` with ``table_placement="sharded"``: each table's rows split
+  across the 2 workers, ids and rows exchanged by all-to-all, the MLPs all-reduced;
+- ``fleet-sharding``: ``mode="sharding"`` (tables sharded by default, the MLPs sharded by FSDP2);
 - ``torchrec-tw-fused``, ``torchrec-rw-fused``, ``torchrec-auto`` (``torchrec-dp`` on request):
   TorchRec 1.8's ``EmbeddingBagCollection`` under ``DistributedModelParallel``, 2 ranks, from the
   peers' venv (``bash benchmarks/peers/setup.sh torchrec``; skipped with a note when missing);
@@ -55,6 +58,8 @@ ALL_CONFIGS = (
     "fleet-ps-async",
     "fleet-ps-async-dense-ar",
     "fleet-ps-sync-dense-ar",
+    "fleet-sharded",
+    "fleet-sharding",
     "torchrec-tw-fused",
     "torchrec-rw-fused",
     "torchrec-auto",
@@ -255,11 +260,12 @@ def launch(config: str, args: argparse.Namespace) -> list[dict]:
         if config in ("fleet-1p", "torch-1p"):
             cmd = [sys.executable, *me, "--role", "local", "--system", config.split("-")[0]]
             return _job(cmd, report, args.timeout, 1)
-        if config.startswith("fleet-ps-"):
+        if config.startswith("fleet-") and config != "fleet-1p":
             strategy = os.path.join(tmp, "strategy.toml")
             with open(strategy, "w") as f:
-                f.write(ps_strategy(config))
-            cmd = [sys.executable, "-m", "fleet.launch", "--servers", "1", "--workers", str(WORKERS)]
+                f.write(fleet_strategy(config))
+            servers = ["--servers", "1"] if config.startswith("fleet-ps-") else []
+            cmd = [sys.executable, "-m", "fleet.launch", *servers, "--workers", str(WORKERS)]
             cmd += ["--strategy", strategy, "--log-dir", os.path.join(tmp, "logs"), *me, "--role", "worker"]
             return _job(cmd, report, args.timeout, WORKERS)
         python = sys.executable if config == "ddp" else peer_python()
@@ -268,8 +274,12 @@ def launch(config: str, args: argparse.Namespace) -> list[dict]:
         return _job([*cmd, "--timeout", str(args.timeout)], report, args.timeout + 60, WORKERS)
 
 
-def ps_strategy(config: str) -> str:
-    """The strategy file of a ``fleet-ps-UPDATE[-dense-ar]`` configuration."""
+def fleet_strategy(config: str) -> str:
+    """The strategy file of a ``fleet-sharded``, ``fleet-sharding`` or ``fleet-ps-UPDATE[-dense-ar]`` configuration."""
+    if config == "fleet-sharded":
+        return 'mode = "collective"\ntable_placement = "sharded"\n'
+    if config == "fleet-sharding":
+        return 'mode = "sharding"\n'
     update, _, placement = config.removeprefix("fleet-ps-").partition("-")
     text = f'mode = "ps"\nupdate = "{update}"\n'
     return text + ('dense_placement = "allreduce"\n' if placement == "dense-ar" else "")
