@@ -55,7 +55,7 @@ from fleet.collective import buckets as bucketing
 from fleet.collective import disagreement, lockstep, sparse_grads
 from fleet.collective.broadcast import all_gather_json
 from fleet.collective.layout import Layout, ParamMap
-from fleet.collective.shm import ChannelError
+from fleet.collective.shm import PeerGone
 from fleet.collective.transports.base import Transport
 from fleet.errors import FleetError, PeerError
 from fleet.telemetry import timing
@@ -492,7 +492,7 @@ class GradSync:
         try:
             work() if callable(work) else work.wait(self.timeout)
         except RuntimeError as error:
-            if isinstance(error, ChannelError) and "died" in str(error):
+            if isinstance(error, PeerGone):
                 raise PeerError.from_collective(what, error, plain=True) from None
             diagnosis = self.diagnose() if self.diagnose is not None else None
             raise PeerError.from_collective(what, error, diagnosis) from None

@@ -306,8 +306,8 @@ class Lockstep:
     def _failed(self, kind: int, error: RuntimeError) -> PeerError:
         what = self._what(kind)
         if isinstance(error, shm.ChannelError):
-            dead = "died" in str(error)
-            return PeerError.from_collective(what, error, None if dead else self._diagnosis(), plain=dead)
+            gone = isinstance(error, shm.PeerGone)
+            return PeerError.from_collective(what, error, None if gone else self._diagnosis(), plain=gone)
         return PeerError.from_collective(what, error, self._diagnosis())
 
     def _diagnosis(self) -> str | None:

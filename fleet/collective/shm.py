@@ -18,7 +18,11 @@ sequence s+2 (over the buffer of s) after every worker wrote s+1, which each doe
 it finished reading s.
 
 A peer that dies is noticed within about a second (its process is gone), one that hangs
-after the timeout: either way the wait raises :class:`ChannelError` naming it. The first needs
+after the timeout: either way the wait raises :class:`ChannelError` naming it. A peer that
+ended on an exception of its own left that exception's line in the shared memory first
+(:mod:`fleet.runtime.last_words`), and the error names it ("worker 1 exited after an error:
+RuntimeError: ..."): the cause, not its consequence on the survivors; one killed by a signal
+is named with it where the kernel still shows its exit (an unreaped zombie). The first needs
 the peer's pid to mean the same process here: only when every worker is in this process's pid
 namespace (:meth:`LocalHost.connect` compares them); otherwise (containers that share
 ``/dev/shm`` but not their pids) a peer's pid is never looked up, and only the timeout applies.
@@ -36,10 +40,12 @@ import ctypes.util
 import os
 import platform
 import time
+from collections.abc import Callable
 
 import torch
 
-from fleet.runtime.job_files import SHM_DIR, owner_tag, process_alive, shm_prefix
+from fleet.runtime import last_words
+from fleet.runtime.job_files import SHM_DIR, exit_status, owner_tag, process_alive, shm_prefix
 
 _SPINS = 50  # yields (tens of microseconds) before sleeping in the kernel
 _CHECK_PEERS_S = 0.5
@@ -81,6 +87,10 @@ class ChannelError(RuntimeError):
         self.ranks = ranks
 
 
+class PeerGone(ChannelError):
+    """Workers (``ranks``) whose process is gone: each named with its last words or its exit, where known."""
+
+
 class ChannelLate(ChannelError):
     """Workers (``ranks``) did not arrive within the wait; their processes are alive. The exchange is still
     open: collecting it again goes on waiting for them."""
@@ -116,9 +126,18 @@ class Channel:
     """
 
     def __init__(
-        self, table: torch.Tensor, rank: int, world: int, width: int, timeout_s: float, check_pids: bool = True
+        self,
+        table: torch.Tensor,
+        rank: int,
+        world: int,
+        width: int,
+        timeout_s: float,
+        check_pids: bool = True,
+        epitaph: Callable[[int], str | None] | None = None,
     ):
+        """``epitaph``: a gone worker's last words, by rank (:meth:`LocalHost.last_words`), where kept."""
         self.table = table.view(world, 2 + 2 * width)
+        self.epitaph = epitaph
         self.rank = rank
         self.world = world
         self.width = width
@@ -188,11 +207,19 @@ class Channel:
                 # came first), so it is late, not dead: only the timeout applies to it.
                 gone = [r for r in late if (pid := int(self.table[r, 1])) and not process_alive(pid)]
                 if gone:
-                    names = ", ".join(f"worker {r}" for r in gone)
-                    raise ChannelError(f"{names} died (its process is gone)", gone)
+                    raise PeerGone("; ".join(self._obituary(r) for r in gone), gone)
             if now - started >= within_s:
                 names = ", ".join(f"worker {r}" for r in late)
                 raise ChannelLate(f"{names} did not arrive within {within_s:g} s", late)
+
+    def _obituary(self, rank: int) -> str:
+        """How worker ``rank``, whose process is gone, ended: its last words, else its exit where the kernel
+        still shows it, else only that it is gone."""
+        words = self.epitaph(rank) if self.epitaph is not None else None
+        if words:
+            return f"worker {rank} exited after an error: {words.rstrip('.')}"
+        ended = exit_status(int(self.table[rank, 1]))
+        return f"worker {rank} died (its process is gone)" + (f": {ended}" if ended else "")
 
 
 class LocalHost:
@@ -205,6 +232,7 @@ class LocalHost:
 
     LOCKSTEP_WIDTH = 6
     BUCKETS_WIDTH = 1
+    WORDS = 1 + (last_words.MAX_BYTES + 7) // 8  # a worker's last words: their length, then their UTF-8 bytes
 
     def __init__(
         self, token: str, table: torch.Tensor, rank: int, world: int, timeout_s: float, check_pids: bool = True
@@ -213,14 +241,40 @@ class LocalHost:
         self.rank = rank
         self.world = world
         first = Channel.numel(world, self.LOCKSTEP_WIDTH)
-        end = self.size(world)
-        self.lockstep = Channel(table[:first], rank, world, self.LOCKSTEP_WIDTH, timeout_s, check_pids)
-        self.buckets = Channel(table[first:end], rank, world, self.BUCKETS_WIDTH, timeout_s, check_pids)
+        second = first + Channel.numel(world, self.BUCKETS_WIDTH)
+        self._words = table[second : self.size(world)].view(world, self.WORDS)
+        self.lockstep = Channel(
+            table[:first], rank, world, self.LOCKSTEP_WIDTH, timeout_s, check_pids, epitaph=self.last_words
+        )
+        self.buckets = Channel(
+            table[first:second], rank, world, self.BUCKETS_WIDTH, timeout_s, check_pids, epitaph=self.last_words
+        )
+        last_words.listen(self.say)
 
     @staticmethod
     def size(world: int) -> int:
-        """The channels' int64s (the control segment holds one more: worker 0's proof value, :meth:`connect`)."""
-        return Channel.numel(world, LocalHost.LOCKSTEP_WIDTH) + Channel.numel(world, LocalHost.BUCKETS_WIDTH)
+        """The channels' int64s and the workers' last words (the control segment holds one more: worker 0's
+        proof value, :meth:`connect`)."""
+        channels = Channel.numel(world, LocalHost.LOCKSTEP_WIDTH) + Channel.numel(world, LocalHost.BUCKETS_WIDTH)
+        return channels + world * LocalHost.WORDS
+
+    def say(self, words: str) -> None:
+        """This worker's last words (:mod:`fleet.runtime.last_words`), into its own row: the bytes, then their
+        length, so a peer never reads a length ahead of its bytes (x86-64 keeps stores in order)."""
+        data = last_words.clip(words).encode()
+        padded = bytearray((self.WORDS - 1) * 8)
+        padded[: len(data)] = data
+        row = self._words[self.rank]
+        row[1:] = torch.frombuffer(padded, dtype=torch.int64)
+        row[0] = len(data)
+
+    def last_words(self, rank: int) -> str | None:
+        """Worker ``rank``'s last words, if it said any: text only, bounded, one printable line."""
+        row = self._words[rank].clone()
+        length = int(row[0])
+        if not 0 < length <= (self.WORDS - 1) * 8:
+            return None
+        return last_words.clip(bytes(row[1:].view(torch.uint8)[:length].tolist()).decode(errors="replace"))
 
     @classmethod
     def connect(cls, group: object, timeout_s: float) -> LocalHost | None:

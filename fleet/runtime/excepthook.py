@@ -4,7 +4,8 @@ Only fleet's own user-error types are shortened (a bad strategy value, an incons
 launch environment); every other exception keeps Python's full report. Set
 FLEET_TRACEBACK=1 to see the traceback of user errors too. torch's own error for a second
 ``init_process_group`` after the one fleet.init() made gets fleet's explanation after its
-report (:mod:`fleet.runtime.default_group`).
+report (:mod:`fleet.runtime.default_group`). Every uncaught exception is also this process's last
+words (:mod:`fleet.runtime.last_words`), which its peers name when they find it gone.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import io
 import sys
 
-from fleet.runtime import env
+from fleet.runtime import env, last_words
 
 FLEET_TRACEBACK = "FLEET_TRACEBACK"
 
@@ -30,6 +31,8 @@ def install_excepthook() -> None:
         return
 
     def hook(kind, value, traceback):
+        # First, while the process still runs: a peer that finds it gone names this error, not a death.
+        last_words.say(value)
         if issubclass(kind, _user_error_types()) and not env.current().has(FLEET_TRACEBACK):
             message = f"fleet: {kind.__name__}: {value}\n(set {FLEET_TRACEBACK}=1 to see the traceback)"
             print(message, file=_unbuffered(sys.stderr), flush=True)

@@ -29,6 +29,7 @@ import hmac
 import os
 import re
 import shutil
+import signal
 import stat
 import tempfile
 from pathlib import Path
@@ -84,6 +85,22 @@ def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie has exited, even if nobody reaped it yet)."""
     fields = proc_stat(pid)
     return bool(fields) and fields[0] not in ("Z", "X")
+
+
+def exit_status(pid: int) -> str | None:
+    """How an exited process that nobody has reaped yet (a zombie) ended: "killed by SIGKILL", "exited with
+    status 1"; None when it runs, is gone, or the kernel does not say (its wait status is field 52 of
+    /proc/<pid>/stat, since Linux 3.5, readable by its user)."""
+    fields = proc_stat(pid)
+    if not fields or fields[0] != "Z" or len(fields) < 50 or not fields[49].isdigit():
+        return None
+    status = int(fields[49])
+    if os.WIFSIGNALED(status):
+        try:
+            return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        except ValueError:
+            return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exited with status {os.WEXITSTATUS(status)}"
 
 
 def _start_time(pid: int) -> int | None:

@@ -129,9 +129,9 @@ class SharedMemoryCollectives:
         try:
             rows = self.channel.exchange([self._generation if ok else -1])
         except shm.ChannelError as error:
-            dead = "died" in str(error)
-            diagnosis = None if dead or self.diagnose is None else self.diagnose()
-            raise PeerError.from_collective(what, error, diagnosis, plain=dead) from None
+            gone = isinstance(error, shm.PeerGone)
+            diagnosis = None if gone or self.diagnose is None else self.diagnose()
+            raise PeerError.from_collective(what, error, diagnosis, plain=gone) from None
         generations = [row[0] for row in rows]
         if min(generations) < 0:
             self.usable = False
