@@ -129,6 +129,10 @@ def _child(fn, rank, env, args, results, log_path):
         torch.save(value, buffer)  # plain bytes: tensors shared by fd would die with this process
         results.put((rank, "ok", buffer.getvalue()))
     except BaseException as error:  # noqa: BLE001 - reported to the parent with its traceback
+        # As fleet's excepthook does for a script: the peers that find this process gone name this error.
+        from fleet.runtime import last_words
+
+        last_words.say(error)
         results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
 
 
