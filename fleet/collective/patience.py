@@ -3,8 +3,9 @@
 A peer that has not reached the next collective is either busy (rank-0-only evaluation or
 saving, a long first compilation) or gone. The heartbeats (:mod:`fleet.collective.liveness`)
 tell the two apart, so the wait is cut in slices of :data:`PROBE_S`: after each slice the
-waiter samples the heartbeats, names a silent peer at once (dead or stopped: the heartbeat's
-bound, about ``PROBE_S + liveness.WATCH_S``), and otherwise goes on waiting for a live one
+waiter samples the heartbeats, names a peer silent in two looks in a row (dead or stopped: the
+heartbeats' bound, about ``PROBE_S + 2 * liveness.WATCH_S``; one look is not enough, since a live
+peer's heartbeat can stand still for one on a starved machine), and otherwise goes on waiting for a live one
 until the wait's whole deadline (``DistributedStrategy.collective_wait_s``). Only then does it
 give up, saying that the peer is alive and late, and how to wait longer.
 
@@ -41,8 +42,8 @@ def wait_for_peers(
 ) -> object:
     """``attempt(seconds)`` until it returns something other than None (None: its slice passed without the peers).
 
-    ``silent_peers``: ranks whose heartbeat stopped (None: the store, hosted by worker 0, is gone); a
-    non-empty answer raises :class:`Dead`. :class:`Late` when ``timeout_s`` passed (``late_ranks()``:
+    ``silent_peers``: ranks whose heartbeat stopped (None: the store, hosted by worker 0, is gone); None, or
+    ranks in two answers in a row, raises :class:`Dead`. :class:`Late` when ``timeout_s`` passed (``late_ranks()``:
     who had not arrived, where the transport knows).
     """
     started = time.monotonic()
@@ -56,6 +57,13 @@ def wait_for_peers(
         if waited >= timeout_s or silent_peers is None:
             raise Late(late_ranks(), waited)
         silent = silent_peers()
+        if silent:
+            # Confirm with a second look: on a starved machine a live peer's heartbeat can stand still for one
+            # window, and a peer judged dead here makes this worker give up and exit -- which its peer, alive,
+            # then reports as a death (issue 34). A dead or stopped peer stays silent in both.
+            silent = silent_peers()
+            if silent == []:
+                continue
         if silent is None or silent:
             raise Dead(silent)
 

@@ -127,3 +127,40 @@ def test_the_survivor_names_the_error_its_peer_ended_on_and_the_report_lists_bot
     ), text
     assert "worker 1 error: RuntimeError: worker 1's backward failed at step 2" in text, text
     assert "worker 1 died" not in text, text
+
+
+# --- what made worker 1 give up on a live worker 0 in the first place ------------------------------------------
+
+
+def _waiting(answers: list, arrive_after: int):
+    """A wait whose peers arrive after ``arrive_after`` slices, with the heartbeats' answers in order."""
+    from fleet.collective import patience
+
+    slices = []
+    looks = iter(answers)
+
+    def attempt(seconds: float):
+        slices.append(seconds)
+        return "arrived" if len(slices) > arrive_after else None
+
+    return lambda: patience.wait_for_peers(attempt, 60, lambda: next(looks)), slices
+
+
+def test_a_heartbeat_that_stands_still_for_one_look_only_is_slow_not_dead():
+    """A live worker 0 starved of the CPU for one heartbeat window is waited for: judged dead, it made worker 1
+    give up and exit, and worker 0 then reported worker 1's death (issue 34, reproduced by stopping worker 0
+    for 9 s: PROBE_S + WATCH_S)."""
+    wait, slices = _waiting([[0], [], []], arrive_after=2)
+    assert wait() == "arrived" and len(slices) == 3
+
+
+def test_a_heartbeat_silent_in_two_looks_in_a_row_is_dead():
+    from fleet.collective import patience
+
+    wait, _ = _waiting([[0], [0]], arrive_after=5)
+    with pytest.raises(patience.Dead) as dead:
+        wait()
+    assert dead.value.ranks == [0]
+    wait, _ = _waiting([None], arrive_after=5)  # the store's host is gone: at once
+    with pytest.raises(patience.Dead):
+        wait()
