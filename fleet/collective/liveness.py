@@ -14,6 +14,10 @@ beats. A value that is malformed, forged, deleted, goes backwards or carries tha
 means the store was tampered with: the diagnosis then says so and names nobody, and the
 heartbeat thread itself never reads a value, so nothing written there can stop it.
 
+A worker that ends on an exception of its own says it first (:mod:`fleet.runtime.last_words`): one
+line under its key ``words/<rank>``, signed like its beats, which a diagnosis naming it as silent reads
+back ("worker 1 exited after an error: RuntimeError: ..."): the cause, not only that it went silent.
+
 Every store call here has a deadline (:mod:`fleet.runtime.store_calls`): a store whose host
 went silent (cut link, host gone, SIGSTOP) would otherwise block the call for as long as TCP
 retries, and no lock is held across a call, so a heartbeat stuck on the store never delays a
@@ -30,7 +34,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from fleet.runtime import env
+from fleet.runtime import env, last_words
 from fleet.runtime.signed_store import SignedStore, StoreTamperedError  # the error SignedStore raises
 from fleet.runtime.store_calls import StoreSilentError, within
 
@@ -39,6 +43,7 @@ WATCH_S = 2.5 * HEARTBEAT_S  # how long a diagnosis samples the counters
 SAMPLE_S = 0.25
 BEAT_CALL_S = 10.0  # the most a heartbeat waits for the store (and at most the strategy's timeout_s)
 DIAGNOSIS_CALL_S = 5.0  # the most a diagnosis waits for one answer of the store
+WORDS_CALL_S = 2.0  # the most a process on its way out waits for the store to take its last words
 
 
 class Liveness:
@@ -79,10 +84,29 @@ class Liveness:
         self._beat()
         self._thread = threading.Thread(target=self._run, name="fleet-heartbeat", daemon=True)
         self._thread.start()
+        last_words.listen(self.say)
 
     @staticmethod
     def _key(rank: int) -> str:
         return f"hb/{rank}"
+
+    @staticmethod
+    def _words_key(rank: int) -> str:
+        return f"words/{rank}"
+
+    def say(self, words: str) -> None:
+        """This process's last words (:mod:`fleet.runtime.last_words`), for a diagnosis that finds it silent."""
+        if self.store_lost is None:
+            value = last_words.clip(words).encode()
+            within(lambda: self._store.set(self._words_key(self.rank), value), WORDS_CALL_S, self._where)
+
+    def _last_words(self, rank: int) -> str | None:
+        """Worker ``rank``'s last words, if it said any: text only (never unpickled), bounded, one line."""
+        try:
+            stored = within(lambda: self._read(self._words_key(rank)), self._diagnosis_s, self._where)
+        except Exception:  # noqa: BLE001 - a forged value or a store that stopped answering: nothing said
+            return None
+        return last_words.clip(stored[: last_words.MAX_BYTES].decode(errors="replace")) if stored else None
 
     def _beat(self) -> None:
         key = self._key(self.rank)
@@ -205,8 +229,12 @@ class Liveness:
                 "every worker's heartbeat is still alive: a worker is late (rank-0-only evaluation or saving? raise "
                 "timeout_s: strategy field, or FLEET_TIMEOUT_S), stuck, or issuing different collectives"
             )
-        names = ", ".join(f"worker {r}" for r in silent)
-        return f"{names} stopped answering (heartbeat silent): it died or was stopped"
+        said = {r: words for r in silent if (words := self._last_words(r))}
+        names = ", ".join(f"worker {r}" for r in silent if r not in said)
+        told = [f"worker {r} exited after an error: {words.rstrip('.')}" for r, words in said.items()]
+        if names:
+            told.append(f"{names} stopped answering (heartbeat silent): it died or was stopped")
+        return "; ".join(told)
 
     def close(self) -> None:
         self._stop.set()

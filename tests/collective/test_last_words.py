@@ -93,12 +93,12 @@ def test_an_uncaught_exception_is_said_by_fleets_excepthook(capsys):
     assert "bad batch" in capsys.readouterr().err  # and Python's report is still printed
 
 
-def failing_backward_worker(rank: int) -> None:
+def failing_backward_worker(rank: int, shared_memory: bool) -> None:
     """Worker 1 raises inside its backward at step 2, after it announced the gradient round: its peer then
     waits for it in bucket 0, as worker 0 did in the issue."""
     import fleet
 
-    fleet.init()
+    fleet.init(strategy=fleet.DistributedStrategy(shared_memory=shared_memory))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -117,14 +117,18 @@ def failing_backward_worker(rank: int) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
-def test_the_survivor_names_the_error_its_peer_ended_on_and_the_report_lists_both():
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["one-host", "process-group"])
+def test_the_survivor_names_the_error_its_peer_ended_on_and_the_report_lists_both(shared_memory):
+    """On one host the survivor reads worker 1's last words in shared memory; through the process group (workers
+    on several hosts), in the rendezvous store, once worker 1's heartbeat is found silent."""
     with pytest.raises(AssertionError) as report:
-        run_workers(failing_backward_worker, 2, timeout=45)
+        run_workers(failing_backward_worker, 2, shared_memory, timeout=45)
     text = str(report.value)
-    assert (
-        "worker 0 error: PeerError: all-reduce of gradient bucket 0 failed: worker 1 exited after an error: "
-        "RuntimeError: worker 1's backward failed at step 2." in text
-    ), text
+    named = "worker 1 exited after an error: RuntimeError: worker 1's backward failed at step 2"
+    survivor = text.split("\n\nworker 1 ")[0]
+    assert survivor.startswith("worker 0 error: PeerError: ") and f"failed: {named}" in survivor, text
+    if shared_memory:  # the issue's very place, where it said "worker 1 died (its process is gone)"
+        assert f"all-reduce of gradient bucket 0 failed: {named}." in survivor, text
     assert "worker 1 error: RuntimeError: worker 1's backward failed at step 2" in text, text
     assert "worker 1 died" not in text, text
 
