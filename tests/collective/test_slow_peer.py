@@ -32,6 +32,11 @@ def _worker(rank: int, timeout_s: float | None, shared_memory: bool, busy: str) 
                 time.sleep(8)  # worker 0 evaluates alone; its heartbeat thread beats on
             if step == 1 and busy == "stop" and rank == 1:
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if step == 1 and busy == "pause" and rank == 0:  # off the CPU for 9 s, heartbeat included
+                import subprocess
+
+                subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 9; kill -CONT {os.getpid()}"])
+                time.sleep(1)
             opt.zero_grad()
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
@@ -71,3 +76,13 @@ def test_a_stopped_worker_is_named_within_the_heartbeats_bound_whatever_the_defa
     kind, message, seconds = _run(None, True, "stop", [0])[0]
     assert kind == "PeerError" and "worker 1 stopped answering" in message, message
     assert seconds < 20  # the collective wait is 30 minutes; the heartbeats name it first
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_paused_for_longer_than_one_heartbeat_window_is_waited_for():
+    """Issue 34: worker 0 stopped for 9 s (the 5 s probe and one 2.5 s window of a standing heartbeat) was judged
+    dead by worker 1, which gave up and exited, and worker 0, alive, then reported worker 1's death. A peer is dead
+    only when its heartbeat stands still in two windows in a row."""
+    for kind, message, seconds in _run(None, True, "pause", [0, 1]):
+        assert kind == "finished", message
+        assert seconds > 8
