@@ -152,7 +152,7 @@ def main_fleet_only(args: argparse.Namespace) -> None:
         per_1k = cpu["cpu_per_1k"] if cpu else float("nan")
         rows.append((mode, servers, total, losses, per_1k))
         print(
-            f"{mode:6s} servers={servers}: {total:9.0f} samples/s, CPU {per_1k:.2f} s per 1,000 samples, "
+            f"{mode:6s} servers={servers}: {total:9.0f} samples/s, CPU {per_1k:.3f} s per 1,000 samples, "
             f"loss at step {args.steps}: {losses}",
             flush=True,
         )
@@ -160,7 +160,7 @@ def main_fleet_only(args: argparse.Namespace) -> None:
     print("| mode  | servers | samples/s (total) | CPU s / 1k samples | loss per worker |")
     print("|-------|---------|-------------------|--------------------|-----------------|")
     for mode, servers, total, losses, per_1k in rows:
-        print(f"| {mode:5s} | {servers:7d} | {total:17.0f} | {per_1k:18.2f} | {losses} |")
+        print(f"| {mode:5s} | {servers:7d} | {total:17.0f} | {per_1k:18.3f} | {losses} |")
     for mode, servers, total, losses, per_1k in rows if args.record else ():
         variant = fleet_label(mode, servers)
         record_result(
@@ -216,9 +216,12 @@ class Config:
         values = [s["samples_per_s"] for s in self.samples]
         return statistics.median(values) if values else float("nan")
 
-    def cpu(self) -> float:
-        """The job's CPU seconds per 1,000 samples over the timed steps (median over rounds; NaN if unmeasured)."""
-        values = [s["cpu"]["cpu_per_1k"] for s in self.samples if s.get("cpu")]
+    def cpu(self, part: str = "cpu_s") -> float:
+        """The job's CPU seconds per 1,000 samples over the timed steps (median over rounds; NaN if unmeasured).
+
+        ``part``: ``cpu_s`` (every process), ``others_cpu_s`` (the processes that are not workers: servers, launchers).
+        """
+        values = [1000 * s["cpu"][part] / s["cpu"]["timed_samples"] for s in self.samples if s.get("cpu")]
         return statistics.median(values) if values else float("nan")
 
     def last_losses(self) -> list[float]:
@@ -341,7 +344,7 @@ def run_peers(args: argparse.Namespace) -> int:
             }
             config.samples.append(sample)
             losses = " / ".join(f"{w['first_loss']:.3f}->{w['loss']:.3f}" for w in sample["workers"])
-            per_1k = f"{cpu['cpu_per_1k']:5.2f}" if cpu else "  n/a"
+            per_1k = f"{cpu['cpu_per_1k']:5.3f}" if cpu else "  n/a"
             print(
                 f"round {rnd + 1}: {config.label:42s} {sample['samples_per_s']:8.0f} samples/s  CPU {per_1k} s/1k"
                 f"  load {load:4.1f}  loss {losses}",
@@ -395,8 +398,8 @@ def figures(configs: list[Config]) -> dict:
     ratios["cpu_fleet_best_vs_torchrec_best"] = cpu_ratio
     if fleet_best and trec:
         lines.append(
-            f"CPU per 1,000 samples, fleet best vs TorchRec best: {cpus[fleet_best]:.2f} s ({fleet_best}) vs "
-            f"{cpus[trec]:.2f} s ({trec}): ratio {_fmt(cpu_ratio)} (target <= 1.0)"
+            f"CPU per 1,000 samples, fleet best vs TorchRec best: {cpus[fleet_best]:.3f} s ({fleet_best}) vs "
+            f"{cpus[trec]:.3f} s ({trec}): ratio {_fmt(cpu_ratio)} (target <= 1.0)"
         )
     else:
         lines.append("CPU per 1,000 samples, fleet best vs TorchRec best: n/a (no pair that trains; target <= 1.0)")
@@ -422,14 +425,14 @@ def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) 
         " 10 warm-up steps (median over rounds; range), the job's CPU per 1,000 samples, load average beside each sample"
     )
     print(
-        "| system | configuration | samples/s (median) | range | CPU s / 1k samples (median) | load |"
-        " loss per worker (first -> last) | loss fell on every worker |"
+        "| system | configuration | samples/s (median) | range | CPU s / 1k samples (median) | of which not workers |"
+        " load | loss per worker (first -> last) | loss fell on every worker |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for c in configs:
         if not c.samples:
             reason = c.failures[0].splitlines()[0][:120] if c.failures else "not run"
-            print(f"| {c.system} | {c.name} | failed | | | | {reason} | |")
+            print(f"| {c.system} | {c.name} | failed | | | | | {reason} | |")
             continue
         values = [s["samples_per_s"] for s in c.samples]
         last = c.samples[-1]
@@ -438,7 +441,8 @@ def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) 
         failed = f" ({len(c.failures)} failed)" if c.failures else ""
         print(
             f"| {c.system} | {c.name} | {c.median():,.0f} | {min(values):,.0f}-{max(values):,.0f}{failed} |"
-            f" {c.cpu():.2f} | {statistics.median(s['load'] for s in c.samples):.1f} | {losses} |"
+            f" {c.cpu():.3f} | {c.cpu('others_cpu_s'):.3f} | {statistics.median(s['load'] for s in c.samples):.1f} |"
+            f" {losses} |"
             f" {'yes' if fell == len(c.samples) else 'no'} ({fell}/{len(c.samples)} rounds) |"
         )
     found = figures(configs)

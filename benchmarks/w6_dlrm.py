@@ -390,9 +390,12 @@ class Config:
         values = [s["samples_per_s"] for s in self.samples]
         return statistics.median(values) if values else float("nan")
 
-    def cpu(self) -> float:
-        """The job's CPU seconds per 1,000 samples over the timed steps (median over rounds; NaN if unmeasured)."""
-        values = [s["cpu"]["cpu_per_1k"] for s in self.samples if s.get("cpu")]
+    def cpu(self, part: str = "cpu_s") -> float:
+        """The job's CPU seconds per 1,000 samples over the timed steps (median over rounds; NaN if unmeasured).
+
+        ``part``: ``cpu_s`` (every process), ``others_cpu_s`` (the processes that are not workers: servers, launchers).
+        """
+        values = [1000 * s["cpu"][part] / s["cpu"]["timed_samples"] for s in self.samples if s.get("cpu")]
         return statistics.median(values) if values else float("nan")
 
     def curve(self, rnd: int = 0) -> list[float]:
@@ -463,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
             }
             config.samples.append(sample)
             curve = config.curve(len(config.samples) - 1)
-            per_1k = f"{cpu['cpu_per_1k']:5.2f}" if cpu else "  n/a"
+            per_1k = f"{cpu['cpu_per_1k']:5.3f}" if cpu else "  n/a"
             print(
                 f"round {rnd + 1}: {config.name:23s} {sample['samples_per_s']:8.0f} samples/s  CPU {per_1k} s/1k"
                 f"  load {sample['load']:4.1f}  loss {curve[0]:.4f} -> {curve[-1]:.4f}  ({sample['wall_s']:.0f} s)",
@@ -506,8 +509,8 @@ def figures(ran: dict[str, Config]) -> dict[str, Any]:
     ratios["cpu_fleet_best_vs_torchrec_best"] = cpu_ratio
     if fleet_best and trec:
         lines.append(
-            f"CPU per 1,000 samples, fleet best vs TorchRec best: {cpus[fleet_best]:.2f} s ({fleet_best}) vs "
-            f"{cpus[trec]:.2f} s ({trec}): ratio {_fmt(cpu_ratio)} (target <= 1.0)"
+            f"CPU per 1,000 samples, fleet best vs TorchRec best: {cpus[fleet_best]:.3f} s ({fleet_best}) vs "
+            f"{cpus[trec]:.3f} s ({trec}): ratio {_fmt(cpu_ratio)} (target <= 1.0)"
         )
     else:
         lines.append("CPU per 1,000 samples, fleet best vs TorchRec best: n/a (no pair that trains; target <= 1.0)")
@@ -538,16 +541,20 @@ def report(args: argparse.Namespace, configs: list[Config], notes: list[str]) ->
 
     ran = {c.name: c for c in configs if c.samples}
     print(f"\nW6 DLRM, {args.steps} steps ({args.warmup} warm-up), {args.rounds} round(s): samples/s, all workers")
-    print("| configuration | samples/s (median) | range | CPU s / 1k samples (median) | load | loss first -> last |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| configuration | samples/s (median) | range | CPU s / 1k samples (median) | of which not workers |"
+        " load | loss first -> last |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for c in configs:
         if not c.samples:
-            print(f"| {c.name} | failed | | | | {c.failures[0].splitlines()[0][:100] if c.failures else ''} |")
+            print(f"| {c.name} | failed | | | | | {c.failures[0].splitlines()[0][:100] if c.failures else ''} |")
             continue
         values = [s["samples_per_s"] for s in c.samples]
         curve = c.curve()
         print(
-            f"| {c.name} | {c.median():,.0f} | {min(values):,.0f}-{max(values):,.0f} | {c.cpu():.2f} |"
+            f"| {c.name} | {c.median():,.0f} | {min(values):,.0f}-{max(values):,.0f} | {c.cpu():.3f} |"
+            f" {c.cpu('others_cpu_s'):.3f} |"
             f" {statistics.median(s['load'] for s in c.samples):.1f} | {curve[0]:.4f} -> {curve[-1]:.4f} |"
         )
     found = figures(ran)
