@@ -1,27 +1,38 @@
 """W2: CTR model on the parameter server (see benchmarks/README.md): samples/s and loss at 300 steps.
 
     python benchmarks/w2_ctr.py [--steps 300] [--modes async,sync,geo] [--servers 1,2]
-    python benchmarks/w2_ctr.py --peers [--rounds 3] [--steps 300] [--json FILE]
+    python benchmarks/w2_ctr.py --peers [--rounds 3] [--steps 300] [--json FILE] [--no-record]
 
 Each fleet configuration is one ``fleetrun --servers S --workers 2 --strategy ...`` run of
 examples/single_to_multi/train_ctr.py (the W2 model: 26 slots of uniform ids in
 [0, 1e6), one shared SparseEmbedding of dim 16, 13 dense features, MLP 400-400-400-1,
 BCE, SGD lr 0.1, batch 512 per worker). Figure: total samples/s over both workers
-after 10 warm-up steps, and each worker's loss at the last step.
+after 10 warm-up steps, the job's CPU seconds per 1,000 samples over those steps
+(``benchmarks/job_cpu.py``), and each worker's loss at the last step.
 
-``--peers``: fleet's PS async and sync with 1 and 2 servers, and PS async with the dense layers
-all-reduced among the workers (``async-dense-ar``: ``dense_placement="allreduce"``; ``--modes``/``--servers`` narrow
-them), alternately with TorchRec's configurations (benchmarks/peers/w2_torchrec.py) and
-PaddlePaddle's Fleet parameter server (benchmarks/peers/w2_paddle.py) on the same workload, each
-peer from its own venv (``bash benchmarks/peers/setup.sh``; a missing one is skipped with a note).
-Every round runs every configuration once, fleet's and the peers' interleaved (the order reversed
-on odd rounds), so load drift hits them alike; the load average is recorded beside each sample.
-Printed: a table (median samples/s over rounds, the range, the load, each worker's first and
-last loss, whether the loss fell on every worker), then ``ratio vs TorchRec best: X`` and
-``ratio vs Paddle: Y`` (fleet's best PS configuration over the peer's best, by median), and the
-same ratios for fleet's PS async alone (targets: >= 1.2 x TorchRec's best, >= 3 x Paddle), and
-``ratio vs limit: Z``: fleet's PS async over W2's MLP alone in 2 processes with no table and no
-communication (benchmarks/peers/w2_limit.py, run in the same rounds; target >= 0.75).
+``--peers``: fleet's PS async and sync with 1 and 2 servers, PS async with the dense layers
+all-reduced among the workers (``async-dense-ar``: ``dense_placement="allreduce"``), and the table
+sharded across the 2 workers with no server (``sharded``: ``mode="collective"``,
+``table_placement="sharded"``; ``--modes``/``--servers`` narrow them; ``sharded`` also runs in the
+fleet-only mode when named in ``--modes``), alternately with TorchRec's configurations
+(benchmarks/peers/w2_torchrec.py) and PaddlePaddle's Fleet parameter server
+(benchmarks/peers/w2_paddle.py) on the same workload, each peer from its own venv
+(``bash benchmarks/peers/setup.sh``; a missing one is skipped with a note). Every round runs every
+configuration once, fleet's and the peers' interleaved (the order reversed on odd rounds), so load
+drift hits them alike; the load average is recorded beside each sample. Printed: a table (median
+samples/s over rounds, the range, the job's CPU seconds per 1,000 samples over the timed steps,
+every process of the job counted: ``benchmarks/job_cpu.py``, the load, each worker's first and last
+loss, whether the loss fell on every worker), then the ratios, each with the check of both sides
+beside it (``benchmarks/gate.py``: a configuration counts only when its loss at the last step, the
+mean over the workers, ends within 0.01 of fleet's PS sync with 1 server, which is exactly one
+process on the union of the batches; those that do not are named on a ``not counted`` line):
+``ratio vs TorchRec best`` and ``ratio vs Paddle`` (fleet's best over the peer's best),
+``fleet PS async: ratio vs TorchRec best`` (target >= 1.2), ``... vs Paddle`` (>= 3) and ``... vs
+limit`` (>= 0.75), ``fleet PS async dense-ar: ratio vs TorchRec best`` (>= 1.2) and ``... vs limit``
+(>= 0.6), ``fleet tables sharded: ratio vs TorchRec best``, and ``CPU per 1,000 samples, fleet best
+vs TorchRec best`` (target <= 1.0). The limit is W2's MLP alone in 2 processes with no table and no
+communication (benchmarks/peers/w2_limit.py, run in the same rounds): a bound on the rate, not a
+trainer of W2's stream, so it is not checked.
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import gate
+import job_cpu
 from _common import record_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +64,11 @@ STRATEGIES = {
     # the server holds only the table; the workers all-reduce the MLP (PERSIA's hybrid)
     "async-dense-ar": 'mode = "ps"\nupdate = "async"\ndense_placement = "allreduce"\n',
     "sync-dense-ar": 'mode = "ps"\nupdate = "sync"\ndense_placement = "allreduce"\n',
+    # no server: the table's rows sharded across the 2 workers (all-to-all), the MLP all-reduced
+    "sharded": 'mode = "collective"\ntable_placement = "sharded"\n',
 }
+SERVERLESS = ("sharded",)  # modes that run with no server (whatever --servers says)
+REFERENCE = "PS sync, 1 server"  # exactly one process on the union of the workers' batches: the gate's reference
 TORCHREC_CONFIGS = "tw-fused,rw-fused,dp"
 PADDLE_CONFIGS = "async-1-run,async-1-dataset,async-2-run,async-2-dataset"
 _STEP0 = re.compile(r"worker (\d+) step 0 loss ([-+0-9.eEnaif]+)")
@@ -61,20 +78,30 @@ class RunFailed(RuntimeError):
     pass
 
 
-def _run_job(cmd: list[str], report: str, timeout: float, cwd: str | None = None) -> tuple[list[dict], str]:
-    """Run one job to its end: (each worker's JSON result line, by worker; the job's stdout)."""
+def _run_job(
+    cmd: list[str], report: str, timeout: float, cwd: str | None = None
+) -> tuple[list[dict], str, dict | None]:
+    """Run one job to its end: (each worker's JSON result line, by worker; the job's stdout; its CPU over the
+    timed steps, :func:`job_cpu.job_cpu`, None when a worker did not report its own)."""
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        done, sampled = job_cpu.run_job(cmd, timeout, cwd=cwd)
     except subprocess.TimeoutExpired as e:
         raise RunFailed(f"{' '.join(cmd)} timed out after {timeout:.0f} s") from e
     if done.returncode != 0 or not os.path.exists(report):
         raise RunFailed(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     with open(report) as f:
-        return sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["worker"]), done.stdout
+        results = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["worker"])
+    cpu = job_cpu.job_cpu(results, sampled["series"])
+    if cpu is not None:
+        cpu["total_cpu_s"] = sampled["total_cpu_s"]
+    return results, done.stdout, cpu
 
 
-def _fleetrun(mode: str, servers: int, steps: int, workers: int = 2, timeout: float = 1800) -> list[dict]:
-    """One fleetrun job of train_ctr.py: each worker's JSON result, with ``first_loss`` (its step-0 loss)."""
+def _fleetrun(
+    mode: str, servers: int, steps: int, workers: int = 2, timeout: float = 1800
+) -> tuple[list[dict], dict | None]:
+    """One fleetrun job of train_ctr.py: (each worker's JSON result, with ``first_loss``, its step-0 loss; the
+    job's CPU). ``servers`` 0 (or a :data:`SERVERLESS` mode): no server."""
     with tempfile.TemporaryDirectory() as tmp:
         strategy = os.path.join(tmp, f"{mode}.toml")
         with open(strategy, "w") as f:
@@ -84,8 +111,7 @@ def _fleetrun(mode: str, servers: int, steps: int, workers: int = 2, timeout: fl
             sys.executable,  # fleetrun, from this interpreter: no need for its bin/ on PATH
             "-m",
             "fleet.launch",
-            "--servers",
-            str(servers),
+            *([] if servers == 0 or mode in SERVERLESS else ["--servers", str(servers)]),
             "--workers",
             str(workers),
             "--strategy",
@@ -99,15 +125,15 @@ def _fleetrun(mode: str, servers: int, steps: int, workers: int = 2, timeout: fl
             report,
             *(["--no-prefetch"] if mode.endswith("-noprefetch") else []),
         ]
-        results, stdout = _run_job(cmd, report, timeout)
+        results, stdout, cpu = _run_job(cmd, report, timeout)
     first = {int(w): float(v) for w, v in _STEP0.findall(stdout)}
     for r in results:
         r.setdefault("first_loss", first.get(r["worker"], float("nan")))
-    return results
+    return results, cpu
 
 
-def run(mode: str, servers: int, steps: int, workers: int = 2) -> list[dict]:
-    """fleet's W2 under fleetrun; exits with fleetrun's output when the job fails."""
+def run(mode: str, servers: int, steps: int, workers: int = 2) -> tuple[list[dict], dict | None]:
+    """fleet's W2 under fleetrun (and its CPU); exits with fleetrun's output when the job fails."""
     try:
         return _fleetrun(mode, servers, steps, workers)
     except RunFailed as e:
@@ -116,22 +142,27 @@ def run(mode: str, servers: int, steps: int, workers: int = 2) -> list[dict]:
 
 def main_fleet_only(args: argparse.Namespace) -> None:
     rows = []
-    for servers in (int(s) for s in args.servers.split(",")):
-        for mode in (args.modes or "async,sync,geo").split(","):
-            results = run(mode, servers, args.steps)
-            total = sum(r["samples_per_s"] for r in results)
-            losses = " / ".join(f"{r['loss']:.4f}" for r in results)
-            rows.append((mode, servers, total, losses))
-            print(
-                f"{mode:6s} servers={servers}: {total:9.0f} samples/s, loss at step {args.steps}: {losses}", flush=True
-            )
+    modes = (args.modes or "async,sync,geo").split(",")
+    runs = [(m, int(s)) for s in args.servers.split(",") for m in modes if m not in SERVERLESS]
+    runs += [(m, 0) for m in modes if m in SERVERLESS]  # once, with no server
+    for mode, servers in runs:
+        results, cpu = run(mode, servers, args.steps)
+        total = sum(r["samples_per_s"] for r in results)
+        losses = " / ".join(f"{r['loss']:.4f}" for r in results)
+        per_1k = cpu["cpu_per_1k"] if cpu else float("nan")
+        rows.append((mode, servers, total, losses, per_1k))
+        print(
+            f"{mode:6s} servers={servers}: {total:9.0f} samples/s, CPU {per_1k:.3f} s per 1,000 samples, "
+            f"loss at step {args.steps}: {losses}",
+            flush=True,
+        )
     print(f"\nW2, 2 workers, batch 512/worker, {args.steps} steps (samples/s after 10 warm-up steps)")
-    print("| mode  | servers | samples/s (total) | loss per worker |")
-    print("|-------|---------|-------------------|-----------------|")
-    for mode, servers, total, losses in rows:
-        print(f"| {mode:5s} | {servers:7d} | {total:17.0f} | {losses} |")
-    for mode, servers, total, losses in rows:
-        variant = f"PS {mode}, {servers} server{'s' if servers > 1 else ''}"
+    print("| mode  | servers | samples/s (total) | CPU s / 1k samples | loss per worker |")
+    print("|-------|---------|-------------------|--------------------|-----------------|")
+    for mode, servers, total, losses, per_1k in rows:
+        print(f"| {mode:5s} | {servers:7d} | {total:17.0f} | {per_1k:18.3f} | {losses} |")
+    for mode, servers, total, losses, per_1k in rows if args.record else ():
+        variant = fleet_label(mode, servers)
         record_result(
             "w2_ctr",
             variant=variant,
@@ -141,7 +172,13 @@ def main_fleet_only(args: argparse.Namespace) -> None:
             target=">= 10,000 samples/s with 1 server; loss falls on every worker",
             summary=f"{variant}: {total:,.0f} samples/s; loss at step {args.steps} {losses}",
             headline=mode == "async" and servers == 1,
-            details={"loss_per_worker": losses, "servers": servers, "workers": 2, "steps": args.steps},
+            details={
+                "loss_per_worker": losses,
+                "servers": servers,
+                "workers": 2,
+                "steps": args.steps,
+                "cpu_per_1k": per_1k,
+            },
         )
 
 
@@ -154,19 +191,20 @@ def peer_python(peer: str) -> str:
     return os.path.join(venvs, peer, "bin", "python")
 
 
-def _peer_job(peer: str, script: str, extra: list[str], steps: int, timeout: float) -> list[dict]:
+def _peer_job(peer: str, script: str, extra: list[str], steps: int, timeout: float) -> tuple[list[dict], dict | None]:
     with tempfile.TemporaryDirectory(prefix=f"w2-{peer}-") as tmp:
         report = os.path.join(tmp, "report.jsonl")
         cmd = [peer_python(peer), os.path.join(PEERS, script), *extra, "--steps", str(steps), "--report", report]
         cmd += ["--timeout", str(timeout)]
-        return _run_job(cmd, report, timeout + 60, cwd=tmp)[0]
+        results, _, cpu = _run_job(cmd, report, timeout + 60, cwd=tmp)
+        return results, cpu
 
 
 @dataclass
 class Config:
     system: str  # fleet | torchrec | paddle | limit
     name: str
-    launch: object  # (steps, timeout) -> list of worker results
+    launch: object  # (steps, timeout) -> (list of worker results, the job's CPU or None)
     samples: list[dict] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -178,16 +216,31 @@ class Config:
         values = [s["samples_per_s"] for s in self.samples]
         return statistics.median(values) if values else float("nan")
 
+    def cpu(self, part: str = "cpu_s") -> float:
+        """The job's CPU seconds per 1,000 samples over the timed steps (median over rounds; NaN if unmeasured).
+
+        ``part``: ``cpu_s`` (every process), ``others_cpu_s`` (the processes that are not workers: servers, launchers).
+        """
+        values = [1000 * s["cpu"][part] / s["cpu"]["timed_samples"] for s in self.samples if s.get("cpu")]
+        return statistics.median(values) if values else float("nan")
+
+    def last_losses(self) -> list[float]:
+        """The mean over the workers of the loss at the last step (= the loss on the union of their batches), per round."""
+        return [statistics.fmean(w["loss"] for w in s["workers"]) for s in self.samples]
+
+
+def fleet_label(mode: str, servers: int) -> str:
+    """``PS async, 1 server``; a serverless mode: ``collective, tables sharded``."""
+    if mode in SERVERLESS or servers == 0:
+        return "collective, tables sharded" if mode == "sharded" else mode
+    return f"PS {mode}, {servers} server{'s' if servers > 1 else ''}"
+
 
 def fleet_configs(modes: list[str], servers: list[int]) -> list[Config]:
+    runs = [(m, s) for s in servers for m in modes if m not in SERVERLESS] + [(m, 0) for m in modes if m in SERVERLESS]
     return [
-        Config(
-            "fleet",
-            f"PS {mode}, {s} server{'s' if s > 1 else ''}",
-            lambda st, to, m=mode, s=s: _fleetrun(m, s, st, timeout=to),
-        )
-        for s in servers
-        for mode in modes
+        Config("fleet", fleet_label(mode, s), lambda st, to, m=mode, s=s: _fleetrun(m, s, st, timeout=to))
+        for mode, s in runs
     ]
 
 
@@ -198,7 +251,8 @@ def limit_config() -> Config:
         with tempfile.TemporaryDirectory() as tmp:
             report = os.path.join(tmp, "report.jsonl")
             cmd = [sys.executable, os.path.join(PEERS, "w2_limit.py"), "--steps", str(steps), "--report", report]
-            return _run_job(cmd, report, timeout)[0]
+            results, _, cpu = _run_job(cmd, report, timeout)
+            return results, cpu
 
     return Config("limit", "MLP alone, 2 processes", launch)
 
@@ -235,7 +289,7 @@ def loss_fell(sample: dict) -> bool:
 
 
 def run_peers(args: argparse.Namespace) -> int:
-    modes = (args.modes or "async,sync,async-dense-ar").split(",")
+    modes = (args.modes or "async,sync,async-dense-ar,sharded").split(",")
     servers = [int(s) for s in args.servers.split(",")]
     fleet = fleet_configs(modes, servers)
     peer_lists, skipped = [], []
@@ -271,7 +325,7 @@ def run_peers(args: argparse.Namespace) -> int:
             load_before = os.getloadavg()[0]
             started = time.perf_counter()
             try:
-                workers = config.launch(args.steps, args.timeout)
+                workers, cpu = config.launch(args.steps, args.timeout)
             except RunFailed as e:
                 config.failures.append(str(e))
                 print(f"round {rnd + 1}: {config.label}: FAILED ({str(e).splitlines()[0][:200]})", flush=True)
@@ -280,14 +334,19 @@ def run_peers(args: argparse.Namespace) -> int:
             sample = {
                 "round": rnd + 1,
                 "samples_per_s": sum(w["samples_per_s"] for w in workers),
+                "cpu": cpu,
                 "load": load,
                 "wall_s": time.perf_counter() - started,
-                "workers": [{k: w.get(k) for k in ("worker", "first_loss", "loss", "samples_per_s")} for w in workers],
+                "workers": [
+                    {k: w.get(k) for k in ("worker", "first_loss", "loss", "samples_per_s", "cpu_s", "timed_samples")}
+                    for w in workers
+                ],
             }
             config.samples.append(sample)
             losses = " / ".join(f"{w['first_loss']:.3f}->{w['loss']:.3f}" for w in sample["workers"])
+            per_1k = f"{cpu['cpu_per_1k']:5.3f}" if cpu else "  n/a"
             print(
-                f"round {rnd + 1}: {config.label:42s} {sample['samples_per_s']:8.0f} samples/s"
+                f"round {rnd + 1}: {config.label:42s} {sample['samples_per_s']:8.0f} samples/s  CPU {per_1k} s/1k"
                 f"  load {load:4.1f}  loss {losses}",
                 flush=True,
             )
@@ -299,23 +358,81 @@ def run_peers(args: argparse.Namespace) -> int:
     return 0 if "fleet" in ran else 1
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b == b and b > 0 and a == a else "n/a"
+def figures(configs: list[Config]) -> dict:
+    """The checks (:mod:`gate`: against fleet's PS sync with 1 server), the "best" configurations and the ratio lines."""
+    ran = {c.label: c for c in configs if c.samples}
+    ref = ran.get(f"fleet {REFERENCE}")
+    reference = ref.last_losses()[0] if ref else None
+    label = f"PS sync ({REFERENCE.removeprefix('PS sync, ')})"
+    # the limit trains 8 fixed batches of random rows, not W2's stream: a bound on the rate, checked by nothing
+    checks = {n: gate.check(n, c.last_losses(), reference, label) for n, c in ran.items() if c.system != "limit"}
+    rates = {n: c.median() for n, c in ran.items()}
+    cpus = {n: c.cpu() for n, c in ran.items()}
+
+    def best(system: str, prefix: str = "") -> str | None:
+        names = [n for n, c in ran.items() if c.system == system and c.name.startswith(prefix)]
+        return names[0] if system == "limit" and names else gate.best(rates, checks, names)
+
+    fleet_best, fleet_async = best("fleet"), best("fleet", "PS async")
+    dense_ar, sharded = best("fleet", "PS async-dense-ar"), best("fleet", "collective, tables sharded")
+    trec, paddle, limit = best("torchrec"), best("paddle"), best("limit")
+    lines, ratios = [], {}
+    for key, text, num, den, target in (
+        ("fleet_best_vs_torchrec_best", "ratio vs TorchRec best", fleet_best, trec, "none (fleet's best)"),
+        ("fleet_best_vs_paddle", "ratio vs Paddle", fleet_best, paddle, "none (fleet's best)"),
+        ("async_vs_torchrec_best", "fleet PS async: ratio vs TorchRec best", fleet_async, trec, ">= 1.2"),
+        ("async_vs_paddle", "fleet PS async: ratio vs Paddle", fleet_async, paddle, ">= 3"),
+        ("async_vs_limit", "fleet PS async: ratio vs limit (the MLP alone in 2 processes)", fleet_async, limit, ">= 0.75"),
+        ("async_dense_ar_vs_torchrec_best", "fleet PS async dense-ar: ratio vs TorchRec best", dense_ar, trec, ">= 1.2"),
+        ("async_dense_ar_vs_limit", "fleet PS async dense-ar: ratio vs limit", dense_ar, limit, ">= 0.6"),
+        ("sharded_vs_torchrec_best", "fleet tables sharded: ratio vs TorchRec best", sharded, trec, "none"),
+    ):  # fmt: skip
+        missing = (
+            "a side did not run, or does not train"
+            if reference is not None
+            else f"no reference: {REFERENCE} did not run"
+        )
+        line, ratios[key] = gate.ratio_line(text, num, den, rates, checks, target, missing)
+        lines.append(line)
+    cpu_ratio = gate.ratio(cpus.get(fleet_best), cpus.get(trec)) if fleet_best and trec else None
+    ratios["cpu_fleet_best_vs_torchrec_best"] = cpu_ratio
+    if fleet_best and trec:
+        lines.append(
+            f"CPU per 1,000 samples, fleet best vs TorchRec best: {cpus[fleet_best]:.3f} s ({fleet_best}) vs "
+            f"{cpus[trec]:.3f} s ({trec}): ratio {_fmt(cpu_ratio)} (target <= 1.0)"
+        )
+    else:
+        lines.append("CPU per 1,000 samples, fleet best vs TorchRec best: n/a (no pair that trains; target <= 1.0)")
+    return {
+        "reference": f"fleet {REFERENCE}",
+        "reference_loss": reference,
+        "checks": {n: {"loss": c.loss, "trains": c.trains} for n, c in checks.items()},
+        "best": {"fleet": fleet_best, "fleet_async": fleet_async, "async_dense_ar": dense_ar, "sharded": sharded,
+                 "torchrec": trec, "paddle": paddle, "limit": limit},
+        "ratios": ratios,
+        "not_counted": [c.note() for c in gate.excluded(checks, checks) if c.name != f"fleet {REFERENCE}"],
+        "lines": lines,
+    }  # fmt: skip
+
+
+def _fmt(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}"
 
 
 def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) -> None:
     print(
         f"\nW2, 2 workers, batch 512/worker, {args.steps} steps, {args.rounds} round(s): total samples/s after"
-        " 10 warm-up steps (median over rounds; range), load average beside each sample"
+        " 10 warm-up steps (median over rounds; range), the job's CPU per 1,000 samples, load average beside each sample"
     )
     print(
-        "| system | configuration | samples/s (median) | range | load | loss per worker (first -> last) | loss fell on every worker |"
+        "| system | configuration | samples/s (median) | range | CPU s / 1k samples (median) | of which not workers |"
+        " load | loss per worker (first -> last) | loss fell on every worker |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for c in configs:
         if not c.samples:
             reason = c.failures[0].splitlines()[0][:120] if c.failures else "not run"
-            print(f"| {c.system} | {c.name} | failed | | | {reason} | |")
+            print(f"| {c.system} | {c.name} | failed | | | | | {reason} | |")
             continue
         values = [s["samples_per_s"] for s in c.samples]
         last = c.samples[-1]
@@ -324,40 +441,37 @@ def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) 
         failed = f" ({len(c.failures)} failed)" if c.failures else ""
         print(
             f"| {c.system} | {c.name} | {c.median():,.0f} | {min(values):,.0f}-{max(values):,.0f}{failed} |"
-            f" {statistics.median(s['load'] for s in c.samples):.1f} | {losses} |"
+            f" {c.cpu():.3f} | {c.cpu('others_cpu_s'):.3f} | {statistics.median(s['load'] for s in c.samples):.1f} |"
+            f" {losses} |"
             f" {'yes' if fell == len(c.samples) else 'no'} ({fell}/{len(c.samples)} rounds) |"
         )
-
-    def best(system: str, prefix: str = "") -> Config | None:
-        ran = [c for c in configs if c.system == system and c.samples and c.name.startswith(prefix)]
-        return max(ran, key=Config.median) if ran else None
-
-    fleet_best, fleet_async = best("fleet"), best("fleet", "PS async")
-    torchrec_best, paddle_best, limit = best("torchrec"), best("paddle"), best("limit")
-    l_med = limit.median() if limit else float("nan")
-    f_med = fleet_best.median() if fleet_best else float("nan")
-    a_med = fleet_async.median() if fleet_async else float("nan")
-    t_med = torchrec_best.median() if torchrec_best else float("nan")
-    p_med = paddle_best.median() if paddle_best else float("nan")
+    found = figures(configs)
+    ran = {c.label: c for c in configs if c.samples}
     print()
-    for label, c in (
-        ("fleet best", fleet_best),
-        ("fleet PS async best", fleet_async),
-        ("TorchRec best", torchrec_best),
-        ("Paddle best", paddle_best),
+    for text, key in (
+        ("fleet best", "fleet"),
+        ("fleet PS async best", "fleet_async"),
+        ("TorchRec best", "torchrec"),
+        ("Paddle best", "paddle"),
     ):
-        print(f"{label}: {c.label + f' ({c.median():,.0f} samples/s)' if c else 'none ran'}")
+        name, system = found["best"][key], key.partition("_")[0]
+        none = "none that trains" if any(c.system == system for c in ran.values()) else "none ran"
+        print(f"{text}: {name + f' ({ran[name].median():,.0f} samples/s)' if name else none}")
     for line in skipped:
         print(line)
-    print(f"ratio vs TorchRec best: {_ratio(f_med, t_med)}")
-    print(f"ratio vs Paddle: {_ratio(f_med, p_med)}")
-    print(
-        f"fleet PS async: ratio vs TorchRec best: {_ratio(a_med, t_med)} (target >= 1.2);"
-        f" ratio vs Paddle: {_ratio(a_med, p_med)} (target >= 3)"
-    )
-    print(f"ratio vs limit: {_ratio(a_med, l_med)} (fleet PS async over the MLP alone in 2 processes; target >= 0.75)")
-    if fleet_async and torchrec_best:
-        ratio_t, ratio_p = a_med / t_med, (a_med / p_med if p_med > 0 else None)
+    print(f"the check: every configuration in a ratio ends within {gate.TOLERANCE} of {found['reference']}'s loss")
+    for line in found["lines"]:
+        print(line)
+    if found["not_counted"]:
+        print("not counted in any ratio: " + "; ".join(found["not_counted"]))
+    best = found["best"]
+    fleet_async, torchrec_best = ran.get(best["fleet_async"] or ""), ran.get(best["torchrec"] or "")
+    paddle_best, fleet_best = ran.get(best["paddle"] or ""), ran.get(best["fleet"] or "")
+    ratios = found["ratios"]
+    if fleet_async and torchrec_best and getattr(args, "record", True):
+        a_med, t_med = fleet_async.median(), torchrec_best.median()
+        ratio_t, ratio_p = ratios["async_vs_torchrec_best"], ratios["async_vs_paddle"]
+        p_med = paddle_best.median() if paddle_best else float("nan")
         paddle_part = f", {ratio_p:.2f} x Paddle" if ratio_p is not None else ""
         paddle_value = f", Paddle {p_med:,.0f}" if ratio_p is not None else ""
         record_result(
@@ -370,16 +484,19 @@ def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) 
             peer_value=round(t_med, 1),
             ratio=round(ratio_t, 4),
             ratio_means="fleet PS async / TorchRec best (samples/s, higher is better); details.ratio_vs_paddle: fleet / Paddle",
-            target="async >= 1.2 x TorchRec, >= 3 x Paddle, >= 0.75 x the MLP alone",
+            target="async >= 1.2 x TorchRec, >= 3 x Paddle, >= 0.75 x the MLP alone; async dense-ar >= 1.2 x TorchRec, >= 0.6 x the MLP alone",
             summary=f"{ratio_t:.2f} x TorchRec{paddle_part} (fleet {a_med:,.0f}, TorchRec {t_med:,.0f}{paddle_value} samples/s)",
             details={
                 "ratio_vs_paddle": ratio_p,
-                "ratio_vs_limit": a_med / l_med if l_med > 0 else None,
+                "ratio_vs_limit": ratios["async_vs_limit"],
+                "ratios": ratios,
+                "checks": found["checks"],
                 "paddle": None if paddle_best is None else {"name": paddle_best.name, "samples_per_s": p_med},
-                "fleet_best": {"name": fleet_best.name, "samples_per_s": f_med} if fleet_best else None,
+                "fleet_best": {"name": fleet_best.name, "samples_per_s": fleet_best.median()} if fleet_best else None,
                 "configs": {
                     c.label: {
                         "median": c.median(),
+                        "cpu_per_1k": c.cpu(),
                         "rounds": [s["samples_per_s"] for s in c.samples],
                         "loss_fell": all(loss_fell(s) for s in c.samples),
                         "failures": len(c.failures),
@@ -402,16 +519,18 @@ def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) 
                             "system": c.system,
                             "name": c.name,
                             "median_samples_per_s": c.median(),
+                            "median_cpu_per_1k": c.cpu(),
                             "samples": c.samples,
                             "failures": c.failures,
                         }
                         for c in configs
                     ],
-                    "ratio_vs_torchrec_best": f_med / t_med if t_med > 0 else None,
-                    "ratio_vs_paddle": f_med / p_med if p_med > 0 else None,
-                    "async_ratio_vs_torchrec_best": a_med / t_med if t_med > 0 else None,
-                    "async_ratio_vs_paddle": a_med / p_med if p_med > 0 else None,
-                    "async_ratio_vs_limit": a_med / l_med if l_med > 0 else None,
+                    "ratio_vs_torchrec_best": ratios["fleet_best_vs_torchrec_best"],
+                    "ratio_vs_paddle": ratios["fleet_best_vs_paddle"],
+                    "async_ratio_vs_torchrec_best": ratios["async_vs_torchrec_best"],
+                    "async_ratio_vs_paddle": ratios["async_vs_paddle"],
+                    "async_ratio_vs_limit": ratios["async_vs_limit"],
+                    "figures": found,
                 },
                 f,
                 indent=1,
@@ -425,8 +544,8 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default=None,
-        help="fleet PS modes (default async,sync,geo; with --peers async,sync,async-dense-ar; also "
-        "sync-dense-ar, async-noprefetch)",
+        help="fleet modes (default async,sync,geo; with --peers async,sync,async-dense-ar,sharded; also "
+        "sync-dense-ar, async-noprefetch; sharded: collective with the table sharded, no server)",
     )
     parser.add_argument("--servers", default="1,2")
     parser.add_argument("--peers", action="store_true", help="fleet alternately with TorchRec and PaddlePaddle")
@@ -440,6 +559,9 @@ def main() -> None:
         "--no-limit", action="store_true", help="--peers: leave out W2's MLP alone (the no-distribution limit)"
     )
     parser.add_argument("--json", default=None, help="--peers: write every sample here")
+    parser.add_argument(
+        "--no-record", dest="record", action="store_false", help="do not write benchmarks/results/ (--peers)"
+    )
     args = parser.parse_args()
     if args.peers:
         sys.exit(run_peers(args))

@@ -23,9 +23,28 @@ MLPs, BCE, SGD lr 0.5, batch 256 per worker. Configurations (``--configs``, comm
 A one-process configuration trains on the union of the 2 workers' batches (512 samples a step),
 so its loss is the one a synchronous 2-worker job must have: fleet's PS sync equals fleet in one
 process. Every round runs every configuration once (the order reversed on odd rounds). Printed:
-a table of samples/s (median over rounds), ``ratio vs PyTorch one-process: X`` (fleet-1p over
-torch-1p), ``ratio vs TorchRec best: Y`` (fleet's best PS configuration over TorchRec's best), and
-the loss curves side by side (the mean over workers at each step, round 1).
+
+- a table: samples/s (median over rounds, the range), the job's **CPU seconds per 1,000 samples**
+  (median over rounds; ``benchmarks/job_cpu.py``: user + system time of every process of the job,
+  workers, servers, ranks and launchers, over the timed steps only: each worker measures its own
+  CPU, the driver samples the others'), the load, the loss at the first and last step;
+- the ratios, each with the check of both sides beside it (``benchmarks/gate.py``: **a ratio counts
+  only a configuration that trains**, one whose loss at the last step ends within 0.01 of
+  ``fleet-1p``'s in every round; those that do not are left out of every "best" and named on a
+  ``not counted`` line): ``ratio vs PyTorch one-process`` (fleet-1p over torch-1p, target >= 0.9),
+  ``ratio vs TorchRec best`` (fleet's fastest 2-worker configuration that trains over TorchRec's,
+  target >= 1.2), ``tables sharded ... ratio vs TorchRec best`` (the better of fleet-sharded and
+  fleet-sharding, target >= 1.2), ``PS async dense-ar ... ratio vs TorchRec best`` (target >= 1.0),
+  ``ratio vs DDP``, and ``CPU per 1,000 samples, fleet best vs TorchRec best`` (target <= 1.0);
+- with ``--memory`` (fleet-1p, torch-1p, fleet-sharded, fleet-sharding): every table's every row is
+  created before training (:func:`fill_tables`; the math is unchanged) and each process reports the
+  resident memory the rows added (:func:`_memory`); printed per worker, and
+  ``memory of the tables per worker, sharded over 2 / one process`` (the larger worker of
+  fleet-sharded over fleet-1p, target <= 0.55);
+- the loss curves side by side (the mean over workers at each step, round 1).
+
+``--json`` writes every sample (each worker's result, the job's ``cpu``) and ``figures``: the
+checks, the "best" configurations, the ratios and the memory figure.
 
 ``--fleet-model collection`` (default) builds one ``fleet.nn.SparseFeatureCollection`` for all tables
 (one pull and one push per server a step); ``bags`` one ``SparseEmbeddingBag`` per table (:func:`build_fleet_model`).
@@ -49,6 +68,9 @@ PEERS = os.path.join(HERE, "peers")
 sys.path.insert(0, PEERS)
 
 import dlrm_workload as W  # noqa: E402
+import gate  # noqa: E402
+import job_cpu  # noqa: E402
+from peer_procs import TimedWindow  # noqa: E402
 
 WORKERS = 2
 ALL_CONFIGS = (
@@ -66,6 +88,9 @@ ALL_CONFIGS = (
     "torchrec-dp",
     "ddp",
 )
+TABLES_SHARDED = ("fleet-sharded", "fleet-sharding")
+# --memory: the configurations whose processes hold the tables (fleet's PS workers hold none)
+MEMORY_CONFIGS = ("fleet-1p", "torch-1p", *TABLES_SHARDED)
 # dp all-reduces every table, 1 GB a step; sync with the dense layers all-reduced is the same math as fleet-ps-sync
 DEFAULT_CONFIGS = [c for c in ALL_CONFIGS if c not in ("torchrec-dp", "fleet-ps-sync-dense-ar")]
 
@@ -158,9 +183,11 @@ def _train(model: Any, opt: Any, batch_of: Any, args: argparse.Namespace, sample
     losses: list[float] = []
     upcoming = batch_of(0)
     start = time.perf_counter()
+    window = TimedWindow()
     for step in range(args.steps):
         if step == args.warmup:
             start = time.perf_counter()
+            window.start()
         dense, feats, label = upcoming
         opt.zero_grad()
         loss = loss_fn(model(dense, feats), label)
@@ -171,7 +198,66 @@ def _train(model: Any, opt: Any, batch_of: Any, args: argparse.Namespace, sample
         opt.step()
         losses.append(loss.item())
     elapsed = time.perf_counter() - start
-    return {"losses": losses, "samples_per_s": max(args.steps - args.warmup, 0) * samples / elapsed}
+    window.stop()
+    timed = max(args.steps - args.warmup, 0) * samples
+    return {"losses": losses, "samples_per_s": timed / elapsed, **window.fields(timed)}
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (VmRSS), after handing freed heap memory back to the system.
+
+    ``malloc_trim`` first: the temporaries of filling the tables (each piece's ids and values) are
+    freed, but glibc keeps freed heap pages resident until trimmed, and they are not the tables'.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the figure keeps what the allocator caches
+        pass
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (ru_maxrss, KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def fill_tables(model: Any, spec: W.Spec) -> None:
+    """Every row of every table (``--memory``), with the values its initializer would give it on first touch.
+
+    fleet creates a row when an id is first looked up; TorchRec and ``nn.EmbeddingBag`` allocate
+    the whole table. Loading each table's every id (``load_rows``, in pieces) makes fleet hold
+    what they hold (13.7 M rows at the ``full`` sizes) without changing the math: a loaded row
+    has the value its first lookup would create, and SGD keeps no per-row state. With tables
+    sharded across the workers every worker is given every row and keeps the ones it owns.
+    """
+    import torch
+
+    from fleet.sparse.optim import initial_rows
+
+    piece = 1 << 20
+    for table, (rows, dim) in zip(model.tables, spec.tables, strict=True):
+        for first in range(0, rows, piece):
+            ids = torch.arange(first, min(rows, first + piece))
+            table.load_rows(ids, initial_rows(ids, dim, table.initializer, table.seed))
+
+
+def _memory(args: argparse.Namespace, fill: Any) -> dict:
+    """``--memory``: the resident memory ``fill()`` adds to this process (the tables' rows), and its peak.
+
+    The peak is this process's high-water mark after ``fill`` minus the resident memory before it:
+    an upper bound when something before ``fill`` (imports, the model's build) peaked higher.
+    """
+    if not getattr(args, "memory", False):
+        return {}
+    before = rss_bytes()
+    fill()
+    return {"tables_rss_bytes": rss_bytes() - before, "tables_peak_rss_bytes": peak_rss_bytes() - before}
 
 
 def _report(args: argparse.Namespace, result: dict) -> None:
@@ -191,15 +277,18 @@ def local_main(args: argparse.Namespace) -> None:
         fleet.init()
         model = build_fleet_model(spec, args.fleet_model)
         opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=W.LR))
+        memory = _memory(args, lambda: fill_tables(model, spec))
     else:
-        model = W.TorchDLRM(spec)
+        built = []  # nn.EmbeddingBag allocates and initializes every table whole when the model is built
+        memory = _memory(args, lambda: built.append(W.TorchDLRM(spec)))
+        model = built[0] if built else W.TorchDLRM(spec)
         opt = torch.optim.SGD(model.parameters(), lr=W.LR)
 
     def batch_of(step: int) -> tuple:
         return W.union([W.make_batch(spec, w, step) for w in range(WORKERS)])
 
     result = _train(model, opt, batch_of, args, WORKERS * args.batch)
-    _report(args, {"worker": 0, **result})
+    _report(args, {"worker": 0, **result, **memory})
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -214,9 +303,10 @@ def worker_main(args: argparse.Namespace) -> None:
     rank = fleet.worker_index()
     model = build_fleet_model(spec, args.fleet_model)
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=W.LR))
+    memory = _memory(args, lambda: fill_tables(model, spec))  # the driver asks only where workers hold tables
     fleet.barrier_worker()
     result = _train(model, opt, lambda step: W.make_batch(spec, rank, step), args, args.batch)
-    _report(args, {"worker": rank, **result})
+    _report(args, {"worker": rank, **result, **memory})
     fleet.stop_worker()
 
 
@@ -238,9 +328,10 @@ def _common(args: argparse.Namespace) -> list[str]:
             "--sizes", args.sizes, "--init", args.init]  # fmt: skip
 
 
-def _job(cmd: list[str], report: str, timeout: float, expect: int) -> list[dict]:
+def _job(cmd: list[str], report: str, timeout: float, expect: int) -> tuple[list[dict], dict | None]:
+    """Run one job to its end: (each worker's result, the job's CPU over the timed steps: :func:`job_cpu.job_cpu`)."""
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done, sampled = job_cpu.run_job(cmd, timeout)
     except subprocess.TimeoutExpired as e:
         raise RunFailed(f"timed out after {timeout:.0f} s: {' '.join(cmd)}") from e
     results = []
@@ -249,14 +340,18 @@ def _job(cmd: list[str], report: str, timeout: float, expect: int) -> list[dict]
             results = sorted((json.loads(line) for line in f if line.strip()), key=lambda r: r["worker"])
     if done.returncode != 0 or len(results) != expect:
         raise RunFailed(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return results
+    cpu = job_cpu.job_cpu(results, sampled["series"])
+    if cpu is not None:
+        cpu["total_cpu_s"] = sampled["total_cpu_s"]
+    return results, cpu
 
 
-def launch(config: str, args: argparse.Namespace) -> list[dict]:
-    """Run one configuration to its end: each worker's (or the one process's) result."""
+def launch(config: str, args: argparse.Namespace) -> tuple[list[dict], dict | None]:
+    """Run one configuration to its end: each worker's (or the one process's) result, and the job's CPU."""
     with tempfile.TemporaryDirectory(prefix=f"w6-{config}-") as tmp:
         report = os.path.join(tmp, "report.jsonl")
         me = [os.path.abspath(__file__), *_common(args), "--report", report, "--fleet-model", args.fleet_model]
+        me += ["--memory"] if args.memory and config in MEMORY_CONFIGS else []
         if config in ("fleet-1p", "torch-1p"):
             cmd = [sys.executable, *me, "--role", "local", "--system", config.split("-")[0]]
             return _job(cmd, report, args.timeout, 1)
@@ -295,18 +390,40 @@ class Config:
         values = [s["samples_per_s"] for s in self.samples]
         return statistics.median(values) if values else float("nan")
 
-    def curve(self) -> list[float]:
-        """The first round's loss at each step, the mean over workers (= the loss on the union of their batches)."""
-        workers = self.samples[0]["workers"]
+    def cpu(self, part: str = "cpu_s") -> float:
+        """The job's CPU seconds per 1,000 samples over the timed steps (median over rounds; NaN if unmeasured).
+
+        ``part``: ``cpu_s`` (every process), ``others_cpu_s`` (the processes that are not workers: servers, launchers).
+        """
+        values = [1000 * s["cpu"][part] / s["cpu"]["timed_samples"] for s in self.samples if s.get("cpu")]
+        return statistics.median(values) if values else float("nan")
+
+    def curve(self, rnd: int = 0) -> list[float]:
+        """A round's loss at each step, the mean over workers (= the loss on the union of their batches)."""
+        workers = self.samples[rnd]["workers"]
         return [statistics.fmean(step) for step in zip(*(w["losses"] for w in workers), strict=True)]
 
+    def last_losses(self) -> list[float]:
+        """The loss at the last step in each round."""
+        return [self.curve(i)[-1] for i in range(len(self.samples))]
 
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if a == a and b == b and b > 0 else None
+    def memory(self) -> list[dict] | None:
+        """Each worker's ``tables_rss_bytes`` and ``tables_peak_rss_bytes`` (the largest over rounds)."""
+        if not self.samples or "tables_rss_bytes" not in self.samples[0]["workers"][0]:
+            return None
+        keys = ("tables_rss_bytes", "tables_peak_rss_bytes")
+        return [
+            {k: max(s["workers"][w][k] for s in self.samples) for k in keys}
+            for w in range(len(self.samples[0]["workers"]))
+        ]
 
 
 def _fmt(r: float | None) -> str:
     return "n/a" if r is None else f"{r:.2f}"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.0f} MB"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -334,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
             load = os.getloadavg()[0]
             started = time.perf_counter()
             try:
-                workers = launch(config.name, args)
+                workers, cpu = launch(config.name, args)
             except RunFailed as e:
                 config.failures.append(str(e))
                 print(f"round {rnd + 1}: {config.name}: FAILED ({str(e)[:1500]})", flush=True)
@@ -342,18 +459,81 @@ def run(args: argparse.Namespace) -> int:
             sample = {
                 "round": rnd + 1,
                 "samples_per_s": sum(w["samples_per_s"] for w in workers),
+                "cpu": cpu,
                 "load": (load + os.getloadavg()[0]) / 2,
                 "wall_s": time.perf_counter() - started,
                 "workers": workers,
             }
             config.samples.append(sample)
+            curve = config.curve(len(config.samples) - 1)
+            per_1k = f"{cpu['cpu_per_1k']:5.3f}" if cpu else "  n/a"
             print(
-                f"round {rnd + 1}: {config.name:18s} {sample['samples_per_s']:8.0f} samples/s  load "
-                f"{sample['load']:4.1f}  loss {config.curve()[0]:.4f} -> {config.curve()[-1]:.4f}"
-                f"  ({sample['wall_s']:.0f} s)",
+                f"round {rnd + 1}: {config.name:23s} {sample['samples_per_s']:8.0f} samples/s  CPU {per_1k} s/1k"
+                f"  load {sample['load']:4.1f}  loss {curve[0]:.4f} -> {curve[-1]:.4f}  ({sample['wall_s']:.0f} s)",
                 flush=True,
             )
     return report(args, configs, notes)
+
+
+def figures(ran: dict[str, Config]) -> dict[str, Any]:
+    """The checks, the "best" configurations and the ratio lines of a run (printed by :func:`report`, in --json)."""
+    ref = ran.get("fleet-1p")
+    reference = ref.last_losses()[0] if ref else None
+    checks = {n: gate.check(n, c.last_losses(), reference) for n, c in ran.items()}
+    rates = {n: c.median() for n, c in ran.items()}
+    cpus = {n: c.cpu() for n, c in ran.items()}
+    distributed = [n for n in ran if n.startswith("fleet-") and n != "fleet-1p"]
+    torchrec = [n for n in ran if n.startswith("torchrec-")]
+    trec = gate.best(rates, checks, torchrec)
+    fleet_best = gate.best(rates, checks, distributed)
+    sharded = gate.best(rates, checks, [n for n in TABLES_SHARDED if n in ran])
+    dense_ar = gate.best(rates, checks, [n for n in ("fleet-ps-async-dense-ar",) if n in ran])
+    no_trec = "TorchRec did not run" if not torchrec else "no TorchRec configuration trains"
+    lines, ratios = [], {}
+    for key, label, num, den, target, missing in (
+        ("fleet_1p_vs_torch_1p", "ratio vs PyTorch one-process", "fleet-1p" if ref else None,
+         "torch-1p" if "torch-1p" in ran else None, ">= 0.9", "fleet-1p or torch-1p did not run"),
+        ("fleet_best_vs_torchrec_best", "ratio vs TorchRec best", fleet_best, trec, ">= 1.2",
+         no_trec if trec is None else "no distributed fleet configuration trains"),
+        ("tables_sharded_vs_torchrec_best", "tables sharded (best of fleet-sharded/fleet-sharding): ratio vs TorchRec best",
+         sharded, trec, ">= 1.2", no_trec if trec is None else "neither fleet-sharded nor fleet-sharding trains"),
+        ("ps_async_dense_ar_vs_torchrec_best", "PS async dense-ar (fleet-ps-async-dense-ar): ratio vs TorchRec best",
+         dense_ar, trec, ">= 1.0", no_trec if trec is None else "fleet-ps-async-dense-ar did not run or does not train"),
+        ("fleet_best_vs_ddp", "ratio vs DDP", fleet_best, "ddp" if checks.get("ddp") and checks["ddp"].trains else None,
+         "none", "ddp did not run or does not train"),
+    ):  # fmt: skip
+        line, ratios[key] = gate.ratio_line(label, num, den, rates, checks, target, missing)
+        lines.append(line)
+    # CPU: fleet's best (fastest distributed configuration that trains) against TorchRec's best, per sample
+    cpu_ratio = gate.ratio(cpus.get(fleet_best), cpus.get(trec)) if fleet_best and trec else None
+    ratios["cpu_fleet_best_vs_torchrec_best"] = cpu_ratio
+    if fleet_best and trec:
+        lines.append(
+            f"CPU per 1,000 samples, fleet best vs TorchRec best: {cpus[fleet_best]:.3f} s ({fleet_best}) vs "
+            f"{cpus[trec]:.3f} s ({trec}): ratio {_fmt(cpu_ratio)} (target <= 1.0)"
+        )
+    else:
+        lines.append("CPU per 1,000 samples, fleet best vs TorchRec best: n/a (no pair that trains; target <= 1.0)")
+    memory = None
+    one, shard = ran.get("fleet-1p"), ran.get("fleet-sharded")
+    if one and shard and one.memory() and shard.memory():
+        base = one.memory()[0]["tables_rss_bytes"]
+        per_worker = [w["tables_rss_bytes"] for w in shard.memory()]
+        memory = {
+            "one_process_tables_rss_bytes": base,
+            "sharded_tables_rss_bytes": per_worker,
+            "ratio": gate.ratio(max(per_worker), base),
+        }
+    out = [c for c in gate.excluded(checks, ran) if c.name != "fleet-1p"]
+    return {
+        "reference_loss": reference,
+        "checks": {n: {"loss": c.loss, "trains": c.trains} for n, c in checks.items()},
+        "best": {"fleet": fleet_best, "tables_sharded": sharded, "ps_async_dense_ar": dense_ar, "torchrec": trec},
+        "ratios": ratios,
+        "memory": memory,
+        "not_counted": [c.note() for c in out],
+        "lines": lines,
+    }
 
 
 def report(args: argparse.Namespace, configs: list[Config], notes: list[str]) -> int:
@@ -361,40 +541,55 @@ def report(args: argparse.Namespace, configs: list[Config], notes: list[str]) ->
 
     ran = {c.name: c for c in configs if c.samples}
     print(f"\nW6 DLRM, {args.steps} steps ({args.warmup} warm-up), {args.rounds} round(s): samples/s, all workers")
-    print("| configuration | samples/s (median) | range | load | loss first -> last |")
-    print("|---|---|---|---|---|")
+    print(
+        "| configuration | samples/s (median) | range | CPU s / 1k samples (median) | of which not workers |"
+        " load | loss first -> last |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for c in configs:
         if not c.samples:
-            print(f"| {c.name} | failed | | | {c.failures[0].splitlines()[0][:100] if c.failures else ''} |")
+            print(f"| {c.name} | failed | | | | | {c.failures[0].splitlines()[0][:100] if c.failures else ''} |")
             continue
         values = [s["samples_per_s"] for s in c.samples]
         curve = c.curve()
         print(
-            f"| {c.name} | {c.median():,.0f} | {min(values):,.0f}-{max(values):,.0f} |"
+            f"| {c.name} | {c.median():,.0f} | {min(values):,.0f}-{max(values):,.0f} | {c.cpu():.3f} |"
+            f" {c.cpu('others_cpu_s'):.3f} |"
             f" {statistics.median(s['load'] for s in c.samples):.1f} | {curve[0]:.4f} -> {curve[-1]:.4f} |"
         )
-
-    def best(prefix: str) -> Config | None:
-        found = [c for n, c in ran.items() if n.startswith(prefix)]
-        return max(found, key=Config.median) if found else None
-
-    f1, t1 = ran.get("fleet-1p"), ran.get("torch-1p")
-    fps, trec, ddp = best("fleet-ps-"), best("torchrec-"), ran.get("ddp")
-    r_1p = _ratio(f1.median(), t1.median()) if f1 and t1 else None
-    r_trec = _ratio(fps.median(), trec.median()) if fps and trec else None
-    r_ddp = _ratio(fps.median(), ddp.median()) if fps and ddp else None
+    found = figures(ran)
     print()
     for line in notes:
         print(line)
-    for label, c in (("fleet PS best", fps), ("TorchRec best", trec)):
-        print(f"{label}: {f'{c.name} ({c.median():,.0f} samples/s)' if c else 'none ran'}")
+    for label, name, prefix in (
+        ("fleet best", found["best"]["fleet"], "fleet-"),
+        ("TorchRec best", found["best"]["torchrec"], "torchrec-"),
+    ):
+        none = "none that trains" if any(n.startswith(prefix) and n != "fleet-1p" for n in ran) else "none ran"
+        print(f"{label}: {f'{name} ({ran[name].median():,.0f} samples/s)' if name else none}")
     for n, c in ran.items():
         plan = c.samples[0]["workers"][0].get("plan")
         if plan and n.startswith("torchrec-"):
             print(f"{n} plan: " + ", ".join(f"{t} {how}" for t, how in plan.items()))
-    print(f"ratio vs PyTorch one-process: {_fmt(r_1p)} (target >= 0.8)")
-    print(f"ratio vs TorchRec best: {_fmt(r_trec)} (target >= 1.2)")
-    print(f"ratio vs DDP: {_fmt(r_ddp)}")
+    for line in found["lines"]:
+        print(line)
+    if found["not_counted"]:
+        print("not counted in any ratio: " + "; ".join(found["not_counted"]))
+    memory = found["memory"]
+    if memory:
+        workers = ", ".join(f"worker {i} {_mb(b)}" for i, b in enumerate(memory["sharded_tables_rss_bytes"]))
+        print(
+            f"memory of the tables per worker, sharded over {WORKERS} / one process: {_fmt(memory['ratio'])} "
+            f"(fleet-sharded: {workers}; fleet-1p {_mb(memory['one_process_tables_rss_bytes'])}; target <= 0.55)"
+        )
+    elif args.memory:
+        print("memory of the tables: n/a (needs fleet-1p and fleet-sharded)")
+    for n, c in ran.items():
+        if args.memory and c.memory():
+            shown = ", ".join(
+                f"{_mb(w['tables_rss_bytes'])} (peak +{_mb(w['tables_peak_rss_bytes'])})" for w in c.memory()
+            )
+            print(f"  {n}: resident memory the tables added, per worker: {shown}")
 
     curves = {n: c.curve() for n, c in ran.items()}
     if curves:
@@ -415,7 +610,13 @@ def report(args: argparse.Namespace, configs: list[Config], notes: list[str]) ->
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "configs": [c.__dict__ for c in configs]}, f)
+            summary = {n: {"samples_per_s": c.median(), "cpu_per_1k": c.cpu()} for n, c in ran.items()}
+            json.dump(
+                {"args": vars(args), "configs": [c.__dict__ for c in configs], "summary": summary, "figures": found}, f
+            )
+    f1, t1 = ran.get("fleet-1p"), ran.get("torch-1p")
+    r_1p = found["ratios"]["fleet_1p_vs_torch_1p"]
+    fbest, trec = found["best"]["fleet"], found["best"]["torchrec"]
     if args.record and f1 and t1:
         record_result(
             "w6_dlrm",
@@ -427,30 +628,39 @@ def report(args: argparse.Namespace, configs: list[Config], notes: list[str]) ->
             peer_value=round(t1.median(), 1),
             ratio=r_1p,
             ratio_means="fleet samples/s / PyTorch samples/s (above 1: fleet is faster)",
-            target=">= 0.8 (issue 25)",
+            target=">= 0.9 (issue 38)",
             headline=False,
             summary=f"one process: fleet {f1.median():,.0f} samples/s, nn.EmbeddingBag {t1.median():,.0f}: ratio {_fmt(r_1p)}",
-            details={"steps": args.steps, "rounds": args.rounds, "sizes": args.sizes},
+            details={
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "sizes": args.sizes,
+                "cpu_per_1k": {"fleet-1p": f1.cpu(), "torch-1p": t1.cpu()},
+            },
         )
-    if args.record and fps and trec:
+    if args.record and fbest and trec:
+        r_trec = found["ratios"]["fleet_best_vs_torchrec_best"]
         record_result(
             "w6_dlrm",
-            variant="PS vs TorchRec",
-            figure="total samples/s of fleet's best PS configuration (1 server, 2 workers) over TorchRec's best (2 ranks)",
+            variant="fleet vs TorchRec",
+            figure="total samples/s of fleet's best 2-worker configuration that trains over TorchRec's best (2 ranks)",
             units="samples/s",
-            fleet=round(fps.median(), 1),
-            peer=f"TorchRec 1.8 {trec.name.removeprefix('torchrec-')}",
-            peer_value=round(trec.median(), 1),
+            fleet=round(ran[fbest].median(), 1),
+            peer=f"TorchRec 1.8 {trec.removeprefix('torchrec-')}",
+            peer_value=round(ran[trec].median(), 1),
             ratio=r_trec,
             ratio_means="fleet samples/s / TorchRec samples/s (above 1: fleet is faster)",
-            target=">= 1.2 (issue 25)",
+            target=">= 1.2 (issue 38: tables sharded >= 1.2, PS async dense-ar >= 1.0; CPU per sample <= TorchRec's)",
             summary=(
-                f"ratio vs TorchRec best ({trec.name.removeprefix('torchrec-')}): {_fmt(r_trec)} "
-                f"({fps.name.removeprefix('fleet-')}); ratio vs PyTorch one-process: {_fmt(r_1p)}"
+                f"ratio vs TorchRec best ({trec.removeprefix('torchrec-')}): {_fmt(r_trec)} "
+                f"({fbest.removeprefix('fleet-')}); ratio vs PyTorch one-process: {_fmt(r_1p)}"
             ),
             details={
                 "samples_per_s": {n: round(c.median(), 1) for n, c in ran.items()},
-                "ratio_vs_ddp": r_ddp,
+                "cpu_per_1k": {n: c.cpu() for n, c in ran.items()},
+                "ratios": found["ratios"],
+                "checks": found["checks"],
+                "memory": found["memory"],
                 "ps_sync_vs_one_process_max_loss_diff": sync_gap,
                 "steps": args.steps,
                 "rounds": args.rounds,
@@ -472,6 +682,9 @@ def main() -> None:
     parser.add_argument("--fleet-model", default="collection", choices=["bags", "collection"])
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a job is killed")
     parser.add_argument("--json", default=None, help="write every sample here")
+    parser.add_argument(
+        "--memory", action="store_true", help="fill every table's rows first; print the resident memory they take"
+    )
     parser.add_argument("--no-record", dest="record", action="store_false", help="do not write benchmarks/results/")
     parser.add_argument("--role", choices=["driver", "local", "worker"], default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--system", choices=["fleet", "torch"], default="fleet", help=argparse.SUPPRESS)

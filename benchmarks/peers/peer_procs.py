@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+from typing import Any
 
 
 def kill_group(proc: subprocess.Popen, settle_s: float = 0.3) -> None:
@@ -49,7 +50,43 @@ def member_argv(script: str, args: argparse.Namespace, report: str, *options: st
     return argv
 
 
-def report_result(args: argparse.Namespace, worker: int, losses: list[float], elapsed: float, **labels: str) -> None:
+class TimedWindow:
+    """A worker's side of the job's CPU figure (``benchmarks/job_cpu.py``): its own CPU over its timed steps.
+
+    :meth:`start` at the first timed step, :meth:`stop` after the last (or leave it to :meth:`fields`);
+    :meth:`fields` gives ``pid``, ``window`` (``time.time()`` at both ends: the driver reads the other
+    processes' CPU between them), ``cpu_s`` (``time.process_time()``: every thread of this process)
+    and ``timed_samples``.
+    """
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self.wall, self.cpu = time.time(), time.process_time()
+        self.end: tuple[float, float] | None = None
+
+    def stop(self) -> None:
+        self.end = (time.time(), time.process_time())
+
+    def fields(self, timed_samples: int) -> dict[str, Any]:
+        wall, cpu = self.end if self.end is not None else (time.time(), time.process_time())
+        return {
+            "pid": os.getpid(),
+            "window": [self.wall, wall],
+            "cpu_s": cpu - self.cpu,
+            "timed_samples": timed_samples,
+        }
+
+
+def report_result(
+    args: argparse.Namespace,
+    worker: int,
+    losses: list[float],
+    elapsed: float,
+    window: TimedWindow | None = None,
+    **labels: str,
+) -> None:
     """Print (and append to ``--report``) a worker's JSON line, as examples/single_to_multi/train_ctr.py does."""
     timed = max(args.steps - args.warmup, 0)
     result = {
@@ -57,6 +94,7 @@ def report_result(args: argparse.Namespace, worker: int, losses: list[float], el
         "loss": losses[-1] if losses else float("nan"),
         "first_loss": losses[0] if losses else float("nan"),
         "samples_per_s": timed * args.batch / elapsed,
+        **(window.fields(timed * args.batch) if window is not None else {}),
         **labels,
     }
     print(json.dumps(result), flush=True)

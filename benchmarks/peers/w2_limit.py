@@ -16,6 +16,8 @@ import json
 import multiprocessing as mp
 import time
 
+from peer_procs import TimedWindow
+
 SLOTS, DIM, DENSE = 26, 16, 13
 
 
@@ -40,9 +42,11 @@ def worker(rank: int, steps: int, batch: int, warmup: int, queue) -> None:
         inputs.append((torch.cat([rows, dense], 1), (dense @ w_true > 0).float()))
     first = last = float("nan")
     start = time.perf_counter()
+    window = TimedWindow()
     for step in range(steps):
         if step == warmup:
             start = time.perf_counter()
+            window.start()
         x, y = inputs[step % len(inputs)]
         opt.zero_grad()
         loss = loss_fn(mlp(x).squeeze(1), y)
@@ -51,7 +55,8 @@ def worker(rank: int, steps: int, batch: int, warmup: int, queue) -> None:
         first = float(loss) if step == 0 else first
         last = float(loss)
     rate = batch * (steps - warmup) / (time.perf_counter() - start)
-    queue.put({"worker": rank, "samples_per_s": rate, "first_loss": first, "loss": last})
+    timed = window.fields(batch * (steps - warmup))
+    queue.put({"worker": rank, "samples_per_s": rate, "first_loss": first, "loss": last, **timed})
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from peer_procs import kill_group, member_argv, read_report, report_result
+from peer_procs import TimedWindow, kill_group, member_argv, read_report, report_result
 
 SLOTS, DIM, DENSE, ID_SPACE = 26, 16, 13, 1_000_000
 # torch.randn(13, generator=torch.Generator().manual_seed(0)).tolist()
@@ -226,7 +226,7 @@ def _dense_puller(fleet):
     return lambda: runtime._pull_all_dense(scopes, runtime._send_ctx, dense_map)
 
 
-def _train_run(args, exe, program, loss, fleet, worker: int) -> tuple[list[float], float]:
+def _train_run(args, exe, program, loss, fleet, worker: int, window: TimedWindow) -> tuple[list[float], float]:
     """``exe.run`` with a feed per step, then a pull of the dense parameters: (losses, timed seconds)."""
     import numpy as np
 
@@ -238,6 +238,7 @@ def _train_run(args, exe, program, loss, fleet, worker: int) -> tuple[list[float
     for step in range(args.steps):
         if step == args.warmup:
             start = time.perf_counter()
+            window.start()
             _ready(worker)
         if args.profile and worker == 0 and step == args.warmup:
             import paddle.profiler
@@ -259,6 +260,7 @@ def _train_run(args, exe, program, loss, fleet, worker: int) -> tuple[list[float
         losses.append(float(np.asarray(value).reshape(-1)[0]))
         if step % 10 == 0 or step == args.steps - 1:
             print(f"worker {worker} step {step} loss {losses[-1]:.4f}", flush=True)
+    window.stop()
     return losses, time.perf_counter() - start
 
 
@@ -281,7 +283,7 @@ def _write_profile(path: str, profiler, wall_s: float, pull_s: float, steps: int
     print(head, flush=True)
 
 
-def _train_dataset(args, exe, program, loss, feeds, worker: int) -> tuple[list[float], float]:
+def _train_dataset(args, exe, program, loss, feeds, worker: int, window: TimedWindow) -> tuple[list[float], float]:
     """``exe.train_from_dataset`` (DistMultiTrainer + DownpourLite, 1 thread) on a QueueDataset of
     MultiSlot text files written first (not timed): the warm-up batches, then the timed ones.
     The loss comes from the trainer's own printout (every ``print_period`` batches, on stdout)."""
@@ -309,9 +311,11 @@ def _train_dataset(args, exe, program, loss, feeds, worker: int) -> tuple[list[f
             if is_timed:
                 _ready(worker)
             start = time.perf_counter()
+            window.start()
             exe.train_from_dataset(program, dataset, fetch_list=[loss], fetch_info=["loss"], print_period=10)
             if is_timed:
                 elapsed = time.perf_counter() - start
+                window.stop()
         finally:
             os.dup2(saved, 1)
             os.close(saved)
@@ -362,11 +366,12 @@ def member(args: argparse.Namespace) -> None:
     fleet.init_worker()
     worker = fleet.worker_index()
     program = paddle.static.default_main_program()
+    window = TimedWindow()
     if args.feed == "dataset":
-        losses, elapsed = _train_dataset(args, exe, program, loss, feeds, worker)
+        losses, elapsed = _train_dataset(args, exe, program, loss, feeds, worker, window)
     else:
-        losses, elapsed = _train_run(args, exe, program, loss, fleet, worker)
-    report_result(args, worker, losses, elapsed, system="paddle", mode=args.mode, feed=args.feed)
+        losses, elapsed = _train_run(args, exe, program, loss, fleet, worker, window)
+    report_result(args, worker, losses, elapsed, window, system="paddle", mode=args.mode, feed=args.feed)
     fleet.stop_worker()
     print(f"worker {worker} stopped", flush=True)
 

@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from peer_procs import kill_group, member_argv, read_report, report_result
+from peer_procs import TimedWindow, kill_group, member_argv, read_report, report_result
 
 SLOTS, DIM, DENSE, ID_SPACE = 26, 16, 13, 1_000_000
 WORKERS = 2
@@ -266,10 +266,12 @@ def member(args: argparse.Namespace) -> None:
     data = batches(rank, args.batch)
     losses = []
     start = time.perf_counter()
+    window = TimedWindow()
     profiler = None
     for step in range(args.steps):
         if step == args.warmup:
             start = time.perf_counter()
+            window.start()
             _ready(rank)
         if args.profile and rank == 0 and step == args.warmup:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -287,7 +289,7 @@ def member(args: argparse.Namespace) -> None:
         losses.append(loss.item())
         if step % 10 == 0 or step == args.steps - 1:
             print(f"worker {rank} step {step} loss {losses[-1]:.4f}", flush=True)
-    report_result(args, rank, losses, time.perf_counter() - start, system="torchrec", config=args.config)
+    report_result(args, rank, losses, time.perf_counter() - start, window, system="torchrec", config=args.config)
     dist.barrier()
     dist.destroy_process_group()
 

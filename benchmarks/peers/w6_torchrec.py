@@ -38,7 +38,7 @@ import tempfile
 import time
 
 import dlrm_workload as W
-from peer_procs import kill_group, read_report
+from peer_procs import TimedWindow, kill_group, read_report
 from w2_torchrec import free_port
 
 WORKERS = 2
@@ -189,9 +189,11 @@ def member(args: argparse.Namespace) -> None:
     losses = []
     dist.barrier()
     start = time.perf_counter()
+    window = TimedWindow()
     for step in range(args.steps):
         if step == args.warmup:
             start = time.perf_counter()
+            window.start()
         dense, feats, label = W.make_batch(spec, rank, step)
         opt.zero_grad()
         loss = loss_fn(forward(dense, feats), label)
@@ -204,6 +206,7 @@ def member(args: argparse.Namespace) -> None:
         "worker": rank,
         "losses": losses,
         "samples_per_s": timed * args.batch / elapsed,
+        **window.fields(timed * args.batch),
         "config": args.config,
         "plan": layout,
     }

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import time
 
 import torch
@@ -92,6 +93,7 @@ def main() -> None:
         data = batches(fleet.worker_index(), args.batch)
         steps = args.steps if args.steps is not None else 50
     start = time.perf_counter()
+    window = (time.time(), time.process_time())  # the timed steps' bounds and this process's CPU, for benchmarks
     first_loss = None
     data = iter(data)
     upcoming = next(data, None)
@@ -103,6 +105,7 @@ def main() -> None:
         upcoming = next(data, None) if step + 1 < steps else None
         if step == args.warmup:
             start = time.perf_counter()
+            window = (time.time(), time.process_time())
         optimizer.zero_grad()
         loss = loss_fn(model(ids, dense), label)
         if (
@@ -123,6 +126,11 @@ def main() -> None:
         "first_loss": first_loss,
         "steps": done,
         "samples_per_s": timed * args.batch / elapsed,
+        # benchmarks/job_cpu.py: this worker's CPU (all its threads) over the timed steps, and their bounds
+        "pid": os.getpid(),
+        "cpu_s": time.process_time() - window[1],
+        "window": [window[0], time.time()],
+        "timed_samples": timed * args.batch,
     }
     print(json.dumps(result), flush=True)
     if args.report:
