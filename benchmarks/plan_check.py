@@ -289,10 +289,15 @@ def check(workload: str, args: argparse.Namespace) -> dict:
         pool = [n for n in meas_rank if allowed is None or allowed(n)]
         best = pool[0] if pool else None
         ok = None if best is None else rec.best.name == best
-        verdicts[label] = {"recommended": rec.best.name, "measured_best": best, "match": ok}
+        mine = measured.get(rec.best.name, {}).get("samples_per_s")
+        share = mine / measured[best]["samples_per_s"] if mine and best else None
+        verdicts[label] = {"recommended": rec.best.name, "measured_best": best, "match": ok, "of_best": share}
         status = "not measured" if ok is None else ("matches" if ok else "DIFFERS from")
         print(f"recommended ({label}): {rec.best.strategy}  -- {rec.reason}")
-        print(f"  {status} the measured best{f' ({best})' if best else ''}")
+        print(
+            f"  {status} the measured best{f' ({best})' if best else ''}"
+            + (f"; measured at {share:.2f} x the best" if share is not None and not ok else "")
+        )
     for c in stale.candidates:
         if c.ruled_out and not c.ruled_out.startswith("its updates"):
             print(f"  ruled out: {LABELS[c.name]}: {c.ruled_out}")

@@ -322,7 +322,14 @@ def _predict(name: str, model: Model, cal: Calibration, work: Workload, cluster:
     mode = name.removesuffix("_dense_ar")
     if not dense_ar:
         p = model.predict(mode, setup)
-        return p.step_s, dict(p.parts)
+        parts = dict(p.parts)
+        if mode in ("ps_sync", "ps_backup") and r > 1 and cal.ps_step_s is not None:
+            # the replayed step had no peer to wait for: the servers' barrier is one more synchronizing round
+            stretch = model.stretch(setup)
+            parts["the step's barrier"] = (r - 1) * round_s(
+                cal, model.link(setup, cal.allreduce, stretch), setup, stretch
+            )
+        return sum(parts.values()), parts
     rows_only = Model(_dense_on_workers(cal))
     p = rows_only.predict(mode, setup)
     parts = dict(p.parts)
@@ -371,7 +378,7 @@ def _ruled_out(name: str, worker_b: float, server_b: float, work: Workload, clus
     if name.startswith("ps_") and cal.ps is None:
         return "no parameter-server measurements in the calibration"
     if name in STALE and work.sync_required:
-        return "its updates are stale (async) or local (geo), and this workload needs one process's math"
+        return "its updates are stale (async) or local (geo); this workload needs one process's math"
     if worker_b > cluster.worker_memory_bytes:
         what = {"replicated": "tables and dense layers", "sharded": "1/R of the tables and the dense layers"}
         return (
@@ -391,14 +398,13 @@ def candidates(cal: Calibration, work: Workload, cluster: Cluster, batch: int | 
     out = []
     for name in CANDIDATES:
         worker_b, server_b = memory(name, work, cluster)
-        c = Candidate(name, STRATEGIES[name], worker_b, server_b)
-        c.ruled_out = _ruled_out(name, worker_b, server_b, work, cluster, cal)
-        if c.ruled_out is None or c.ruled_out.startswith("its updates are stale"):
+        why_not = _ruled_out(name, worker_b, server_b, work, cluster, cal)
+        step, parts, rate = None, {}, None
+        if why_not is None or why_not.startswith("its updates are stale"):
             # stale candidates are still predicted: the user sees what the tolerance would buy
-            c.step_s, c.parts = _predict(name, model, cal, work, cluster)
-            if batch:
-                c.samples_per_s = cluster.workers * batch / c.step_s
-        out.append(c)
+            step, parts = _predict(name, model, cal, work, cluster)
+            rate = cluster.workers * batch / step if batch else None
+        out.append(Candidate(name, STRATEGIES[name], worker_b, server_b, step, rate, parts, why_not))
     return out
 
 

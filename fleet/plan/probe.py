@@ -202,7 +202,7 @@ def install(probe: Probe) -> None:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from fleet.nn import SparseEmbedding
+    from fleet.nn import SparseEmbedding, SparseFeatureCollection
     from fleet.telemetry import timing
 
     # Fleet's own recorder is where every strategy reports a step; listening to it sees them all
@@ -211,16 +211,24 @@ def install(probe: Probe) -> None:
     register_optimizer_step_post_hook(lambda opt, args, kwargs: probe.on_torch_step(opt))
 
     def before(module: Any, args: tuple) -> None:
-        if isinstance(module, SparseEmbedding):
+        if isinstance(module, (SparseEmbedding, SparseFeatureCollection)):
             probe._entered.append(time.perf_counter())
 
     def forward(module: Any, args: tuple, output: Any) -> None:
-        sparse = isinstance(module, SparseEmbedding)
+        collection = isinstance(module, SparseFeatureCollection)
+        sparse = collection or isinstance(module, SparseEmbedding)
         probe.on_forward(module, sparse)
         if sparse:
             if probe._entered:
                 probe._sparse_now += time.perf_counter() - probe._entered.pop()
-            if args:
+            if collection and args:
+                # its tables look their rows up without being called as modules: each table's ids, here
+                started = time.perf_counter()
+                by_table = module.ids_by_table(args[0])
+                probe._hook_s += time.perf_counter() - started  # the probe's own work, not the step's
+                for name, ids in by_table.items():
+                    probe.on_lookup(module.tables[name], ids)
+            elif args:
                 probe.on_lookup(module, args[0])
 
     torch.nn.modules.module.register_module_forward_pre_hook(before)

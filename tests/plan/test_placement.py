@@ -180,3 +180,34 @@ def test_python_m_fleet_plan_placement_prints_the_strategy_to_paste(tmp_path, ca
     assert "do not fit in 8.0 GB" in out.out  # replicated, ruled out
     assert plan_main(["placement", "--calibration", str(path), "--workers", "8"]) == 2
     assert "records no embedding tables: give them with --tables" in capsys.readouterr().err
+
+
+def test_the_plan_prints_the_placement_when_the_script_has_tables():
+    from rich.console import Console
+
+    cal = _cal(sparse_rows=3_000, sparse_dim=16, tables=[TableStat(dim=16, ids_per_step=3_000, rows_seen=200_000)])
+    console = Console(record=True, width=200, highlight=False)
+    planner.predict_and_report(cal, (1, 2, 8), workers_per_host=2, servers_per_host=1, console=console)
+    out = console.export_text()
+    assert "workers" in out and "recommended:" in out  # the mode table, as before
+    assert "placement at " in out and "recommended placement: DistributedStrategy(" in out
+    assert "table sizes: the rows the calibration run touched, a lower bound" in out
+    console = Console(record=True, width=200, highlight=False)
+    planner.predict_and_report(_cal(), (1, 2), console=console)
+    assert "placement" not in console.export_text()  # no tables: the plan is what it was
+
+
+def test_a_feature_collection_names_each_tables_ids_for_the_probe():
+    import torch
+
+    from fleet.nn import FeatureTable, SparseFeatureCollection
+
+    collection = SparseFeatureCollection(
+        [FeatureTable("a", 4, features=["x", "y"]), FeatureTable("b", 8, features=["z"])]
+    )
+    ids = collection.ids_by_table(
+        {"x": torch.tensor([[1, 2], [2, 3]]), "y": torch.tensor([[5], [5]]), "z": torch.tensor([[7], [8]])}
+    )
+    assert sorted(ids) == ["a", "b"]
+    assert ids["a"].tolist() == [1, 2, 2, 3, 5, 5] and ids["b"].tolist() == [7, 8]
+    assert collection["a"].num_rows() == 0  # counting pulls nothing
