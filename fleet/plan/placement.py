@@ -390,13 +390,18 @@ def _ruled_out(name: str, worker_b: float, server_b: float, work: Workload, clus
     return None
 
 
-def candidates(cal: Calibration, work: Workload, cluster: Cluster, batch: int | None = None) -> list[Candidate]:
-    """Every candidate placement: memory, and step time and samples/s where it can run."""
+def candidates(
+    cal: Calibration, work: Workload, cluster: Cluster, batch: int | None = None, only: tuple[str, ...] = CANDIDATES
+) -> list[Candidate]:
+    """Every candidate placement (of ``only``): memory, and step time and samples/s where it can run."""
+    unknown = [n for n in only if n not in CANDIDATES]
+    if unknown:
+        raise PlacementError(f"unknown placements {unknown}; the plan knows {', '.join(CANDIDATES)}")
     cal = calibration_for(cal, work)
     model = Model(cal)
     batch = batch or cal.batch
     out = []
-    for name in CANDIDATES:
+    for name in only:
         worker_b, server_b = memory(name, work, cluster)
         why_not = _ruled_out(name, worker_b, server_b, work, cluster, cal)
         step, parts, rate = None, {}, None
@@ -413,50 +418,67 @@ def _family(name: str) -> str:
     return "replicated" if name == "replicated" else ("servers" if name.startswith("ps_") else "split")
 
 
-def _why(best: Candidate, runner: Candidate | None, work: Workload, cluster: Cluster, cal: Calibration) -> str:
-    """One line: what the winner saves against the runner-up, in the workload's own bytes."""
-    r = cluster.workers
-    sparse = work.sparse_bytes
-    if runner is None:
+def _why(best: Candidate, others: list[Candidate], work: Workload, cluster: Cluster, cal: Calibration) -> str:
+    """One line: what the winner saves against the best placement of the tables elsewhere, and any tie."""
+    if not others:
         return f"{best.label}: the only candidate that fits and keeps the updates this workload needs"
-    gain = runner.step_s / best.step_s - 1 if runner.step_s else 0.0
+    elsewhere = next((c for c in others if _family(c.name) != _family(best.name)), None)
+    clauses = [] if elsewhere is None else [_against(best, elsewhere, work, cluster, cal)]
+    nearest = others[0]
+    if nearest is not elsewhere and (elsewhere is None or nearest.step_s <= (1 + TIE) * best.step_s):
+        clauses.append(_against(best, nearest, work, cluster, cal))
+    return f"{best.label}: " + "; ".join(clauses)
+
+
+def _against(best: Candidate, other: Candidate, work: Workload, cluster: Cluster, cal: Calibration) -> str:
+    """Why ``best`` over ``other``: a tie within the model's resolution, or the costs that differ."""
+    r, sparse = cluster.workers, work.sparse_bytes
+    gain = other.step_s / best.step_s - 1
     if abs(gain) < TIE:
         edge = []
-        if best.worker_bytes < 0.9 * runner.worker_bytes:
-            edge.append(f"{gb(best.worker_bytes)} per worker against {gb(runner.worker_bytes)}")
-        if runner.name.startswith("ps_") and not best.name.startswith("ps_"):
+        if best.worker_bytes < 0.9 * other.worker_bytes:
+            edge.append(f"{gb(best.worker_bytes)} per worker against {gb(other.worker_bytes)}")
+        if other.name.startswith("ps_") and not best.name.startswith("ps_"):
             edge.append("no servers to run")
-        tie = f"{best.label}: as fast as {runner.label} within the model's resolution ({gain:+.1%} step time)"
+        tie = f"as fast as {other.label} within the model's resolution ({gain:+.1%} step time)"
         return tie + (f", with {' and '.join(edge)}" if edge else "")
-    faster = f"{gain:.0%} faster than {runner.label}"
-    if best.name in ("sharded", "sharding") and runner.name == "replicated":
+    if gain < 0:  # only a sync candidate is chosen over a faster one: a stale one within PREFER_SYNC
+        return f"{-gain:.0%} slower than {other.label}, but one process's math (within {PREFER_SYNC:.0%}: preferred)"
+    rounds = {n: sync_rounds(n, work, cal) for n in ("replicated", "sharded", "sharding")}
+    if best.name in ("sharded", "sharding") and other.name == "replicated":
         how = (
-            f"{SHARDED_EXCHANGES} all-to-alls moving {gb(2 * (r - 1) / r * sparse)} per step beat all-gathering "
-            f"{gb((r - 1) * sparse)} of rows and applying the other workers' {(r - 1) * work.ids_per_step:,.0f} rows"
+            f"{rounds[best.name]} synchronizing rounds and {gb(2 * (r - 1) / r * sparse)} of rows a step beat "
+            f"{rounds['replicated']} rounds, {gb((r - 1) * sparse)} of rows all-gathered and the other workers' "
+            f"{(r - 1) * work.ids_per_step:,.0f} rows applied"
         )
-    elif best.name == "replicated" and runner.name in ("sharded", "sharding"):
+    elif best.name == "replicated" and other.name in ("sharded", "sharding"):
         how = (
-            f"{gb(work.table_bytes())} of tables fit every worker, and all-gathering {gb((r - 1) * sparse)} "
-            f"of rows once beats {SHARDED_EXCHANGES} all-to-alls a step"
+            f"{gb(work.table_bytes())} of tables fit every worker, and {rounds['replicated']} synchronizing rounds "
+            f"with {gb((r - 1) * sparse)} of rows all-gathered beat {rounds[other.name]} rounds to the owners"
         )
-    elif best.name.startswith("ps_") and not runner.name.startswith("ps_"):
-        how = f"the servers take the rows' lookups and updates off the workers ({work.ids_per_step:,.0f} ids a step)"
-    elif not best.name.startswith("ps_") and runner.name.startswith("ps_"):
+    elif best.name.startswith("ps_") and not other.name.startswith("ps_"):
+        how = (
+            f"the servers take the rows' lookups and updates off the workers ({work.ids_per_step:,.0f} ids a step) "
+            f"and spare the {rounds[other.name]} synchronizing rounds of {other.label}"
+        )
+    elif not best.name.startswith("ps_") and other.name.startswith("ps_"):
         how = "the rows' round trips to the servers cost more than exchanging them among the workers"
-    elif best.name.endswith("_dense_ar") and not runner.name.endswith("_dense_ar"):
+    elif best.name.endswith("_dense_ar") and not other.name.endswith("_dense_ar"):
         how = f"the {gb(work.dense_bytes)} of dense layers are all-reduced instead of pushed and pulled at the servers"
-    elif runner.name.endswith("_dense_ar") and not best.name.endswith("_dense_ar"):
+    elif other.name.endswith("_dense_ar") and not best.name.endswith("_dense_ar"):
         how = f"pushing and pulling {gb(work.dense_bytes)} of dense layers at the servers beats all-reducing them"
     else:
         how = "by the calibrated costs"
-    return f"{best.label}: {faster}; {how}"
+    return f"{gain:.0%} faster than {other.label}: {how}"
 
 
-def recommend(cal: Calibration, work: Workload, cluster: Cluster, batch: int | None = None) -> Recommendation:
-    """The fastest placement that fits and keeps the updates the workload needs, and one line on why."""
+def recommend(
+    cal: Calibration, work: Workload, cluster: Cluster, batch: int | None = None, only: tuple[str, ...] = CANDIDATES
+) -> Recommendation:
+    """The fastest placement (of ``only``) that fits and keeps the updates the workload needs, and one line on why."""
     if not work.tables:
         raise PlacementError("the workload has no embedding tables: there is no table placement to choose")
-    cands = candidates(cal, work, cluster, batch)
+    cands = candidates(cal, work, cluster, batch, only)
     usable = sorted((c for c in cands if c.ruled_out is None), key=lambda c: c.step_s or math.inf)
     if not usable:
         reasons = "; ".join(f"{c.name}: {c.ruled_out}" for c in cands)
@@ -471,14 +493,10 @@ def recommend(cal: Calibration, work: Workload, cluster: Cluster, batch: int | N
         # Within the model's resolution the step time does not decide: the one needing no servers, then
         # the least memory per worker (room for the tables to grow and for the batch).
         best = min(tied, key=lambda c: (c.name.startswith("ps_"), c.worker_bytes, c.step_s))
-    others = [c for c in usable if c is not best]
-    runner = others[0] if others else None
-    if runner is not None and runner.step_s > (1 + TIE) * best.step_s:
-        # not a tie: explain the choice of where the tables live against the best elsewhere
-        runner = next((c for c in others if _family(c.name) != _family(best.name)), runner)
-    why = _why(best, runner, work, cluster, calibration_for(cal, work))
-    rep = next(c for c in cands if c.name == "replicated")
-    if rep.ruled_out and "fit" in rep.ruled_out:
+    others = sorted((c for c in usable if c is not best), key=lambda c: c.step_s)
+    why = _why(best, others, work, cluster, calibration_for(cal, work))
+    rep = next((c for c in cands if c.name == "replicated"), None)
+    if rep is not None and rep.ruled_out and "fit" in rep.ruled_out:
         why += f" (replicated: {rep.ruled_out})"
     return Recommendation(best, why, cands)
 
