@@ -257,7 +257,13 @@ def calibration_for(cal: Calibration, work: Workload) -> Calibration:
     rows = work.ids_per_step
     dim = round(max(0.0, work.sparse_bytes / rows - 8) / 4) if rows else 0
     new = min(cal.sparse_new_rows, rows)
-    return cal.model_copy(update={"sparse_rows": rows, "sparse_dim": dim, "sparse_new_rows": new})
+    update: dict[str, object] = {"sparse_rows": rows, "sparse_dim": dim, "sparse_new_rows": new}
+    if cal.sparse_pull_rows_s and cal.sparse_create_rows_s:
+        # What moves to the servers is the rows' lookup and creation, at the server's measured rates; the
+        # probe's time inside the embedding modules also holds the pooling, which stays on the workers.
+        lookup = new / cal.sparse_create_rows_s + (rows - new) / cal.sparse_pull_rows_s
+        update["sparse_local_s"] = min(cal.sparse_local_s, lookup)
+    return cal.model_copy(update=update)
 
 
 def _dense_on_workers(cal: Calibration) -> Calibration:
@@ -443,7 +449,7 @@ def _against(best: Candidate, other: Candidate, work: Workload, cluster: Cluster
         tie = f"as fast as {other.label} within the model's resolution ({gain:+.1%} step time)"
         return tie + (f", with {' and '.join(edge)}" if edge else "")
     if gain < 0:  # only a sync candidate is chosen over a faster one: a stale one within PREFER_SYNC
-        return f"{-gain:.0%} slower than {other.label}, but one process's math (within {PREFER_SYNC:.0%}: preferred)"
+        return f"{-gain:.0%} slower than {other.label}, whose updates are stale: one process's math is worth that"
     rounds = {n: sync_rounds(n, work, cal) for n in ("replicated", "sharded", "sharding")}
     if best.name in ("sharded", "sharding") and other.name == "replicated":
         how = (
@@ -491,8 +497,10 @@ def recommend(
     tied = [c for c in usable if c.step_s <= (1 + TIE) * best.step_s and (c.name in STALE) == (best.name in STALE)]
     if len(tied) > 1:
         # Within the model's resolution the step time does not decide: the one needing no servers, then
-        # the least memory per worker (room for the tables to grow and for the batch).
-        best = min(tied, key=lambda c: (c.name.startswith("ps_"), c.worker_bytes, c.step_s))
+        # the least memory per worker (room for the tables to grow and for the batch), then the step time.
+        pool = [c for c in tied if c.name.startswith("ps_") == min(c.name.startswith("ps_") for c in tied)]
+        least = min(c.worker_bytes for c in pool)
+        best = min((c for c in pool if c.worker_bytes <= 1.1 * least), key=lambda c: c.step_s)
     others = sorted((c for c in usable if c is not best), key=lambda c: c.step_s)
     why = _why(best, others, work, cluster, calibration_for(cal, work))
     rep = next((c for c in cands if c.name == "replicated"), None)
