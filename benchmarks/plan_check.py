@@ -231,7 +231,7 @@ def from_w6_json(path: str) -> dict:
 
 
 def check(workload: str, args: argparse.Namespace) -> dict:
-    from fleet.plan.placement import CANDIDATES, LABELS, STALE, Cluster, recommend
+    from fleet.plan.placement import CANDIDATES, LABELS, STALE, STALE_NOTE, Cluster, recommend
 
     work, batch = w6_workload() if workload == "w6" else w2_workload()
     log_dir = Path(args.calibration_dir or tempfile.mkdtemp(prefix="plan-check-")) / workload
@@ -300,7 +300,7 @@ def check(workload: str, args: argparse.Namespace) -> dict:
             + (f"; measured at {share:.2f} x the best" if share is not None and not ok else "")
         )
     for c in stale.candidates:
-        if c.ruled_out and not c.ruled_out.startswith("its updates"):
+        if c.ruled_out and c.ruled_out != STALE_NOTE:
             print(f"  ruled out: {LABELS[c.name]}: {c.ruled_out}")
     return {
         "workload": workload,

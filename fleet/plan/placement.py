@@ -80,6 +80,7 @@ LABELS = {
     "ps_geo": "servers, geo (k=100)",
 }
 STALE = ("ps_async", "ps_async_dense_ar", "ps_geo")
+STALE_NOTE = "stale (async) or local (geo) updates; one process's math is required"
 SHARDED_EXCHANGES = 5  # forward: counts, ids, rows; step: counts, gradients with their ids
 
 
@@ -384,7 +385,7 @@ def _ruled_out(name: str, worker_b: float, server_b: float, work: Workload, clus
     if name.startswith("ps_") and cal.ps is None:
         return "no parameter-server measurements in the calibration"
     if name in STALE and work.sync_required:
-        return "its updates are stale (async) or local (geo); this workload needs one process's math"
+        return STALE_NOTE
     if worker_b > cluster.worker_memory_bytes:
         what = {"replicated": "tables and dense layers", "sharded": "1/R of the tables and the dense layers"}
         return (
@@ -411,7 +412,7 @@ def candidates(
         worker_b, server_b = memory(name, work, cluster)
         why_not = _ruled_out(name, worker_b, server_b, work, cluster, cal)
         step, parts, rate = None, {}, None
-        if why_not is None or why_not.startswith("its updates are stale"):
+        if why_not is None or why_not == STALE_NOTE:
             # stale candidates are still predicted: the user sees what the tolerance would buy
             step, parts = _predict(name, model, cal, work, cluster)
             rate = cluster.workers * batch / step if batch else None

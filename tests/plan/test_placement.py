@@ -99,7 +99,8 @@ def test_staleness_intolerance_rules_out_async_and_geo():
     assert sync.best.name not in ("ps_async", "ps_async_dense_ar", "ps_geo")
     for name in ("ps_async", "ps_async_dense_ar", "ps_geo"):
         ruled = _by_name(sync)[name]
-        assert "stale" in ruled.ruled_out and ruled.step_s is not None  # still predicted: what tolerance would buy
+        assert "one process's math is required" in ruled.ruled_out
+        assert ruled.step_s is not None  # still predicted: the table shows what the tolerance would buy
     assert sync.best.step_s > stale.best.step_s
 
 
