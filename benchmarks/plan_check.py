@@ -339,10 +339,12 @@ def main() -> None:
     args = parser.parse_args()
     started = time.time()
     print(f"plan check on {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
-    results = [check(w, args) for w in args.workloads.split(",") if w]
+    results = []
+    for workload in (w for w in args.workloads.split(",") if w):
+        results.append(check(workload, args))
+        if args.json:  # after each workload: a long run stopped midway keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     print(f"\n({time.time() - started:.0f} s; load {os.getloadavg()[0]:.1f} at the end)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 
 
 if __name__ == "__main__":
