@@ -283,6 +283,12 @@ class SparseFeatureCollection(nn.Module):
             return self.tables[key]
         return list(self.tables.values())[key]
 
+    def ids_by_table(self, features: Any) -> dict[str, torch.Tensor]:
+        """Each table's ids in ``features``, duplicates included: what a forward looks up, for tools that
+        count them (fleet.plan's probe counts each table's unique ids per step); nothing is pulled."""
+        bags = self._bags(features)
+        return {name: torch.cat([bags[f][0].reshape(-1) for f in fs]) for name, fs in self._features.items()}
+
     def _bags(self, features: Any) -> dict[str, Bags]:
         if isinstance(features, Mapping):
             bags = _from_dict(features)

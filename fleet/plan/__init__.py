@@ -5,6 +5,7 @@
 - :mod:`fleet.plan.probe`: times the user's script as one worker (a fleetrun script)
 - :mod:`fleet.plan.measure`: all-reduce, parameter-server transport and server apply rates (a fleetrun script)
 - :mod:`fleet.plan.model`: closed-form step time, samples/s and speed-up per mode
+- :mod:`fleet.plan.placement`: where the tables and the dense layers should live (replicated, sharded, servers)
 - :mod:`fleet.plan.simulation`: a discrete-event simulation of sync, backup workers and async
 - :mod:`fleet.plan.planner`: ``fleetrun --plan``: calibrate, predict, recommend
 

@@ -48,6 +48,20 @@ class Link(BaseModel):
         return self.latency_s + nbytes / self.bandwidth_Bps
 
 
+class TableStat(BaseModel):
+    """One embedding table as the calibration run saw it (the placement's input, :mod:`fleet.plan.placement`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dim: int = Field(ge=1)
+    ids_per_step: float = Field(ge=0)
+    """Unique ids of one step's batch in this table (mean over the timed steps)."""
+    rows_seen: int = Field(0, ge=0)
+    """Distinct ids the run touched: a lower bound of the table's rows."""
+    max_rows: int | None = None
+    """The table's ``max_rows`` cap, when it has one."""
+
+
 class Calibration(BaseModel):
     """Everything the model needs, measured on the user's machines (see the module docstring)."""
 
@@ -96,11 +110,18 @@ class Calibration(BaseModel):
     sparse_dim: int = Field(0, ge=0)
     """Width of those rows (float32)."""
 
+    tables: list[TableStat] = Field(default_factory=list)
+    """Each sparse table the script looked up (for the placement; empty in calibrations taken before it)."""
+
     optimizer: str = "sgd"
     """The server-side optimizer the apply rates were measured with (the script's, when fleet has it)."""
 
     allreduce: Link
     """The process group's all-reduce (gloo on CPU, NCCL on GPU), fitted to 2-process runs."""
+
+    round_s: float | None = None
+    """Mean seconds of one small all-reduce between 2 workers, back to back: one synchronizing round of a
+    step, scheduling waits included (None: calibrations taken before it; the link's latency is used)."""
 
     ps: Link | None = None
     """A parameter-server request: one pull of n bytes from one server."""

@@ -56,3 +56,15 @@ class CpuMeter:
             return max(0.0, (self.load_before + self.load_after) / 2 - own_demand)
         saturated = self.busy >= 0.9 * (os.cpu_count() or 1) and self.own > 0
         return own_demand * self.others / self.own if saturated else self.others
+
+
+def memory_bytes() -> float | None:
+    """This host's memory (``MemTotal`` of ``/proc/meminfo``); None where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -95,6 +95,22 @@ def measure_allreduce(group: Any, sizes: list[int], reps: int, device: torch.dev
     return sorted(medians.items())
 
 
+def measure_round(group: Any, device: torch.device, reps: int = 60) -> float:
+    """Mean seconds of one small all-reduce, back to back: what a synchronizing round of a step costs.
+
+    The mean, not the median: on a host with more busy processes than cores, a round now and then
+    waits for the peer to be scheduled, and a step with many rounds pays those waits on average.
+    """
+    flag = torch.zeros(2, device=device)
+    dist.all_reduce(flag, group=group)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dist.all_reduce(flag, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / reps
+
+
 def measure_ps(rank: int, group: Any, sizes: list[int], args: argparse.Namespace) -> dict:
     """Worker 0 serves, worker 1 pulls; returns worker 1's medians (dense bytes and sparse rows), and
     the script's own step shape replayed without computation (see :func:`replay_steps`)."""
@@ -292,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_average_start": os.getloadavg()[0],
         "cores": os.cpu_count() or 1,
         "allreduce": measure_allreduce(group, sizes, args.reps, device),
+        "round_s": measure_round(group, device),
     }
     if not args.no_ps:
         result["ps"] = measure_ps(rank, group, sizes, args)

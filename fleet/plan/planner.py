@@ -30,9 +30,11 @@ from rich.text import Text
 
 from fleet.plan import measure_path, probe_path
 from fleet.plan.calibration import Calibration, Link, fit_link, lognormal_sigma
-from fleet.plan.host import CpuMeter
+from fleet.plan.host import CpuMeter, memory_bytes
 from fleet.plan.lognormal import LogNormal
 from fleet.plan.model import DEFAULT_COUNTS, LABELS, MODES, SYNC_MODES, Model, Prediction, Setup, breaks_at
+from fleet.plan.placement import Cluster, Recommendation, Workload, gb, workload_from
+from fleet.plan.placement import recommend as recommend_placement
 
 PROBE_STEPS, PROBE_SECONDS = 30, 20.0
 START_BUDGET_S = 180.0  # imports, data loading and fleet.init before the first step
@@ -172,8 +174,18 @@ def build(probe: dict[str, Any], net: dict[str, Any], script: str = "") -> Calib
         "sparse_rows": sum(rows) / len(rows),
         "sparse_new_rows": sum(new := probe.get("sparse_new_rows") or [0]) / len(new),
         "sparse_dim": int(probe.get("sparse_dim") or 0),
+        "tables": [
+            {
+                "dim": t["dim"],
+                "ids_per_step": sum(t["ids"]) / len(t["ids"]) if t.get("ids") else 0.0,
+                "rows_seen": t.get("rows_seen") or 0,
+                "max_rows": t.get("max_rows"),
+            }
+            for t in probe.get("tables") or []
+        ],
         "sparse_local_s": sum(local := probe.get("sparse_s") or [0.0]) / len(local),
         "allreduce": Link(latency_s=lat, bandwidth_Bps=bw, loopback=loopback, where=where, points=allreduce_pts),
+        "round_s": net.get("round_s"),
         "load_average": probe.get("load_average"),
         "assumptions": assumptions,
     }
@@ -217,6 +229,7 @@ def load_transport(path: Path) -> dict[str, Any]:
             "master_host": cal.allreduce.where,
         }
         net["allreduce"] = cal.allreduce.points
+        net["round_s"] = cal.round_s
         if cal.ps is not None:
             net["ps"] = {"dense_pull": cal.ps.points}
             net["apply"] = {
@@ -407,4 +420,53 @@ def predict_and_report(
         + ", hosts idle otherwise"
         + "; PS sync + backup: b = 4 % of the workers, rounded up"
     )
-    return report(cal, preds, note, chosen, console)
+    mode = report(cal, preds, note, chosen, console)
+    if any(t.ids_per_step for t in cal.tables):
+        _, top, _ = recommend(preds)
+        r = max(2, top)
+        cluster = Cluster(
+            workers=r,
+            workers_per_host=min(r, workers_per_host),
+            servers=servers_per_host * -(-r // workers_per_host),
+            worker_memory_bytes=(memory_bytes() or 8 * 2**30) / (workers_per_host + servers_per_host),
+        )
+        report_placement(cal, workload_from(cal), cluster, console, sizes_given=False)
+    return mode
+
+
+def report_placement(
+    cal: Calibration, work: Workload, cluster: Cluster, console: Console, sizes_given: bool = True
+) -> Recommendation:
+    """Print every placement's memory and predicted samples/s, and the recommended strategy with its reason."""
+    rec = recommend_placement(cal, work, cluster, cal.batch)
+    console.print(
+        Text(
+            f"placement at {cluster.workers} workers ({cluster.workers_per_host} per host), {cluster.servers} "
+            f"server(s), {gb(cluster.worker_memory_bytes)} per worker: tables {gb(work.table_bytes())} "
+            f"(optimizer state x{work.state:g} and id index included), {work.ids_per_step:,.0f} unique ids "
+            f"per worker-step, dense {gb(work.dense_bytes)}",
+            style="bold",
+        )
+    )
+    table = Table(show_edge=False, pad_edge=False)
+    for title in ("placement", "memory per worker", "step ms", "samples/s" if cal.batch else "steps/s", "note"):
+        table.add_column(title, justify="left" if title in ("placement", "note") else "right")
+    for c in rec.candidates:
+        rate = c.samples_per_s if cal.batch else (cluster.workers / c.step_s if c.step_s else None)
+        note = "recommended" if c is rec.best else (c.ruled_out or "")
+        table.add_row(
+            c.label,
+            gb(c.worker_bytes),
+            "-" if c.step_s is None else f"{c.step_s * 1e3:,.1f}",
+            "-" if rate is None else f"{rate:,.0f}",
+            Text(note, style="bold green" if c is rec.best else ("yellow" if c.ruled_out else "")),
+        )
+    console.print(table)
+    console.print(Text(f"recommended placement: {rec.best.strategy}", style="bold green"))
+    console.print(f"  why: {rec.reason}")
+    if not sizes_given:
+        console.print(
+            "  table sizes: the rows the calibration run touched, a lower bound; give the real ones with "
+            "python -m fleet.plan placement --calibration <log dir>/calibration.json --table-rows N,N,..."
+        )
+    return rec

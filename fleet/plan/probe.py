@@ -56,6 +56,8 @@ class Probe:
         self._sparse_now = 0.0
         self._entered: list[float] = []
         self._seen: dict[int, Any] = {}  # per table: an IdIndex of the ids looked up so far
+        self._table_now: dict[int, int] = {}  # per table: unique ids of this step
+        self.tables: dict[int, dict[str, Any]] = {}  # per table: its width, cap and unique ids per timed step
         self._hook_s = 0.0  # this step's time in the probe's own hooks, taken out of its computation
         self.sparse_dim = 0
         self.params: dict[int, Any] = {}  # parameters of modules seen in forward, until the bytes are known
@@ -103,6 +105,10 @@ class Probe:
         self.sparse_dim = int(module.embedding_dim)
         unique = ids.detach().reshape(-1).unique()
         self._rows_now += int(unique.numel())
+        self._table_now[id(module)] = self._table_now.get(id(module), 0) + int(unique.numel())
+        if id(module) not in self.tables:
+            cap = getattr(module, "max_rows", None)
+            self.tables[id(module)] = {"dim": self.sparse_dim, "max_rows": cap if isinstance(cap, int) else None}
         seen = self._seen.setdefault(id(module), IdIndex())
         new = unique[seen.lookup(unique) < 0]
         seen.insert_new(new)
@@ -128,8 +134,11 @@ class Probe:
         new, self._new_now = self._new_now, 0
         inside, self._sparse_now = self._sparse_now, 0.0
         hooks, self._hook_s = self._hook_s, 0.0
+        per_table, self._table_now = self._table_now, {}
         if self.seen <= self.warmup:
             return
+        for key, table in self.tables.items():
+            table.setdefault("ids", []).append(per_table.get(key, 0))
         now = time.perf_counter()
         if self.first_timed is None:
             self.first_timed = now - wall
@@ -170,6 +179,11 @@ class Probe:
             "sparse_new_rows": self.sparse_new,
             "sparse_s": self.sparse_s,
             "sparse_dim": self.sparse_dim,
+            # the placement's tables: rows_seen is what the run touched, a lower bound of the table's size
+            "tables": [
+                {"dim": t["dim"], "ids": t.get("ids", []), "max_rows": t["max_rows"], "rows_seen": len(self._seen[k])}
+                for k, t in self.tables.items()
+            ],
             "batch": batch,
             "threads": torch.get_num_threads(),
             "load_average": os.getloadavg()[0],
@@ -188,7 +202,7 @@ def install(probe: Probe) -> None:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from fleet.nn import SparseEmbedding
+    from fleet.nn import SparseEmbedding, SparseFeatureCollection
     from fleet.telemetry import timing
 
     # Fleet's own recorder is where every strategy reports a step; listening to it sees them all
@@ -197,16 +211,24 @@ def install(probe: Probe) -> None:
     register_optimizer_step_post_hook(lambda opt, args, kwargs: probe.on_torch_step(opt))
 
     def before(module: Any, args: tuple) -> None:
-        if isinstance(module, SparseEmbedding):
+        if isinstance(module, (SparseEmbedding, SparseFeatureCollection)):
             probe._entered.append(time.perf_counter())
 
     def forward(module: Any, args: tuple, output: Any) -> None:
-        sparse = isinstance(module, SparseEmbedding)
+        collection = isinstance(module, SparseFeatureCollection)
+        sparse = collection or isinstance(module, SparseEmbedding)
         probe.on_forward(module, sparse)
         if sparse:
             if probe._entered:
                 probe._sparse_now += time.perf_counter() - probe._entered.pop()
-            if args:
+            if collection and args:
+                # its tables look their rows up without being called as modules: each table's ids, here
+                started = time.perf_counter()
+                by_table = module.ids_by_table(args[0])
+                probe._hook_s += time.perf_counter() - started  # the probe's own work, not the step's
+                for name, ids in by_table.items():
+                    probe.on_lookup(module.tables[name], ids)
+            elif args:
                 probe.on_lookup(module, args[0])
 
     torch.nn.modules.module.register_module_forward_pre_hook(before)
