@@ -41,7 +41,11 @@ import torch
 
 from fleet.runtime.job_files import SHM_DIR, owner_tag, process_alive, shm_prefix
 
-_SPINS = 50  # yields (tens of microseconds) before sleeping in the kernel
+_SPINS = 50  # yields (tens of microseconds on idle cores) before sleeping in the kernel
+# ... and at most this long: on busy cores each yield hands the core to another process for up to its time
+# slice, so fifty of them were tens of milliseconds and as many context switches per wait (W6 PS: 60-75 a
+# step per worker at a load of 10); past this the wait sleeps on the futex, which the peer's arrival wakes
+_SPIN_S = 100e-6
 _CHECK_PEERS_S = 0.5
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -124,7 +128,8 @@ class Channel:
         # a fraction of one (the waiting worker's CPU is taken from the peer it waits for on shared cores).
         self._np = self.table.numpy()
         self._seqs = self._np[:, 0]
-        self._own_seq_address = self.table[rank, 0:1].data_ptr()
+        self._seq_addresses = [self.table[r, 0:1].data_ptr() for r in range(world)]
+        self._own_seq_address = self._seq_addresses[rank]
         self.rank = rank
         self.world = world
         self.width = width
@@ -181,12 +186,11 @@ class Channel:
             if not late:
                 return
             spins += 1
-            if spins < _SPINS:
+            if spins < _SPINS and time.monotonic() - started < _SPIN_S:
                 time.sleep(0)
                 continue
             # Sleep on the first late worker's sequence word; it wakes us when it arrives.
-            word = self.table[late[0], 0:1]
-            _futex_wait(word.data_ptr(), seqs[late[0]] & 0x7FFFFFFF, _CHECK_PEERS_S)
+            _futex_wait(self._seq_addresses[late[0]], seqs[late[0]] & 0x7FFFFFFF, _CHECK_PEERS_S)
             now = time.monotonic()
             if self.check_pids and now - checked >= _CHECK_PEERS_S:
                 checked = now
