@@ -47,7 +47,11 @@ import torch
 from fleet.runtime import last_words
 from fleet.runtime.job_files import SHM_DIR, exit_status, owner_tag, process_alive, shm_prefix
 
-_SPINS = 50  # yields (tens of microseconds) before sleeping in the kernel
+_SPINS = 50  # yields (tens of microseconds on idle cores) before sleeping in the kernel
+# ... and at most this long: on busy cores each yield hands the core to another process for up to its time
+# slice, so fifty of them were tens of milliseconds and as many context switches per wait (W6 PS: 60-75 a
+# step per worker at a load of 10); past this the wait sleeps on the futex, which the peer's arrival wakes
+_SPIN_S = 100e-6
 _CHECK_PEERS_S = 0.5
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -138,6 +142,13 @@ class Channel:
         """``epitaph``: a gone worker's last words, by rank (:meth:`LocalHost.last_words`), where kept."""
         self.table = table.view(world, 2 + 2 * width)
         self.epitaph = epitaph
+        # The same memory as numpy, for the reads and writes of every exchange: a wait reads every worker's
+        # sequence number at each of its spins, and torch's indexing costs microseconds per access, numpy's
+        # a fraction of one (the waiting worker's CPU is taken from the peer it waits for on shared cores).
+        self._np = self.table.numpy()
+        self._seqs = self._np[:, 0]
+        self._seq_addresses = [self.table[r, 0:1].data_ptr() for r in range(world)]
+        self._own_seq_address = self._seq_addresses[rank]
         self.rank = rank
         self.world = world
         self.width = width
@@ -157,8 +168,8 @@ class Channel:
         self._wait(self.seq)
 
     def _arrive(self) -> None:
-        self.table[self.rank, 0] = self.seq
-        _futex_wake(self.table[self.rank, 0:1].data_ptr())
+        self._np[self.rank, 0] = self.seq
+        _futex_wake(self._own_seq_address)
 
     def exchange(self, values: list[int]) -> list[list[int]]:
         """Every worker's ``values`` (``width`` ints), by rank."""
@@ -169,7 +180,7 @@ class Channel:
         returned sequence before posting again (the double buffer holds for one exchange in flight)."""
         self.seq += 1
         start = 2 + (self.seq % 2) * self.width
-        self.table[self.rank, start : start + len(values)] = torch.tensor(values, dtype=torch.int64)
+        self._np[self.rank, start : start + len(values)] = values
         self._arrive()
         return self.seq
 
@@ -181,7 +192,7 @@ class Channel:
         assert seq == self.seq, "collect the exchange in flight before posting another"
         self._wait(seq, self.timeout_s if within_s is None else within_s)
         start = 2 + (seq % 2) * self.width
-        return self.table[:, start : start + self.width].tolist()
+        return self._np[:, start : start + self.width].tolist()
 
     def _wait(self, seq: int, within_s: float | None = None) -> None:
         within_s = self.timeout_s if within_s is None else within_s
@@ -189,17 +200,16 @@ class Channel:
         checked = started
         spins = 0
         while True:
-            seqs = self.table[:, 0].tolist()
+            seqs = self._seqs.tolist()
             late = [r for r, s in enumerate(seqs) if s < seq]
             if not late:
                 return
             spins += 1
-            if spins < _SPINS:
+            if spins < _SPINS and time.monotonic() - started < _SPIN_S:
                 time.sleep(0)
                 continue
             # Sleep on the first late worker's sequence word; it wakes us when it arrives.
-            word = self.table[late[0], 0:1]
-            _futex_wait(word.data_ptr(), seqs[late[0]] & 0x7FFFFFFF, _CHECK_PEERS_S)
+            _futex_wait(self._seq_addresses[late[0]], seqs[late[0]] & 0x7FFFFFFF, _CHECK_PEERS_S)
             now = time.monotonic()
             if self.check_pids and now - checked >= _CHECK_PEERS_S:
                 checked = now

@@ -76,6 +76,10 @@ _M2 = 0x94D049BB133111EB - (1 << 64)
 
 def as_ids(ids: torch.Tensor) -> torch.Tensor:
     """Validate a 1-D integer id tensor and return it as contiguous int64."""
+    # Every table operation checks its ids here, often more than once: the common case (CPU int64, 1-D,
+    # contiguous) is answered with the fewest calls into torch.
+    if type(ids) is torch.Tensor and ids.dtype is torch.int64 and ids.dim() == 1 and ids.is_contiguous() and ids.is_cpu:
+        return ids
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
     if ids.dim() != 1:

@@ -116,6 +116,15 @@ def buf(t: Any, name: str, dtype: torch.dtype, ndim: int, strided: bool = False)
 
     ``strided``: rows may lie apart (a field of :mod:`fleet.sparse.records`), each row's elements adjacent.
     """
+    # Every kernel call passes several buffers through here: what passes every check below takes the fewest
+    # calls into torch (the checks are the same; a tensor that fails one goes the long way, to its message).
+    if type(t) is torch.Tensor and t.dtype is dtype and t.is_cpu and ndim in (1, 2) and t.dim() == ndim:
+        if strided:
+            stride = t.stride()
+            if stride[0] > 0 and (ndim == 1 or stride[1] == 1 or t.shape[1] <= 1) and not t.requires_grad:
+                return t.numpy()
+        elif not t.requires_grad and t.is_contiguous():
+            return t.numpy()
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":

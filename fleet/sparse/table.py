@@ -393,18 +393,21 @@ class SparseTable:
             self._recent.forget()
 
     # ------------------------------------------------------------------ storage
-    def _slots(self, ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+    def _slots(
+        self, ids: torch.Tensor, slots: torch.Tensor | None = None, where: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Slots for ``ids`` (any order, duplicates allowed), creating missing rows (in a transaction).
 
-        ``slots``: the index's lookup of ``ids``, when the caller did it already. New ids are
-        de-duplicated and sorted, so their slots follow id order within one call; their rows are
-        written before the index learns them.
+        ``slots``: the index's lookup of ``ids``, when the caller did it already; ``where``: the positions of
+        its misses (``slots < 0``), when the caller found them already. New ids are de-duplicated and
+        sorted, so their slots follow id order within one call; their rows are written before the index
+        learns them.
         """
         slots = self._store.index.lookup(ids) if slots is None else slots
-        missing = slots < 0
-        if not bool(missing.any()):
+        if where is None:
+            where = (slots < 0).nonzero().squeeze(1)  # one pass: an empty result is the common case
+        if where.numel() == 0:
             return slots
-        where = missing.nonzero().squeeze(1)
         new_ids = ids.index_select(0, where)
         inverse = None
         if not bool((new_ids[1:] > new_ids[:-1]).all()):  # ascending ids (a pull's unique ids) are unique already
@@ -459,12 +462,12 @@ class SparseTable:
         if not self.lifecycle.active:
             # one native pass: each row is copied as its id is confirmed in the record (same cache lines)
             slots, rows = self._store.index.lookup_rows(ids, self._store.rows[: len(self)])
-            if not bool((slots < 0).any()):
+            new = (slots < 0).nonzero().squeeze(1)  # before _slots, which fills these slots in
+            if new.numel() == 0:
                 self._recent.remember(ids, slots)  # nothing changed: no transaction needed
                 return rows
-            new = (slots < 0).nonzero().squeeze(1)  # before _slots, which fills these slots in
             with self.transaction():  # the gather below can fail too: then the new rows go again
-                slots = self._slots(ids, slots)  # first: creating rows may replace the store's rows
+                slots = self._slots(ids, slots, new)  # first: creating rows may replace the store's rows
                 # the rows found were copied by the lookup: only the new ones (their initial values) are gathered
                 rows.index_copy_(0, new, self._store.gather_rows(slots.index_select(0, new), len(self)))
                 self._recent.remember(ids, slots)  # a failure here takes the rows back and forgets

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -38,6 +39,36 @@ def test_channel_exchanges_values_and_keeps_rounds_apart():
         thread.join(20)
     for rank in range(world):
         assert seen[rank] == [[[r, step] for r in range(world)] for step in range(rounds)]
+
+
+def test_a_wait_on_busy_cores_sleeps_on_the_futex_after_a_few_yields(monkeypatch):
+    """Each yield on busy cores gives the core away for up to a time slice: a wait stops yielding after about
+    0.1 ms (not after 50 yields, tens of milliseconds and as many context switches) and sleeps on the futex,
+    which the peer's arrival wakes."""
+    table = _table(2, 1)
+    yields, sleeps = [], []
+    real_sleep, real_futex_wait = time.sleep, shm._futex_wait
+
+    def busy_yield(seconds: float) -> None:
+        if seconds == 0:
+            yields.append(1)
+            real_sleep(50e-6)  # another process ran meanwhile
+        else:
+            real_sleep(seconds)
+
+    def counted_futex_wait(*args) -> None:
+        sleeps.append(1)
+        real_futex_wait(*args)
+
+    monkeypatch.setattr(shm.time, "sleep", busy_yield)
+    monkeypatch.setattr(shm, "_futex_wait", counted_futex_wait)
+    late = shm.Channel(table, 1, 2, 1, timeout_s=10)
+    arrival = threading.Timer(0.3, late.barrier)
+    arrival.start()
+    shm.Channel(table, 0, 2, 1, timeout_s=10).barrier()
+    arrival.join(10)
+    assert sleeps, "the wait never slept on the futex"
+    assert 1 <= len(yields) <= 10, f"{len(yields)} yields before sleeping"
 
 
 def test_channel_names_a_peer_whose_process_is_gone():

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.sparse.native import kernels, native_hyper
+from fleet.sparse.id_index import as_ids
+from fleet.sparse.native import buf, kernels, native_hyper
 from fleet.sparse.optim import OptimizerSpec, ServerOptimizer
 from fleet.sparse.table import SparseTable
 
@@ -228,3 +229,35 @@ def test_finite_checks_every_value_natively_and_otherwise() -> None:
             assert not kernels.all_finite(x.reshape(-1).numpy())
             assert not finite(x) and not finite(x.t()) and not finite(x.double()) and not finite(x.requires_grad_())
     assert finite(torch.empty(0)) and not finite(base, float("nan"))
+
+
+def test_buf_hands_kernels_views_and_names_what_does_not_fit():
+    """The common case goes a short way (fleet.sparse.native.buf): it must still be a view, and every tensor the
+    long way refuses is still refused with its message."""
+    rows = torch.zeros(4, 3)
+    buf(rows, "rows", torch.float32, 2)[1, 2] = 5.0
+    assert rows[1, 2] == 5.0  # the kernel writes the tensor's own memory
+    records = torch.zeros(4, 5)
+    buf(records[:, 1:4], "rows", torch.float32, 2, strided=True)[2, 0] = 7.0  # rows apart, elements adjacent
+    assert records[2, 1] == 7.0
+    learnt = torch.zeros(2, 3, requires_grad=True)
+    assert buf(learnt, "rows", torch.float32, 2).shape == (2, 3)
+    with pytest.raises(ValueError, match="rows must have rows of adjacent elements"):
+        buf(records.t(), "rows", torch.float32, 2, strided=True)
+    with pytest.raises(ValueError, match="grads must be contiguous"):
+        buf(records[:, 1:4], "grads", torch.float32, 2)
+    with pytest.raises(ValueError, match="rows must be torch.float32, got torch.float64"):
+        buf(rows.double(), "rows", torch.float32, 2)
+    with pytest.raises(ValueError, match="rows must be 2-D"):
+        buf(rows[0], "rows", torch.float32, 2)
+
+
+def test_as_ids_returns_good_ids_as_they_are_and_converts_or_refuses_the_rest():
+    ids = torch.arange(5)
+    assert as_ids(ids) is ids
+    assert as_ids(torch.arange(5, dtype=torch.int32)).dtype == torch.int64
+    assert torch.equal(as_ids(torch.arange(10)[::2]), torch.arange(0, 10, 2))  # strided: a contiguous copy
+    with pytest.raises(ValueError, match="ids must be 1-D"):
+        as_ids(ids.view(1, 5))
+    with pytest.raises(ValueError, match="ids must be an integer tensor"):
+        as_ids(ids.float())
