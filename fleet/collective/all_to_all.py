@@ -16,8 +16,10 @@ Every wait has the strategy's deadline: a worker that never reaches the exchange
 evaluates alone, or died) becomes a :class:`~fleet.errors.PeerError` naming what was
 exchanged, never a hang.
 
-Among workers of one host a shared-memory exchange would spare gloo's copies through the
-loopback, as the collective and sharding paths do for their reductions; not built yet.
+Among CPU workers of one host, :func:`blocks` goes through shared memory instead
+(:mod:`fleet.collective.shm_all_to_all`: one meeting carries a block's counts and the block);
+across hosts, for CUDA tensors, or with ``shared_memory=False`` it is :func:`counts` (when the
+receiver does not know the sizes yet) and then :func:`rows`.
 """
 
 from __future__ import annotations
@@ -51,6 +53,43 @@ def counts(
         raise ValueError(f"all-to-all counts: {sends.shape[0]} blocks for {world} workers")
     got = torch.empty_like(sends)
     return _exchange(got, sends, [1] * world, [1] * world, group, timeout_s, what, diagnose)
+
+
+def blocks(
+    send: torch.Tensor,
+    sizes: list[int],
+    header: torch.Tensor | None,
+    recv_sizes: list[int] | None,
+    group: Any,
+    timeout_s: float,
+    what: str,
+    diagnose: Callable[[], str | None] | None = None,
+    local: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """Worker ``j`` gets the flat ``send``'s block ``j`` (``sizes[j]`` elements, blocks in worker order) and
+    ``header[j]`` (``k`` int64s, or no header: None). Returns (the blocks received, in worker order, flat; the
+    headers received, ``[world, k]``, row ``i`` from worker ``i``, or None; the elements each worker sent
+    here). ``recv_sizes``: what each worker
+    sends here, when the caller knows (else it travels with the header). ``local``: the workers'
+    :class:`~fleet.collective.shm_all_to_all.SharedMemoryAllToAll` (None: the process group)."""
+    send = send.reshape(-1)
+    world = len(sizes)
+    if local is not None and send.device.type == "cpu":
+        done = local.exchange(send, header if header is not None else _NO_HEADER.expand(world, 0), sizes, what)
+        if done is not None:
+            return done[0], (done[1] if header is not None else None), done[2]
+    got_header = None
+    if recv_sizes is None or header is not None:
+        mine = torch.tensor(sizes, dtype=torch.int64).unsqueeze(1)
+        if header is not None:
+            mine = torch.cat([header.to(torch.int64).cpu(), mine], 1)
+        got = counts(mine.to(send.device), group, timeout_s, what, diagnose).cpu()
+        got_header, recv_sizes = got[:, :-1], got[:, -1].tolist()
+    assert recv_sizes is not None
+    return rows(send, sizes, recv_sizes, group, timeout_s, what, diagnose), got_header, recv_sizes
+
+
+_NO_HEADER = torch.empty(1, 0, dtype=torch.int64)
 
 
 def rows(

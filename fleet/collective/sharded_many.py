@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from fleet.collective import all_to_all
-
 
 def pull_together(backends: list[Any], ids_list: list[torch.Tensor], what: str) -> list[torch.Tensor]:
     """Rows for each ``(backend, unique ids)``: :class:`~fleet.collective.sharded_rows.ShardedRows` of one group."""
@@ -34,17 +32,9 @@ def pull_together(backends: list[Any], ids_list: list[torch.Tensor], what: str) 
     # grouped by owner, then table; within a table each owner's ids keep their order (a stable sort)
     tag = torch.cat([o * tables + t for t, o in enumerate(owners)])
     order = torch.argsort(tag, stable=True)
-    header = torch.cat([sends, torch.zeros(workers, 1, dtype=torch.int64)], 1).to(first.device)
-    got = all_to_all.counts(header, first.group, first.timeout_s, what, first.diagnose)[:, :tables].cpu()
-    asked = all_to_all.rows(
-        torch.cat(ids_list).index_select(0, order).to(first.device),
-        sends.sum(1).tolist(),
-        got.sum(1).tolist(),
-        first.group,
-        first.timeout_s,
-        what,
-        first.diagnose,
-    ).cpu()
+    # one exchange carries each table's counts (the header) and the ids
+    asked, got, _ = first.exchange(torch.cat(ids_list).index_select(0, order), sends.sum(1).tolist(), sends, None, what)
+    assert got is not None
     # the asked ids, grouped by requester then table: each table's share looks its own up at once
     asked_tag = torch.arange(tables).repeat(workers).repeat_interleave(got.reshape(-1))
     found = [b.local.pull(asked[asked_tag == t]) for t, b in enumerate(backends)]
@@ -57,15 +47,7 @@ def pull_together(backends: list[Any], ids_list: list[torch.Tensor], what: str) 
         ]
     )
     widths = torch.tensor(dims, dtype=torch.int64)
-    back = all_to_all.rows(
-        reply.to(first.device),
-        (got * widths).sum(1).tolist(),
-        (sends * widths).sum(1).tolist(),
-        first.group,
-        first.timeout_s,
-        what,
-        first.diagnose,
-    )
+    back, _, _ = first.exchange(reply, (got * widths).sum(1).tolist(), None, (sends * widths).sum(1).tolist(), what)
     pieces = _cut(back, sends, dims)  # owner j's block holds table 0's rows, then table 1's ...
     out = []
     for t, ids in enumerate(ids_list):
@@ -85,9 +67,6 @@ def step_together(items: list[tuple[Any, dict[str, Any]]], optimizer_class: type
     owners = [backend.owners(ids) for (backend, _), (ids, _, _, _) in zip(items, parts, strict=True)]
     sends = torch.stack([torch.bincount(o, minlength=workers) for o in owners], 1)  # [workers, tables]
     bad = torch.tensor([[0 if finite else 1 for *_, finite in parts]] * workers, dtype=torch.int64)
-    header = torch.cat([sends, bad], 1).to(first.device)
-    got = all_to_all.counts(header, first.group, first.timeout_s, what, first.diagnose).cpu()
-    got, any_bad = got[:, :tables], got[:, tables:].any(0).tolist()
     blocks = []  # owner j's block: table 0's rows (flat), then table 1's ...
     orders = [torch.argsort(o, stable=True) for o in owners]
     sorted_blocks = [
@@ -97,11 +76,13 @@ def step_together(items: list[tuple[Any, dict[str, Any]]], optimizer_class: type
     for j in range(workers):
         for t in range(tables):
             blocks.append(sorted_blocks[t][int(starts[j, t]) : int(starts[j, t] + sends[j, t])].reshape(-1))
-    flat = torch.cat(blocks).to(first.device)
     w = torch.tensor(widths, dtype=torch.int64)
-    back = all_to_all.rows(
-        flat, (sends * w).sum(1).tolist(), (got * w).sum(1).tolist(), first.group, first.timeout_s, what, first.diagnose
-    ).cpu()
+    # one exchange carries each table's counts and non-finite flag (the header) and the gradients
+    back, header, _ = first.exchange(
+        torch.cat(blocks), (sends * w).sum(1).tolist(), torch.cat([sends, bad], 1), None, what
+    )
+    assert header is not None
+    got, any_bad = header[:, :tables], header[:, tables:].any(0).tolist()
     received = _cut(back, got, widths)
     for t, (backend, group) in enumerate(items):
         backend.apply_received(optimizer_class, group, torch.cat(received[t]), parts[t][2], bool(any_bad[t]))

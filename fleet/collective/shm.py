@@ -198,13 +198,16 @@ class Channel:
 class LocalHost:
     """The shared memory of a job whose workers all run on this host (:meth:`connect`).
 
-    ``token`` names the job's segments (under :func:`fleet.runtime.job_files.shm_prefix`, which fleetrun cleans up); ``lockstep`` and ``buckets`` are two channels (the
-    headers of :mod:`fleet.collective.lockstep`, and the gradient transport's barriers), so
-    that the training thread and the transport's thread never share a sequence.
+    ``token`` names the job's segments (under :func:`fleet.runtime.job_files.shm_prefix`, which fleetrun cleans up); ``lockstep``, ``buckets`` and ``tables`` are three channels (the
+    headers of :mod:`fleet.collective.lockstep`, the gradient transport's barriers, and the
+    all-to-alls of sharded tables, :mod:`fleet.collective.shm_all_to_all`), so that the training
+    thread and the transport's thread never share a sequence, and each user's meetings alternate
+    its double buffers alike on every worker.
     """
 
     LOCKSTEP_WIDTH = 6
     BUCKETS_WIDTH = 1
+    TABLES_WIDTH = 1
 
     def __init__(
         self, token: str, table: torch.Tensor, rank: int, world: int, timeout_s: float, check_pids: bool = True
@@ -213,14 +216,19 @@ class LocalHost:
         self.rank = rank
         self.world = world
         first = Channel.numel(world, self.LOCKSTEP_WIDTH)
+        second = first + Channel.numel(world, self.BUCKETS_WIDTH)
         end = self.size(world)
         self.lockstep = Channel(table[:first], rank, world, self.LOCKSTEP_WIDTH, timeout_s, check_pids)
-        self.buckets = Channel(table[first:end], rank, world, self.BUCKETS_WIDTH, timeout_s, check_pids)
+        self.buckets = Channel(table[first:second], rank, world, self.BUCKETS_WIDTH, timeout_s, check_pids)
+        self.tables = Channel(table[second:end], rank, world, self.TABLES_WIDTH, timeout_s, check_pids)
 
     @staticmethod
     def size(world: int) -> int:
         """The channels' int64s (the control segment holds one more: worker 0's proof value, :meth:`connect`)."""
-        return Channel.numel(world, LocalHost.LOCKSTEP_WIDTH) + Channel.numel(world, LocalHost.BUCKETS_WIDTH)
+        return sum(
+            Channel.numel(world, width)
+            for width in (LocalHost.LOCKSTEP_WIDTH, LocalHost.BUCKETS_WIDTH, LocalHost.TABLES_WIDTH)
+        )
 
     @classmethod
     def connect(cls, group: object, timeout_s: float) -> LocalHost | None:
