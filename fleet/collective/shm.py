@@ -200,7 +200,7 @@ class LocalHost:
 
     ``token`` names the job's segments (under :func:`fleet.runtime.job_files.shm_prefix`, which fleetrun cleans up); ``lockstep``, ``buckets`` and ``tables`` are three channels (the
     headers of :mod:`fleet.collective.lockstep`, the gradient transport's barriers, and the
-    all-to-alls of sharded tables, :mod:`fleet.collective.shm_all_to_all`), so that the training
+    all-to-alls of sharded tables, :class:`fleet.collective.all_to_all.SharedMemoryAllToAll`), so that the training
     thread and the transport's thread never share a sequence, and each user's meetings alternate
     its double buffers alike on every worker.
     """

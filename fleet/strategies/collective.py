@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fleet.collective import lockstep, sharded_rows, sparse_grads, transports
+from fleet.collective.all_to_all import SharedMemoryAllToAll
 from fleet.collective.broadcast import (
     average_tensors,
     broadcast_optimizer_state,
@@ -31,7 +32,6 @@ from fleet.collective.broadcast import (
 )
 from fleet.collective.grad_sync import GradSync
 from fleet.collective.join import Join
-from fleet.collective.shm_all_to_all import SharedMemoryAllToAll
 from fleet.errors import FleetError, PeerError
 from fleet.sparse import backends as tables
 from fleet.strategies.base import REDUCE_OPS, Strategy, check_reduce

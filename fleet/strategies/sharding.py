@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 
 from fleet.collective import lockstep, sharded_rows, sparse_grads
+from fleet.collective.all_to_all import SharedMemoryAllToAll
 from fleet.collective.broadcast import average_tensors, broadcast_tensors, check_same_shapes
 from fleet.collective.layout import ParamMap
-from fleet.collective.shm_all_to_all import SharedMemoryAllToAll
 from fleet.errors import FleetError
 from fleet.nn.rows_state import rows_in_state_dict
 from fleet.sharding import autograd as sharded_autograd

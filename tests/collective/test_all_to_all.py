@@ -102,7 +102,7 @@ def _shared(world: int, timeout_s: float = 20.0) -> tuple[list, str]:
     import secrets
     import types
 
-    from fleet.collective.shm_all_to_all import SharedMemoryAllToAll
+    from fleet.collective.all_to_all import SharedMemoryAllToAll
 
     table = torch.zeros(shm.Channel.numel(world, shm.LocalHost.TABLES_WIDTH), dtype=torch.int64)
     token = f"fleet-test-a2a-{secrets.token_hex(6)}"
