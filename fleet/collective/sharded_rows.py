@@ -219,6 +219,8 @@ class ShardedRows:
             first._announce("pull", first._module(), sum(b.shard.embedding_dim for b in backends), 0.0)
         return sharded_many.pull_together(backends, ids_list, first._what("pulling"))
 
+    pulls_ahead = False  # a step's rows must include the step before it: the forward pulls (prefetch_together)
+
     @classmethod
     def prefetch_together(cls, backends: list[ShardedRows], ids_list: list[torch.Tensor]) -> None:
         """No prefetch: a step's rows must include the step before it (the forward pulls)."""
