@@ -168,6 +168,8 @@ def worker(
             "owned": bool((owner(shard_ids, fleet.worker_num()) == fleet.worker_index()).all()),
             "replica": module.local.num_rows(),  # the module's own table: empty when sharded
             "total": module.num_rows(),
+            # which way its exchanges went: shared memory among workers of one host, unless switched off
+            "through": "shared memory" if backend.shared is not None and backend.shared.usable else "process group",
         }
     out = {"tables": table_states(model), "dense": dense(model), "held": held}
     fleet.stop_worker()

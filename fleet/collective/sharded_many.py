@@ -21,58 +21,50 @@ from typing import Any
 
 import torch
 
-from fleet.collective import all_to_all
-
 
 def pull_together(backends: list[Any], ids_list: list[torch.Tensor], what: str) -> list[torch.Tensor]:
     """Rows for each ``(backend, unique ids)``: :class:`~fleet.collective.sharded_rows.ShardedRows` of one group."""
     first = backends[0]
     workers, tables = first.workers, len(backends)
     dims = [b.shard.embedding_dim for b in backends]
-    owners = [b.owners(ids) for b, ids in zip(backends, ids_list, strict=True)]
-    sends = torch.stack([torch.bincount(o, minlength=workers) for o in owners], 1)  # [workers, tables]
-    # grouped by owner, then table; within a table each owner's ids keep their order (a stable sort)
-    tag = torch.cat([o * tables + t for t, o in enumerate(owners)])
+    lengths = [ids.numel() for ids in ids_list]
+    ids = torch.cat(ids_list)
+    table_of = torch.repeat_interleave(torch.arange(tables), torch.tensor(lengths)).to(ids.device)
+    # grouped by owner, then table; within a table each owner's ids keep their order (a stable sort). Every table
+    # of the group has the same owners (one hash for all: fewer operations than one per table)
+    tag = first.owners(ids) * tables + table_of
     order = torch.argsort(tag, stable=True)
-    header = torch.cat([sends, torch.zeros(workers, 1, dtype=torch.int64)], 1).to(first.device)
-    got = all_to_all.counts(header, first.group, first.timeout_s, what, first.diagnose)[:, :tables].cpu()
-    asked = all_to_all.rows(
-        torch.cat(ids_list).index_select(0, order).to(first.device),
-        sends.sum(1).tolist(),
-        got.sum(1).tolist(),
-        first.group,
-        first.timeout_s,
-        what,
-        first.diagnose,
-    ).cpu()
-    # the asked ids, grouped by requester then table: each table's share looks its own up at once
+    sends = torch.bincount(tag, minlength=workers * tables).view(workers, tables).cpu()  # [workers, tables]
+    # one exchange carries each table's counts (the header) and the ids
+    asked, got, _ = first.exchange(ids.index_select(0, order), sends.sum(1).tolist(), sends, None, what)
+    assert got is not None
+    # the asked ids, grouped by requester then table: regrouped by table, each table's share looks its own up at once
     asked_tag = torch.arange(tables).repeat(workers).repeat_interleave(got.reshape(-1))
-    found = [b.local.pull(asked[asked_tag == t]) for t, b in enumerate(backends)]
-    starts = torch.cumsum(got, 0) - got  # where requester i's rows of table t begin in found[t]
+    by_table = asked.index_select(0, torch.argsort(asked_tag, stable=True)).split(got.sum(0).tolist())
+    found = [b.local.pull(part) for b, part in zip(backends, by_table, strict=True)]
+    # requester i's rows of table t: found[t][starts[i, t] : starts[i, t] + got[i, t]] (requesters in order)
+    starts = (torch.cumsum(got, 0) - got).tolist()
+    counts = got.tolist()
     reply = torch.cat(
         [
-            found[t][int(starts[i, t]) : int(starts[i, t] + got[i, t])].reshape(-1)
+            found[t][starts[i][t] : starts[i][t] + counts[i][t]].reshape(-1)
             for i in range(workers)
             for t in range(tables)
         ]
     )
     widths = torch.tensor(dims, dtype=torch.int64)
-    back = all_to_all.rows(
-        reply.to(first.device),
-        (got * widths).sum(1).tolist(),
-        (sends * widths).sum(1).tolist(),
-        first.group,
-        first.timeout_s,
-        what,
-        first.diagnose,
-    )
+    back, _, _ = first.exchange(reply, (got * widths).sum(1).tolist(), None, (sends * widths).sum(1).tolist(), what)
     pieces = _cut(back, sends, dims)  # owner j's block holds table 0's rows, then table 1's ...
+    # where each table's rows (in the order sent: by owner, ids' order kept) go: its ids' positions, by table
+    placed_at = order.index_select(0, torch.argsort(table_of.index_select(0, order), stable=True)).split(lengths)
     out = []
-    for t, ids in enumerate(ids_list):
-        rows = torch.cat(pieces[t]).to(ids.device) if pieces[t] else back.new_empty(0, dims[t])
+    begin = 0
+    for t, ids_t in enumerate(ids_list):
+        rows = torch.cat(pieces[t]).to(ids_t.device) if pieces[t] else back.new_empty(0, dims[t])
         placed = torch.empty_like(rows)
-        placed[torch.argsort(owners[t], stable=True).to(rows.device)] = rows
+        placed[(placed_at[t] - begin).to(rows.device)] = rows
         out.append(placed)
+        begin += lengths[t]
     return out
 
 
@@ -82,26 +74,26 @@ def step_together(items: list[tuple[Any, dict[str, Any]]], optimizer_class: type
     workers, tables = first.workers, len(items)
     parts = [backend.gradients(group) for backend, group in items]  # (ids, block [n, width + 2], lr, finite)
     widths = [block.shape[1] for _, block, _, _ in parts]
-    owners = [backend.owners(ids) for (backend, _), (ids, _, _, _) in zip(items, parts, strict=True)]
-    sends = torch.stack([torch.bincount(o, minlength=workers) for o in owners], 1)  # [workers, tables]
+    lengths = [ids.numel() for ids, _, _, _ in parts]
+    owners = first.owners(torch.cat([ids for ids, _, _, _ in parts])).split(lengths)  # one hash for all tables
+    sends = torch.stack([torch.bincount(o, minlength=workers) for o in owners], 1).cpu()  # [workers, tables]
     bad = torch.tensor([[0 if finite else 1 for *_, finite in parts]] * workers, dtype=torch.int64)
-    header = torch.cat([sends, bad], 1).to(first.device)
-    got = all_to_all.counts(header, first.group, first.timeout_s, what, first.diagnose).cpu()
-    got, any_bad = got[:, :tables], got[:, tables:].any(0).tolist()
     blocks = []  # owner j's block: table 0's rows (flat), then table 1's ...
     orders = [torch.argsort(o, stable=True) for o in owners]
     sorted_blocks = [
         block.index_select(0, order.to(block.device)) for (_, block, _, _), order in zip(parts, orders, strict=True)
     ]
-    starts = torch.cumsum(sends, 0) - sends
+    starts, counts = (torch.cumsum(sends, 0) - sends).tolist(), sends.tolist()
     for j in range(workers):
         for t in range(tables):
-            blocks.append(sorted_blocks[t][int(starts[j, t]) : int(starts[j, t] + sends[j, t])].reshape(-1))
-    flat = torch.cat(blocks).to(first.device)
+            blocks.append(sorted_blocks[t][starts[j][t] : starts[j][t] + counts[j][t]].reshape(-1))
     w = torch.tensor(widths, dtype=torch.int64)
-    back = all_to_all.rows(
-        flat, (sends * w).sum(1).tolist(), (got * w).sum(1).tolist(), first.group, first.timeout_s, what, first.diagnose
-    ).cpu()
+    # one exchange carries each table's counts and non-finite flag (the header) and the gradients
+    back, header, _ = first.exchange(
+        torch.cat(blocks), (sends * w).sum(1).tolist(), torch.cat([sends, bad], 1), None, what
+    )
+    assert header is not None
+    got, any_bad = header[:, :tables], header[:, tables:].any(0).tolist()
     received = _cut(back, got, widths)
     for t, (backend, group) in enumerate(items):
         backend.apply_received(optimizer_class, group, torch.cat(received[t]), parts[t][2], bool(any_bad[t]))
@@ -112,9 +104,9 @@ def _cut(flat: torch.Tensor, counts: torch.Tensor, widths: list[int]) -> list[li
     table 0 (``widths[0]`` values each), then table 1's ..., in worker order."""
     pieces: list[list[torch.Tensor]] = [[] for _ in widths]
     at = 0
-    for j in range(counts.shape[0]):
+    for row in counts.tolist():
         for t, width in enumerate(widths):
-            n = int(counts[j, t]) * width
+            n = row[t] * width
             pieces[t].append(flat[at : at + n].view(-1, width))
             at += n
     return pieces

@@ -130,6 +130,7 @@ class ShardedRows:
         reduce_sum: Callable[[torch.Tensor], torch.Tensor],
         announce: Callable[[str, Any, int, float], None] | None = None,
         diagnose: Callable[[], str | None] | None = None,
+        local: Any = None,
     ):
         self._module = weakref.ref(module)
         self.group = group
@@ -143,6 +144,8 @@ class ShardedRows:
         # gloo moves CPU tensors; NCCL only CUDA ones (the table itself stays in host memory)
         nccl = dist.get_backend(group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        #: the job's shared-memory all-to-all (CPU workers all on one host), else None: the process group
+        self.shared = local if self.device.type == "cpu" else None
         self.shard = TableShard(module, self.workers)
         self.local = LocalRows(self.shard)
         """This worker's rows: a table of its own (the module's ``local`` table stays empty)."""
@@ -174,14 +177,16 @@ class ShardedRows:
         sends = torch.bincount(owners, minlength=self.workers)
         return order, sends.tolist()
 
-    def _counts(self, sends: list[int], flag: int, what: str) -> tuple[list[int], bool]:
-        """(rows each worker sends here, whether any worker raised ``flag``)."""
-        mine = torch.tensor([[n, flag] for n in sends], dtype=torch.int64, device=self.device)
-        got = all_to_all.counts(mine, self.group, self.timeout_s, what, self.diagnose).cpu()
-        return got[:, 0].tolist(), bool(got[:, 1].any())
-
-    def _move(self, send: torch.Tensor, sends: list[int], recvs: list[int], what: str) -> torch.Tensor:
-        return all_to_all.rows(send.to(self.device), sends, recvs, self.group, self.timeout_s, what, self.diagnose)
+    def exchange(
+        self, send: torch.Tensor, sizes: list[int], header: torch.Tensor | None, recv_sizes: list[int] | None, what: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """:func:`fleet.collective.all_to_all.blocks` among the workers: shared memory on one host, else the
+        process group. Received on the CPU (where the table lives)."""
+        got, header_got, sizes_got = all_to_all.blocks(
+            send.to(self.device), sizes, header, recv_sizes, self.group, self.timeout_s, what, self.diagnose,
+            self.shared,
+        )  # fmt: skip
+        return got.cpu(), header_got, sizes_got
 
     # ------------------------------------------------------------------ a training step
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
@@ -191,10 +196,11 @@ class ShardedRows:
             self._announce("pull", module, self.shard.embedding_dim, 0.0)
         what = self._what("pulling")
         order, sends = self._route(ids)
-        recvs, _ = self._counts(sends, 0, what)
-        asked = self._move(ids.index_select(0, order), sends, recvs, what).cpu()
+        asked, _, recvs = self.exchange(ids.index_select(0, order), sends, None, None, what)
         found = self.local.pull(asked)
-        back = self._move(found, recvs, sends, what).to(ids.device)
+        dim = self.shard.embedding_dim
+        back, _, _ = self.exchange(found, [n * dim for n in recvs], None, [n * dim for n in sends], what)
+        back = back.view(-1, dim).to(ids.device)
         out = torch.empty_like(back)
         out[order.to(back.device)] = back
         return out
@@ -212,6 +218,8 @@ class ShardedRows:
         if first._announce is not None:
             first._announce("pull", first._module(), sum(b.shard.embedding_dim for b in backends), 0.0)
         return sharded_many.pull_together(backends, ids_list, first._what("pulling"))
+
+    pulls_ahead = False  # a step's rows must include the step before it: the forward pulls (prefetch_together)
 
     @classmethod
     def prefetch_together(cls, backends: list[ShardedRows], ids_list: list[torch.Tensor]) -> None:
@@ -237,9 +245,13 @@ class ShardedRows:
             self._announce("step", self._module(), block.shape[1], lr)
         what = self._what("sending gradients to")
         order, sends = self._route(ids)
-        recvs, any_bad = self._counts(sends, 0 if finite else 1, what)
-        got = self._move(block.index_select(0, order.to(block.device)), sends, recvs, what).cpu()
-        self.apply_received(optimizer_class, group, got, lr, any_bad)
+        width = block.shape[1]
+        flags = torch.full((self.workers, 1), 0 if finite else 1, dtype=torch.int64)
+        got, bad, _ = self.exchange(
+            block.index_select(0, order.to(block.device)), [n * width for n in sends], flags, None, what
+        )
+        assert bad is not None
+        self.apply_received(optimizer_class, group, got.view(-1, width), lr, bool(bad.any()))
 
     def gradients(self, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
         """(ids, [gradients | clicks | the ids' bits as two float32 columns], lr, whether all is finite) of the

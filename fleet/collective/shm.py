@@ -235,13 +235,16 @@ class Channel:
 class LocalHost:
     """The shared memory of a job whose workers all run on this host (:meth:`connect`).
 
-    ``token`` names the job's segments (under :func:`fleet.runtime.job_files.shm_prefix`, which fleetrun cleans up); ``lockstep`` and ``buckets`` are two channels (the
-    headers of :mod:`fleet.collective.lockstep`, and the gradient transport's barriers), so
-    that the training thread and the transport's thread never share a sequence.
+    ``token`` names the job's segments (under :func:`fleet.runtime.job_files.shm_prefix`, which fleetrun cleans up); ``lockstep``, ``buckets`` and ``tables`` are three channels (the
+    headers of :mod:`fleet.collective.lockstep`, the gradient transport's barriers, and the
+    all-to-alls of sharded tables, :class:`fleet.collective.all_to_all.SharedMemoryAllToAll`), so that the training
+    thread and the transport's thread never share a sequence, and each user's meetings alternate
+    its double buffers alike on every worker.
     """
 
     LOCKSTEP_WIDTH = 6
     BUCKETS_WIDTH = 1
+    TABLES_WIDTH = 1
     WORDS = 1 + (last_words.MAX_BYTES + 7) // 8  # a worker's last words: their length, then their UTF-8 bytes
 
     def __init__(
@@ -252,12 +255,16 @@ class LocalHost:
         self.world = world
         first = Channel.numel(world, self.LOCKSTEP_WIDTH)
         second = first + Channel.numel(world, self.BUCKETS_WIDTH)
-        self._words = table[second : self.size(world)].view(world, self.WORDS)
+        third = second + Channel.numel(world, self.TABLES_WIDTH)
+        self._words = table[third : self.size(world)].view(world, self.WORDS)
         self.lockstep = Channel(
             table[:first], rank, world, self.LOCKSTEP_WIDTH, timeout_s, check_pids, epitaph=self.last_words
         )
         self.buckets = Channel(
             table[first:second], rank, world, self.BUCKETS_WIDTH, timeout_s, check_pids, epitaph=self.last_words
+        )
+        self.tables = Channel(
+            table[second:third], rank, world, self.TABLES_WIDTH, timeout_s, check_pids, epitaph=self.last_words
         )
         last_words.listen(self.say)
 
@@ -265,7 +272,10 @@ class LocalHost:
     def size(world: int) -> int:
         """The channels' int64s and the workers' last words (the control segment holds one more: worker 0's
         proof value, :meth:`connect`)."""
-        channels = Channel.numel(world, LocalHost.LOCKSTEP_WIDTH) + Channel.numel(world, LocalHost.BUCKETS_WIDTH)
+        channels = sum(
+            Channel.numel(world, width)
+            for width in (LocalHost.LOCKSTEP_WIDTH, LocalHost.BUCKETS_WIDTH, LocalHost.TABLES_WIDTH)
+        )
         return channels + world * LocalHost.WORDS
 
     def say(self, words: str) -> None:

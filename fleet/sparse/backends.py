@@ -167,6 +167,14 @@ def pull_many(requests: list[tuple[TableBackend, torch.Tensor]]) -> list[torch.T
     return out  # type: ignore[return-value]
 
 
+def can_prefetch(backends: list[Any]) -> bool:
+    """Whether :func:`prefetch_many` may start a pull for these backends: a caller skips preparing a coming
+    batch's unique ids where it cannot (a local table, tables sharded across the workers), work the forward
+    would do again."""
+    keys = {(type(b), id(b.batch_key())) if isinstance(b, BatchedRows) else None for b in backends}
+    return len(keys) == 1 and None not in keys and getattr(backends[0], "pulls_ahead", True)
+
+
 def prefetch_many(requests: list[tuple[TableBackend, torch.Tensor]]) -> Any | None:
     """Start pulling each ``(backend, unique ids)`` in the background, where rows may be a step old anyway
     (parameter server, ``update="async"``): a future of the rows for :func:`collect_many`, or None where

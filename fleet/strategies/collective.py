@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fleet.collective import lockstep, sharded_rows, sparse_grads, transports
+from fleet.collective.all_to_all import SharedMemoryAllToAll
 from fleet.collective.broadcast import (
     average_tensors,
     broadcast_optimizer_state,
@@ -71,6 +72,8 @@ class CollectiveStrategy(Strategy):
         self._models: list[weakref.ref] = []
         self._sync: GradSync | None = None
         self._backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its ExchangedRows
+        self._setup: transports.Setup | None = None
+        self._all_to_all: SharedMemoryAllToAll | None = None  # sharded tables' exchanges, CPU workers on one host
 
     # --- the shared synchroniser ----------------------------------------------------------
 
@@ -80,7 +83,7 @@ class CollectiveStrategy(Strategy):
             group = self.runtime.process_group(config.timeout_s)
             wait_s = config.collective_wait_s  # a live peer is waited for this long (fleet.collective.patience)
             # The config is the transports' options: each may name a field that switches it off.
-            setup = transports.Setup(group, wait_s, compression=config.grad_compression, options=config)
+            setup = self._setup = transports.Setup(group, wait_s, compression=config.grad_compression, options=config)
             self._sync = GradSync(
                 group,
                 bucket_bytes=int(config.bucket_mb * (1 << 20)),
@@ -172,11 +175,23 @@ class CollectiveStrategy(Strategy):
                 backend = sharded_rows.ShardedRows(
                     module, self.group, self.config.collective_wait_s, "with tables sharded in collective mode",
                     lambda values: self.all_reduce(values, "sum"), self._announce_table, self.runtime.diagnose_peers,
+                    self._shared_all_to_all(),
                 )  # fmt: skip
             else:
                 backend = tables.ExchangedRows(module.local, self._exchange_rows)
             self._backends[module] = backend
         return backend
+
+    def _shared_all_to_all(self) -> SharedMemoryAllToAll | None:
+        """The sharded tables' all-to-all through shared memory: every worker on this host, ``shared_memory`` on
+        (the gradient transport probed the host already; the same answer on every worker)."""
+        self.sync()
+        setup = self._setup
+        if self._all_to_all is None and setup is not None and setup.group is not None and setup.allows("shared_memory"):
+            host = setup.local_host()
+            if host is not None:
+                self._all_to_all = SharedMemoryAllToAll(host, self.runtime.diagnose_peers)
+        return self._all_to_all
 
     def _announce_table(self, what: str, module: Any, width: int, lr: float) -> None:
         """Before a sharded table's exchange: every worker must be about to do the same (lockstep)."""
@@ -199,6 +214,8 @@ class CollectiveStrategy(Strategy):
                 lock.finish()
         finally:
             sync.close()
+            if self._all_to_all is not None:
+                self._all_to_all.close()
             if lock is not None:
                 atexit.unregister(self._finish_at_exit)
 

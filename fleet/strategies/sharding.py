@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from fleet.collective import lockstep, sharded_rows, sparse_grads
+from fleet.collective.all_to_all import SharedMemoryAllToAll
 from fleet.collective.broadcast import average_tensors, broadcast_tensors, check_same_shapes
 from fleet.collective.layout import ParamMap
 from fleet.errors import FleetError
@@ -103,6 +104,7 @@ class ShardingStrategy(Strategy):
         self._order: ShardedOrder | None = None  # every worker runs the same sharded modules (made with the group)
         self._autograd: sharded_autograd.EntryPoints | None = None  # torch.autograd's, held until shutdown
         self._shared: shm_collectives.SharedMemoryCollectives | None = None  # CPU workers on one host
+        self._all_to_all: SharedMemoryAllToAll | None = None  # sharded tables' exchanges, CPU workers on one host
         self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its ShardedRows
 
     # --- sharding the model ----------------------------------------------------------------
@@ -229,6 +231,14 @@ class ShardingStrategy(Strategy):
                     groups[i] = ([], set())
         return [modules for modules, _ in groups if modules and not _shares_parameters(modules, model)]
 
+    def _shared_all_to_all(self) -> SharedMemoryAllToAll | None:
+        """The sharded tables' all-to-all through shared memory: CPU workers all on this host (the announcements'
+        shared memory, once a model is sharded), ``shared_memory`` on."""
+        host = self._order.host if self._order is not None else None
+        if self._all_to_all is None and host is not None:
+            self._all_to_all = SharedMemoryAllToAll(host, self.runtime.diagnose_peers)
+        return self._all_to_all
+
     def _shared_collectives(self, device: str) -> shm_collectives.SharedMemoryCollectives | None:
         """FSDP2's collectives through shared memory: CPU workers all on this host, ``shared_memory`` on."""
         assert self._order is not None
@@ -309,6 +319,7 @@ class ShardingStrategy(Strategy):
                 backend = self._tables[module] = sharded_rows.ShardedRows(
                     module, group, self.config.collective_wait_s, "with tables sharded in sharding mode",
                     lambda values: self.all_reduce(values, "sum"), diagnose=self.runtime.diagnose_peers,
+                    local=self._shared_all_to_all(),
                 )  # fmt: skip
             return backend
         world = dist.get_world_size(group)
@@ -332,6 +343,8 @@ class ShardingStrategy(Strategy):
             self._autograd.close()  # torch.autograd.backward and grad are torch's own again
         if self._shared is not None:
             self._shared.close()
+        if self._all_to_all is not None:
+            self._all_to_all.close()
         super().shutdown()
 
     def barrier(self) -> None:

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from dist_harness import run_workers
+from fleet.collective import shm
+
+needs_shm = pytest.mark.skipif(not shm.supported(), reason="the shared-memory path needs x86-64 and /dev/shm")
 
 
 def _blocks(rank: int, workers: int) -> tuple[torch.Tensor, list[int]]:
@@ -89,3 +92,119 @@ def test_auto_shards_in_sharding_mode_but_keeps_a_capped_table_replicated() -> N
     assert shards("auto", True, plain) and not shards("auto", True, capped)  # mode="sharding"
     assert not shards("auto", False, plain)  # mode="collective"
     assert shards("sharded", False, capped) and not shards("replicated", True, plain)
+
+
+# --------------------------------------------------------------------------- through shared memory (one host)
+
+
+def _shared(world: int, timeout_s: float = 20.0) -> tuple[list, str]:
+    """``world`` workers' all-to-alls over one channel table, as threads of this process (a fresh token)."""
+    import secrets
+    import types
+
+    from fleet.collective.all_to_all import SharedMemoryAllToAll
+
+    table = torch.zeros(shm.Channel.numel(world, shm.LocalHost.TABLES_WIDTH), dtype=torch.int64)
+    token = f"fleet-test-a2a-{secrets.token_hex(6)}"
+    hosts = [
+        types.SimpleNamespace(
+            rank=r, world=world, token=token, tables=shm.Channel(table, r, world, shm.LocalHost.TABLES_WIDTH, timeout_s)
+        )
+        for r in range(world)
+    ]
+    return [SharedMemoryAllToAll(h) for h in hosts], token
+
+
+def _on_threads(world: int, fn) -> list:
+    import threading
+
+    out: list = [None] * world
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(rank)
+        except BaseException as error:  # noqa: BLE001 - handed to the test's thread
+            out[rank] = error
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "an exchange hung"
+    return out
+
+
+def _round_sizes(step: int, src: int, dst: int) -> int:
+    """Uneven, often empty, growing past the first segments (the last rounds move ~100 k elements a block)."""
+    if (src + dst + step) % 3 == 0:
+        return 0
+    return (src + 1) * (dst + 2) * (1 + step) ** 4 * 7
+
+
+@needs_shm
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_all_to_all_moves_uneven_and_empty_blocks_with_their_headers(world: int) -> None:
+    import glob
+
+    exchangers, token = _shared(world)
+    steps = 7
+
+    def worker(rank: int) -> list:
+        got = []
+        for step in range(steps):
+            sizes = [_round_sizes(step, rank, j) for j in range(world)]
+            dtype = torch.int64 if step % 2 else torch.float32
+            send = torch.cat([torch.arange(n, dtype=dtype) + 1000 * (10 * rank + j) for j, n in enumerate(sizes)])
+            header = torch.tensor([[rank, j, step] for j in range(world)])
+            got.append(exchangers[rank].exchange(send, header, sizes, "test"))
+        exchangers[rank].exchange(torch.empty(0), torch.empty(world, 0, dtype=torch.int64), [0] * world, "test")
+        return got
+
+    results = _on_threads(world, worker)
+    for rank, got in enumerate(results):
+        assert not isinstance(got, BaseException), got
+        for step, (rows, header, sizes) in enumerate(got):
+            dtype = torch.int64 if step % 2 else torch.float32
+            want_sizes = [_round_sizes(step, i, rank) for i in range(world)]
+            want = torch.cat([torch.arange(n, dtype=dtype) + 1000 * (10 * i + rank) for i, n in enumerate(want_sizes)])
+            assert sizes == want_sizes
+            assert rows.dtype == dtype and torch.equal(rows, want), (rank, step)
+            assert torch.equal(header, torch.tensor([[i, rank, step] for i in range(world)]))
+    assert exchangers[0]._generation > 1  # the segments grew on the way
+    for exchanger in exchangers:
+        exchanger.close()
+    assert not glob.glob(f"{shm.SHM_DIR}/{token}-*")  # every name removed once mapped
+
+
+@needs_shm
+def test_shared_memory_refused_on_one_worker_sends_every_worker_to_the_process_group() -> None:
+    exchangers, _ = _shared(3)
+    exchangers[1]._refused = OSError("No space left on device")  # /dev/shm full there
+
+    def worker(rank: int) -> object:
+        return exchangers[rank].exchange(torch.ones(3), torch.zeros(3, 1, dtype=torch.int64), [1, 1, 1], "test")
+
+    assert _on_threads(3, worker) == [None, None, None]
+    assert not any(e.usable for e in exchangers)
+    for exchanger in exchangers:
+        exchanger.close()
+
+
+@needs_shm
+def test_shared_memory_all_to_all_names_a_dead_peer_not_a_hang() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from fleet.errors import PeerError
+
+    exchangers, _ = _shared(2, timeout_s=60.0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    exchangers[0].channel.table[1, 1] = dead.pid  # worker 1 joined, then its process ended
+    started = time.monotonic()
+    with pytest.raises(PeerError, match="pulling rows failed: worker 1 died"):
+        exchangers[0].exchange(torch.ones(2), torch.zeros(2, 0, dtype=torch.int64), [1, 1], "pulling rows")
+    assert time.monotonic() - started < 30  # named within about a second, long before the 60 s wait
+    exchangers[0].close()

@@ -26,9 +26,11 @@ def _check(result: dict, want: dict, workers: int) -> None:
         assert torch.allclose(result["dense"][name], value, atol=1e-6, rtol=0), name
 
 
-def _check_held(results: list[dict], want: dict, workers: int) -> None:
-    """Each worker holds its own rows only (about 1/N of them), none twice, and no replica."""
+def _check_held(results: list[dict], want: dict, workers: int, through: str = "shared memory") -> None:
+    """Each worker holds its own rows only (about 1/N of them), none twice, and no replica; the exchanges went
+    ``through`` shared memory (every worker here is on one host) or the process group."""
     for name, table in want["tables"].items():
+        assert all(r["held"][name]["through"] == through for r in results), (name, through)
         total = table["ids"].numel()
         counts = [r["held"][name]["count"] for r in results]
         assert sum(counts) == total, (name, counts, total)
@@ -48,6 +50,17 @@ def test_sharded_tables_equal_one_process_on_the_union(workers: int, kind: str, 
     for result in results:
         _check(result, want, workers)
     _check_held(results, want, workers)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_sharded_tables_through_the_process_group_equal_one_process(workers: int) -> None:
+    """With shared memory switched off (as across hosts), the exchanges go through gloo: the same math."""
+    want = sharded_jobs.reference(workers, "adagrad")
+    results = run_workers(sharded_jobs.worker, workers, "adagrad", {**COLLECTIVE, "shared_memory": False}, timeout=200)
+    for result in results:
+        _check(result, want, workers)
+    _check_held(results, want, workers, through="process group")
 
 
 @pytest.mark.timeout(240)
