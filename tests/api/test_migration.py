@@ -41,6 +41,7 @@ def _run(
     return losses
 
 
+@pytest.mark.slow  # tens of seconds: the slow set (docs/development.md) keeps the README's suite under 10 minutes
 def test_the_converted_trainer_matches_ddp_under_torchrun_and_fleetrun(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
     fleetrun = [sys.executable, "-m", "fleet.launch", "--workers", "2", "--log-dir", str(tmp_path / "logs")]

@@ -31,6 +31,7 @@ def fleetrun(tmp: Path, name: str, crash_step: int, victim: int) -> tuple[str, l
     return output, re.findall(r"worker \d final step 18 checksum (-?\d+\.\d+)", output)
 
 
+@pytest.mark.slow  # tens of seconds: the slow set (docs/development.md) keeps the README's suite under 10 minutes
 @pytest.mark.timeout(240)
 def test_killed_worker_restart_resumes_to_the_uninterrupted_result(tmp_path):
     rng = random.Random()

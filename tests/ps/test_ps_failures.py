@@ -31,6 +31,7 @@ def test_a_restarted_worker_rejoins_the_running_sync_job(tmp_path):
     assert "[worker 0] worker 0 done" in output
 
 
+@pytest.mark.slow  # tens of seconds: the slow set (docs/development.md) keeps the README's suite under 10 minutes
 @pytest.mark.timeout(120)
 def test_a_dead_worker_is_named_and_the_server_ends_without_a_launcher(tmp_path):
     """Hand-started processes (no fleetrun to stop the job): nobody may hang."""

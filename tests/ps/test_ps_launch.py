@@ -46,6 +46,7 @@ def communicate(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int
     return out
 
 
+@pytest.mark.slow  # tens of seconds: the slow set (docs/development.md) keeps the README's suite under 10 minutes
 @pytest.mark.timeout(90)
 def test_paddle_style_environment_started_by_hand() -> None:
     ports = [free_port(), free_port()]

@@ -23,6 +23,7 @@ def _report(tmp_path: Path, how: str, steps: int, inject: dict | None = None) ->
     return json.loads((logs / "report.json").read_text()), r.stdout
 
 
+@pytest.mark.slow  # tens of seconds: the slow set (docs/development.md) keeps the README's suite under 10 minutes
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_sharding_counts_its_communication_and_a_script_without_step_is_timed_per_backward(tmp_path):
