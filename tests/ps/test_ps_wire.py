@@ -127,3 +127,17 @@ def test_encode_refuses_what_the_wire_cannot_carry() -> None:
     with pytest.raises(WireError, match="dims"):
         encode(Message(Op.PUSH_DENSE_GRAD, tensors=[torch.zeros(1, 1, 1, 1, 1)]))
     assert DESCRIPTOR.size == 40 and HEADER.size == 52
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.complex128])
+def test_a_misaligned_frame_is_read_without_crashing(dtype: torch.dtype) -> None:
+    """A direct reply's data sits at offset 108 of its buffer: a float64 scalar there crashed decode (a clone)."""
+    for shape in [(), (3,), (2, 2)]:
+        t = (torch.randn(shape) * 10).to(dtype)
+        frames = encode(Message(Op.PULL_DENSE, status=Status.OK, tensors=[t]))
+        data = bytes(frames[2])
+        buf = bytearray(4 + len(data))
+        buf[4:] = data
+        got = decode([frames[0], frames[1], memoryview(buf)[4:]]).tensors[0]
+        assert got.shape == t.shape and torch.equal(got, t)
+        assert got.data_ptr() % got.element_size() == 0

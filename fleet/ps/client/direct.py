@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fleet.ps.protocol import unix
+from fleet.ps.protocol import small, unix
 from fleet.ps.protocol.errors import PSAuthError, PSClientClosed, PSError, PSServerUnavailable, WireError
 from fleet.ps.protocol.wire import Message, Op, Status, decode, op_name
 
@@ -79,9 +79,9 @@ class _Conn:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self.bound = left
 
-    def send(self, frames: Sequence[Any], deadline: float) -> None:
-        """Write one request (usually one ``sendmsg``)."""
-        pending = unix.buffers(frames)
+    def send(self, buffers: Sequence[memoryview], deadline: float) -> None:
+        """Write one request, its bytes as :func:`fleet.ps.protocol.unix.buffers` gives them (usually one ``sendmsg``)."""
+        pending = list(buffers)  # a copy: a request sent again after a broken connection goes whole
         self.within(deadline)
         while pending:
             try:
@@ -102,11 +102,15 @@ class _Conn:
                 raise ConnectionResetError("the parameter server closed the connection")
             return got
 
-    def receive(self, deadline: float) -> list[memoryview]:
-        """Read one answer (usually one ``recv_into``): its frames, views of a buffer of its own."""
+    def receive(self, deadline: float) -> Message | list[memoryview]:
+        """Read one answer (usually one ``recv_into``): the message when it is small and plain
+        (:func:`fleet.ps.protocol.small.read`), else its frames, views of a buffer of its own."""
         scratch = self.scratch
         self.within(deadline)
         got = self._read(scratch, deadline)
+        quick = small.read(scratch, got)
+        if quick is not None:
+            return quick
         need = unix.message_length(scratch, got)
         while need is None:  # the length prefix came in pieces
             got += self._read(scratch[got:], deadline)
@@ -214,28 +218,29 @@ class DirectCalls:
         conn.sock.close()
 
     def call(
-        self, parts: list[tuple[int, Message, list[Any]]], routes: Sequence[tuple[str, int]], timeout_s: float
+        self, parts: list[tuple[int, Message, list[memoryview]]], routes: Sequence[tuple[str, int]], timeout_s: float
     ) -> list[Message]:
-        """Send each (server, message, its encoded frames), wait for every answer; raise what the IO thread would.
+        """Send each (server, message, its bytes as :func:`fleet.ps.protocol.unix.buffers` gives them), wait for
+        every answer; raise what the IO thread would.
 
         ``routes``: per server, its direct socket's path and the incarnation its HELLO gave.
         """
         deadline = time.monotonic() + timeout_s
         used: dict[int, _Conn] = {}
         try:
-            for server, msg, frames in parts:
+            for server, msg, buffers in parts:
                 path, incarnation = routes[server]
                 conn = used[server] = self._conn(server, path, incarnation, msg, deadline)
                 try:
                     try:
-                        conn.send(frames, deadline)
+                        conn.send(buffers, deadline)
                     except (BrokenPipeError, ConnectionResetError):
                         # This thread's connection outlived its server (it died and came back since this thread
                         # last called it): nothing was delivered, so connect anew (checking the incarnation the
                         # client knows now) and send once more.
                         self._drop(server, conn)
                         conn = used[server] = self._conn(server, path, incarnation, msg, deadline)
-                        conn.send(frames, deadline)
+                        conn.send(buffers, deadline)
                 except TimeoutError:
                     raise self._unavailable(
                         server, msg, f"took no {op_name(msg.op)} in time", PSServerUnavailable
@@ -261,7 +266,7 @@ class DirectCalls:
 
     def _answer(self, server: int, msg: Message, conn: _Conn, deadline: float) -> Message:
         try:
-            frames = conn.receive(deadline)
+            got = conn.receive(deadline)
         except TimeoutError:
             raise self._unavailable(
                 server, msg, f"did not answer {op_name(msg.op)} in time", PSServerUnavailable
@@ -272,7 +277,7 @@ class DirectCalls:
             why = f"closed the connection (the server exited or crashed: {exc}) while {op_name(msg.op)} was in flight"
             raise self._unavailable(server, msg, why, PSServerUnavailable) from None
         try:
-            reply = decode(frames)
+            reply = got if type(got) is Message else decode(got)
         except WireError as exc:
             raise self._remote(server, exc.op, f"malformed reply: {exc}") from None
         if reply.request_id != msg.request_id:

@@ -35,7 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from fleet.ps.client.direct import DIRECT_OPS, SMALL_BYTES, DirectCalls, message_bytes
 from fleet.ps.client.routes import Route
-from fleet.ps.protocol import auth
+from fleet.ps.protocol import auth, small, unix
 from fleet.ps.protocol import local as same_host
 from fleet.ps.protocol.errors import (
     PSAuthError,
@@ -184,8 +184,9 @@ class IOThread:
             with self._count_lock:
                 self._outstanding -= 1
 
-    def _direct_frames(self, job: Job) -> list[list[Any]] | None:
-        """The encoded messages of ``job`` when it may go from the calling thread, else None."""
+    def _direct_frames(self, job: Job) -> list[list[memoryview]] | None:
+        """The messages of ``job`` as the direct path writes them (byte views, length prefix first) when it may
+        go from the calling thread, else None."""
         if self._outstanding or not self._routes or not job.parts:
             return None  # a request of this client is queued or on the wire: this one must not overtake it
         routes, seen = self._routes, set()
@@ -205,13 +206,16 @@ class IOThread:
         for _, msg in job.parts:
             msg.request_id = next(self._ids)
             msg.timeout_ms = timeout_ms
-            frames = encode(msg)
-            if message_bytes(frames) > SMALL_BYTES:
+            packed = small.pack(msg)  # the usual pull: one struct call (same bytes as the general way)
+            if packed is None:
+                frames = encode(msg)
+                packed = unix.buffers(frames), message_bytes(frames)
+            if packed[1] > SMALL_BYTES:
                 return None
-            encoded.append(frames)
+            encoded.append(packed[0])
         return encoded
 
-    def _call_direct(self, job: Job, frames: list[list[Any]]) -> Future:
+    def _call_direct(self, job: Job, frames: list[list[memoryview]]) -> Future:
         future = job.future  # nobody else has it yet: it cannot have been cancelled
         parts = [(server, msg, f) for (server, msg), f in zip(job.parts, frames, strict=True)]
         try:

@@ -395,8 +395,11 @@ def _one_frame(dtype: torch.dtype, shape: list[int], nbytes: int, data: memoryvi
     if data.readonly:  # plain bytes (copy=True receives, tests); zmq frames are writable
         data = memoryview(bytearray(data))
     t = torch.frombuffer(data, dtype=dtype)
+    if t.data_ptr() % t.element_size():
+        # Small frames can sit at odd offsets (inside ZeroMQ's batch buffer; a direct reply's 8-byte data at offset
+        # 108): copy the bytes first, into a fresh (aligned) buffer. Cloning the misaligned tensor instead crashed the
+        # process (a segmentation fault for a float64 scalar, torch 2.13).
+        t = torch.frombuffer(bytearray(data), dtype=dtype)
     if len(shape) != 1:
         t = t.view(shape)
-    if t.data_ptr() % t.element_size():
-        t = t.clone()  # small frames can sit at odd offsets inside ZeroMQ's batch buffer
     return t

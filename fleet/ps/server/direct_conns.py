@@ -121,10 +121,15 @@ class DirectConnections:
 
     def send(self, ident: bytes, frames: list[Any]) -> bool:
         """Write a reply to the connection ``ident`` (False when it is gone: the reply is dropped)."""
+        return self.send_buffers(ident, unix.buffers(frames))
+
+    def send_buffers(self, ident: bytes, buffers: list[memoryview]) -> bool:
+        """Write a reply given as :func:`fleet.ps.protocol.unix.buffers` gives its bytes (False: the connection
+        is gone, the reply is dropped)."""
         conn = self._by_ident.get(ident)
         if conn is None:
             return False
-        conn.out.extend(unix.buffers(frames))
+        conn.out.extend(buffers)
         self._flush(conn)  # a small reply leaves in this one system call
         return True
 

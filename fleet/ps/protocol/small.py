@@ -1,0 +1,123 @@
+"""Small messages of the direct path written and read in one step: the same bytes, fewer calls.
+
+Why: on the direct same-host path (:mod:`fleet.ps.protocol.unix`) a small pull's round trip is
+mostly Python on both ends, and most of that was the general writer and reader: a frame list,
+then a length prefix for it, then a buffer per frame; on receipt the prefix read twice, the frames
+cut out, the header and descriptor unpacked one by one. The usual small message -- a request or
+reply with an empty blob and at most one tensor of one frame (a pull, its answer) -- has a fixed
+layout, so :func:`pack` writes its prefix, header and descriptor with one ``struct`` call and
+:func:`read` reads them back with one.
+
+The bytes are exactly those of :func:`fleet.ps.protocol.unix.buffers` over
+:func:`fleet.ps.protocol.wire.encode`, so either end may use either way. :func:`read` accepts only
+what :func:`~fleet.ps.protocol.wire.decode` would turn into the same message, whole in the bytes
+given; anything else (an error reply with its text, several tensors, a malformed header, a partial
+read) returns None and takes the general way, which raises the general errors. Nothing read is
+interpreted as code; every length is checked against the bytes there before a tensor is built.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import torch
+
+from fleet.ps.protocol.unix import COUNT
+from fleet.ps.protocol.wire import (
+    _ITEMSIZE,
+    _NO_DIMS,
+    _OP_CODES,
+    _STATUS_CODES,
+    CODE_DTYPES,
+    DESCRIPTOR,
+    DTYPE_CODES,
+    FRAME_BYTES,
+    HEADER,
+    MAGIC,
+    PROTOCOL_VERSION,
+    Message,
+    Status,
+    tensor_buffer,
+)
+
+#: frame count and the header's and blob's lengths, then the header (a message without tensors)
+_BARE = struct.Struct("<3I" + HEADER.format.lstrip("<"))
+#: frame count and the header's, blob's and data's lengths, then the header and one descriptor
+_ONE = struct.Struct("<4I" + HEADER.format.lstrip("<") + DESCRIPTOR.format.lstrip("<"))
+_ONE_HEAD = HEADER.size + DESCRIPTOR.size
+_ERROR = int(Status.ERROR)
+assert _BARE.size == 3 * COUNT.size + HEADER.size and _ONE.size == 4 * COUNT.size + _ONE_HEAD
+
+
+def pack(msg: Message) -> tuple[list[Any], int] | None:
+    """(the byte views to write for ``msg``, its frames' bytes) when it is small and plain, else None.
+
+    Plain: an empty blob and at most one tensor, of a dtype the wire carries, at most
+    :data:`~fleet.ps.protocol.wire.MAX_NDIM` dims, one frame's bytes. The tensor's bytes are a view
+    of its memory (no copy), as in :func:`~fleet.ps.protocol.wire.encode`.
+    """
+    if len(msg.blob):
+        return None
+    tensors = msg.tensors
+    if not tensors:
+        head = _BARE.pack(
+            2, HEADER.size, 0, MAGIC, PROTOCOL_VERSION, msg.op, msg.status, 0, msg.table, msg.peer,
+            msg.request_id, msg.step, msg.arg, msg.lr, msg.timeout_ms,
+        )  # fmt: skip
+        return [memoryview(head)], HEADER.size
+    if len(tensors) != 1:
+        return None
+    t = tensors[0]
+    code = DTYPE_CODES.get(t.dtype)
+    shape = t.shape
+    ndim = len(shape)
+    if code is None or ndim > 4:
+        return None
+    data = tensor_buffer(t)
+    nbytes = len(data)
+    if nbytes > FRAME_BYTES:
+        return None
+    head = _ONE.pack(
+        3, _ONE_HEAD, 0, nbytes, MAGIC, PROTOCOL_VERSION, msg.op, msg.status, 1, msg.table, msg.peer,
+        msg.request_id, msg.step, msg.arg, msg.lr, msg.timeout_ms, code, ndim, *shape, *_NO_DIMS[ndim:],
+    )  # fmt: skip
+    return ([memoryview(head), memoryview(data)] if nbytes else [memoryview(head)]), _ONE_HEAD + nbytes
+
+
+def read(buf: Any, got: int) -> Message | None:
+    """The message of one tensor (or none) and an empty blob that is exactly ``buf[:got]``, else None.
+
+    The tensor is built over a copy of its bytes (the caller reuses ``buf``).
+    """
+    if got == _BARE.size:
+        (count, hsize, bsize, magic, version, op, status, ntensors, table, peer, rid, step, arg, lr,
+         timeout_ms) = _BARE.unpack_from(buf, 0)  # fmt: skip
+        if count != 2 or hsize != HEADER.size or bsize or ntensors:
+            return None
+        tensors: list[torch.Tensor] = []
+    elif got >= _ONE.size:
+        (count, hsize, bsize, nbytes, magic, version, op, status, ntensors, table, peer, rid, step, arg, lr,
+         timeout_ms, code, ndim, *dims) = _ONE.unpack_from(buf, 0)  # fmt: skip
+        if count != 3 or hsize != _ONE_HEAD or bsize or ntensors != 1 or got != _ONE.size + nbytes:
+            return None
+        itemsize = _ITEMSIZE.get(code)
+        if itemsize is None or ndim > 4 or min(dims) < 0 or any(dims[ndim:]):
+            return None
+        shape = dims[:ndim]
+        if math.prod(shape) * itemsize != nbytes or nbytes > FRAME_BYTES:
+            return None
+        dtype = CODE_DTYPES[code]
+        if nbytes:
+            t = torch.frombuffer(bytearray(buf[_ONE.size : got]), dtype=dtype)
+            tensors = [t if ndim == 1 else t.view(shape)]
+        else:
+            tensors = [torch.empty(shape, dtype=dtype)]
+    else:
+        return None
+    if magic != MAGIC or version != PROTOCOL_VERSION or status not in _STATUS_CODES:
+        return None
+    if status != _ERROR and op not in _OP_CODES:
+        return None
+    return Message(op, table, peer, rid, step, arg, lr, timeout_ms, status, tensors, b"")

@@ -1,0 +1,110 @@
+"""The direct path's small-message writer and reader: the general way's bytes, and only messages it would decode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fleet.ps.protocol import small, unix
+from fleet.ps.protocol.errors import WireError
+from fleet.ps.protocol.wire import FRAME_BYTES, Message, Op, Status, decode, encode
+
+DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]  # fmt: skip
+SHAPES = [(), (0,), (7,), (3, 0), (2, 3), (2, 3, 4), (1, 2, 3, 2)]
+
+
+def _general(msg: Message) -> bytes:
+    return b"".join(bytes(b) for b in unix.buffers(encode(msg)))
+
+
+def _small(msg: Message) -> bytes:
+    packed = small.pack(msg)
+    assert packed is not None
+    buffers, frame_bytes = packed
+    assert frame_bytes == sum(unix.frame_bytes(f) for f in encode(msg))
+    return b"".join(bytes(b) for b in buffers)
+
+
+def _same(a: Message, b: Message) -> None:
+    assert (a.op, a.table, a.peer, a.request_id, a.step, a.arg, a.lr, a.timeout_ms, a.status) == (
+        b.op, b.table, b.peer, b.request_id, b.step, b.arg, b.lr, b.timeout_ms, b.status,
+    )  # fmt: skip
+    assert bytes(a.blob) == bytes(b.blob)
+    assert len(a.tensors) == len(b.tensors)
+    for x, y in zip(a.tensors, b.tensors, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape  # and the same bytes (a flipped byte may make a NaN)
+        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+
+
+def _decoded(wire: bytes) -> Message:
+    parsed = unix.parse(bytearray(wire))
+    assert parsed is not None
+    return decode(parsed[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_messages_are_the_general_bytes_and_read_back(dtype: torch.dtype) -> None:
+    for shape in SHAPES:
+        t = (torch.randn(shape) * 10).to(dtype)
+        msg = Message(Op.PULL_DENSE, 3, 1, 99, -5, 7, 0.25, 1234, Status.OK, [t])
+        wire = _small(msg)
+        assert wire == _general(msg)
+        scratch = bytearray(len(wire) + 64)  # the reader gets a buffer longer than the message, as on the path
+        scratch[: len(wire)] = wire
+        got = small.read(memoryview(scratch), len(wire))
+        assert got is not None
+        _same(got, _decoded(wire))
+        scratch[: len(wire)] = bytes(len(wire))  # the tensor owns its bytes: the buffer is reused
+        _same(got, _decoded(wire))
+
+
+def test_a_request_without_tensors() -> None:
+    msg = Message(Op.PULL_DENSE, 2, 0, 7, 0, 3, 0.0, 30000)
+    wire = _small(msg)
+    assert wire == _general(msg)
+    got = small.read(bytearray(wire), len(wire))
+    assert got is not None
+    _same(got, _decoded(wire))
+
+
+def test_what_the_small_way_leaves_to_the_general_way() -> None:
+    t = torch.arange(4.0)
+    assert small.pack(Message(Op.STATS, blob=b"{}")) is None  # a blob
+    assert small.pack(Message(Op.PUSH_DENSE_GRAD, tensors=[t, t])) is None  # two tensors
+    assert small.pack(Message(Op.PULL_DENSE, tensors=[torch.zeros(FRAME_BYTES // 4 + 1)])) is None  # two frames
+    error = Message(Op.PULL_DENSE, status=Status.ERROR, blob=b"table 3 does not exist")
+    wire = _general(error)
+    assert small.read(bytearray(wire), len(wire)) is None  # an error reply carries its text: the general way
+    one = _small(Message(Op.PULL_DENSE, status=Status.OK, tensors=[t]))
+    assert small.read(bytearray(one), len(one) - 1) is None  # not all there yet
+    assert small.read(bytearray(one + b"\0"), len(one) + 1) is None  # more than one message
+
+
+def test_corrupted_bytes_never_make_a_different_message() -> None:
+    """Every byte flipped and every truncation: the reader gives None, or what decode gives for those bytes."""
+    rng = random.Random(0)
+    msgs = [
+        Message(Op.PULL_DENSE, 2, 0, 7, 0, 3, 0.0, 30000),
+        Message(Op.PULL_SPARSE, 1, 0, 8, 2, 0, 0.0, 500, Status.REQUEST, [torch.arange(5)]),
+        Message(Op.PULL_DENSE, 2, 1, 9, 0, 4, 0.0, 0, Status.OK, [torch.randn(2, 3)]),
+    ]
+    for msg in msgs:
+        wire = _small(msg)
+        cases = [wire[:n] for n in range(len(wire))]
+        for at in range(len(wire)):
+            for value in (0, 255, rng.randrange(256)):
+                cases.append(wire[:at] + bytes([value]) + wire[at + 1 :])
+        for case in cases:
+            got = small.read(bytearray(case), len(case))
+            if got is None:
+                continue
+            try:
+                want = _decoded(case)
+            except (WireError, unix.FramingError, AssertionError) as exc:
+                raise AssertionError(f"the small reader took bytes the general way refuses ({exc})") from None
+            _same(got, want)
