@@ -56,7 +56,11 @@ def test_a_timed_window_counts_this_process_cpu_and_the_sampler_sees_a_busy_chil
     assert fields["pid"] == os.getpid() and fields["timed_samples"] == 256
     assert 0.05 <= fields["cpu_s"] < 5 and fields["window"][0] <= fields["window"][1]
     # a job of a launcher and a busy child: the sampler reads both, RUSAGE_CHILDREN counts them in total
-    busy = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time\\nt=time.process_time()+0.3\\nwhile time.process_time()<t: pass'])"
+    # the child outlives a few re-listings of the job's processes (every TREE_EVERY readings), so a loaded
+    # machine that starts it late still shows it to the sampler
+    linger_s = 4 * job_cpu.TREE_EVERY * job_cpu.EVERY_S
+    child = f"import time\nt = time.process_time() + 0.3\nwhile time.process_time() < t: pass\ntime.sleep({linger_s})"
+    busy = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
     done, sampled = job_cpu.run_job([sys.executable, "-c", busy], timeout=60)
     assert done.returncode == 0 and sampled["total_cpu_s"] >= 0.3
     pids = {pid for _, reading in sampled["series"] for pid in reading}
