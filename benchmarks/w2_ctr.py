@@ -419,6 +419,16 @@ def _fmt(r: float | None) -> str:
     return "n/a" if r is None else f"{r:.2f}"
 
 
+def _best_part(fleet_best: Config | None, fleet_async: Config, ratios: dict) -> str:
+    """The headline's tail: fleet's best configuration that trains, when it is not the PS async one, and the CPU ratio."""
+    part = ""
+    if fleet_best is not None and fleet_best is not fleet_async and ratios.get("fleet_best_vs_torchrec_best"):
+        part += f"; fleet best ({fleet_best.name}) {ratios['fleet_best_vs_torchrec_best']:.2f} x TorchRec"
+    if ratios.get("cpu_fleet_best_vs_torchrec_best"):
+        part += f"; CPU per sample {ratios['cpu_fleet_best_vs_torchrec_best']:.2f} x TorchRec's"
+    return part
+
+
 def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) -> None:
     print(
         f"\nW2, 2 workers, batch 512/worker, {args.steps} steps, {args.rounds} round(s): total samples/s after"
@@ -485,7 +495,8 @@ def report(args: argparse.Namespace, configs: list[Config], skipped: list[str]) 
             ratio=round(ratio_t, 4),
             ratio_means="fleet PS async / TorchRec best (samples/s, higher is better); details.ratio_vs_paddle: fleet / Paddle",
             target="async >= 1.2 x TorchRec, >= 3 x Paddle, >= 0.75 x the MLP alone; async dense-ar >= 1.2 x TorchRec, >= 0.6 x the MLP alone",
-            summary=f"{ratio_t:.2f} x TorchRec{paddle_part} (fleet {a_med:,.0f}, TorchRec {t_med:,.0f}{paddle_value} samples/s)",
+            summary=f"PS async ({fleet_async.name}): {ratio_t:.2f} x TorchRec{paddle_part} (fleet {a_med:,.0f}, TorchRec"
+            f" {t_med:,.0f}{paddle_value} samples/s)" + _best_part(fleet_best, fleet_async, ratios),
             details={
                 "ratio_vs_paddle": ratio_p,
                 "ratio_vs_limit": ratios["async_vs_limit"],
