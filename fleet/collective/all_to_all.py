@@ -45,7 +45,6 @@ one that hangs after the strategy's ``collective_wait_s``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -187,30 +186,18 @@ def _by_all_gather(
 
 # --------------------------------------------------------------------------- through shared memory
 
-_ALIGN = 4096  # segment halves are whole pages
 _DATA_ALIGN = 64  # the blocks start on a cache line after the header
 
 
-class SharedMemoryAllToAll:
+class SharedMemoryAllToAll(shm.SharedSegments):
     """One job's all-to-all through shared memory (every sharded table of the job shares it: one channel).
 
     ``host``: the workers' shared memory; ``diagnose``: names a silent peer after a timeout.
     """
 
     def __init__(self, host: shm.LocalHost, diagnose: Callable[[], str | None] | None = None):
-        self.rank = host.rank
-        self.world = host.world
-        self.channel = host.tables
-        self.token = host.token
-        self.diagnose = diagnose
-        self.usable = True  # False once a worker could not get shared memory: the process group for every worker
-        self._mine = torch.empty(0, dtype=torch.uint8)
-        self._half = 0
-        self._generation = 0
-        self._peers: list[torch.Tensor | None] = [None] * self.world
-        self._generations = [0] * self.world
-        self._to_unlink: list[tuple[int, str]] = []  # (sequence from which every worker has mapped it, path)
-        self._refused: OSError | None = None
+        # doubling: the blocks' sizes follow the batches' ids, which grow and shrink step by step
+        super().__init__(host, host.tables, "a2a", doubling=True, diagnose=diagnose)
 
     def exchange(
         self, send: torch.Tensor, header: torch.Tensor, sizes: list[int], what: str
@@ -256,63 +243,3 @@ class SharedMemoryAllToAll:
                 out_bytes[at : at + n].copy_(segment[start : start + n])
             at += n
         return out, every[:, :k].clone(), got_sizes
-
-    # --- this worker's segment ------------------------------------------------------------------
-
-    def _room(self, nbytes: int) -> bool:
-        """Make each half hold ``nbytes``; False if ``/dev/shm`` refused (then this worker says so)."""
-        if nbytes <= self._half:
-            return True
-        if self._refused is not None:
-            return False
-        half = -(-max(nbytes, 2 * self._half) // _ALIGN) * _ALIGN  # doubling: a few generations, early
-        path = self._path(self.rank, self._generation + 1)
-        try:
-            segment = shm.create(path, 2 * half, torch.uint8)
-        except OSError as error:
-            self._refused = error
-            return False
-        self._mine, self._half, self._generation = segment, half, self._generation + 1
-        self._peers[self.rank] = segment
-        self._generations[self.rank] = self._generation
-        # The peers map it after the next meeting, before they arrive at the one after.
-        self._to_unlink.append((self.channel.seq + 2, path))
-        return True
-
-    def _path(self, rank: int, generation: int) -> str:
-        return os.path.join(shm.SHM_DIR, f"{self.token}-a2a-{rank}-{generation}")
-
-    def _meet(self, ok: bool, what: str) -> bool:
-        """Arrive with this worker's segment generation (-1: no shared memory here) and wait for all; map the
-        peers' new segments. False: someone had no shared memory, every worker uses the process group."""
-        try:
-            rows = self.channel.exchange([self._generation if ok else -1])
-        except shm.ChannelError as error:
-            dead = isinstance(error, shm.PeerGone)
-            diagnosis = None if dead or self.diagnose is None else self.diagnose()
-            raise PeerError.from_collective(what, error, diagnosis, plain=dead) from None
-        generations = [row[0] for row in rows]
-        if min(generations) < 0:
-            self.usable = False
-            return False
-        for rank, generation in enumerate(generations):
-            if rank != self.rank and generation != self._generations[rank]:
-                path = self._path(rank, generation)
-                self._peers[rank] = shm.attach(path, os.stat(path).st_size, torch.uint8)
-                self._generations[rank] = generation
-        while self._to_unlink and self._to_unlink[0][0] <= self.channel.seq:
-            self._unlink(self._to_unlink.pop(0)[1])
-        return True
-
-    def close(self) -> None:
-        """Remove the names of segments not yet removed (a job ending right after one was made)."""
-        for _, path in self._to_unlink:
-            self._unlink(path)
-        self._to_unlink.clear()
-
-    @staticmethod
-    def _unlink(path: str) -> None:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass

@@ -44,6 +44,7 @@ from collections.abc import Callable
 
 import torch
 
+from fleet.errors import PeerError
 from fleet.runtime import last_words
 from fleet.runtime.job_files import SHM_DIR, exit_status, owner_tag, process_alive, shm_prefix
 
@@ -365,3 +366,106 @@ def pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
+
+
+SEGMENT_ALIGN = 4096  # segment halves are whole pages
+
+
+class SharedSegments:
+    """Each worker's own growing, double-buffered segment, and its peers' mapped here: the state and the
+    meeting that the shared-memory collectives of a job share (sharding's all-gather and reduce-scatter,
+    :mod:`fleet.sharding.shm_collectives`; sharded tables' all-to-all, :mod:`fleet.collective.all_to_all`).
+
+    A worker that needs a larger segment makes the next generation (:meth:`_room`) and names it at the
+    next meeting (:meth:`_meet`), where each peer maps it; its name is removed once every worker has mapped
+    it. A worker whose ``/dev/shm`` refuses says so at the meeting, and every worker falls back together.
+    ``channel``: the :class:`Channel` that carries the meetings; ``tag`` names the segments; ``doubling``:
+    a segment grows at least twofold (sizes that grow step by step) rather than to the size asked.
+    """
+
+    def __init__(
+        self,
+        host: LocalHost,
+        channel: Channel,
+        tag: str,
+        doubling: bool,
+        diagnose: Callable[[], str | None] | None = None,
+    ):
+        self.rank = host.rank
+        self.world = host.world
+        self.channel = channel
+        self.token = host.token
+        self.diagnose = diagnose
+        self.usable = True  # False once a worker could not get shared memory: every worker falls back
+        self._tag = tag
+        self._doubling = doubling
+        self._mine = torch.empty(0, dtype=torch.uint8)  # this worker's segment: two halves of _half bytes
+        self._half = 0
+        self._generation = 0
+        self._peers: list[torch.Tensor | None] = [None] * self.world  # every worker's segment, mapped here
+        self._generations = [0] * self.world
+        self._to_unlink: list[tuple[int, str]] = []  # (sequence from which every worker has mapped it, path)
+        self._refused: OSError | None = None
+
+    def _room(self, nbytes: int) -> bool:
+        """Make each half hold ``nbytes``; False if ``/dev/shm`` refused (then this worker says so)."""
+        if nbytes <= self._half:
+            return True
+        if self._refused is not None:
+            return False
+        wanted = max(nbytes, 2 * self._half) if self._doubling else nbytes
+        half = -(-wanted // SEGMENT_ALIGN) * SEGMENT_ALIGN
+        path = self._path(self.rank, self._generation + 1)
+        try:
+            segment = create(path, 2 * half, torch.uint8)
+        except OSError as error:
+            self._refused = error
+            return False
+        self._mine, self._half, self._generation = segment, half, self._generation + 1
+        self._peers[self.rank] = segment
+        self._generations[self.rank] = self._generation
+        # The peers map it after the next meeting, before they arrive at the one after.
+        self._to_unlink.append((self.channel.seq + 2, path))
+        return True
+
+    def _path(self, rank: int, generation: int) -> str:
+        return os.path.join(SHM_DIR, f"{self.token}-{self._tag}-{rank}-{generation}")
+
+    def _meet(self, ok: bool, what: str) -> bool:
+        """Arrive with this worker's segment generation (-1: no shared memory here) and wait for all; map the
+        peers' new segments. False: someone had no shared memory, every worker falls back (:meth:`_fell_back`)."""
+        try:
+            rows = self.channel.exchange([self._generation if ok else -1])
+        except ChannelError as error:
+            gone = isinstance(error, PeerGone)
+            diagnosis = None if gone or self.diagnose is None else self.diagnose()
+            raise PeerError.from_collective(what, error, diagnosis, plain=gone) from None
+        generations = [row[0] for row in rows]
+        if min(generations) < 0:
+            self.usable = False
+            self._fell_back()
+            return False
+        for rank, generation in enumerate(generations):
+            if rank != self.rank and generation != self._generations[rank]:
+                path = self._path(rank, generation)
+                self._peers[rank] = attach(path, os.stat(path).st_size, torch.uint8)
+                self._generations[rank] = generation
+        while self._to_unlink and self._to_unlink[0][0] <= self.channel.seq:
+            self._unlink(self._to_unlink.pop(0)[1])
+        return True
+
+    def _fell_back(self) -> None:
+        """Every worker has just given up shared memory (a subclass may say so)."""
+
+    def close(self) -> None:
+        """Remove the names of segments not yet removed (a job ending right after one was made)."""
+        for _, path in self._to_unlink:
+            self._unlink(path)
+        self._to_unlink.clear()
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

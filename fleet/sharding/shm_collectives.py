@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -45,13 +44,10 @@ import torch
 import torch.distributed as dist
 
 from fleet.collective import shm
-from fleet.errors import PeerError
 from fleet.sharding.comm_timing import CommClock
 
-_ALIGN = 4096  # segment halves are whole pages
 
-
-class SharedMemoryCollectives:
+class SharedMemoryCollectives(shm.SharedSegments):
     """The job's shared-memory all-gather and reduce-scatter (one per job; every sharded module uses it).
 
     ``host``: the workers' shared memory (its ``buckets`` channel, which nothing else uses in a
@@ -59,49 +55,15 @@ class SharedMemoryCollectives:
     """
 
     def __init__(self, host: shm.LocalHost, diagnose: Callable[[], str | None] | None = None):
-        self.rank = host.rank
-        self.world = host.world
-        self.channel = host.buckets
-        self.token = host.token
-        self.diagnose = diagnose
-        self.usable = True  # False once a worker could not get shared memory: gloo for every worker
+        # not doubling: the biggest unit's gradients size it, during the first step only
+        super().__init__(host, host.buckets, "fsdp", doubling=False, diagnose=diagnose)
         self.note: str | None = None
-        self._mine = torch.empty(0, dtype=torch.uint8)  # this worker's segment: two halves of _half bytes
-        self._half = 0
-        self._generation = 0
-        self._peers: list[torch.Tensor | None] = [None] * self.world  # every worker's segment, mapped here
-        self._generations = [0] * self.world
-        self._to_unlink: list[tuple[int, str]] = []  # (sequence from which every worker has mapped it, path)
-        self._refused: OSError | None = None
 
     # --- this worker's segment ------------------------------------------------------------------
 
     def _parity(self) -> int:
         """The half the next collective uses (its sequence number's parity, alike on every worker)."""
         return (self.channel.seq + 1) % 2
-
-    def _room(self, nbytes: int) -> bool:
-        """Make each half hold ``nbytes``; False if ``/dev/shm`` refused (then this worker says so)."""
-        if nbytes <= self._half:
-            return True
-        if self._refused is not None:
-            return False
-        half = -(-nbytes // _ALIGN) * _ALIGN  # the biggest unit's gradients: grows during the first step only
-        path = self._path(self.rank, self._generation + 1)
-        try:
-            segment = shm.create(path, 2 * half, torch.uint8)
-        except OSError as error:
-            self._refused = error
-            return False
-        self._mine, self._half, self._generation = segment, half, self._generation + 1
-        self._peers[self.rank] = segment
-        self._generations[self.rank] = self._generation
-        # The peers map it after the next meeting, before they arrive at the one after.
-        self._to_unlink.append((self.channel.seq + 2, path))
-        return True
-
-    def _path(self, rank: int, generation: int) -> str:
-        return os.path.join(shm.SHM_DIR, f"{self.token}-fsdp-{rank}-{generation}")
 
     def _own(self, parity: int, nbytes: int) -> torch.Tensor:
         return self._mine[parity * self._half : parity * self._half + nbytes]
@@ -123,30 +85,10 @@ class SharedMemoryCollectives:
 
     # --- the collectives -------------------------------------------------------------------------
 
-    def _meet(self, ok: bool, what: str) -> bool:
-        """Arrive with this worker's segment generation (-1: no shared memory here) and wait for all;
-        map the peers' new segments. False: someone had no shared memory, every worker uses gloo."""
-        try:
-            rows = self.channel.exchange([self._generation if ok else -1])
-        except shm.ChannelError as error:
-            gone = isinstance(error, shm.PeerGone)
-            diagnosis = None if gone or self.diagnose is None else self.diagnose()
-            raise PeerError.from_collective(what, error, diagnosis, plain=gone) from None
-        generations = [row[0] for row in rows]
-        if min(generations) < 0:
-            self.usable = False
-            self.note = f"shared memory could not be allocated ({self._refused or 'on another worker'})"
-            if self.rank == 0 or self._refused is not None:
-                print(f"fleet: sharding's collectives go through gloo: {self.note}", file=sys.stderr, flush=True)
-            return False
-        for rank, generation in enumerate(generations):
-            if rank != self.rank and generation != self._generations[rank]:
-                path = self._path(rank, generation)
-                self._peers[rank] = shm.attach(path, os.stat(path).st_size, torch.uint8)
-                self._generations[rank] = generation
-        while self._to_unlink and self._to_unlink[0][0] <= self.channel.seq:
-            self._unlink(self._to_unlink.pop(0)[1])
-        return True
+    def _fell_back(self) -> None:
+        self.note = f"shared memory could not be allocated ({self._refused or 'on another worker'})"
+        if self.rank == 0 or self._refused is not None:
+            print(f"fleet: sharding's collectives go through gloo: {self.note}", file=sys.stderr, flush=True)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Any, what: str) -> None:
         """``output`` (``world`` x ``input``, this worker's slot included) from every worker's ``input``."""
@@ -194,19 +136,6 @@ class SharedMemoryCollectives:
                     output.div_(self.world)
                 return
         dist.reduce_scatter_single(output, input, group=group, op=op)
-
-    def close(self) -> None:
-        """Remove the names of segments not yet removed (a job ending right after one was made)."""
-        for _, path in self._to_unlink:
-            self._unlink(path)
-        self._to_unlink.clear()
-
-    @staticmethod
-    def _unlink(path: str) -> None:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 def install(module: torch.nn.Module, name: str, collectives: SharedMemoryCollectives, clock: CommClock) -> None:
