@@ -98,3 +98,16 @@ def ratio_line(
     shown = "n/a" if r is None else f"{r:.2f}"
     notes = [checks[n].note() if n in checks else f"{n}: a bound, not a trainer (not checked)" for n in (num, den)]
     return f"{label}: {shown} ({notes[0]}; {notes[1]}; target {target})", r
+
+
+def cpu_line(cpus: Mapping[str, float], fleet_best: str | None, torchrec: str | None) -> tuple[str, float | None]:
+    """The line comparing fleet's best configuration's CPU per 1,000 samples with TorchRec's best, and the ratio."""
+    if not (fleet_best and torchrec):
+        return "CPU per 1,000 samples, fleet best vs TorchRec best: n/a (no pair that trains; target <= 1.0)", None
+    value = ratio(cpus.get(fleet_best), cpus.get(torchrec))
+    shown = "n/a" if value is None else f"{value:.2f}"
+    return (
+        f"CPU per 1,000 samples, fleet best vs TorchRec best: {cpus[fleet_best]:.3f} s ({fleet_best}) vs "
+        f"{cpus[torchrec]:.3f} s ({torchrec}): ratio {shown} (target <= 1.0)",
+        value,
+    )

@@ -505,15 +505,8 @@ def figures(ran: dict[str, Config]) -> dict[str, Any]:
         line, ratios[key] = gate.ratio_line(label, num, den, rates, checks, target, missing)
         lines.append(line)
     # CPU: fleet's best (fastest distributed configuration that trains) against TorchRec's best, per sample
-    cpu_ratio = gate.ratio(cpus.get(fleet_best), cpus.get(trec)) if fleet_best and trec else None
-    ratios["cpu_fleet_best_vs_torchrec_best"] = cpu_ratio
-    if fleet_best and trec:
-        lines.append(
-            f"CPU per 1,000 samples, fleet best vs TorchRec best: {cpus[fleet_best]:.3f} s ({fleet_best}) vs "
-            f"{cpus[trec]:.3f} s ({trec}): ratio {_fmt(cpu_ratio)} (target <= 1.0)"
-        )
-    else:
-        lines.append("CPU per 1,000 samples, fleet best vs TorchRec best: n/a (no pair that trains; target <= 1.0)")
+    line, ratios["cpu_fleet_best_vs_torchrec_best"] = gate.cpu_line(cpus, fleet_best, trec)
+    lines.append(line)
     memory = None
     one, shard = ran.get("fleet-1p"), ran.get("fleet-sharded")
     if one and shard and one.memory() and shard.memory():
