@@ -34,7 +34,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from fleet.runtime import env, last_words
+from fleet.runtime import env, last_words, store_calls
 from fleet.runtime.signed_store import SignedStore, StoreTamperedError  # the error SignedStore raises
 from fleet.runtime.store_calls import StoreSilentError, within
 
@@ -85,6 +85,7 @@ class Liveness:
         self._thread = threading.Thread(target=self._run, name="fleet-heartbeat", daemon=True)
         self._thread.start()
         last_words.listen(self.say)
+        store_calls.stop_at_exit(self.close)  # a script that never stops the job: before the interpreter finalises
 
     @staticmethod
     def _key(rank: int) -> str:
@@ -237,4 +238,9 @@ class Liveness:
         return "; ".join(told)
 
     def close(self) -> None:
+        """Stop the heartbeats and wait, at most :data:`~fleet.runtime.store_calls.EXIT_WAIT_S`, for a beat in
+        flight: its store call must not be in torch's code when the interpreter finalises (it aborts the process,
+        :mod:`fleet.runtime.store_calls`). A store already lost is not waited for: its call is abandoned."""
         self._stop.set()
+        if self._thread is not threading.current_thread() and self.store_lost is None:
+            self._thread.join(min(self._beat_s, store_calls.EXIT_WAIT_S))
