@@ -23,6 +23,7 @@ stopped answering: it is not waited for (it would delay every exit after a store
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import weakref
@@ -110,4 +111,12 @@ def settle(timeout_s: float = EXIT_WAIT_S) -> int:
         return len(_in_flight)
 
 
+def _forget_after_fork() -> None:
+    """A forked child has none of its parent's helpers, and the guard may have been held by one of them."""
+    global _guard
+    _guard = threading.Lock()
+    _in_flight.clear()
+
+
 atexit.register(settle)  # registered at fleet's import, so it runs after the handlers fleet.init registers
+os.register_at_fork(after_in_child=_forget_after_fork)

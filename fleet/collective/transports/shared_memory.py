@@ -34,6 +34,8 @@ from fleet.collective import shm
 from fleet.collective.buckets import Bucket
 from fleet.collective.transports.base import Setup, Transport
 
+CLOSE_WAIT_S = 2.0  # the most close() waits for the summing thread (a bucket sums in milliseconds)
+
 
 class _Work:
     """A bucket for the shared-memory thread. Whoever claims it first (that thread, or the training
@@ -210,9 +212,13 @@ class SharedMemoryTransport:
                 work.execute()
 
     def close(self) -> None:
-        if self._thread is not None:
+        """Stop the summing thread and wait for it, at most :data:`CLOSE_WAIT_S`: a daemon thread still summing
+        in torch's code when the interpreter finalises aborts the process (:mod:`fleet.runtime.store_calls`)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._queue.put(None)
-            self._thread = None
+            if thread is not threading.current_thread():  # idle: ends at once; stuck on a dead peer: left there
+                thread.join(CLOSE_WAIT_S)
 
 
 def overlap_pays(workers_here: int) -> bool:
