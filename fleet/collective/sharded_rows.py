@@ -188,6 +188,29 @@ class ShardedRows:
         )  # fmt: skip
         return got.cpu(), header_got, sizes_got
 
+    def exchange_pieces(
+        self,
+        pieces: list[all_to_all.Piece],
+        sizes: list[int],
+        header: torch.Tensor | None,
+        recv_sizes: list[int] | None,
+        dtype: torch.dtype,
+        what: str,
+    ) -> tuple[list[torch.Tensor], list[list[int]] | None, list[int]]:
+        """:meth:`exchange` of ``pieces`` (:meth:`SharedMemoryAllToAll.exchange_pieces`): worker ``i``'s block
+        received is row ``i`` of the result, flat, a view valid until this worker's next exchange (copy what is
+        kept); the headers received as lists (or None without a header)."""
+        if self.shared is not None:
+            world = self.workers
+            done = self.shared.exchange_pieces(
+                pieces, sizes, header if header is not None else all_to_all._NO_HEADER.expand(world, 0), dtype, what
+            )
+            if done is not None:
+                return done[0], (done[1] if header is not None else None), done[2]
+        send = torch.cat([all_to_all.piece_values(p) for p in pieces]) if pieces else torch.empty(0, dtype=dtype)
+        got, header_got, sizes_got = self.exchange(send.to(dtype), sizes, header, recv_sizes, what)
+        return list(got.split(sizes_got)), (header_got.tolist() if header_got is not None else None), sizes_got
+
     # ------------------------------------------------------------------ a training step
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows for unique ``ids``, from their owners (every worker pulls, with its own ids)."""
