@@ -199,6 +199,15 @@ class SharedMemoryAllToAll(shm.SharedSegments):
     def __init__(self, host: shm.LocalHost, diagnose: Callable[[], str | None] | None = None):
         # doubling: the blocks' sizes follow the batches' ids, which grow and shrink step by step
         super().__init__(host, host.tables, "a2a", doubling=True, diagnose=diagnose)
+        # Its own count of meetings, not the channel's sequence: a meeting may be a lockstep announcement instead
+        # (exchange_pieces' ``meet``); every worker has the same count, as they run the same exchanges.
+        self._meetings = 0
+
+    def _clock(self) -> int:
+        return self._meetings
+
+    def _met(self) -> None:
+        self._meetings += 1
 
     def exchange(
         self, send: torch.Tensor, header: torch.Tensor, sizes: list[int], what: str
@@ -214,7 +223,7 @@ class SharedMemoryAllToAll(shm.SharedSegments):
         head_bytes = -(-head.numel() * 8 // _DATA_ALIGN) * _DATA_ALIGN
         flat = send.reshape(-1)
         data_bytes = flat.numel() * flat.element_size()
-        parity = (self.channel.seq + 1) % 2  # the half this exchange uses, alike on every worker
+        parity = (self._clock() + 1) % 2  # the half this exchange uses, alike on every worker
         ok = self._room(head_bytes + data_bytes)
         if ok:
             own = self._mine[parity * self._half :]
@@ -246,14 +255,21 @@ class SharedMemoryAllToAll(shm.SharedSegments):
         return out, every[:, :k].clone(), got_sizes
 
     def exchange_pieces(
-        self, pieces: list[Piece], sizes: list[int], header: torch.Tensor, dtype: torch.dtype, what: str
+        self,
+        pieces: list[Piece],
+        sizes: list[int],
+        header: torch.Tensor,
+        dtype: torch.dtype,
+        what: str,
+        meet: Callable[[int], list[int]] | None = None,
     ) -> tuple[list[torch.Tensor], list[list[int]], list[int]] | None:
         """:meth:`exchange` without its copies: ``pieces`` (of ``dtype``, in order: worker 0's block, then worker
         1's ..., ``sizes[j]`` elements for worker ``j``) are written straight into this worker's segment, and
         the blocks received are views of the peers' segments (row ``i``: worker ``i``'s block, flat), valid until
         the next exchange on this channel: the caller copies what it keeps before it. Returns (those views; the
         headers received as lists, row ``i`` from worker ``i``; the elements each worker sent here), or None as
-        :meth:`exchange` does."""
+        :meth:`exchange` does. ``meet``: the meeting, when another one carries it (the lockstep's announcement of
+        this exchange, :meth:`fleet.collective.shm.SharedSegments._meet`): one meeting, not two."""
         if not self.usable:
             return None
         world, k = self.world, header.shape[1]
@@ -262,7 +278,7 @@ class SharedMemoryAllToAll(shm.SharedSegments):
         head_bytes = -(-world * width * 8 // _DATA_ALIGN) * _DATA_ALIGN
         total = sum(sizes)
         data_bytes = total * item
-        parity = (self.channel.seq + 1) % 2  # the half this exchange uses, alike on every worker
+        parity = (self._clock() + 1) % 2  # the half this exchange uses, alike on every worker
         ok = self._room(head_bytes + data_bytes)
         if ok:
             own = self._mine[parity * self._half :]
@@ -274,7 +290,7 @@ class SharedMemoryAllToAll(shm.SharedSegments):
                 data = own[head_bytes : head_bytes + data_bytes].view(dtype)
                 if _write_pieces(data, pieces) != total:
                     raise ValueError(f"all-to-all pieces of {what}: they do not fill the {total} elements given")
-        if not self._meet(ok, what):
+        if not self._meet(ok, what, meet):
             return None
         views, headers, got_sizes = [], [], []
         for peer in range(world):

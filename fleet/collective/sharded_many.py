@@ -17,6 +17,7 @@ computed on), and each owner applies each table's rows as :meth:`ShardedRows.ste
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,8 +43,11 @@ def _group(
     return order, local, [flat[j * tables : (j + 1) * tables] for j in range(workers)], flat
 
 
-def pull_together(backends: list[Any], ids_list: list[torch.Tensor], what: str) -> list[torch.Tensor]:
-    """Rows for each ``(backend, unique ids)``: :class:`~fleet.collective.sharded_rows.ShardedRows` of one group."""
+def pull_together(
+    backends: list[Any], ids_list: list[torch.Tensor], what: str, announce: Callable[[int], list[int]] | None = None
+) -> list[torch.Tensor]:
+    """Rows for each ``(backend, unique ids)``: :class:`~fleet.collective.sharded_rows.ShardedRows` of one group.
+    ``announce``: the lockstep's announcement, made with the first exchange (its meeting, through shared memory)."""
     first = backends[0]
     workers, tables = first.workers, len(backends)
     dims = [b.shard.embedding_dim for b in backends]
@@ -54,7 +58,13 @@ def pull_together(backends: list[Any], ids_list: list[torch.Tensor], what: str) 
     # one exchange carries each table's counts (the header) and the ids: owner 0's (table 0's, table 1's, ...),
     # then owner 1's, gathered straight into the send
     asked, got, _ = first.exchange_pieces(
-        [(ids, order)], [sum(row) for row in sends], torch.tensor(sends, dtype=torch.int64), None, ids.dtype, what
+        [(ids, order)],
+        [sum(row) for row in sends],
+        torch.tensor(sends, dtype=torch.int64),
+        None,
+        ids.dtype,
+        what,
+        announce,
     )
     assert got is not None
     # requester i's block: table 0's ids, then table 1's ...; each table's share, requesters in order, at once
@@ -89,8 +99,14 @@ def pull_together(backends: list[Any], ids_list: list[torch.Tensor], what: str) 
     return [rows.to(ids_t.device) for rows, ids_t in zip(out, ids_list, strict=True)]
 
 
-def step_together(items: list[tuple[Any, dict[str, Any]]], optimizer_class: type, what: str) -> None:
-    """Step each ``(backend, param group)``: every table's gradients to their owners in one exchange."""
+def step_together(
+    items: list[tuple[Any, dict[str, Any]]],
+    optimizer_class: type,
+    what: str,
+    announce: Callable[[int], list[int]] | None = None,
+) -> None:
+    """Step each ``(backend, param group)``: every table's gradients to their owners in one exchange (which
+    ``announce``, the lockstep's announcement, comes with, as in :func:`pull_together`)."""
     first = items[0][0]
     workers, tables = first.workers, len(items)
     parts = [backend.gradients(group) for backend, group in items]  # (ids, block [n, width + 2], lr, finite)
@@ -105,7 +121,13 @@ def step_together(items: list[tuple[Any, dict[str, Any]]], optimizer_class: type
     sizes = [sum(n * w for n, w in zip(row, widths, strict=True)) for row in sends]
     # one exchange carries each table's counts and non-finite flag (the header) and the gradients
     back, header, _ = first.exchange_pieces(
-        pieces, sizes, torch.tensor([row + bad for row in sends], dtype=torch.int64), None, torch.float32, what
+        pieces,
+        sizes,
+        torch.tensor([row + bad for row in sends], dtype=torch.int64),
+        None,
+        torch.float32,
+        what,
+        announce,
     )
     assert header is not None
     any_bad = [any(row[tables + t] for row in header) for t in range(tables)]
