@@ -33,9 +33,14 @@ def _group(
     workers, tables = first.workers, len(lengths)
     lens = torch.tensor(lengths, dtype=torch.int64)
     table_of = torch.repeat_interleave(torch.arange(tables), lens, output_size=ids.numel())
-    tag = first.owners(ids).cpu() * tables + table_of
-    order = torch.argsort(tag, stable=True)
-    sends = torch.bincount(tag, minlength=workers * tables)
+    owners = first.owners(ids).cpu()
+    # the ids are in table order: sorting by owner alone, stably, groups them by owner, then table; with few
+    # workers, one pass per worker finds its positions (a stable sort's result, without a sort)
+    if workers <= 8:
+        order = torch.cat([torch.nonzero(owners == j).view(-1) for j in range(workers)])
+    else:
+        order = torch.argsort(owners, stable=True)
+    sends = torch.bincount(owners * tables + table_of, minlength=workers * tables)
     flat = sends.tolist()
     # a position in the ids of all tables, less where its table begins: its position in its table's ids
     begins = (torch.cumsum(lens, 0) - lens).repeat(workers)

@@ -71,9 +71,13 @@ def _logical_shift(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def owner(ids: torch.Tensor, workers: int) -> torch.Tensor:
     """The worker that holds each id's row: splitmix64(id) mod ``workers`` (int64, on ``ids``' device)."""
-    h = (ids.to(torch.int64) + _GOLDEN) * _MIX1  # wrapping int64 arithmetic, as splitmix64's
-    h = (h ^ _logical_shift(h, 30)) * _MIX2
-    h = h ^ _logical_shift(h, 27)
+    h = ids.to(torch.int64) + _GOLDEN  # wrapping int64 arithmetic, as splitmix64's (in place: fewer passes)
+    h *= _MIX1
+    h ^= _logical_shift(h, 30)
+    h *= _MIX2
+    h ^= _logical_shift(h, 27)
+    if workers & (workers - 1) == 0:  # a power of two: the low bits, the same as the modulo (and 10x cheaper)
+        return (h >> 1).bitwise_and_(workers - 1)
     return _logical_shift(h, 1) % workers
 
 
