@@ -45,6 +45,7 @@ one that hangs after the strategy's ``collective_wait_s``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -198,6 +199,15 @@ class SharedMemoryAllToAll(shm.SharedSegments):
     def __init__(self, host: shm.LocalHost, diagnose: Callable[[], str | None] | None = None):
         # doubling: the blocks' sizes follow the batches' ids, which grow and shrink step by step
         super().__init__(host, host.tables, "a2a", doubling=True, diagnose=diagnose)
+        # Its own count of meetings, not the channel's sequence: a meeting may be a lockstep announcement instead
+        # (exchange_pieces' ``meet``); every worker has the same count, as they run the same exchanges.
+        self._meetings = 0
+
+    def _clock(self) -> int:
+        return self._meetings
+
+    def _met(self) -> None:
+        self._meetings += 1
 
     def exchange(
         self, send: torch.Tensor, header: torch.Tensor, sizes: list[int], what: str
@@ -213,7 +223,7 @@ class SharedMemoryAllToAll(shm.SharedSegments):
         head_bytes = -(-head.numel() * 8 // _DATA_ALIGN) * _DATA_ALIGN
         flat = send.reshape(-1)
         data_bytes = flat.numel() * flat.element_size()
-        parity = (self.channel.seq + 1) % 2  # the half this exchange uses, alike on every worker
+        parity = (self._clock() + 1) % 2  # the half this exchange uses, alike on every worker
         ok = self._room(head_bytes + data_bytes)
         if ok:
             own = self._mine[parity * self._half :]
@@ -243,3 +253,87 @@ class SharedMemoryAllToAll(shm.SharedSegments):
                 out_bytes[at : at + n].copy_(segment[start : start + n])
             at += n
         return out, every[:, :k].clone(), got_sizes
+
+    def exchange_pieces(
+        self,
+        pieces: list[Piece],
+        sizes: list[int],
+        header: torch.Tensor,
+        dtype: torch.dtype,
+        what: str,
+        meet: Callable[[int], list[int]] | None = None,
+    ) -> tuple[list[torch.Tensor], list[list[int]], list[int]] | None:
+        """:meth:`exchange` without its copies: ``pieces`` (of ``dtype``, in order: worker 0's block, then worker
+        1's ..., ``sizes[j]`` elements for worker ``j``) are written straight into this worker's segment, and
+        the blocks received are views of the peers' segments (row ``i``: worker ``i``'s block, flat), valid until
+        the next exchange on this channel: the caller copies what it keeps before it. Returns (those views; the
+        headers received as lists, row ``i`` from worker ``i``; the elements each worker sent here), or None as
+        :meth:`exchange` does. ``meet``: the meeting, when another one carries it (the lockstep's announcement of
+        this exchange, :meth:`fleet.collective.shm.SharedSegments._meet`): one meeting, not two."""
+        if not self.usable:
+            return None
+        world, k = self.world, header.shape[1]
+        item = _ITEM_SIZE.get(dtype) or _ITEM_SIZE.setdefault(dtype, torch.empty((), dtype=dtype).element_size())
+        width = k + 1
+        head_bytes = -(-world * width * 8 // _DATA_ALIGN) * _DATA_ALIGN
+        total = sum(sizes)
+        data_bytes = total * item
+        parity = (self._clock() + 1) % 2  # the half this exchange uses, alike on every worker
+        ok = self._room(head_bytes + data_bytes)
+        if ok:
+            own = self._mine[parity * self._half :]
+            head = torch.tensor(sizes, dtype=torch.int64).unsqueeze(1)
+            if k:
+                head = torch.cat([header.to(torch.int64), head], 1)
+            own[: world * width * 8].view(torch.int64).copy_(head.reshape(-1))
+            if data_bytes:
+                data = own[head_bytes : head_bytes + data_bytes].view(dtype)
+                if _write_pieces(data, pieces) != total:
+                    raise ValueError(f"all-to-all pieces of {what}: they do not fill the {total} elements given")
+        if not self._meet(ok, what, meet):
+            return None
+        views, headers, got_sizes = [], [], []
+        for peer in range(world):
+            segment = self._peers[peer]
+            assert segment is not None
+            base = (segment.numel() // 2) * parity
+            heads = segment[base : base + world * width * 8].view(torch.int64).tolist()
+            row = heads[self.rank * width : (self.rank + 1) * width]
+            n = row[k]
+            start = base + head_bytes + sum(heads[r * width + k] for r in range(self.rank)) * item
+            views.append(segment[start : start + n * item].view(dtype))
+            headers.append(row[:k])
+            got_sizes.append(n)
+        return views, headers, got_sizes
+
+
+Piece = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""What :meth:`SharedMemoryAllToAll.exchange_pieces` sends: a tensor's values, or ``(source, index)``: the rows
+``source.index_select(0, index)``, gathered straight into the shared memory."""
+
+_ITEM_SIZE: dict[torch.dtype, int] = {}
+
+
+def _write_pieces(data: torch.Tensor, pieces: list[Piece]) -> int:
+    """Write ``pieces`` one after another into the flat ``data``; the elements written."""
+    at = 0
+    for piece in pieces:
+        if isinstance(piece, tuple):
+            source, index = piece
+            shape = (index.numel(), *source.shape[1:])
+            n = index.numel() * math.prod(source.shape[1:])
+            if n:
+                torch.index_select(source, 0, index, out=data[at : at + n].view(shape))
+        else:
+            n = piece.numel()
+            if n:
+                data[at : at + n].view(piece.shape).copy_(piece)
+        at += n
+    return at
+
+
+def piece_values(piece: Piece) -> torch.Tensor:
+    """A piece's values, flat (the process group's way: the pieces are concatenated)."""
+    if isinstance(piece, tuple):
+        return piece[0].index_select(0, piece[1]).reshape(-1)
+    return piece.reshape(-1)

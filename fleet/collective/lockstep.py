@@ -26,7 +26,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -72,7 +72,7 @@ WHAT = {
 }
 
 REDUCE_OPS = ("sum", "max", "min")  # REDUCE's b, by index: fleet.strategies.base.REDUCE_OPS (tested equal)
-_FIELDS = 6  # kind, a, b, c, steps, reserved
+_FIELDS = 6  # kind, a, b, c, steps, carried (a value the collective announced takes along: Agreement.carried)
 UNEVEN_ADVICE = (
     "The workers ran different numbers of steps (uneven data?). Wrap the training loop in `with fleet.join():` "
     "so that finished workers shadow the others' collectives, or give every worker the same number of batches "
@@ -107,6 +107,9 @@ class Agreement:
     """What every worker announced for this collective."""
 
     headers: list[Header]
+    carried: list[int] = field(default_factory=list)
+    """Each worker's value carried with its header (``carry`` of :meth:`Lockstep.start`), by rank: a
+    collective whose own meeting is this one (a sharded table's first all-to-all through shared memory)."""
 
     @property
     def active(self) -> list[int]:
@@ -225,12 +228,18 @@ class Lockstep:
         waited, self._waited_s = self._waited_s, 0.0
         return waited
 
-    def exchange(self, kind: int, a: int = 0, b: int = 0, c: int = 0) -> Agreement:
+    def exchange(self, kind: int, a: int = 0, b: int = 0, c: int = 0, carry: int = 0) -> Agreement:
         """All-gather the headers; raises PeerError if a peer is gone."""
-        return self.collect(self.start(kind, a, b, c))
+        return self.collect(self.start(kind, a, b, c, carry=carry))
 
     def start(
-        self, kind: int, a: int = 0, b: int = 0, c: int = 0, settle: Callable[[], None] | None = None
+        self,
+        kind: int,
+        a: int = 0,
+        b: int = 0,
+        c: int = 0,
+        settle: Callable[[], None] | None = None,
+        carry: int = 0,
     ) -> InFlight:
         """Send this worker's header and return without waiting; :meth:`collect` gives the agreement.
 
@@ -238,10 +247,11 @@ class Lockstep:
         trip at its first gradient (through gloo, about 2 ms of W1's step). ``settle``: what the
         caller does with the agreement; it must run before any other collective of this worker,
         so an exchange started meanwhile (a buffer broadcast of a forward recomputed during
-        backward) calls it first, and it must :meth:`collect` this exchange.
+        backward) calls it first, and it must :meth:`collect` this exchange. ``carry``: a value
+        every worker sees in :attr:`Agreement.carried`.
         """
         self._settle_in_flight()
-        values = [kind, a, b, c, self._steps, 0]
+        values = [kind, a, b, c, self._steps, carry]
         if self.channel is not None:
             seq = self.channel.post(values)
 
@@ -292,7 +302,7 @@ class Lockstep:
             raise PeerError.from_collective(self._what(flight.kind), patience.Dead(None), self._diagnosis()) from None
         finally:
             self._waited_s += time.perf_counter() - started
-        return Agreement([Header(r, *row[:5]) for r, row in enumerate(rows)])
+        return Agreement([Header(r, *row[:5]) for r, row in enumerate(rows)], [row[5] for row in rows])
 
     def _settle_in_flight(self) -> None:
         if self._in_flight is not None:
@@ -320,14 +330,15 @@ class Lockstep:
         b: int = 0,
         c: int = 0,
         explain: Callable[[Agreement], str] | None = None,
+        carry: int = 0,
     ) -> Agreement:
         """Say what this worker does next; return the agreement, or raise if an active worker disagrees.
 
         ``explain``: called (on every worker, since all see the same headers) when the workers
         agree on the kind but not on the payload ``a``; it may run collectives of its own to
-        find out what differs, and returns the message.
+        find out what differs, and returns the message. ``carry``: see :meth:`start`.
         """
-        agreement = self.exchange(kind, a, b, c)
+        agreement = self.exchange(kind, a, b, c, carry)
         self.check(agreement, kind, a, explain)
         return agreement
 

@@ -13,100 +13,145 @@ all-to-all says how many rows of each table (one column per table, and for a ste
 non-finite flag per table). Tables may differ in width, so blocks travel flat and are cut back by
 the same counts. A step's rows carry their id as two more float32 columns (its bits, never
 computed on), and each owner applies each table's rows as :meth:`ShardedRows.step` would.
+
+Why so few tensor operations: a worker's step is 256 samples, and its fixed cost per step and
+table dominated (W6: a sharded worker spent as much CPU on 256 samples as one process on 512).
+The ids are grouped once (by owner, then table: they come in table order, so one stable pass per
+owner does it), blocks are gathered straight into the shared memory (no concatenation, no copy)
+and read back as views, and the lockstep's announcement of a pull or a step is the first
+exchange's meeting (:meth:`ShardedRows.exchange_pieces`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 
-def pull_together(backends: list[Any], ids_list: list[torch.Tensor], what: str) -> list[torch.Tensor]:
-    """Rows for each ``(backend, unique ids)``: :class:`~fleet.collective.sharded_rows.ShardedRows` of one group."""
+def _group(
+    first: Any, ids: torch.Tensor, lengths: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], list[int]]:
+    """Group the concatenated ``ids`` of the tables (``lengths[t]`` each) by owner, then table, each table's
+    ids in their order (one stable sort, over all the tables: one hash for all, as every table of the group
+    has the same owners). Returns (the order that groups them; for each ``(owner j, table t)`` in that order,
+    the positions of its ids within their table's, concatenated; ``[workers][tables]`` counts; the counts in that order, flat)."""
+    workers, tables = first.workers, len(lengths)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    table_of = torch.repeat_interleave(torch.arange(tables), lens, output_size=ids.numel())
+    owners = first.owners(ids).cpu()
+    # the ids are in table order: sorting by owner alone, stably, groups them by owner, then table; with few
+    # workers, one pass per worker finds its positions (a stable sort's result, without a sort)
+    if workers <= 8:
+        order = torch.cat([torch.nonzero(owners == j).view(-1) for j in range(workers)])
+    else:
+        order = torch.argsort(owners, stable=True)
+    sends = torch.bincount(owners * tables + table_of, minlength=workers * tables)
+    flat = sends.tolist()
+    # a position in the ids of all tables, less where its table begins: its position in its table's ids
+    begins = (torch.cumsum(lens, 0) - lens).repeat(workers)
+    local = order - torch.repeat_interleave(begins, sends, output_size=ids.numel())
+    return order, local, [flat[j * tables : (j + 1) * tables] for j in range(workers)], flat
+
+
+def pull_together(
+    backends: list[Any], ids_list: list[torch.Tensor], what: str, announce: Callable[[int], list[int]] | None = None
+) -> list[torch.Tensor]:
+    """Rows for each ``(backend, unique ids)``: :class:`~fleet.collective.sharded_rows.ShardedRows` of one group.
+    ``announce``: the lockstep's announcement, made with the first exchange (its meeting, through shared memory)."""
     first = backends[0]
     workers, tables = first.workers, len(backends)
     dims = [b.shard.embedding_dim for b in backends]
     lengths = [ids.numel() for ids in ids_list]
-    ids = torch.cat(ids_list)
-    table_of = torch.repeat_interleave(torch.arange(tables), torch.tensor(lengths)).to(ids.device)
-    # grouped by owner, then table; within a table each owner's ids keep their order (a stable sort). Every table
-    # of the group has the same owners (one hash for all: fewer operations than one per table)
-    tag = first.owners(ids) * tables + table_of
-    order = torch.argsort(tag, stable=True)
-    sends = torch.bincount(tag, minlength=workers * tables).view(workers, tables).cpu()  # [workers, tables]
-    # one exchange carries each table's counts (the header) and the ids
-    asked, got, _ = first.exchange(ids.index_select(0, order), sends.sum(1).tolist(), sends, None, what)
-    assert got is not None
-    # the asked ids, grouped by requester then table: regrouped by table, each table's share looks its own up at once
-    asked_tag = torch.arange(tables).repeat(workers).repeat_interleave(got.reshape(-1))
-    by_table = asked.index_select(0, torch.argsort(asked_tag, stable=True)).split(got.sum(0).tolist())
-    found = [b.local.pull(part) for b, part in zip(backends, by_table, strict=True)]
-    # requester i's rows of table t: found[t][starts[i, t] : starts[i, t] + got[i, t]] (requesters in order)
-    starts = (torch.cumsum(got, 0) - got).tolist()
-    counts = got.tolist()
-    reply = torch.cat(
-        [
-            found[t][starts[i][t] : starts[i][t] + counts[i][t]].reshape(-1)
-            for i in range(workers)
-            for t in range(tables)
-        ]
+    ids = torch.cat(ids_list).cpu()
+    order, local, sends, flat = _group(first, ids, lengths)
+    positions = local.split(flat)  # (owner j, table t): positions in table t's ids, in the order sent
+    # one exchange carries each table's counts (the header) and the ids: owner 0's (table 0's, table 1's, ...),
+    # then owner 1's, gathered straight into the send
+    asked, got, _ = first.exchange_pieces(
+        [(ids, order)],
+        [sum(row) for row in sends],
+        torch.tensor(sends, dtype=torch.int64),
+        None,
+        ids.dtype,
+        what,
+        announce,
     )
-    widths = torch.tensor(dims, dtype=torch.int64)
-    back, _, _ = first.exchange(reply, (got * widths).sum(1).tolist(), None, (sends * widths).sum(1).tolist(), what)
-    pieces = _cut(back, sends, dims)  # owner j's block holds table 0's rows, then table 1's ...
-    # where each table's rows (in the order sent: by owner, ids' order kept) go: its ids' positions, by table
-    placed_at = order.index_select(0, torch.argsort(table_of.index_select(0, order), stable=True)).split(lengths)
-    out = []
-    begin = 0
-    for t, ids_t in enumerate(ids_list):
-        rows = torch.cat(pieces[t]).to(ids_t.device) if pieces[t] else back.new_empty(0, dims[t])
-        placed = torch.empty_like(rows)
-        placed[(placed_at[t] - begin).to(rows.device)] = rows
-        out.append(placed)
-        begin += lengths[t]
-    return out
+    assert got is not None
+    # requester i's block: table 0's ids, then table 1's ...; each table's share, requesters in order, at once
+    at = [0] * workers
+    found = []
+    for t, backend in enumerate(backends):
+        parts = []
+        for i in range(workers):
+            parts.append(asked[i][at[i] : at[i] + got[i][t]])
+            at[i] += got[i][t]
+        found.append(backend.local.pull(torch.cat(parts)))
+    # the reply: for each requester, its rows of table 0, then table 1's ...: written straight into the send
+    starts = [0] * tables
+    reply = []
+    for i in range(workers):
+        for t in range(tables):
+            reply.append(found[t][starts[t] : starts[t] + got[i][t]])
+            starts[t] += got[i][t]
+    sizes = [sum(n * d for n, d in zip(row, dims, strict=True)) for row in got]
+    recv = [sum(n * d for n, d in zip(row, dims, strict=True)) for row in sends]
+    back, _, _ = first.exchange_pieces(reply, sizes, None, recv, found[0].dtype, what)
+    # owner j's block holds table 0's rows, then table 1's ...: each into its ids' positions
+    out = [back[0].new_empty(n, d) for n, d in zip(lengths, dims, strict=True)]
+    for j in range(workers):
+        at_j = 0
+        for t in range(tables):
+            n = sends[j][t]
+            if n:
+                rows = back[j][at_j : at_j + n * dims[t]].view(n, dims[t])
+                out[t].index_copy_(0, positions[j * tables + t], rows)
+            at_j += n * dims[t]
+    return [rows.to(ids_t.device) for rows, ids_t in zip(out, ids_list, strict=True)]
 
 
-def step_together(items: list[tuple[Any, dict[str, Any]]], optimizer_class: type, what: str) -> None:
-    """Step each ``(backend, param group)``: every table's gradients to their owners in one exchange."""
+def step_together(
+    items: list[tuple[Any, dict[str, Any]]],
+    optimizer_class: type,
+    what: str,
+    announce: Callable[[int], list[int]] | None = None,
+) -> None:
+    """Step each ``(backend, param group)``: every table's gradients to their owners in one exchange (which
+    ``announce``, the lockstep's announcement, comes with, as in :func:`pull_together`)."""
     first = items[0][0]
     workers, tables = first.workers, len(items)
     parts = [backend.gradients(group) for backend, group in items]  # (ids, block [n, width + 2], lr, finite)
     widths = [block.shape[1] for _, block, _, _ in parts]
     lengths = [ids.numel() for ids, _, _, _ in parts]
-    owners = first.owners(torch.cat([ids for ids, _, _, _ in parts])).split(lengths)  # one hash for all tables
-    sends = torch.stack([torch.bincount(o, minlength=workers) for o in owners], 1).cpu()  # [workers, tables]
-    bad = torch.tensor([[0 if finite else 1 for *_, finite in parts]] * workers, dtype=torch.int64)
-    blocks = []  # owner j's block: table 0's rows (flat), then table 1's ...
-    orders = [torch.argsort(o, stable=True) for o in owners]
-    sorted_blocks = [
-        block.index_select(0, order.to(block.device)) for (_, block, _, _), order in zip(parts, orders, strict=True)
-    ]
-    starts, counts = (torch.cumsum(sends, 0) - sends).tolist(), sends.tolist()
-    for j in range(workers):
-        for t in range(tables):
-            blocks.append(sorted_blocks[t][starts[j][t] : starts[j][t] + counts[j][t]].reshape(-1))
-    w = torch.tensor(widths, dtype=torch.int64)
+    _, local, sends, flat = _group(first, torch.cat([ids for ids, _, _, _ in parts]).cpu(), lengths)
+    positions = local.split(flat)
+    blocks = [block.cpu() for _, block, _, _ in parts]
+    bad = [0 if finite else 1 for *_, finite in parts]
+    # owner j's block: table 0's rows (flat), then table 1's ...: each gathered straight into the send
+    pieces = [(blocks[t], positions[j * tables + t]) for j in range(workers) for t in range(tables)]
+    sizes = [sum(n * w for n, w in zip(row, widths, strict=True)) for row in sends]
     # one exchange carries each table's counts and non-finite flag (the header) and the gradients
-    back, header, _ = first.exchange(
-        torch.cat(blocks), (sends * w).sum(1).tolist(), torch.cat([sends, bad], 1), None, what
+    back, header, _ = first.exchange_pieces(
+        pieces,
+        sizes,
+        torch.tensor([row + bad for row in sends], dtype=torch.int64),
+        None,
+        torch.float32,
+        what,
+        announce,
     )
     assert header is not None
-    got, any_bad = header[:, :tables], header[:, tables:].any(0).tolist()
-    received = _cut(back, got, widths)
+    any_bad = [any(row[tables + t] for row in header) for t in range(tables)]
+    # every table's rows copied out of the exchange before any is applied (the views last until the next one)
+    at = [0] * workers
+    received = []
+    for t, width in enumerate(widths):
+        rows = []
+        for i in range(workers):
+            n = header[i][t] * width
+            rows.append(back[i][at[i] : at[i] + n].view(-1, width))
+            at[i] += n
+        received.append(torch.cat(rows))
     for t, (backend, group) in enumerate(items):
-        backend.apply_received(optimizer_class, group, torch.cat(received[t]), parts[t][2], bool(any_bad[t]))
-
-
-def _cut(flat: torch.Tensor, counts: torch.Tensor, widths: list[int]) -> list[list[torch.Tensor]]:
-    """Per table, the rows of each worker's block of ``flat``: worker j's block holds ``counts[j, 0]`` rows of
-    table 0 (``widths[0]`` values each), then table 1's ..., in worker order."""
-    pieces: list[list[torch.Tensor]] = [[] for _ in widths]
-    at = 0
-    for row in counts.tolist():
-        for t, width in enumerate(widths):
-            n = row[t] * width
-            pieces[t].append(flat[at : at + n].view(-1, width))
-            at += n
-    return pieces
+        backend.apply_received(optimizer_class, group, received[t], parts[t][2], any_bad[t])

@@ -425,22 +425,32 @@ class SharedSegments:
         self._peers[self.rank] = segment
         self._generations[self.rank] = self._generation
         # The peers map it after the next meeting, before they arrive at the one after.
-        self._to_unlink.append((self.channel.seq + 2, path))
+        self._to_unlink.append((self._clock() + 2, path))
         return True
 
     def _path(self, rank: int, generation: int) -> str:
         return os.path.join(SHM_DIR, f"{self.token}-{self._tag}-{rank}-{generation}")
 
-    def _meet(self, ok: bool, what: str) -> bool:
+    def _clock(self) -> int:
+        """The meetings so far (the same on every worker): their parity picks the half an exchange uses."""
+        return self.channel.seq
+
+    def _meet(self, ok: bool, what: str, meet: Callable[[int], list[int]] | None = None) -> bool:
         """Arrive with this worker's segment generation (-1: no shared memory here) and wait for all; map the
-        peers' new segments. False: someone had no shared memory, every worker falls back (:meth:`_fell_back`)."""
-        try:
-            rows = self.channel.exchange([self._generation if ok else -1])
-        except ChannelError as error:
-            gone = isinstance(error, PeerGone)
-            diagnosis = None if gone or self.diagnose is None else self.diagnose()
-            raise PeerError.from_collective(what, error, diagnosis, plain=gone) from None
-        generations = [row[0] for row in rows]
+        peers' new segments. False: someone had no shared memory, every worker falls back (:meth:`_fell_back`).
+        ``meet``: another meeting that carries the generation (every worker's value back, by rank) and raises
+        its own errors, instead of this channel's."""
+        value = self._generation if ok else -1
+        if meet is not None:
+            generations = meet(value)
+        else:
+            try:
+                generations = [row[0] for row in self.channel.exchange([value])]
+            except ChannelError as error:
+                gone = isinstance(error, PeerGone)
+                diagnosis = None if gone or self.diagnose is None else self.diagnose()
+                raise PeerError.from_collective(what, error, diagnosis, plain=gone) from None
+        self._met()
         if min(generations) < 0:
             self.usable = False
             self._fell_back()
@@ -450,9 +460,12 @@ class SharedSegments:
                 path = self._path(rank, generation)
                 self._peers[rank] = attach(path, os.stat(path).st_size, torch.uint8)
                 self._generations[rank] = generation
-        while self._to_unlink and self._to_unlink[0][0] <= self.channel.seq:
+        while self._to_unlink and self._to_unlink[0][0] <= self._clock():
             self._unlink(self._to_unlink.pop(0)[1])
         return True
+
+    def _met(self) -> None:
+        """A meeting just ended (a subclass that counts its own meetings counts it)."""
 
     def _fell_back(self) -> None:
         """Every worker has just given up shared memory (a subclass may say so)."""

@@ -193,16 +193,18 @@ class CollectiveStrategy(Strategy):
                 self._all_to_all = SharedMemoryAllToAll(host, self.runtime.diagnose_peers)
         return self._all_to_all
 
-    def _announce_table(self, what: str, module: Any, width: int, lr: float) -> None:
-        """Before a sharded table's exchange: every worker must be about to do the same (lockstep)."""
+    def _announce_table(self, what: str, module: Any, width: int, lr: float, carry: int = 0) -> list[int]:
+        """Before a sharded table's exchange: every worker must be about to do the same (lockstep). ``carry``: a
+        value of this worker's that every worker gets back, by rank (the shared-memory all-to-all's meeting)."""
         lock = self.sync().lockstep
         assert lock is not None
         kind = lockstep.TABLE_PULL if what == "pull" else lockstep.SPARSE_ROWS
         index = tables.all_modules().index(module)
-        agreement = lock.announce(kind, index, width, lockstep.float_bits(lr))
+        agreement = lock.announce(kind, index, width, lockstep.float_bits(lr), carry=carry)
         if len(agreement.active) < self.runtime.role.worker_num:
             finished = sorted(set(range(self.runtime.role.worker_num)) - set(agreement.active))
             raise sharded_rows.refuse_join(f"worker(s) {finished} finished their loop")
+        return agreement.carried
 
     def shutdown(self) -> None:
         sync = self._sync
