@@ -69,6 +69,8 @@ class ServerSockets:
         # delivered to a restarted server learns from the next HELLO that the state it knew is gone.
         self.incarnation = secrets.randbits(62) + 1
         self.direct = self._bind_direct(secret) if self.ipc_path and encryption == "none" else None
+        #: replies sent through ZeroMQ so far (the loop's waiter must know when a ZeroMQ socket was used)
+        self.zmq_sends = 0
 
     def _bind_ipc(self, secret: bytes) -> str | None:
         """Bind the same socket to this job's Unix socket for the TCP endpoint; None when that is not possible."""
@@ -105,7 +107,7 @@ class ServerSockets:
             info["direct"] = self.direct.path
         return info
 
-    def register(self, poller: zmq.Poller) -> None:
+    def register(self, poller: Any) -> None:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.zap.socket, zmq.POLLIN)
         if self.direct is not None:
@@ -115,6 +117,7 @@ class ServerSockets:
         """Send a reply's frames to the peer ``ident``; False when it was dropped (a full or unknown peer)."""
         if self.direct is not None and self.direct.owns(ident):
             return self.direct.send(ident, frames)
+        self.zmq_sends += 1
         # ROUTER drops rather than blocks on a full or unknown peer; NOBLOCK makes sure
         self.router.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
         return True
