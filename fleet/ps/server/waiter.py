@@ -81,7 +81,9 @@ class Waiter:
                 self.quiet = False
                 return dict(self._zmq.poll(0))
             ready[fd] = (
-                (_ZIN if events & _IN else 0) | (_ZOUT if events & _OUT else 0) | (_ZERR if events & ~(_IN | _OUT) else 0)
+                (_ZIN if events & _IN else 0)
+                | (_ZOUT if events & _OUT else 0)
+                | (_ZERR if events & ~(_IN | _OUT) else 0)
             )
         self.plain_waits += 1
         return ready
