@@ -1,4 +1,4 @@
-"""The server loop's waiter (fleet.ps.server.waiter): the plain poll stands for ZeroMQ's only while nothing can be missed."""
+"""The server loop's waiter (fleet.ps.server.sockets): the plain poll stands for ZeroMQ's only while nothing can be missed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from fleet.ps.server.waiter import Waiter
+from fleet.ps.server.sockets import Waiter
 
 
 @pytest.fixture

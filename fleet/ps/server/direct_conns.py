@@ -1,6 +1,6 @@
 """The server's end of the direct same-host path (:mod:`fleet.ps.protocol.unix`): a listening Unix socket and its connections.
 
-Polled by the server loop with its ZeroMQ sockets (one waiter, :mod:`fleet.ps.server.waiter`; one thread: nothing here blocks).
+Polled by the server loop with its ZeroMQ sockets (one waiter, :mod:`fleet.ps.server.sockets`; one thread: nothing here blocks).
 A connection is challenged first; once its answer and its user check out, every complete message
 it sends goes into the loop's inbox under a routing identity of its own (never one ZeroMQ makes:
 those start with a zero byte), and the reply to that identity is written back on it. A connection
@@ -88,7 +88,7 @@ class DirectConnections:
         self._conns: dict[int, _Conn] = {}  # by file descriptor
         self._by_ident: dict[bytes, _Conn] = {}
         self._next = 0
-        self._poller: Any = None  # the loop's waiter (fleet.ps.server.waiter): a zmq.Poller's interface
+        self._poller: Any = None  # the loop's waiter (fleet.ps.server.sockets): a zmq.Poller's interface
         # a connection's bytes are read here first: a whole small request is served from it without a copy
         self._scratch = bytearray(_READ)
         self._scratch_view = memoryview(self._scratch)

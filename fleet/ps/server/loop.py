@@ -54,9 +54,8 @@ from fleet.ps.server.lanes import MAX_QUEUED, Lanes, Outbox, ServerLock, default
 from fleet.ps.server.many import ManyRequests, Part, deliver
 from fleet.ps.server.reduce import Reductions
 from fleet.ps.server.replies import Replies
-from fleet.ps.server.sockets import ServerSockets
+from fleet.ps.server.sockets import ServerSockets, Waiter
 from fleet.ps.server.table_ops import TableRequests
-from fleet.ps.server.waiter import Waiter
 from fleet.ps.server.waitlist import Waitlist
 
 log = logging.getLogger(__name__)
