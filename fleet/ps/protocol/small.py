@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import struct
+from ctypes import string_at
 from typing import Any
 
 import torch
@@ -48,6 +49,8 @@ _BARE = struct.Struct("<3I" + HEADER.format.lstrip("<"))
 _ONE = struct.Struct("<4I" + HEADER.format.lstrip("<") + DESCRIPTOR.format.lstrip("<"))
 _ONE_HEAD = HEADER.size + DESCRIPTOR.size
 _ERROR = int(Status.ERROR)
+#: a tensor up to this size is copied into the message's one buffer rather than viewed (see :func:`pack`)
+COPY_BYTES = 64 << 10
 assert _BARE.size == 3 * COUNT.size + HEADER.size and _ONE.size == 4 * COUNT.size + _ONE_HEAD
 
 
@@ -55,8 +58,9 @@ def pack(msg: Message) -> tuple[list[Any], int] | None:
     """(the byte views to write for ``msg``, its frames' bytes) when it is small and plain, else None.
 
     Plain: an empty blob and at most one tensor, of a dtype the wire carries, at most
-    :data:`~fleet.ps.protocol.wire.MAX_NDIM` dims, one frame's bytes. The tensor's bytes are a view
-    of its memory (no copy), as in :func:`~fleet.ps.protocol.wire.encode`.
+    :data:`~fleet.ps.protocol.wire.MAX_NDIM` dims, one frame's bytes. Up to :data:`COPY_BYTES` of a CPU
+    tensor are copied after the header into one buffer; a larger tensor's bytes are a view of its
+    memory (no copy), as in :func:`~fleet.ps.protocol.wire.encode`.
     """
     if len(msg.blob):
         return None
@@ -75,14 +79,22 @@ def pack(msg: Message) -> tuple[list[Any], int] | None:
     ndim = len(shape)
     if code is None or ndim > 4:
         return None
-    data = tensor_buffer(t)
-    nbytes = len(data)
-    if nbytes > FRAME_BYTES:
-        return None
+    nbytes = t.nbytes
+    if nbytes <= COPY_BYTES and t.is_cpu and t.is_contiguous():
+        # a copy of the bytes is cheaper than a view: numpy's view costs ~6 us, this ~1 us, and head and data go
+        # as one buffer (data_ptr includes the storage offset; the tensor lives until string_at returns)
+        data: Any = string_at(t.data_ptr(), nbytes) if nbytes else b""
+    else:
+        data = tensor_buffer(t)
+        nbytes = len(data)
+        if nbytes > FRAME_BYTES:
+            return None
     head = _ONE.pack(
         3, _ONE_HEAD, 0, nbytes, MAGIC, PROTOCOL_VERSION, msg.op, msg.status, 1, msg.table, msg.peer,
         msg.request_id, msg.step, msg.arg, msg.lr, msg.timeout_ms, code, ndim, *shape, *_NO_DIMS[ndim:],
     )  # fmt: skip
+    if type(data) is bytes:
+        return [memoryview(head + data)], _ONE_HEAD + nbytes
     return ([memoryview(head), memoryview(data)] if nbytes else [memoryview(head)]), _ONE_HEAD + nbytes
 
 

@@ -1,6 +1,6 @@
 """The server's end of the direct same-host path (:mod:`fleet.ps.protocol.unix`): a listening Unix socket and its connections.
 
-Polled by the server loop with its ZeroMQ sockets (one poller, one thread: nothing here blocks).
+Polled by the server loop with its ZeroMQ sockets (one waiter, :mod:`fleet.ps.server.sockets`; one thread: nothing here blocks).
 A connection is challenged first; once its answer and its user check out, every complete message
 it sends goes into the loop's inbox under a routing identity of its own (never one ZeroMQ makes:
 those start with a zero byte), and the reply to that identity is written back on it. A connection
@@ -88,14 +88,14 @@ class DirectConnections:
         self._conns: dict[int, _Conn] = {}  # by file descriptor
         self._by_ident: dict[bytes, _Conn] = {}
         self._next = 0
-        self._poller: zmq.Poller | None = None
+        self._poller: Any = None  # the loop's waiter (fleet.ps.server.sockets): a zmq.Poller's interface
         # a connection's bytes are read here first: a whole small request is served from it without a copy
         self._scratch = bytearray(_READ)
         self._scratch_view = memoryview(self._scratch)
         self.admitted = 0
         self.rejected = 0
 
-    def attach(self, poller: zmq.Poller) -> None:
+    def attach(self, poller: Any) -> None:
         """Have ``poller`` watch the listening socket and every connection."""
         self._poller = poller
         poller.register(self._listener.fileno(), zmq.POLLIN)
@@ -129,6 +129,17 @@ class DirectConnections:
         conn = self._by_ident.get(ident)
         if conn is None:
             return False
+        if not conn.out and len(buffers) == 1:  # the usual small reply: one send, no queue
+            try:
+                sent = conn.sock.send(buffers[0])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                sent = -1  # _flush below meets the error again and closes the connection
+            if sent == buffers[0].nbytes:
+                return True
+            if sent > 0:
+                buffers = [buffers[0][sent:]]
         conn.out.extend(buffers)
         self._flush(conn)  # a small reply leaves in this one system call
         return True

@@ -95,6 +95,11 @@ class Outbox:
         except BlockingIOError:
             pass  # the pipe is full: the loop is due to wake anyway
 
+    @property
+    def pending(self) -> bool:
+        """Whether replies wait (a cheap look: :meth:`take` also drains the wake-up pipe)."""
+        return bool(self._items)
+
     def take(self) -> list[tuple[Any, Any]]:
         try:
             while os.read(self.wake_r, 4096):

@@ -54,7 +54,7 @@ from fleet.ps.server.lanes import MAX_QUEUED, Lanes, Outbox, ServerLock, default
 from fleet.ps.server.many import ManyRequests, Part, deliver
 from fleet.ps.server.reduce import Reductions
 from fleet.ps.server.replies import Replies
-from fleet.ps.server.sockets import ServerSockets
+from fleet.ps.server.sockets import ServerSockets, Waiter
 from fleet.ps.server.table_ops import TableRequests
 from fleet.ps.server.waitlist import Waitlist
 
@@ -122,6 +122,7 @@ class ParameterServer:
         self._zap = self._sockets.zap
         self._direct = self._sockets.direct
         self._shutdown = threading.Event()
+        self._waiter = Waiter()
         self._closed = False
         self._shards: dict[int, agg.DenseShard | agg.SparseShard] = {}
         self._waiting = Waitlist()
@@ -192,23 +193,28 @@ class ParameterServer:
             torch.set_num_threads(self.torch_threads)
         if self.threads:
             self._lanes = Lanes(self.threads, self._lock, name=f"fleet-ps{self.server_index}-table")
-        poller = zmq.Poller()
+        poller = self._waiter
         self._sockets.register(poller)
         if self._outbox is not None:
             poller.register(self._outbox.wake_r, zmq.POLLIN)
         lock = self._lock.lock
+        sockets = self._sockets
         log.info("parameter server %d serving at %s", self.server_index, self.endpoint)
         try:
             while not self._shutdown.is_set() and not self._workers.done():
                 with lock:
                     timeout = 0 if len(self._inbox) else self._poll_timeout_ms()
-                ready = dict(poller.poll(timeout))  # the table threads have the lock meanwhile
+                ready = poller.poll(timeout)  # the table threads have the lock meanwhile
+                sent_before = sockets.zmq_sends
+                touched = False  # whether this round received from a ZeroMQ socket (Waiter.settle)
                 if self._zap.socket in ready:
                     self._zap.serve()
+                    touched = True
                 if self._direct is not None:
                     self._direct.serve(ready, self._inbox.put, self._serve_direct)
                 if self._sock in ready or len(self._inbox):
                     look = self._sock in ready
+                    touched = True
                     for _ in range(_MAX_BATCH):
                         if look or len(self._inbox):  # before each request: a newcomer goes next
                             self._inbox.take_from(self._sock)
@@ -222,6 +228,7 @@ class ParameterServer:
                 with lock:
                     self._send_outbox()
                     self._expire(time.monotonic())
+                poller.settle(ready, touched or sockets.zmq_sends != sent_before)
         finally:
             self.close()
         return self.stats()
@@ -322,7 +329,8 @@ class ParameterServer:
         with self._lock.lock:
             if self._lanes is not None and self._lanes.queued:
                 return False
-            self._send_outbox()  # what the table threads answered leaves first, as on the usual way
+            if self._outbox is not None and self._outbox.pending:
+                self._send_outbox()  # what the table threads answered leaves first, as on the usual way
             self._counts["bytes_in"] += sum(map(len, frames))
             self._counts["direct_quick"] += 1
             self._serve(ident, msg, here=True)
