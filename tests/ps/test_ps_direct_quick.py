@@ -179,7 +179,9 @@ def test_a_stopped_or_killed_server_is_named_within_the_deadline() -> None:
                 with pytest.raises(PSServerUnavailable) as info:
                     c.pull_dense(1, min_version=5).result()  # parked: the pushes it waits for never come
                 proc_killer.join()
-            assert time.monotonic() - started < 1.5, "the failure waited for the deadline"
+            # the message tells the closed connection from the deadline ("did not answer"); the bound is loose
+            # because a loaded 2-core machine has taken 2.1 s to run the kill and the reader's wake-up
+            assert time.monotonic() - started < 10, "the failure waited far past the deadline"
             assert "parameter server 0" in str(info.value) and "closed the connection" in str(info.value)
         finally:
             c.close(stop_servers_for_me=False)
