@@ -443,7 +443,7 @@ class SparseTable:
         fresh = store.fresh_fields()
         if fresh:  # the optimizer's state, steps, statistics: none for plain SGD without a life cycle
             self._start_fresh({name: t[first:end] for name, t in fresh.items()})
-        store.dirty[first:end] = True
+        store.dirty[first:end].fill_(True)  # fill_, not item assignment: several times cheaper
         store.prefault_ahead(end)
 
     def _start_fresh(self, fields: dict[str, torch.Tensor]) -> None:
