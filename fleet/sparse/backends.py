@@ -107,6 +107,27 @@ class PrefetchedRows(Protocol):
         """A prefetch's rows, or None when it failed (the forward then pulls again)."""
 
 
+_IMPLEMENTS: dict[tuple[type, type], bool] = {}
+
+
+def implements(backend: Any, protocol: type) -> bool:
+    """``isinstance(backend, protocol)`` for a runtime-checkable protocol here, answered once per backend class.
+
+    Why: a runtime check against a ``Protocol`` looks up each of its members, every time (about 2 % of a
+    one-process W6 step, asked for every table on every pull); the members are methods of the class.
+    """
+    key = (type(backend), protocol)
+    known = _IMPLEMENTS.get(key)
+    if known is None:
+        known = _IMPLEMENTS[key] = isinstance(backend, protocol)
+    return known
+
+
+def batched(backend: Any) -> bool:
+    """Whether ``backend`` pulls together with others (:class:`BatchedRows`)."""
+    return implements(backend, BatchedRows)
+
+
 def per_row_fields(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """A rows state's per-row fields (``rows``, ``steps``, ``state.*``, ``stats.*``): what a table's rows are set to."""
     return {k: v for k, v in state.items() if k in ("rows", "steps") or k.startswith(("state.", "stats."))}
@@ -156,7 +177,7 @@ def pull_many(requests: list[tuple[TableBackend, torch.Tensor]]) -> list[torch.T
     out: list[torch.Tensor | None] = [None] * len(requests)
     together: dict[tuple[type, int], list[int]] = {}
     for i, (backend, ids) in enumerate(requests):
-        if isinstance(backend, BatchedRows):
+        if batched(backend):
             together.setdefault((type(backend), id(backend.batch_key())), []).append(i)
         else:
             out[i] = backend.pull(ids)
@@ -171,15 +192,17 @@ def can_prefetch(backends: list[Any]) -> bool:
     """Whether :func:`prefetch_many` may start a pull for these backends: a caller skips preparing a coming
     batch's unique ids where it cannot (a local table, tables sharded across the workers), work the forward
     would do again."""
-    keys = {(type(b), id(b.batch_key())) if isinstance(b, BatchedRows) else None for b in backends}
-    return len(keys) == 1 and None not in keys and getattr(backends[0], "pulls_ahead", True)
+    if not backends or not all(batched(b) for b in backends):  # a local table: nothing to pull ahead
+        return False
+    keys = {(type(b), id(b.batch_key())) for b in backends}
+    return len(keys) == 1 and getattr(backends[0], "pulls_ahead", True)
 
 
 def prefetch_many(requests: list[tuple[TableBackend, torch.Tensor]]) -> Any | None:
     """Start pulling each ``(backend, unique ids)`` in the background, where rows may be a step old anyway
     (parameter server, ``update="async"``): a future of the rows for :func:`collect_many`, or None where
     these backends cannot prefetch together (then the forward pulls)."""
-    keys = {(type(b), id(b.batch_key())) if isinstance(b, BatchedRows) else None for b, _ in requests}
+    keys = {(type(b), id(b.batch_key())) if batched(b) else None for b, _ in requests}
     if len(keys) != 1 or None in keys:
         return None
     kind = type(requests[0][0])

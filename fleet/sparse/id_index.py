@@ -178,26 +178,51 @@ class IdIndex:
         that hold the key column, so each row is copied while its record, read to confirm the id, is in
         cache. The rows of absent ids are left uninitialised.
         """
-        ids = as_ids(ids)
-        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.shape[0] != self._size or rows.device.type != "cpu":
+        slots, found, _, _ = self.lookup_rows_misses(ids, rows)
+        return slots, found
+
+    def lookup_rows_misses(
+        self, ids: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """:meth:`lookup_rows`, and the positions of the absent ids (ascending) with whether those ids ascend.
+
+        The same native pass finds the absent ids (``(slots < 0).nonzero()`` took torch two passes and as
+        long as the lookup of a few thousand ids); ascending absent ids are unique, so a table creates
+        their rows in this order without sorting them.
+        """
+        if rows.dtype is not torch.float32 or rows.dim() != 2 or rows.shape[0] != self._size or not rows.is_cpu:
             raise ValueError(
                 f"lookup_rows needs float32 rows [{self._size}, dim] on the CPU, got {rows.dtype} "
                 f"{tuple(rows.shape)} on {rows.device}"
             )
-        out = torch.empty(ids.numel(), dtype=torch.int64)
-        found = torch.empty(ids.numel(), rows.shape[1], dtype=torch.float32)
-        if ids.numel():
-            old = self._old._table.numpy() if self._old is not None else None
-            kernels.lookup(
-                self._table.numpy(),
-                self._key_buffer(),
-                ids.numpy(),
-                out.numpy(),
-                old,
-                rows.detach().numpy(),
-                found.numpy(),
-            )
-        return out, found
+        return self._lookup(as_ids(ids), rows)
+
+    def lookup_misses(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(:meth:`lookup`'s slots, the positions of the absent ids, whether the absent ids ascend strictly)."""
+        slots, _, misses, ascending = self._lookup(as_ids(ids), None)
+        return slots, misses, ascending
+
+    def _lookup(
+        self, ids: torch.Tensor, rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool]:
+        count = ids.numel()
+        out = torch.empty(count, dtype=torch.int64)
+        found = torch.empty(count, rows.shape[1], dtype=torch.float32) if rows is not None else None
+        if not count:
+            return out, found, out, True
+        misses = torch.empty(count, dtype=torch.int64)
+        old = self._old._table.numpy() if self._old is not None else None
+        missing, ascending = kernels.lookup(
+            self._table.numpy(),
+            self._key_buffer(),
+            ids.numpy(),
+            out.numpy(),
+            old,
+            rows.detach().numpy() if rows is not None else None,
+            found.numpy() if found is not None else None,
+            misses.numpy(),
+        )
+        return out, found, misses[:missing], ascending
 
     # ------------------------------------------------------------------ insert
     _ARRAYS = ("_capacity", "_bits", "_tag_bits", "_table", "_tombstones")

@@ -24,6 +24,7 @@ which batch, or in what order.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any, Literal
@@ -261,9 +262,14 @@ def _uniform01(ids: torch.Tensor, dim: int, seed: int, stream: int) -> torch.Ten
 def _uniform_rows(ids: torch.Tensor, dim: int, init: InitializerSpec, seed: int, out: torch.Tensor) -> torch.Tensor:
     """The "uniform" rows, natively, into ``out``: the bits of :func:`_uniform_rows_torch` (creating rows is much
     of a growing table's pull, and the torch version makes a dozen ``[n, dim]`` int64 passes)."""
-    seed_key = _signed(_mix_int(seed * _GAMMA + 1))  # _uniform01's key for stream 0
-    kernels.uniform_rows(ids.contiguous().numpy(), seed_key, float(init.low), init.high - init.low, out.numpy())
+    kernels.uniform_rows(ids.contiguous().numpy(), _seed_key(seed), float(init.low), init.high - init.low, out.numpy())
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _seed_key(seed: int) -> int:
+    """_uniform01's key for stream 0 (every new row of a table asks for its table's; a few big-int steps each)."""
+    return _signed(_mix_int(seed * _GAMMA + 1))
 
 
 def _uniform_rows_torch(ids: torch.Tensor, dim: int, init: InitializerSpec, seed: int) -> torch.Tensor:
@@ -286,7 +292,8 @@ def initial_rows(
     """
     if ids.dim() != 1:
         raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-    ids = ids.to(torch.int64)
+    if ids.dtype is not torch.int64:
+        ids = ids.to(torch.int64)
     n = ids.numel()
     if out is not None and (tuple(out.shape) != (n, dim) or out.dtype != torch.float32):
         raise ValueError(f"out must be float32 {(n, dim)}, got {out.dtype} {tuple(out.shape)}")

@@ -51,6 +51,9 @@ class RowStore:
         self.state, self.stats = dict(records.state), dict(records.stats)
         if records.dirty is not None:
             self.dirty = records.dirty
+        # the fields a new row starts fresh (all saved ones but its values), named as saved_fields names them:
+        # set per new batch of rows, so built once per storage rather than per call
+        self._fresh = {name: t for name, t in self.saved_fields().items() if name != "rows"}
 
     def _key_column(self) -> torch.Tensor:
         """The id of each slot (the id index's key column): the records' id field."""
@@ -82,6 +85,10 @@ class RowStore:
         out.update({f"state.{k}": t for k, t in self.state.items()})
         out.update({f"stats.{k}": t for k, t in self.stats.items()})
         return out
+
+    def fresh_fields(self) -> dict[str, torch.Tensor]:
+        """The saved fields but ``rows`` (a new row's optimizer state, steps and statistics); do not change it."""
+        return self._fresh
 
     def copy_fields(self, pick: slice | torch.Tensor, live: int) -> dict[str, torch.Tensor]:
         """Copies of the saved fields of the slots ``pick`` among the ``live`` rows (``steps`` 0 where not counted)."""

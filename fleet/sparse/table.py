@@ -39,7 +39,7 @@ import torch
 from fleet.sparse.growable import grow
 from fleet.sparse.id_index import IdIndex, as_ids
 from fleet.sparse.lifecycle import LifeCycle
-from fleet.sparse.native import native_hyper
+from fleet.sparse.native import buf, kernels, native_hyper
 from fleet.sparse.optim import (
     InitializerSpec,
     OptimizerSpec,
@@ -403,19 +403,36 @@ class SparseTable:
         sorted, so their slots follow id order within one call; their rows are written before the index
         learns them.
         """
-        slots = self._store.index.lookup(ids) if slots is None else slots
-        if where is None:
-            where = (slots < 0).nonzero().squeeze(1)  # one pass: an empty result is the common case
-        if where.numel() == 0:
-            return slots
+        ascending = None
+        if slots is None:  # the lookup finds the misses too
+            slots, where, ascending = self._store.index.lookup_misses(ids)
+        elif where is None:
+            where = (slots < 0).nonzero().squeeze(1)
+        if where.numel():
+            self._create(ids, slots, where, ascending)
+        return slots
+
+    def _create(
+        self, ids: torch.Tensor, slots: torch.Tensor, where: torch.Tensor, ascending: bool | None = None
+    ) -> tuple[int, torch.Tensor | None]:
+        """Create the rows of ``ids[where]`` (absent: ``slots[where]`` are -1) and fill in their slots.
+
+        ``ascending``: whether those ids are known to be strictly ascending (None: not known, checked here).
+        Returns (the first new slot, the inverse of the de-duplication or None): new id ``ids[where[i]]``
+        has slot ``first + i``, or ``first + inverse[i]`` when the new ids were not ascending already.
+        """
         new_ids = ids.index_select(0, where)
         inverse = None
-        if not bool((new_ids[1:] > new_ids[:-1]).all()):  # ascending ids (a pull's unique ids) are unique already
+        if ascending is None:
+            ends = new_ids.numpy()
+            ascending = bool((ends[1:] > ends[:-1]).all())
+        if not ascending:  # ascending ids (a pull's unique ids) are unique already
             new_ids, inverse = torch.unique(new_ids, sorted=True, return_inverse=True)
-        self.init_rows(len(self), new_ids)
+        first = len(self)
+        self.init_rows(first, new_ids)
         new_slots = self._store.index.insert_new(new_ids, self.undo_log())
         slots.index_copy_(0, where, new_slots if inverse is None else new_slots.index_select(0, inverse))
-        return slots
+        return first, inverse
 
     def init_rows(self, first: int, new_ids: torch.Tensor) -> None:
         """Fill the free slots ``first ..`` (past the live length: nothing to undo) for ``new_ids``."""
@@ -423,8 +440,10 @@ class SparseTable:
         store = self._store
         store.grow_to(end, first, grow)
         initial_rows(new_ids, self.dim, self.initializer, self.seed, out=store.rows[first:end])
-        self._start_fresh({name: t[first:end] for name, t in store.saved_fields().items() if name != "rows"})
-        store.dirty[first:end] = True
+        fresh = store.fresh_fields()
+        if fresh:  # the optimizer's state, steps, statistics: none for plain SGD without a life cycle
+            self._start_fresh({name: t[first:end] for name, t in fresh.items()})
+        store.dirty[first:end].fill_(True)  # fill_, not item assignment: several times cheaper
         store.prefault_ahead(end)
 
     def _start_fresh(self, fields: dict[str, torch.Tensor]) -> None:
@@ -461,15 +480,21 @@ class SparseTable:
         ids = as_ids(ids)
         if not self.lifecycle.active:
             # one native pass: each row is copied as its id is confirmed in the record (same cache lines)
-            slots, rows = self._store.index.lookup_rows(ids, self._store.rows[: len(self)])
-            new = (slots < 0).nonzero().squeeze(1)  # before _slots, which fills these slots in
+            store = self._store
+            slots, rows, new, ascending = store.index.lookup_rows_misses(ids, store.rows[: len(self)])
             if new.numel() == 0:
                 self._recent.remember(ids, slots)  # nothing changed: no transaction needed
                 return rows
-            with self.transaction():  # the gather below can fail too: then the new rows go again
-                slots = self._slots(ids, slots, new)  # first: creating rows may replace the store's rows
-                # the rows found were copied by the lookup: only the new ones (their initial values) are gathered
-                rows.index_copy_(0, new, self._store.gather_rows(slots.index_select(0, new), len(self)))
+            with self.transaction():  # the copy below can fail too: then the new rows go again
+                first, inverse = self._create(ids, slots, new, ascending)  # creating rows may replace store.rows
+                # the rows found were copied by the lookup: only the new ones (their initial values, the rows just
+                # written in slots first ..) are copied in
+                fresh = self._store.rows[first : len(self)]
+                kernels.scatter_rows(
+                    buf(fresh if inverse is None else fresh.index_select(0, inverse), "rows", torch.float32, 2, True),
+                    new.numpy(),
+                    rows.numpy(),
+                )
                 self._recent.remember(ids, slots)  # a failure here takes the rows back and forgets
                 return rows
         slots, out = self._store.index.lookup_rows(ids, self._store.rows[: len(self)])  # absent ids: filled below
@@ -532,7 +557,8 @@ class SparseTable:
         """Slots, values and clicks of the ids an update changes: every id's (rows created as needed) without a
         life cycle; with one, the admitted ids' (the life cycle drops, and counts, the rest)."""
         if not self.lifecycle.active:
-            return self._slots(ids, self._recent.take(ids)), values, clicks
+            taken = self._recent.take(ids)  # a recent pull's slots: every one names a live row, nothing to create
+            return (taken if taken is not None else self._slots(ids)), values, clicks
         return self._life.update_slots(ids, values, clicks)
 
     def _check_clicks(self, clicks: torch.Tensor | None, n: int) -> torch.Tensor | None:

@@ -254,6 +254,49 @@ def test_gather_rows_checks_bounds_before_copying() -> None:
         kernels.gather_rows(rows.astype(np.float64), np.array([1], dtype=np.int64), 10, out[:1])
 
 
+def test_lookup_hands_back_the_misses_in_order() -> None:
+    """With misses_out, the absent ids' positions (ascending) and whether those ids ascend strictly."""
+    keys = np.arange(100, 108, dtype=np.int64)
+    table = _entries(16)
+    pos, old = np.empty(8, dtype=np.int64), np.empty(8, dtype=np.int32)
+    kernels.place(table, keys.copy(), np.arange(8, dtype=np.int64), pos, old)
+    found, misses = np.empty(7, dtype=np.int64), np.full(7, -9, dtype=np.int64)
+    ids = np.array([5, 100, 7, 107, 9, 101, 11], dtype=np.int64)
+    assert kernels.lookup(table, keys, ids, found, None, None, None, misses) == (4, True)
+    assert misses[:4].tolist() == [0, 2, 4, 6] and found.tolist() == [-1, 0, -1, 7, -1, 1, -1]
+    for absent in ([9, 100, 9], [9, 100, 5]):  # a repeat, a descent: not strictly ascending
+        assert kernels.lookup(
+            table, keys, np.array(absent, dtype=np.int64), found[:3], None, None, None, misses[:3]
+        ) == (
+            2,
+            False,
+        )
+        assert misses[:2].tolist() == [0, 2]
+    assert kernels.lookup(table, keys, keys, np.empty(8, dtype=np.int64), None) == (0, True)  # none absent
+    with pytest.raises(ValueError, match="misses_out has 3 entries for 7 ids"):
+        kernels.lookup(table, keys, ids, found, None, None, None, misses[:3])
+    with pytest.raises(TypeError, match="misses_out must hold int64"):
+        kernels.lookup(table, keys, ids, found, None, None, None, misses.astype(np.int32))
+
+
+def test_scatter_rows_checks_positions_before_copying() -> None:
+    src = np.arange(24, dtype=np.float32).reshape(6, 4)[::2]  # strided rows: 3 rows of 4, 8 apart
+    out = np.zeros((5, 4), dtype=np.float32)
+    kernels.scatter_rows(src, np.array([4, 0, 2], dtype=np.int64), out)
+    assert np.array_equal(out[[4, 0, 2]], src) and not out[[1, 3]].any()
+    out[:] = 0
+    for bad in (5, -1, 2**62):
+        with pytest.raises(IndexError, match="outside the 5 rows of out"):
+            kernels.scatter_rows(src, np.array([1, 2, bad], dtype=np.int64), out)
+        assert not out.any()
+    with pytest.raises(ValueError, match="2 positions for 3 rows"):
+        kernels.scatter_rows(src, np.array([1, 2], dtype=np.int64), out)
+    with pytest.raises(ValueError, match="out must be 2-D"):
+        kernels.scatter_rows(src, np.array([1, 2, 3], dtype=np.int64), np.zeros((5, 3), dtype=np.float32))
+    with pytest.raises(TypeError, match="float32"):
+        kernels.scatter_rows(src.astype(np.float64), np.array([1, 2, 3], dtype=np.int64), out)
+
+
 def test_the_python_side_names_the_tensor_at_fault() -> None:
     index = IdIndex()
     with pytest.raises(ValueError, match="on the CPU"):

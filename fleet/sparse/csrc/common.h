@@ -219,6 +219,7 @@ PyObject* py_home(PyObject*, PyObject* args);
 PyObject* py_lookup(PyObject*, PyObject* args);
 PyObject* py_place(PyObject*, PyObject* args);
 PyObject* py_gather_rows(PyObject*, PyObject* args);
+PyObject* py_scatter_rows(PyObject*, PyObject* args);
 PyObject* py_apply_rows(PyObject*, PyObject* args);
 PyObject* py_unique_inverse(PyObject*, PyObject* args);
 PyObject* py_uniform_rows(PyObject*, PyObject* args);

@@ -27,11 +27,15 @@ PyObject* py_home(PyObject*, PyObject* args) {
 // `entries` are looked up in `old_entries` too. With `rows` (float32 [R, dim], strided: the row field of the
 // records the keys belong to), rows_out[i] = rows[out[i]] for every id found (rows_out[i] untouched for the
 // others): the row is copied while the record's cache lines, just read to confirm the id, are at hand.
+// With `misses_out` (int64 [n]), the positions of the absent ids go to its first entries, ascending (what
+// `(out < 0).nonzero()` gives, without torch's two passes). Returns (absent ids, whether the absent ids
+// are strictly ascending -- unique, so that a table can create their rows in this order).
 PyObject* py_lookup(PyObject*, PyObject* args) {
-  PyObject *table_o, *keys_o, *ids_o, *out_o, *old_o, *rows_o = Py_None, *rows_out_o = Py_None;
-  if (!PyArg_ParseTuple(args, "OOOOO|OO:lookup", &table_o, &keys_o, &ids_o, &out_o, &old_o, &rows_o, &rows_out_o))
+  PyObject *table_o, *keys_o, *ids_o, *out_o, *old_o, *rows_o = Py_None, *rows_out_o = Py_None, *misses_o = Py_None;
+  if (!PyArg_ParseTuple(args, "OOOOO|OOO:lookup", &table_o, &keys_o, &ids_o, &out_o, &old_o, &rows_o, &rows_out_o,
+                        &misses_o))
     return nullptr;
-  Buf table, kbuf, ids, out, old, rows, rows_out;
+  Buf table, kbuf, ids, out, old, rows, rows_out, misses;
   Entries e, oe;
   Keys keys;
   if (!get_entries(table, table_o, "entries", false, &e) || !get_keys(kbuf, keys_o, &keys)) return nullptr;
@@ -53,6 +57,15 @@ PyObject* py_lookup(PyObject*, PyObject* args) {
   } else if (rows_out_o != Py_None) {
     return PyErr_Format(PyExc_ValueError, "lookup: rows_out without rows");
   }
+  const bool has_misses = misses_o != Py_None;
+  if (has_misses) {
+    if (!misses.get(misses_o, "misses_out", Kind::kInt64, 1, -1, true)) return nullptr;
+    if (misses.len() != ids.len())
+      return PyErr_Format(PyExc_ValueError, "misses_out has %zd entries for %zd ids", misses.len(), ids.len());
+  }
+  int64_t* mo = has_misses ? misses.i64() : nullptr;
+  int64_t missing = 0, last_missing = 0;
+  bool ascending = true;
   const float* rs = has_rows ? rows.f32() : nullptr;
   float* ro = has_rows ? rows_out.f32() : nullptr;
   const int64_t* in = ids.i64();
@@ -108,12 +121,18 @@ PyObject* py_lookup(PyObject*, PyObject* args) {
         int64_t slot = c[j] >= 0 && *keys.at(c[j]) == in[i] ? c[j] : probe(e, keys, h[j], in[i]);
         if (slot < 0 && has_old) slot = probe(oe, keys, h[j], in[i]);
         o[i] = slot;
+        if (slot < 0) {  // positions go in order (groups, and ids within a group, are confirmed in order)
+          if (missing > 0 && in[i] <= last_missing) ascending = false;
+          last_missing = in[i];
+          if (mo != nullptr) mo[missing] = i;
+          ++missing;
+        }
         if (has_rows && slot >= 0 && slot < rlen) std::memcpy(ro + i * dim, rs + slot * rstride, sizeof(float) * dim);
       }
     }
   }
   Py_END_ALLOW_THREADS;
-  Py_RETURN_NONE;
+  return Py_BuildValue("(LO)", static_cast<long long>(missing), ascending ? Py_True : Py_False);
 }
 
 // place(entries, keys, slots, pos_out, old_out): enter each (key, slot) into the first free or removed
@@ -165,6 +184,36 @@ PyObject* py_place(PyObject*, PyObject* args) {
     return PyErr_Format(PyExc_ValueError, "place: slot %lld (at %lld) is outside 0 .. %lld", (long long)v[bad],
                         (long long)bad, (long long)(slot_end - 1));
   if (placed < n) return PyErr_Format(PyExc_RuntimeError, "id index full: no free entry for %lld ids", (long long)(n - placed));
+  Py_RETURN_NONE;
+}
+
+// scatter_rows(src [n, dim] float32, pos [n] int64, out [m, dim] float32): out[pos[i]] = src[i]. src's rows may
+// lie apart (new rows in fleet.sparse.records); every position is checked against m before anything is copied.
+PyObject* py_scatter_rows(PyObject*, PyObject* args) {
+  PyObject *src_o, *pos_o, *out_o;
+  if (!PyArg_ParseTuple(args, "OOO:scatter_rows", &src_o, &pos_o, &out_o)) return nullptr;
+  Buf src, pos, out;
+  if (!src.get(src_o, "rows", Kind::kFloat32, 2, -1, false, true) || !pos.get(pos_o, "positions", Kind::kInt64, 1, -1, false))
+    return nullptr;
+  if (!out.get(out_o, "out", Kind::kFloat32, 2, src.cols(), true)) return nullptr;
+  if (pos.len() != src.len()) return PyErr_Format(PyExc_ValueError, "%zd positions for %zd rows", pos.len(), src.len());
+  const float* s = src.f32();
+  const int64_t* idx = pos.i64();
+  float* o = out.f32();
+  const int64_t n = pos.len(), m = out.len(), dim = src.cols(), stride = src.stride();
+  int64_t bad = -1;
+  Py_BEGIN_ALLOW_THREADS;
+  for (int64_t i = 0; i < n; ++i)
+    if (static_cast<uint64_t>(idx[i]) >= static_cast<uint64_t>(m)) {
+      bad = i;
+      break;
+    }
+  if (bad < 0)
+    for (int64_t i = 0; i < n; ++i) std::memcpy(o + idx[i] * dim, s + i * stride, sizeof(float) * dim);
+  Py_END_ALLOW_THREADS;
+  if (bad >= 0)
+    return PyErr_Format(PyExc_IndexError, "position %lld (at %lld) is outside the %lld rows of out", (long long)idx[bad],
+                        (long long)bad, (long long)m);
   Py_RETURN_NONE;
 }
 

@@ -21,15 +21,18 @@ namespace {
 using namespace fleet_native;
 
 // Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
-constexpr long kAbiVersion = 8;
+constexpr long kAbiVersion = 9;
 
 PyObject* abi_version(PyObject*, PyObject*) { return PyLong_FromLong(kAbiVersion); }
 
 PyMethodDef kMethods[] = {
     {"abi_version", abi_version, METH_NOARGS, "The version of these functions' signatures and semantics."},
     {"home", py_home, METH_VARARGS, "home(ids, out, bits): each id's home entry in 2**bits entries."},
-    {"lookup", py_lookup, METH_VARARGS, "lookup(entries, ids, out, old_entries): slots, -1 where absent."},
+    {"lookup", py_lookup, METH_VARARGS,
+     "lookup(entries, keys, ids, out, old_entries[, rows, rows_out, misses_out]) -> (absent, ascending): slots, -1 "
+     "where absent."},
     {"place", py_place, METH_VARARGS, "place(entries, keys, slots, pos_out, old_out): insert unique absent keys."},
+    {"scatter_rows", py_scatter_rows, METH_VARARGS, "scatter_rows(rows, positions, out): out[positions[i]] = rows[i]."},
     {"gather_rows", py_gather_rows, METH_VARARGS, "gather_rows(rows, slots, live, out): out[i] = rows[slots[i]]."},
     {"apply_rows", py_apply_rows, METH_VARARGS, "apply_rows(hyper, rows, ...): a row optimizer's step on rows[slots]."},
     {"unique_inverse", py_unique_inverse, METH_VARARGS,
