@@ -21,7 +21,7 @@ namespace {
 using namespace fleet_native;
 
 // Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
-constexpr long kAbiVersion = 8;
+constexpr long kAbiVersion = 9;
 
 PyObject* abi_version(PyObject*, PyObject*) { return PyLong_FromLong(kAbiVersion); }
 
@@ -42,6 +42,8 @@ PyMethodDef kMethods[] = {
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(values): no NaN or Inf among float32 values."},
     {"bag_sum_backward", py_bag_sum_backward, METH_VARARGS,
      "bag_sum_backward(grad, offsets, inverse, order, out): embedding_bag(mode='sum')'s weight gradient."},
+    {"ties_order", py_ties_order, METH_VARARGS,
+     "ties_order(keys, order_out): the permutation of libstdc++'s std::sort of (key, position) by key."},
     {nullptr, nullptr, 0, nullptr},
 };
 
