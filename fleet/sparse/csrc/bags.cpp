@@ -185,14 +185,64 @@ void median_to_first(uint64_t* result, uint64_t* a, uint64_t* b, uint64_t* c) {
   }
 }
 
+// libstdc++'s unguarded Hoare partition of [first, last) around *pivot (just before first), with the same swaps
+// and the same result, found without its unpredictable scanning branches (BlockQuicksort's idea). The scalar
+// loop swaps the k-th "left stopper" (scanning up, the k-th key not below the pivot) with the k-th "right
+// stopper" (scanning down, the k-th key not above it) until they cross. Positions strictly between the last
+// swapped pair still hold their first values, so the stoppers can be listed in blocks from the first values,
+// branch-free, ahead of their use; where a scan would reach a position already swapped it stops there (that
+// key is now a stopper), which the caps at prev_l / prev_r say.
 uint64_t* hoare_partition(uint64_t* first, uint64_t* last, const uint64_t* pivot) {
+  constexpr int kBlock = 64;
+  const uint64_t p = *pivot >> 32;
+  uint64_t* a = first;
+  int64_t lbuf[kBlock], rbuf[kBlock];
+  int lb = 0, le = 0, rb = 0, re = 0;
+  int64_t lnext = 0, rnext = (last - first) - 1;  // the next positions to list, going up and going down
+  int64_t prev_l = -1, prev_r = last - first;      // the last swapped pair (-1: the pivot's place)
   for (;;) {
-    while (less_key(*first, *pivot)) ++first;
-    --last;
-    while (less_key(*pivot, *last)) --last;
-    if (!(first < last)) return first;
-    std::swap(*first, *last);
-    ++first;
+    int64_t l;
+    for (;;) {
+      if (lb < le) {
+        l = lbuf[lb++];
+        break;
+      }
+      if (lnext >= prev_r) {
+        l = prev_r;
+        break;
+      }
+      const int64_t end = std::min<int64_t>(lnext + kBlock, prev_r);
+      lb = le = 0;
+      for (int64_t i = lnext; i < end; ++i) {
+        lbuf[le] = i;
+        le += !((a[i] >> 32) < p);
+      }
+      lnext = end;
+    }
+    if (l >= prev_r) return a + prev_r;
+    int64_t r;
+    for (;;) {
+      if (rb < re) {
+        r = rbuf[rb++];
+        break;
+      }
+      if (rnext <= prev_l) {
+        r = prev_l;
+        break;
+      }
+      const int64_t end = std::max<int64_t>(rnext - kBlock, prev_l);
+      rb = re = 0;
+      for (int64_t j = rnext; j > end; --j) {
+        rbuf[re] = j;
+        re += !(p < (a[j] >> 32));
+      }
+      rnext = end;
+    }
+    if (r < prev_l) r = prev_l;
+    if (l >= r) return a + l;
+    std::swap(a[l], a[r]);
+    prev_l = l;
+    prev_r = r;
   }
 }
 
@@ -385,6 +435,45 @@ PyObject* py_bag_sum_backward(PyObject*, PyObject* args) {
   Py_END_ALLOW_THREADS;
   if (bad) return PyErr_Format(PyExc_ValueError, "bag_sum_backward: %s", bad);
   Py_RETURN_NONE;
+}
+
+// bag_offsets(given, n, lengths, out) -> bool: out = the [bags + 1] offsets of bags of n ids, from each bag's
+// start (lengths False: out = given then n) or each bag's number of ids (lengths True: out = 0 then their
+// running sum); False where `given` describes no such bags (a first start other than 0, a decreasing start, a
+// start past n; a negative length, lengths that do not add up to n): out is then partly written.
+// Why: one pass instead of several torch reductions and their .item() per feature and step.
+PyObject* py_bag_offsets(PyObject*, PyObject* args) {
+  PyObject *given_o, *out_o;
+  long long n;
+  int lengths;
+  if (!PyArg_ParseTuple(args, "OLpO:bag_offsets", &given_o, &n, &lengths, &out_o)) return nullptr;
+  Buf given, out;
+  if (!given.get(given_o, "given", Kind::kInt64, 1, -1, false) || !out.get(out_o, "out", Kind::kInt64, 1, -1, true))
+    return nullptr;
+  const int64_t m = given.len();
+  if (out.len() != m + 1) return PyErr_Format(PyExc_ValueError, "bag_offsets: out has %zd entries for %zd bags", out.len(), m);
+  if (n < 0) return PyErr_Format(PyExc_ValueError, "bag_offsets: %lld ids", n);
+  const int64_t* g = given.i64();
+  int64_t* o = out.i64();
+  bool ok = true;
+  if (lengths) {
+    int64_t at = 0;
+    o[0] = 0;
+    for (int64_t b = 0; b < m && ok; ++b) {
+      ok = g[b] >= 0 && g[b] <= n - at;  // never past n: no overflow
+      at += g[b];
+      o[b + 1] = at;
+    }
+    ok = ok && at == n;
+  } else {
+    ok = m == 0 || g[0] == 0;
+    for (int64_t b = 0; b < m && ok; ++b) {
+      ok = g[b] <= n && (b == 0 || g[b] >= g[b - 1]);
+      o[b] = g[b];
+    }
+    o[m] = n;
+  }
+  return PyBool_FromLong(ok);
 }
 
 }  // namespace fleet_native

@@ -42,6 +42,8 @@ PyMethodDef kMethods[] = {
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(values): no NaN or Inf among float32 values."},
     {"bag_sum_backward", py_bag_sum_backward, METH_VARARGS,
      "bag_sum_backward(grad, offsets, inverse, order, out): embedding_bag(mode='sum')'s weight gradient."},
+    {"bag_offsets", py_bag_offsets, METH_VARARGS,
+     "bag_offsets(given, n, lengths, out) -> bool: bags' offsets from their starts or lengths, checked."},
     {"ties_order", py_ties_order, METH_VARARGS,
      "ties_order(keys, order_out): the permutation of libstdc++'s std::sort of (key, position) by key."},
     {nullptr, nullptr, 0, nullptr},
