@@ -146,10 +146,8 @@ def _fleet_collection_model(spec: W.Spec) -> Any:
     names = [f"t{i}" for i in range(len(spec.tables))]
 
     def jagged(feats: list) -> dict:
-        out = {}
-        for name, (ids, offsets) in zip(names, feats, strict=True):
-            out[name] = (ids, torch.diff(offsets, append=offsets.new_tensor([ids.numel()])))
-        return out
+        # nn.EmbeddingBag's (ids, offsets) as they are: fleet takes each bag's start as torch does
+        return {name: {"ids": ids, "offsets": offsets} for name, (ids, offsets) in zip(names, feats, strict=True)}
 
     class FleetDLRMCollection(torch.nn.Module):
         def __init__(self) -> None:

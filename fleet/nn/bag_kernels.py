@@ -11,12 +11,19 @@ fleet's step beside plain ``nn.EmbeddingBag``. Both are replaced by kernels of
 - :func:`sum_bags` is ``F.embedding_bag(inverse, rows, offsets, mode="sum", include_last_offset=True)``
   whose backward adds each entry's output gradient into its row in the order torch's own backward
   does (the permutation of ``inverse.sort()``), so every row's gradient is the same sum.
+
+That order is an unstable sort's: ties (the entries of one row) come out in no simple order, and
+float sums depend on it. Below 32768 ids, torch's CPU sort of int64 values is libstdc++'s
+``std::sort`` over (value, position) pairs; the kernel's ``ties_order`` repeats that sort step for
+step, in the same call as the sum. It is used only once :func:`native_order_is_torchs` has seen
+torch's own ``sort()`` give the same permutations (a build with another sort, x86-simd-sort for
+one, keeps ``inverse.sort()``); from 32768 ids on, where torch may switch to fbgemm's radix sort,
+``inverse.sort()`` is always taken.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fleet.sparse.native import kernels
 
@@ -32,20 +39,55 @@ def unique_inverse(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return unique[:k].clone(), inverse  # its own storage: the ids travel on (pushes, saves)
 
 
+# torch's CPU sort: below at::internal::GRAIN_SIZE values std::sort (or x86-simd-sort), from it on possibly
+# fbgemm's radix sort
+_TIES_LIMIT = 1 << 15
+_ties_order_checked: bool | None = None
+
+
+def _probe_keys() -> list[torch.Tensor]:
+    """Keys whose sort permutation tells unstable sorts apart: many ties, every size class of introsort (the
+    16-element runs, partitions, deep recursions), sorted, reversed and constant runs."""
+    gen = torch.Generator().manual_seed(20261207)
+    keys = [torch.randint(0, span, (n,), generator=gen) for n in (2, 7, 16, 17, 33, 100, 257) for span in (2, 5)]
+    keys += [torch.randint(0, span, (n,), generator=gen) for n in (1000, 5120, 20000)
+             for span in (3, 100, n)]  # fmt: skip
+    keys += [torch.arange(3000), torch.arange(3000).flip(0), torch.zeros(3000, dtype=torch.int64)]
+    keys += [torch.arange(4000) % 37, (torch.arange(4000) % 61).flip(0)]
+    return keys
+
+
+def native_order_is_torchs() -> bool:
+    """Whether the kernel's ``ties_order`` gives torch's ``sort()`` permutations here (checked once a process)."""
+    global _ties_order_checked
+    if _ties_order_checked is None:
+        same = True
+        for keys in _probe_keys():
+            mine = torch.empty_like(keys)
+            kernels.ties_order(keys.numpy(), mine.numpy())
+            if not torch.equal(mine, keys.sort().indices):
+                same = False
+                break
+        _ties_order_checked = same
+    return _ties_order_checked
+
+
 class _SumBags(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(rows, inverse, offsets)  # rows: for the gradient's shape (the leaf is alive anyway)
-        return F.embedding_bag(inverse, rows, offsets, mode="sum", include_last_offset=True)
+        # F.embedding_bag(mode="sum", include_last_offset=True) without its Python checks (pool made the arguments)
+        return torch.embedding_bag(rows, inverse, offsets, False, 0, False, None, True)[0]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
         rows, inverse, offsets = ctx.saved_tensors
         out = torch.zeros_like(rows, dtype=grad.dtype)
-        order = inverse.sort().indices
-        kernels.bag_sum_backward(
-            grad.contiguous().numpy(), offsets.numpy(), inverse.numpy(), order.numpy(), out.numpy()
-        )
+        if inverse.numel() < _TIES_LIMIT and native_order_is_torchs():
+            order = None  # the kernel sorts as torch would
+        else:
+            order = inverse.sort().indices.numpy()
+        kernels.bag_sum_backward(grad.contiguous().numpy(), offsets.numpy(), inverse.numpy(), order, out.numpy())
         return out, None, None
 
 

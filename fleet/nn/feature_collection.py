@@ -38,6 +38,7 @@ from fleet.nn.sparse_embedding import SparseEmbedding
 from fleet.nn.sparse_embedding_bag import MODES, SparseEmbeddingBag, bag_of_entries, pool
 from fleet.nn.torch_signature import refuse_unknown
 from fleet.sparse import backends
+from fleet.sparse.native import kernels
 
 # What a FeatureTable passes on to its table: SparseEmbedding's keyword arguments.
 _TABLE_ARGUMENTS = set(inspect.signature(SparseEmbedding.__init__).parameters) - {
@@ -134,6 +135,16 @@ def _lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
 
 
+def _bag_offsets(given: Any, n: int, lengths: bool) -> torch.Tensor | None:
+    """The ``[bags + 1]`` offsets of bags of ``n`` ids from their 1-D starts (or ``lengths``); None where
+    ``given`` describes no such bags (checked and converted in one native pass)."""
+    given = torch.as_tensor(given).to(torch.int64)
+    if given.dim() != 1:
+        return None
+    out = torch.empty(given.numel() + 1, dtype=torch.int64)
+    return out if kernels.bag_offsets(given.contiguous().numpy(), n, lengths, out.numpy()) else None
+
+
 def _check_ids(feature: str, values: torch.Tensor) -> torch.Tensor:
     if not isinstance(values, torch.Tensor) or values.dtype.is_floating_point or values.dtype == torch.bool:
         got = values.dtype if isinstance(values, torch.Tensor) else type(values).__name__
@@ -183,23 +194,16 @@ def _from_bag_dict(name: str, given: Mapping[str, Any]) -> Bags:
         )
     ids = _check_ids(name, given["ids"]).reshape(-1)
     if "lengths" in given:
-        lengths = torch.as_tensor(given["lengths"]).to(torch.int64)
-        if lengths.dim() != 1 or bool((lengths < 0).any()) or int(lengths.sum()) != ids.numel():
+        offsets = _bag_offsets(given["lengths"], ids.numel(), lengths=True)
+        if offsets is None:
             raise ValueError(f"feature {name!r}: lengths must be 1-D, >= 0, adding up to the {ids.numel()} ids")
-        offsets = _lengths_to_offsets(lengths)
     else:
-        starts = torch.as_tensor(given["offsets"]).to(torch.int64)
-        if (
-            starts.dim() != 1
-            or (starts.numel() and int(starts[0]) != 0)
-            or bool((starts.diff() < 0).any())
-            or (starts.numel() and int(starts[-1]) > ids.numel())
-        ):
+        offsets = _bag_offsets(given["offsets"], ids.numel(), lengths=False)
+        if offsets is None:
             raise ValueError(
                 f"feature {name!r}: offsets must be 1-D, start at 0 and not decrease, within the {ids.numel()} ids "
                 "(one per bag: where it starts, as nn.EmbeddingBag's offsets without include_last_offset)"
             )
-        offsets = torch.cat([starts, starts.new_tensor([ids.numel()])])
     weights = given.get("weights")
     if weights is not None and weights.numel() != ids.numel():
         raise ValueError(f"feature {name!r}: {weights.numel()} weights for {ids.numel()} ids")

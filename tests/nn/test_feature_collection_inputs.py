@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fleet.nn import FeatureTable, JaggedFeatures, SparseEmbeddingBag, SparseFeatureCollection
+from fleet.nn.feature_collection import _bag_offsets
 
 IDS = torch.tensor([5, 9, 9, 1, 40, 7, 3])
 OFFSETS = torch.tensor([0, 2, 2, 5])  # 4 bags: [5, 9], [], [9, 1, 40], [7, 3]
@@ -57,12 +58,35 @@ def test_offsets_and_lengths_are_the_same_bags() -> None:
         ({"ids": IDS, "offsets": torch.tensor([0, 3, 2])}, "not decrease"),
         ({"ids": IDS, "offsets": torch.tensor([0, 8])}, "within the 7 ids"),
         ({"ids": IDS, "lengths": torch.tensor([2, 2])}, "adding up to the 7 ids"),
+        ({"ids": IDS, "lengths": torch.tensor([9, -2])}, ">= 0"),
+        ({"ids": IDS, "lengths": torch.tensor([[3, 4]])}, "lengths must be 1-D"),
+        ({"ids": IDS, "lengths": torch.tensor([], dtype=torch.int64)}, "adding up to the 7 ids"),
+        ({"ids": IDS, "offsets": torch.tensor([[0, 3]])}, "offsets must be 1-D"),
+        ({"ids": IDS, "offsets": torch.tensor([0, -1, 3])}, "not decrease"),
     ],
 )
 def test_a_bag_dict_that_is_not_one_layout_is_refused(bags, match) -> None:
     model = SparseFeatureCollection([FeatureTable("t", 4)])
     with pytest.raises(ValueError, match=match):
         model({"t": bags})
+
+
+@pytest.mark.parametrize(
+    ("given", "lengths", "n", "offsets"),
+    [
+        ([0, 2, 2, 5], False, 7, [0, 2, 2, 5, 7]),
+        ([], False, 0, [0]),
+        ([], False, 3, [3]),  # no bags: the ids belong to none (as nn.EmbeddingBag)
+        ([0, 7], False, 7, [0, 7, 7]),
+        ([2, 0, 3, 2], True, 7, [0, 2, 2, 5, 7]),
+        ([], True, 0, [0]),
+        ([0, 0], True, 0, [0, 0, 0]),
+    ],
+)
+def test_bag_offsets_are_torchs_arithmetic(given, lengths, n, offsets) -> None:
+    """The native pass gives the offsets torch.cat / torch.cumsum gave, as int64."""
+    out = _bag_offsets(torch.tensor(given, dtype=torch.int32), n, lengths)
+    assert out is not None and out.dtype == torch.int64 and out.tolist() == offsets
 
 
 def test_the_collection_is_a_sequence_of_its_tables() -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fleet.nn import bag_kernels
 from fleet.nn.bag_kernels import sum_bags, unique_inverse
 from fleet.sparse import nonfinite
 from fleet.sparse.native import kernels
@@ -123,3 +124,52 @@ def test_bag_kernel_refuses_bad_offsets_and_indices() -> None:
             grad.numpy(), torch.tensor([0, 1, 3]).numpy(), torch.tensor([0, 1, 3]).numpy(), order.numpy(), out.numpy()
         )
     assert torch.equal(out, torch.zeros(3, 4))  # nothing written
+    for given in (None, order.numpy()):  # the kernel's own order checks the inverse index before it writes
+        with pytest.raises(ValueError, match="out of range"):
+            kernels.bag_sum_backward(
+                grad.numpy(), torch.tensor([0, 1, 3]).numpy(), torch.tensor([0, 5, 1]).numpy(), given, out.numpy()
+            )
+    assert torch.equal(out, torch.zeros(3, 4))
+
+
+def _tied_keys(case: int, g: torch.Generator) -> torch.Tensor:
+    """Keys with many ties: uniform over few or many values, or skewed (a few values take most entries)."""
+    n = int(torch.randint(0, 40 if case % 5 == 0 else 6000, (), generator=g))
+    span = int(torch.randint(1, (3, 40, 2000)[case % 3], (), generator=g))
+    if case % 2:
+        return (torch.rand(n, generator=g) ** 4 * span).to(torch.int64)
+    return torch.randint(0, span, (n,), generator=g)
+
+
+def test_ties_order_is_torch_sort_where_the_bag_backward_uses_it() -> None:
+    """The backward sums each row's entries in the kernel's order only where it is torch's sort() permutation,
+    ties included (float sums depend on their order); elsewhere it takes torch's sort() itself."""
+    if not bag_kernels.native_order_is_torchs():
+        pytest.skip("this torch sorts otherwise than libstdc++'s std::sort: the backward takes inverse.sort()")
+    g = torch.Generator().manual_seed(11)
+    for case in range(300):
+        keys = _tied_keys(case, g)
+        mine = torch.empty_like(keys)
+        kernels.ties_order(keys.numpy(), mine.numpy())
+        assert torch.equal(mine, keys.sort().indices), f"case {case}: {keys.numel()} keys"
+    with pytest.raises(ValueError, match="outside"):
+        kernels.ties_order(torch.tensor([0, -1]).numpy(), torch.empty(2, dtype=torch.int64).numpy())
+
+
+@pytest.mark.parametrize("n", [6000, bag_kernels._TIES_LIMIT - 1, bag_kernels._TIES_LIMIT + 5])
+def test_sum_bags_gradient_is_torch_with_heavy_duplicates(n: int) -> None:
+    """Rows hit hundreds of times, gradients of very different magnitudes (so that each sum's order shows in
+    its bits), on both sides of the size where torch's sort may change algorithm."""
+    g = torch.Generator().manual_seed(n)
+    for trial in range(8 if n < bag_kernels._TIES_LIMIT else 2):
+        rows_n = (2, 9, 50, 700)[trial % 4]
+        inverse = (torch.rand(n, generator=g) ** 3 * rows_n).to(torch.int64)
+        bags = int(torch.randint(1, 700, (), generator=g))
+        cuts = torch.sort(torch.randint(0, n + 1, (bags - 1,), generator=g)).values
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([n])])
+        grad_out = torch.randn(bags, 8, generator=g) * torch.exp(torch.randn(bags, 8, generator=g) * 5)
+        ref_rows = torch.randn(rows_n, 8, generator=g, requires_grad=True)
+        rows = ref_rows.detach().clone().requires_grad_(True)
+        F.embedding_bag(inverse, ref_rows, offsets, mode="sum", include_last_offset=True).backward(grad_out)
+        sum_bags(rows, inverse, offsets).backward(grad_out)
+        assert torch.equal(rows.grad.view(torch.int32), ref_rows.grad.view(torch.int32)), f"trial {trial}"

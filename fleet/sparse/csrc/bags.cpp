@@ -155,28 +155,243 @@ PyObject* py_all_finite(PyObject*, PyObject* args) {
   return PyBool_FromLong(worst != 0x7F800000u);
 }
 
+// ------------------------------------------------------------------ torch's order of a bag gradient's sum
+// torch's embedding_bag backward adds each entry's gradient into its row in the order of `indices.sort()`
+// (unstable, ascending). On CPU builds without x86-simd-sort, a 1-D int64 sort of fewer than 32768 values
+// (below that size fbgemm's radix sort is not used) is libstdc++'s std::sort over (value, position) pairs
+// compared by value. ties_order reproduces that sort step for step (introsort: median of three moved to
+// the front, unguarded Hoare partition, heap sort past 2*log2(n) levels, insertion sort of the
+// 16-element runs), so the permutation is the same, ties included; fleet.nn.bag_kernels checks against
+// torch's own sort, once per process, that the build sorts this way before it uses it.
+// Why: sorting here packs each pair into one word and skips torch's tensor machinery, and the sort and
+// the sum are one call. Each word is value << 32 | position; only the value (high half) is compared.
+namespace {
+
+constexpr int kRun = 16;  // libstdc++'s _S_threshold
+
+inline bool less_key(uint64_t a, uint64_t b) { return (a >> 32) < (b >> 32); }
+
+void median_to_first(uint64_t* result, uint64_t* a, uint64_t* b, uint64_t* c) {
+  if (less_key(*a, *b)) {
+    if (less_key(*b, *c)) std::swap(*result, *b);
+    else if (less_key(*a, *c)) std::swap(*result, *c);
+    else std::swap(*result, *a);
+  } else if (less_key(*a, *c)) {
+    std::swap(*result, *a);
+  } else if (less_key(*b, *c)) {
+    std::swap(*result, *c);
+  } else {
+    std::swap(*result, *b);
+  }
+}
+
+// libstdc++'s unguarded Hoare partition of [first, last) around *pivot (just before first), with the same swaps
+// and the same result, found without its unpredictable scanning branches (BlockQuicksort's idea). The scalar
+// loop swaps the k-th "left stopper" (scanning up, the k-th key not below the pivot) with the k-th "right
+// stopper" (scanning down, the k-th key not above it) until they cross. Positions strictly between the last
+// swapped pair still hold their first values, so the stoppers can be listed in blocks from the first values,
+// branch-free, ahead of their use; where a scan would reach a position already swapped it stops there (that
+// key is now a stopper), which the caps at prev_l / prev_r say.
+uint64_t* hoare_partition(uint64_t* first, uint64_t* last, const uint64_t* pivot) {
+  constexpr int kBlock = 64;
+  const uint64_t p = *pivot >> 32;
+  uint64_t* a = first;
+  int64_t lbuf[kBlock], rbuf[kBlock];
+  int lb = 0, le = 0, rb = 0, re = 0;
+  int64_t lnext = 0, rnext = (last - first) - 1;  // the next positions to list, going up and going down
+  int64_t prev_l = -1, prev_r = last - first;      // the last swapped pair (-1: the pivot's place)
+  for (;;) {
+    int64_t l;
+    for (;;) {
+      if (lb < le) {
+        l = lbuf[lb++];
+        break;
+      }
+      if (lnext >= prev_r) {
+        l = prev_r;
+        break;
+      }
+      const int64_t end = std::min<int64_t>(lnext + kBlock, prev_r);
+      lb = le = 0;
+      for (int64_t i = lnext; i < end; ++i) {
+        lbuf[le] = i;
+        le += !((a[i] >> 32) < p);
+      }
+      lnext = end;
+    }
+    if (l >= prev_r) return a + prev_r;
+    int64_t r;
+    for (;;) {
+      if (rb < re) {
+        r = rbuf[rb++];
+        break;
+      }
+      if (rnext <= prev_l) {
+        r = prev_l;
+        break;
+      }
+      const int64_t end = std::max<int64_t>(rnext - kBlock, prev_l);
+      rb = re = 0;
+      for (int64_t j = rnext; j > end; --j) {
+        rbuf[re] = j;
+        re += !(p < (a[j] >> 32));
+      }
+      rnext = end;
+    }
+    if (r < prev_l) r = prev_l;
+    if (l >= r) return a + l;
+    std::swap(a[l], a[r]);
+    prev_l = l;
+    prev_r = r;
+  }
+}
+
+void sift_down(uint64_t* a, int64_t hole, int64_t len, uint64_t value) {
+  const int64_t top = hole;
+  int64_t child = hole;
+  while (child < (len - 1) / 2) {
+    child = 2 * (child + 1);
+    if (less_key(a[child], a[child - 1])) --child;
+    a[hole] = a[child];
+    hole = child;
+  }
+  if ((len & 1) == 0 && child == (len - 2) / 2) {
+    child = 2 * (child + 1);
+    a[hole] = a[child - 1];
+    hole = child - 1;
+  }
+  int64_t parent = (hole - 1) / 2;
+  while (hole > top && less_key(a[parent], value)) {
+    a[hole] = a[parent];
+    hole = parent;
+    parent = (hole - 1) / 2;
+  }
+  a[hole] = value;
+}
+
+void heap_sort(uint64_t* a, int64_t len) {
+  if (len >= 2) {
+    for (int64_t parent = (len - 2) / 2;; --parent) {
+      sift_down(a, parent, len, a[parent]);
+      if (parent == 0) break;
+    }
+  }
+  for (int64_t end = len - 1; end > 0; --end) {
+    const uint64_t value = a[end];
+    a[end] = a[0];
+    sift_down(a, 0, end, value);
+  }
+}
+
+void intro_loop(uint64_t* first, uint64_t* last, int depth) {
+  while (last - first > kRun) {
+    if (depth == 0) {
+      heap_sort(first, last - first);
+      return;
+    }
+    --depth;
+    median_to_first(first, first + 1, first + (last - first) / 2, last - 1);
+    uint64_t* cut = hoare_partition(first + 1, last, first);
+    intro_loop(cut, last, depth);
+    last = cut;
+  }
+}
+
+inline void linear_insert(uint64_t* at) {  // unguarded: a smaller-or-equal key lies before `at`
+  const uint64_t value = *at;
+  uint64_t* prev = at - 1;
+  while (less_key(value, *prev)) {
+    *at = *prev;
+    at = prev--;
+  }
+  *at = value;
+}
+
+void insertion_sort(uint64_t* first, uint64_t* last) {
+  if (first == last) return;
+  for (uint64_t* i = first + 1; i != last; ++i) {
+    if (less_key(*i, *first)) {
+      const uint64_t value = *i;
+      std::memmove(first + 1, first, sizeof(uint64_t) * static_cast<size_t>(i - first));
+      *first = value;
+    } else {
+      linear_insert(i);
+    }
+  }
+}
+
+// a[i] = keys[i] << 32 | i, keys in [0, 2**31), n < 2**31; sorted as torch sorts keys (see above).
+void ties_order(uint64_t* a, int64_t n) {
+  if (n < 2) return;
+  intro_loop(a, a + n, 2 * (63 - __builtin_clzll(static_cast<uint64_t>(n))));
+  if (n > kRun) {
+    insertion_sort(a, a + kRun);
+    for (uint64_t* i = a + kRun; i != a + n; ++i) linear_insert(i);
+  } else {
+    insertion_sort(a, a + n);
+  }
+}
+
+}  // namespace
+
+// ties_order(keys, order_out): order_out = the permutation ties_order sorts keys (int64 in [0, 2**31)) by:
+// what fleet.nn.bag_kernels compares with torch's keys.sort().indices before it trusts it.
+PyObject* py_ties_order(PyObject*, PyObject* args) {
+  PyObject *keys_o, *out_o;
+  if (!PyArg_ParseTuple(args, "OO:ties_order", &keys_o, &out_o)) return nullptr;
+  Buf keys, out;
+  if (!keys.get(keys_o, "keys", Kind::kInt64, 1, -1, false) || !out.get(out_o, "order_out", Kind::kInt64, 1, -1, true))
+    return nullptr;
+  const int64_t n = keys.len();
+  if (out.len() != n) return PyErr_Format(PyExc_ValueError, "ties_order: order_out has %zd entries for %zd keys", out.len(), n);
+  if (n >= (int64_t{1} << 31)) return PyErr_Format(PyExc_ValueError, "ties_order: %zd keys are too many (< 2**31)", n);
+  const int64_t* k = keys.i64();
+  for (int64_t i = 0; i < n; ++i)
+    if (static_cast<uint64_t>(k[i]) >= (uint64_t{1} << 31))
+      return PyErr_Format(PyExc_ValueError, "ties_order: key %lld at %zd is outside [0, 2**31)",
+                          static_cast<long long>(k[i]), i);
+  Scratch scratch(sizeof(uint64_t) * static_cast<size_t>(n));
+  if (!scratch.ok()) return PyErr_NoMemory();
+  uint64_t* a = static_cast<uint64_t*>(static_cast<void*>(scratch.i64()));
+  int64_t* o = out.i64();
+  Py_BEGIN_ALLOW_THREADS;
+  for (int64_t i = 0; i < n; ++i) a[i] = static_cast<uint64_t>(k[i]) << 32 | static_cast<uint64_t>(i);
+  ties_order(a, n);
+  for (int64_t i = 0; i < n; ++i) o[i] = static_cast<int64_t>(a[i] & 0xFFFFFFFFu);
+  Py_END_ALLOW_THREADS;
+  Py_RETURN_NONE;
+}
+
 // bag_sum_backward(grad, offsets, inverse, order, out): the gradient of torch's embedding_bag(mode="sum",
 // include_last_offset=True) for its weight: out[inverse[i]] += grad[bag of i], entries taken in `order`
 // (the permutation torch's own backward adds them in: inverse.sort()'s), so the sums are torch's bit for
-// bit. out starts zeroed; entries past the last offset belong to no bag.
+// bit; order None: ties_order's permutation of inverse, computed here. out starts zeroed; entries past the
+// last offset belong to no bag.
 PyObject* py_bag_sum_backward(PyObject*, PyObject* args) {
   PyObject *grad_o, *off_o, *inv_o, *order_o, *out_o;
   if (!PyArg_ParseTuple(args, "OOOOO:bag_sum_backward", &grad_o, &off_o, &inv_o, &order_o, &out_o)) return nullptr;
+  const bool own_order = order_o == Py_None;
   Buf grad, off, inv, order, out;
   if (!grad.get(grad_o, "grad", Kind::kFloat32, 2, -1, false) || !off.get(off_o, "offsets", Kind::kInt64, 1, -1, false) ||
-      !inv.get(inv_o, "inverse", Kind::kInt64, 1, -1, false) || !order.get(order_o, "order", Kind::kInt64, 1, -1, false))
+      !inv.get(inv_o, "inverse", Kind::kInt64, 1, -1, false) ||
+      (!own_order && !order.get(order_o, "order", Kind::kInt64, 1, -1, false)))
     return nullptr;
   if (!out.get(out_o, "out", Kind::kFloat32, 2, grad.cols(), true)) return nullptr;
   const int64_t bags = grad.len(), n = inv.len(), rows = out.len(), dim = grad.cols();
-  if (off.len() != bags + 1 || order.len() != n)
+  if (off.len() != bags + 1 || (!own_order && order.len() != n))
     return PyErr_Format(PyExc_ValueError, "bag_sum_backward: %zd offsets for %zd bags (need bags + 1), order %zd for %zd ids",
-                        off.len(), bags, order.len(), n);
-  Scratch bag_of(sizeof(int64_t) * static_cast<size_t>(n));
-  if (!bag_of.ok()) return PyErr_NoMemory();
-  const int64_t *of = off.i64(), *iv = inv.i64(), *od = order.i64();
+                        off.len(), bags, own_order ? n : order.len(), n);
+  if (own_order && (n >= (int64_t{1} << 31) || rows >= (int64_t{1} << 31)))
+    return PyErr_Format(PyExc_ValueError, "bag_sum_backward: %zd ids into %zd rows are too many to order here (< 2**31)",
+                        n, rows);
+  // the bag of each entry, then (order None) the words ties_order sorts
+  Scratch scratch(sizeof(int64_t) * static_cast<size_t>(own_order ? 2 * n : n));
+  if (!scratch.ok()) return PyErr_NoMemory();
+  const int64_t *of = off.i64(), *iv = inv.i64(), *od = own_order ? nullptr : order.i64();
   const float* g = grad.f32();
   float* o = out.f32();
-  int64_t* bo = bag_of.i64();
+  int64_t* bo = scratch.i64();
+  uint64_t* words = static_cast<uint64_t*>(static_cast<void*>(bo + n));
   const char* bad = nullptr;
   Py_BEGIN_ALLOW_THREADS;
   for (int64_t i = 0; i < n; ++i) bo[i] = -1;
@@ -188,22 +403,77 @@ PyObject* py_bag_sum_backward(PyObject*, PyObject* args) {
     }
     for (int64_t i = of[b]; i < of[b + 1]; ++i) bo[i] = b;
   }
-  for (int64_t j = 0; j < n && !bad; ++j)
-    if (static_cast<uint64_t>(od[j]) >= static_cast<uint64_t>(n) ||
-        static_cast<uint64_t>(iv[od[j]]) >= static_cast<uint64_t>(rows))
-      bad = "an order entry or an inverse index is out of range";
-  if (!bad) {
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t i = od[j], b = bo[i];
-      if (b < 0) continue;
-      float* dst = o + iv[i] * dim;
-      const float* src = g + b * dim;
-      for (int64_t c = 0; c < dim; ++c) dst[c] += src[c];
+  if (own_order) {
+    for (int64_t i = 0; i < n && !bad; ++i)
+      if (static_cast<uint64_t>(iv[i]) >= static_cast<uint64_t>(rows)) bad = "an inverse index is out of range";
+    if (!bad) {
+      for (int64_t i = 0; i < n; ++i) words[i] = static_cast<uint64_t>(iv[i]) << 32 | static_cast<uint64_t>(i);
+      ties_order(words, n);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t i = static_cast<int64_t>(words[j] & 0xFFFFFFFFu), b = bo[i];
+        if (b < 0) continue;
+        float* dst = o + static_cast<int64_t>(words[j] >> 32) * dim;
+        const float* src = g + b * dim;
+        for (int64_t c = 0; c < dim; ++c) dst[c] += src[c];
+      }
+    }
+  } else {
+    for (int64_t j = 0; j < n && !bad; ++j)
+      if (static_cast<uint64_t>(od[j]) >= static_cast<uint64_t>(n) ||
+          static_cast<uint64_t>(iv[od[j]]) >= static_cast<uint64_t>(rows))
+        bad = "an order entry or an inverse index is out of range";
+    if (!bad) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t i = od[j], b = bo[i];
+        if (b < 0) continue;
+        float* dst = o + iv[i] * dim;
+        const float* src = g + b * dim;
+        for (int64_t c = 0; c < dim; ++c) dst[c] += src[c];
+      }
     }
   }
   Py_END_ALLOW_THREADS;
   if (bad) return PyErr_Format(PyExc_ValueError, "bag_sum_backward: %s", bad);
   Py_RETURN_NONE;
+}
+
+// bag_offsets(given, n, lengths, out) -> bool: out = the [bags + 1] offsets of bags of n ids, from each bag's
+// start (lengths False: out = given then n) or each bag's number of ids (lengths True: out = 0 then their
+// running sum); False where `given` describes no such bags (a first start other than 0, a decreasing start, a
+// start past n; a negative length, lengths that do not add up to n): out is then partly written.
+// Why: one pass instead of several torch reductions and their .item() per feature and step.
+PyObject* py_bag_offsets(PyObject*, PyObject* args) {
+  PyObject *given_o, *out_o;
+  long long n;
+  int lengths;
+  if (!PyArg_ParseTuple(args, "OLpO:bag_offsets", &given_o, &n, &lengths, &out_o)) return nullptr;
+  Buf given, out;
+  if (!given.get(given_o, "given", Kind::kInt64, 1, -1, false) || !out.get(out_o, "out", Kind::kInt64, 1, -1, true))
+    return nullptr;
+  const int64_t m = given.len();
+  if (out.len() != m + 1) return PyErr_Format(PyExc_ValueError, "bag_offsets: out has %zd entries for %zd bags", out.len(), m);
+  if (n < 0) return PyErr_Format(PyExc_ValueError, "bag_offsets: %lld ids", n);
+  const int64_t* g = given.i64();
+  int64_t* o = out.i64();
+  bool ok = true;
+  if (lengths) {
+    int64_t at = 0;
+    o[0] = 0;
+    for (int64_t b = 0; b < m && ok; ++b) {
+      ok = g[b] >= 0 && g[b] <= n - at;  // never past n: no overflow
+      at += g[b];
+      o[b + 1] = at;
+    }
+    ok = ok && at == n;
+  } else {
+    ok = m == 0 || g[0] == 0;
+    for (int64_t b = 0; b < m && ok; ++b) {
+      ok = g[b] <= n && (b == 0 || g[b] >= g[b - 1]);
+      o[b] = g[b];
+    }
+    o[m] = n;
+  }
+  return PyBool_FromLong(ok);
 }
 
 }  // namespace fleet_native

@@ -225,6 +225,8 @@ PyObject* py_unique_inverse(PyObject*, PyObject* args);
 PyObject* py_uniform_rows(PyObject*, PyObject* args);
 PyObject* py_all_finite(PyObject*, PyObject* args);
 PyObject* py_bag_sum_backward(PyObject*, PyObject* args);
+PyObject* py_ties_order(PyObject*, PyObject* args);
+PyObject* py_bag_offsets(PyObject*, PyObject* args);
 PyObject* py_sketch_add(PyObject*, PyObject* args);
 PyObject* py_touch_stats(PyObject*, PyObject* args);
 

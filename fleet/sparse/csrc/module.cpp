@@ -21,7 +21,7 @@ namespace {
 using namespace fleet_native;
 
 // Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
-constexpr long kAbiVersion = 9;
+constexpr long kAbiVersion = 10;
 
 PyObject* abi_version(PyObject*, PyObject*) { return PyLong_FromLong(kAbiVersion); }
 
@@ -45,6 +45,10 @@ PyMethodDef kMethods[] = {
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(values): no NaN or Inf among float32 values."},
     {"bag_sum_backward", py_bag_sum_backward, METH_VARARGS,
      "bag_sum_backward(grad, offsets, inverse, order, out): embedding_bag(mode='sum')'s weight gradient."},
+    {"bag_offsets", py_bag_offsets, METH_VARARGS,
+     "bag_offsets(given, n, lengths, out) -> bool: bags' offsets from their starts or lengths, checked."},
+    {"ties_order", py_ties_order, METH_VARARGS,
+     "ties_order(keys, order_out): the permutation of libstdc++'s std::sort of (key, position) by key."},
     {nullptr, nullptr, 0, nullptr},
 };
 
