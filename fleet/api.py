@@ -199,9 +199,10 @@ class FleetContext:
         elif dist.is_initialized() and self._adopted:  # fleet's groups go; the default one is the script's to destroy
             for group in self._groups.values():
                 dist.destroy_process_group(group)
-        # Let go of the groups and stores now, not at interpreter exit: a gloo group or store that
-        # C++ static destruction tears down (after Python is gone) has aborted the process with
-        # "terminate called without an active exception" when its peer was still closing.
+        # Let go of the groups and stores now, not at interpreter exit. The abort once blamed on their
+        # static destruction ("terminate called without an active exception") was a daemon thread
+        # still inside a store call at finalisation (docs/failures.md); liveness.close above and
+        # store_calls.settle at exit prevent that one.
         self._groups.clear()
         self._store = None
 
@@ -334,8 +335,8 @@ def _check_same_init(context: FleetContext, role: RoleInfo, config: DistributedS
 def _release_at_exit(job: FleetContext) -> None:
     """A script that ends without fleet.stop_worker(): once the strategy's own exit handlers agreed
     with the peers that the job is over (atexit runs them first: they were registered later), the
-    group and the store go while Python still runs. Left to C++ static destruction, gloo has aborted
-    a finished process with "terminate called without an active exception"."""
+    group and the store go while Python still runs (the heartbeats are stopped by store_calls.settle,
+    which runs after this: a store call in flight at finalisation aborts a finished process)."""
     if context.current() is job and not hasattr(sys, "last_value"):
         job.release()
 
