@@ -131,6 +131,13 @@ struct Entries {
   inline int32_t tag_of(uint64_t h) const { return static_cast<int32_t>((h >> 33) & static_cast<uint64_t>(tag_mask)); }
 };
 
+// The first i whose idx[i] is outside [0, limit), or -1: the bounds check a kernel makes before it writes anything.
+inline int64_t first_outside(const int64_t* idx, int64_t n, int64_t limit) {
+  for (int64_t i = 0; i < n; ++i)
+    if (static_cast<uint64_t>(idx[i]) >= static_cast<uint64_t>(limit)) return i;
+  return -1;
+}
+
 inline uint64_t hash(int64_t id) {
   uint64_t h = static_cast<uint64_t>(id) * kM1;
   h ^= static_cast<uint64_t>(static_cast<int64_t>(h) >> 31);

@@ -203,11 +203,7 @@ PyObject* py_scatter_rows(PyObject*, PyObject* args) {
   const int64_t n = pos.len(), m = out.len(), dim = src.cols(), stride = src.stride();
   int64_t bad = -1;
   Py_BEGIN_ALLOW_THREADS;
-  for (int64_t i = 0; i < n; ++i)
-    if (static_cast<uint64_t>(idx[i]) >= static_cast<uint64_t>(m)) {
-      bad = i;
-      break;
-    }
+  bad = first_outside(idx, n, m);
   if (bad < 0)
     for (int64_t i = 0; i < n; ++i) std::memcpy(o + idx[i] * dim, s + i * stride, sizeof(float) * dim);
   Py_END_ALLOW_THREADS;
@@ -236,11 +232,7 @@ PyObject* py_gather_rows(PyObject*, PyObject* args) {
   const int64_t n = slots.len(), dim = src.cols(), stride = src.stride();
   int64_t bad = -1;
   Py_BEGIN_ALLOW_THREADS;
-  for (int64_t i = 0; i < n; ++i)
-    if (static_cast<uint64_t>(idx[i]) >= static_cast<uint64_t>(live)) {
-      bad = i;
-      break;
-    }
+  bad = first_outside(idx, n, live);
   if (bad < 0) {
     for (int64_t i = 0; i < n; ++i) {
       if (i + kPrefetchAhead < n) {  // a row may straddle two cache lines (records are not line-aligned)
