@@ -265,7 +265,7 @@ class SparseEmbedding(nn.Module):
         ids = self._check_ids(ids)
         unique, inverse = unique_inverse(ids.reshape(-1))
         backend = self.backend()
-        future = backend.prefetch(unique) if isinstance(backend, tables.PrefetchedRows) else None
+        future = backend.prefetch(unique) if tables.implements(backend, tables.PrefetchedRows) else None
         # a copy: the caller may refill its ids tensor in place before the forward, which must then pull again
         self._prefetched = (ids.clone(), unique, inverse, future) if future is not None else None
 
