@@ -66,7 +66,6 @@ def pull_together(
     lengths = [ids.numel() for ids in ids_list]
     ids = torch.cat(ids_list).cpu()
     order, local, sends, flat = _group(first, ids, lengths)
-    positions = local.split(flat)  # (owner j, table t): positions in table t's ids, in the order sent
     # one exchange carries each table's counts (the header) and the ids: owner 0's (table 0's, table 1's, ...),
     # then owner 1's, gathered straight into the send
     asked, got, _ = first.exchange_pieces(
@@ -98,7 +97,9 @@ def pull_together(
     sizes = [sum(n * d for n, d in zip(row, dims, strict=True)) for row in got]
     recv = [sum(n * d for n, d in zip(row, dims, strict=True)) for row in sends]
     back, _, _ = first.exchange_pieces(reply, sizes, None, recv, found[0].dtype, what)
-    # owner j's block holds table 0's rows, then table 1's ...: each into its ids' positions
+    # owner j's block holds table 0's rows, then table 1's ...: each into its ids' positions (on the rows' device:
+    # across hosts with CUDA tensors the exchange's result is there)
+    positions = local.to(back[0].device).split(flat)  # (owner j, table t): positions in table t's ids, as sent
     out = [back[0].new_empty(n, d) for n, d in zip(lengths, dims, strict=True)]
     for j in range(workers):
         at_j = 0
