@@ -154,11 +154,14 @@ class DistributedStrategy(BaseModel):
     local_sgd_steps: int = Field(0, ge=0)
     """Collective: if > 0, no gradient all-reduce; parameters are averaged every this many steps."""
 
-    table_placement: Literal["auto", "replicated", "sharded"] = "auto"
+    table_placement: Literal["auto", "replicated", "sharded", "table_wise"] = "auto"
     """Where the rows of ``fleet.nn.SparseEmbedding`` tables (bags, feature collections) live in
     collective and sharding mode: "replicated" (every worker holds every row; each step's row
     gradients go to every worker), "sharded" (each worker holds the rows whose id hashes to it,
-    1/N of them; ids and rows, then gradients, go to their owners by all-to-all), or "auto":
+    1/N of them; ids and rows, then gradients, go to their owners by all-to-all), "table_wise"
+    (each table whole on one worker, the tables spread so that the workers' shares of their widths
+    are about even; a ``SparseFeatureCollection``'s bags are pooled by the tables' holders and only
+    pooled vectors and their gradients travel: TorchRec's table-wise sharding), or "auto":
     sharded in mode="sharding" (its promise is memory per worker of about 1/N) except tables with
     a ``max_rows`` cap (sharded, the cap is split over the workers), replicated in mode="collective".
     In mode="ps" the servers hold the tables ("auto" only). See docs/modes.md, "Where the tables live"."""

@@ -150,7 +150,6 @@ def worker(
     """``piece_bytes``: gather the state dicts' rows in pieces this small (many exchanges)."""
     import fleet
     from fleet.collective import sharded_rows
-    from fleet.collective.sharded_rows import owner
 
     if piece_bytes is not None:
         sharded_rows.PIECE_BYTES = piece_bytes
@@ -165,7 +164,9 @@ def worker(
         shard_ids = backend.local.rows_state()["ids"]
         held[name] = {
             "count": backend.local.num_rows(),
-            "owned": bool((owner(shard_ids, fleet.worker_num()) == fleet.worker_index()).all()),
+            "owned": bool((backend.owners(shard_ids) == fleet.worker_index()).all()),
+            "holder": getattr(backend, "holder", None),  # table-wise: the worker holding the whole table
+            "pooled": getattr(backend, "pooled", 0),  # table-wise: forwards whose bags its holder pooled
             "replica": module.local.num_rows(),  # the module's own table: empty when sharded
             "total": module.num_rows(),
             # which way its exchanges went: shared memory among workers of one host, unless switched off

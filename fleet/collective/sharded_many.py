@@ -31,16 +31,20 @@ import torch
 
 
 def _group(
-    first: Any, ids: torch.Tensor, lengths: list[int]
+    backends: list[Any], ids: torch.Tensor, lengths: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], list[int]]:
     """Group the concatenated ``ids`` of the tables (``lengths[t]`` each) by owner, then table, each table's
-    ids in their order (one stable sort, over all the tables: one hash for all, as every table of the group
-    has the same owners). Returns (the order that groups them; for each ``(owner j, table t)`` in that order,
+    ids in their order (one stable sort, over all the tables: one hash for all where every table of the group
+    has the same owners, row-wise; else each table's owners, table-wise). Returns (the order that groups them; for each ``(owner j, table t)`` in that order,
     the positions of its ids within their table's, concatenated; ``[workers][tables]`` counts; the counts in that order, flat)."""
+    first = backends[0]
     workers, tables = first.workers, len(lengths)
     lens = torch.tensor(lengths, dtype=torch.int64)
     table_of = torch.repeat_interleave(torch.arange(tables), lens, output_size=ids.numel())
-    owners = first.owners(ids).cpu()
+    if first.same_owners:
+        owners = first.owners(ids).cpu()
+    else:
+        owners = torch.cat([b.owners(part) for b, part in zip(backends, ids.split(lengths), strict=True)]).cpu()
     # the ids are in table order: sorting by owner alone, stably, groups them by owner, then table; with few
     # workers, one pass per worker finds its positions (a stable sort's result, without a sort)
     if workers <= 8:
@@ -65,7 +69,7 @@ def pull_together(
     dims = [b.shard.embedding_dim for b in backends]
     lengths = [ids.numel() for ids in ids_list]
     ids = torch.cat(ids_list).cpu()
-    order, local, sends, flat = _group(first, ids, lengths)
+    order, local, sends, flat = _group(backends, ids, lengths)
     # one exchange carries each table's counts (the header) and the ids: owner 0's (table 0's, table 1's, ...),
     # then owner 1's, gathered straight into the send
     asked, got, _ = first.exchange_pieces(
@@ -125,7 +129,9 @@ def step_together(
     parts = [backend.gradients(group) for backend, group in items]  # (ids, block [n, width + 2], lr, finite)
     widths = [block.shape[1] for _, block, _, _ in parts]
     lengths = [ids.numel() for ids, _, _, _ in parts]
-    _, local, sends, flat = _group(first, torch.cat([ids for ids, _, _, _ in parts]).cpu(), lengths)
+    _, local, sends, flat = _group(
+        [backend for backend, _ in items], torch.cat([ids for ids, _, _, _ in parts]).cpu(), lengths
+    )
     positions = local.split(flat)
     blocks = [block.cpu() for _, block, _, _ in parts]
     bad = [0 if finite else 1 for *_, finite in parts]

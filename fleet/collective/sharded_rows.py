@@ -82,14 +82,15 @@ def owner(ids: torch.Tensor, workers: int) -> torch.Tensor:
 
 
 def shards(placement: str, by_default: bool, module: Any) -> bool:
-    """Whether a strategy with ``table_placement=placement`` shards ``module``'s table across the workers.
+    """Whether a strategy with ``table_placement=placement`` shards ``module``'s table across the workers
+    (row-wise, "sharded", or whole tables spread over them, "table_wise").
 
     "auto" shards where the mode does by default (``by_default``: mode="sharding"), except a table
     with a ``max_rows`` cap: sharded, each worker would evict within its share of the cap, which is
     no longer the one-process math; such a table stays replicated unless "sharded" is asked for.
     """
     if placement != "auto":
-        return placement == "sharded"
+        return placement in ("sharded", "table_wise")
     return by_default and module.lifecycle.max_rows is None
 
 
@@ -100,7 +101,10 @@ class TableShard:
     rows live in a table of their own while the module's own table stays empty.
     """
 
-    def __init__(self, module: Any, workers: int):
+    def __init__(self, module: Any, workers: int, splits: int | None = None):
+        """``splits``: the shares ``max_rows`` is split into (default ``workers``; 1 where one worker holds the
+        whole table)."""
+        splits = workers if splits is None else splits
         self.embedding_dim = module.embedding_dim
         self.initializer = module.initializer
         self.seed = module.seed
@@ -108,12 +112,12 @@ class TableShard:
         self.name = type(module).__name__
         config = module.lifecycle.to_config()
         cap = config.get("max_rows")
-        if cap is not None and cap < workers:
+        if cap is not None and cap < splits:
             raise ValueError(
                 f"{self.name}(max_rows={cap}) is sharded across {workers} workers, each holding max_rows // "
                 f"{workers} rows: give max_rows >= {workers}, or keep the table replicated (table_placement)"
             )
-        self.lifecycle = LifeCycle.from_config(config, shards=workers)
+        self.lifecycle = LifeCycle.from_config(config, shards=splits)
 
 
 class ShardedRows:
@@ -151,7 +155,7 @@ class ShardedRows:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         #: the job's shared-memory all-to-all (CPU workers all on one host), else None: the process group
         self.shared = local if self.device.type == "cpu" else None
-        self.shard = TableShard(module, self.workers)
+        self.shard = TableShard(module, self.workers, self._splits())
         self.local = LocalRows(self.shard)
         """This worker's rows: a table of its own (the module's ``local`` table stays empty)."""
         self._adopt(module)
@@ -175,9 +179,19 @@ class ShardedRows:
         """The worker holding each id's row."""
         return owner(ids, self.workers)
 
+    def _splits(self) -> int:
+        """How many shares ``max_rows`` is split into: one per worker, each holding a share of the rows."""
+        return self.workers
+
+    #: whether every table of a group has the same owners for the same ids (one hash routes them all)
+    same_owners = True
+
+    #: the worker whose share keeps the table-wide counts in ``state_dict`` (each share keeps its own otherwise)
+    counts_holder = 0
+
     def _route(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """(the order that groups ``ids`` by owner, how many go to each worker)."""
-        owners = owner(ids, self.workers)
+        owners = self.owners(ids)
         order = torch.argsort(owners, stable=True)
         sends = torch.bincount(owners, minlength=self.workers)
         return order, sends.tolist()
@@ -313,7 +327,8 @@ class ShardedRows:
         self, optimizer_class: type, group: dict[str, Any], got: torch.Tensor, lr: float, any_bad: bool
     ) -> None:
         """Apply the rows every worker sent here (:meth:`gradients`' blocks): the mean over the workers, once."""
-        ids = got[:, -2:].contiguous().view(torch.int64).view(-1)
+        # (no rows at all, e.g. on a worker not holding a table-wise table: a view of nothing may sit at any offset)
+        ids = got[:, -2:].contiguous().view(torch.int64).view(-1) if got.numel() else torch.empty(0, dtype=torch.int64)
         grads = got[:, :-2]
         dim = self.shard.embedding_dim
         if any_bad:
@@ -347,12 +362,12 @@ class ShardedRows:
 
     def _owned(self, state: dict[str, Any]) -> dict[str, Any]:
         ids = state["ids"]
-        mine = owner(ids, self.workers) == self.rank
+        mine = self.owners(ids) == self.rank
         out = {k: v for k, v in state.items() if k != "admission"}  # a sketch counts every owner's ids
         for key, value in per_row_fields(state).items():
             out[key] = value[mine]
         out["ids"] = ids[mine]
-        if "counts" in out and self.rank != 0:  # the table-wide counts are held once, by worker 0's shard
+        if "counts" in out and self.rank != self.counts_holder:  # the table-wide counts are held once
             out["counts"] = json.dumps({})
         return out
 

@@ -235,6 +235,35 @@ def _from_dict(features: Mapping[str, Any]) -> dict[str, Bags]:
     return out
 
 
+def _pool_union(
+    table: SparseEmbeddingBag,
+    ids: list[torch.Tensor],
+    lengths: list[torch.Tensor],
+    pull: Any,
+    training: bool,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The lookup and pooling of one table's features (``ids`` and bag ``lengths`` of each) as the collection's
+    forward does them, for the worker holding the table (``pull`` reads its rows), on the union of every worker's
+    bags: (the unique ids, their rows, a leaf requiring grad when ``training``; each feature's pooled bags)."""
+    kept, keeps = [], []
+    for feature_ids in ids:
+        k, keep = table.kept_ids(feature_ids)
+        kept.append(k)
+        keeps.append(keep)
+    unique, inverse = unique_inverse(kept[0] if len(kept) == 1 else torch.cat(kept))
+    rows = pull(unique)
+    if training:
+        rows = rows.detach().requires_grad_(True)
+    pooled, at = [], 0
+    with torch.set_grad_enabled(training):
+        for feature_ids, k, keep, feature_lengths in zip(ids, kept, keeps, lengths, strict=True):
+            mine = inverse[at : at + k.numel()]
+            at += k.numel()
+            offsets = _lengths_to_offsets(feature_lengths)
+            pooled.append(pool(rows, mine, keep, feature_ids.shape, offsets, table.mode, None, True))
+    return unique, rows, pooled
+
+
 class SparseFeatureCollection(nn.Module):
     """``SparseFeatureCollection([FeatureTable("t0", 16, ["f0", "f1"]), ...])(features)`` -> ``{feature: [B, dim]}``.
 
@@ -268,7 +297,8 @@ class SparseFeatureCollection(nn.Module):
         self._features = {t.name: t.features for t in tables}
         self._feature_set = frozenset(self.feature_names)
         # The last training forward's per-table layout (each feature's offsets and kept entries), for record_clicks.
-        self._layout: dict[str, list[tuple[torch.Tensor, torch.Tensor | None, int]]] = {}
+        # (None: the table's bags were pooled by its holder, fleet.collective.table_wise)
+        self._layout: dict[str, list[tuple[torch.Tensor, torch.Tensor | None, int]] | None] = {}
         # A prefetch: (a copy of each feature's ids, the plans made of them, the future of their rows)
         self._prefetched: tuple[list[torch.Tensor], list[tuple], Any] | None = None
 
@@ -371,13 +401,29 @@ class SparseFeatureCollection(nn.Module):
                 return rows
         return backends.pull_many([(table.backend(), unique) for _, table, _, _, unique, _ in plans])
 
+    def _pooled_where_held(self, bags: dict[str, Bags], training: bool) -> dict[str, torch.Tensor] | None:
+        """Every feature's pooled bags, pooled by the workers holding the tables (tables sharded table-wise:
+        ``fleet.collective.table_wise``), or None where the rows come here to be pooled."""
+        requests = [[bags[f] for f in self._features[name]] for name in self.tables]
+        got = backends.pool_many([table.backend() for table in self.tables.values()], requests, training, _pool_union)
+        if got is None:
+            return None
+        out = {f: vector for name, vectors in zip(self.tables, got, strict=True)
+               for f, vector in zip(self._features[name], vectors, strict=True)}  # fmt: skip
+        if training:
+            self._layout = {name: None for name in self.tables}
+        return {f: out[f] for f in self.feature_names}
+
     def forward(self, features: Any) -> dict[str, torch.Tensor]:
         bags = self._bags(features)
+        training = torch.is_grad_enabled() and self.training
+        pooled = self._pooled_where_held(bags, training)
+        if pooled is not None:
+            return pooled
         prefetched = self._take_prefetch(bags)
         plans, future = prefetched if prefetched is not None else (self._plan(bags), None)
         pulled = self._pull(plans, future)
         out: dict[str, torch.Tensor] = {}
-        training = torch.is_grad_enabled() and self.training
         for (name, table, kept, keeps, unique, inverse), rows in zip(plans, pulled, strict=True):
             rows = table.track(unique, rows, inverse)
             at = 0
@@ -399,6 +445,8 @@ class SparseFeatureCollection(nn.Module):
             raise RuntimeError("record_clicks follows a training forward of this SparseFeatureCollection")
         labels = torch.as_tensor(labels).detach().to(torch.float32).reshape(-1)
         for name, layout in self._layout.items():
+            if layout is None:  # pooled by its holder: a table without a life cycle, which keeps no clicks there
+                continue
             per_feature = []
             for offsets, keep, size in layout:
                 bag_of, bags = bag_of_entries(torch.Size([size]), offsets, True)

@@ -188,6 +188,19 @@ def pull_many(requests: list[tuple[TableBackend, torch.Tensor]]) -> list[torch.T
     return out  # type: ignore[return-value]
 
 
+def pool_many(backends: list[Any], features: list[list[tuple]], training: bool, pooler: Any) -> list | None:
+    """Each table's features' pooled bags, pooled where the tables live (tables held whole by one worker each,
+    of one process group: ``pool_together``), or None where these backends do not pool (the caller pulls rows
+    and pools them itself). ``features[t]``: table ``t``'s features as ``(ids, offsets [batch + 1], weights)``;
+    ``pooler``: the caller's lookup and pooling, which the holders run (see ``fleet.collective.table_wise``)."""
+    kind = type(backends[0])
+    if not hasattr(kind, "pool_together") or any(type(b) is not kind for b in backends):
+        return None
+    if not kind.pools(backends, features):
+        return None
+    return kind.pool_together(backends, features, training, pooler)
+
+
 def can_prefetch(backends: list[Any]) -> bool:
     """Whether :func:`prefetch_many` may start a pull for these backends: a caller skips preparing a coming
     batch's unique ids where it cannot (a local table, tables sharded across the workers), work the forward

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fleet.collective import lockstep, sharded_rows, sparse_grads, transports
+from fleet.collective import lockstep, sharded_rows, sparse_grads, table_wise, transports
 from fleet.collective.all_to_all import SharedMemoryAllToAll
 from fleet.collective.broadcast import (
     average_tensors,
@@ -172,8 +172,9 @@ class CollectiveStrategy(Strategy):
         backend = self._backends.get(module)
         if backend is None:
             if sharded_rows.shards(self.config.table_placement, False, module):
-                backend = sharded_rows.ShardedRows(
-                    module, self.group, self.config.collective_wait_s, "with tables sharded in collective mode",
+                backend = table_wise.sharded_backend(
+                    self.config.table_placement, module, self.group, self.config.collective_wait_s,
+                    "with tables sharded in collective mode",
                     lambda values: self.all_reduce(values, "sum"), self._announce_table, self.runtime.diagnose_peers,
                     self._shared_all_to_all(),
                 )  # fmt: skip
@@ -198,8 +199,10 @@ class CollectiveStrategy(Strategy):
         value of this worker's that every worker gets back, by rank (the shared-memory all-to-all's meeting)."""
         lock = self.sync().lockstep
         assert lock is not None
-        kind = lockstep.TABLE_PULL if what == "pull" else lockstep.SPARSE_ROWS
+        kind = lockstep.TABLE_PULL if what in ("pull", "pool") else lockstep.SPARSE_ROWS
         index = tables.all_modules().index(module)
+        if what in ("pool", "pooled step"):  # table-wise bags pooled by their holders: not a row exchange
+            index = -1 - index
         agreement = lock.announce(kind, index, width, lockstep.float_bits(lr), carry=carry)
         if len(agreement.active) < self.runtime.role.worker_num:
             finished = sorted(set(range(self.runtime.role.worker_num)) - set(agreement.active))

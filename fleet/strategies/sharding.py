@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fleet.collective import lockstep, sharded_rows, sparse_grads
+from fleet.collective import lockstep, sharded_rows, sparse_grads, table_wise
 from fleet.collective.all_to_all import SharedMemoryAllToAll
 from fleet.collective.broadcast import average_tensors, broadcast_tensors, check_same_shapes
 from fleet.collective.layout import ParamMap
@@ -316,8 +316,9 @@ class ShardingStrategy(Strategy):
         if sharded_rows.shards(self.config.table_placement, True, module):
             backend = self._tables.get(module)
             if backend is None:
-                backend = self._tables[module] = sharded_rows.ShardedRows(
-                    module, group, self.config.collective_wait_s, "with tables sharded in sharding mode",
+                backend = self._tables[module] = table_wise.sharded_backend(
+                    self.config.table_placement, module, group, self.config.collective_wait_s,
+                    "with tables sharded in sharding mode",
                     lambda values: self.all_reduce(values, "sum"), diagnose=self.runtime.diagnose_peers,
                     local=self._shared_all_to_all(),
                 )  # fmt: skip

@@ -1,0 +1,283 @@
+"""Tables sharded table-wise: each table held whole by one worker, a collection's bags pooled where they live.
+
+``DistributedStrategy(table_placement="table_wise")`` (collective and sharding mode) gives every
+sparse table one holder, chosen by :func:`holders` so that the workers' shares of the tables' widths
+are about even (TorchRec's table-wise sharding). A holder keeps its tables whole: ``max_rows``,
+eviction and admission are one process's, not split over shares.
+
+How a ``fleet.nn.SparseFeatureCollection`` trains on such tables (TorchRec's table-wise pooled
+layout, :meth:`TableWiseRows.pool_together`):
+
+- **forward**: each worker sends each holder its bags of the holder's tables (the ids and bag
+  lengths as they are, duplicates included: one all-to-all); the holder joins every worker's
+  bags, in worker order (the union batch one process trains on), looks their rows up and pools
+  them exactly as one process does, and sends each worker the pooled vectors of its own bags
+  (``[batch, dim]`` per feature: a second all-to-all). Rows never travel, and the requester does
+  no unique, no pooling and no routing by id.
+- **step**: each worker sends the gradients of its pooled vectors to the holders (one
+  all-to-all); the holder runs the pooling's backward over the union batch (the one process's
+  backward, given the same output gradients) and applies its row optimizer to the mean over the
+  workers, as :class:`~fleet.collective.sharded_rows.ShardedRows` does with row gradients.
+
+Each worker's loss is its own batch's mean, so its pooled gradients are ``N`` times those of one
+process on the union (exactly, for ``N`` a power of two); the holder divides the rows' gradients by
+``N``. So the rows follow one process on the union of the batches, and the test checks them to
+1e-6 (every row optimizer, 2 and 3 workers).
+
+The pooled path covers collections whose tables are all table-wise in one group, on CPU tensors,
+without per-id weights and without a life cycle (admission, TTL, ``max_rows``: clicks would
+have to travel with the pooled gradients); every other lookup of a table-wise table, and a table
+module called on its own, takes the row path of :class:`~fleet.collective.sharded_rows.ShardedRows`
+(ids to the holder, rows back, row gradients at the step), which is exact as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fleet.collective.sharded_rows import ShardedRows
+from fleet.errors import FleetError
+from fleet.sparse import nonfinite
+from fleet.sparse.backends import all_modules
+
+Pooler = Callable[
+    [Any, list[torch.Tensor], list[torch.Tensor], Callable[[torch.Tensor], torch.Tensor], bool],
+    tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
+]
+"""``pooler(module, ids per feature, bag lengths per feature, pull, training)`` -> (the unique ids, their rows (a
+leaf requiring grad when training), each feature's pooled bags): the table module's own lookup and pooling
+(``fleet.nn.SparseFeatureCollection``'s), run by the holder on the union batch with ``pull`` reading its rows."""
+
+
+def holders(widths: list[int], workers: int) -> list[int]:
+    """Each table's holder: the widest tables first, each to the worker with the least width so far (ties: the
+    lowest rank; equal widths: the first table first). The same on every worker: it depends on the widths only."""
+    load = [0] * workers
+    out = [0] * len(widths)
+    for t in sorted(range(len(widths)), key=lambda t: (-widths[t], t)):
+        j = min(range(workers), key=lambda w: (load[w], w))
+        out[t] = j
+        load[j] += widths[t]
+    return out
+
+
+def holder_of(module: Any, workers: int) -> int:
+    """``module``'s holder among ``workers``: :func:`holders` over every table module of this process, in creation
+    order (every worker builds the same modules, so every worker finds the same holder)."""
+    modules = all_modules()
+    return holders([int(m.embedding_dim) for m in modules], workers)[modules.index(module)]
+
+
+def sharded_backend(placement: str, module: Any, group: Any, *args: Any, **kwargs: Any) -> ShardedRows:
+    """The backend of a table sharded across the workers of ``group``: row-wise (``table_placement="sharded"``
+    or "auto") or whole on one holder (``"table_wise"``); the arguments are :class:`ShardedRows`'."""
+    if placement == "table_wise":
+        return TableWiseRows(module, holder_of(module, dist.get_world_size(group)), group, *args, **kwargs)
+    return ShardedRows(module, group, *args, **kwargs)
+
+
+class _Held:
+    """One pooled forward of the tables this worker holds: what the step's backward needs (the rows' leaf, the
+    union's pooled vectors and each worker's number of bags)."""
+
+    __slots__ = ("unique", "rows", "pooled", "bags")
+
+    def __init__(self, unique: torch.Tensor, rows: torch.Tensor, pooled: list[torch.Tensor], bags: list[int]):
+        self.unique, self.rows, self.pooled, self.bags = unique, rows, pooled, bags
+
+
+class TableWiseRows(ShardedRows):
+    """A table module held whole by worker ``holder`` of ``group`` (the rest as :class:`ShardedRows`)."""
+
+    same_owners = False
+
+    def __init__(self, module: Any, holder: int, *args: Any, **kwargs: Any):
+        self.holder = holder
+        self.counts_holder = holder
+        self._held: list[_Held] = []  # the holder's: pooled forwards awaiting their step
+        self._sent: list[list[torch.Tensor]] = []  # every worker's: its pooled vectors (leaves) of each forward
+        self.pooled = 0  # forwards whose bags were pooled by the holder (the rest took the row path)
+        super().__init__(module, *args, **kwargs)
+
+    def owners(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(ids, self.holder, dtype=torch.int64)
+
+    def _splits(self) -> int:
+        return 1  # the holder keeps the whole table: its max_rows too
+
+    def _what(self, action: str) -> str:
+        module = self._module()
+        name = type(module).__name__ if module is not None else "SparseEmbedding"
+        return f"{action} a {name}(dim {self.shard.embedding_dim}) held by worker {self.holder} (table-wise)"
+
+    # ------------------------------------------------------------------ the pooled path
+    @staticmethod
+    def pools(backends: list[TableWiseRows], features: list[list[tuple]]) -> bool:
+        """Whether :meth:`pool_together` serves these tables' bags (see the module docstring)."""
+        first = backends[0]
+        if first.device.type != "cpu" or any(b.group is not first.group for b in backends):
+            return False
+        for backend, bags in zip(backends, features, strict=True):
+            if backend.shard.lifecycle.active:
+                return False
+            if any(weights is not None or ids.device.type != "cpu" for ids, _, weights in bags):
+                return False
+        return True
+
+    @classmethod
+    def pool_together(
+        cls, backends: list[TableWiseRows], features: list[list[tuple]], training: bool, pooler: Pooler
+    ) -> list[list[torch.Tensor]]:
+        """Each table's features' pooled vectors ``[batch, dim]`` for this worker's bags (``features[t]``: table
+        ``t``'s features as ``(ids, offsets [batch + 1], None)``), pooled by their holders. ``training``: keep
+        what the step needs (every worker must agree)."""
+        first = backends[0]
+        world, tables = first.workers, len(backends)
+        batch = int(features[0][0][1].numel()) - 1
+        dims = [b.shard.embedding_dim for b in backends]
+        width = sum(d * len(f) for d, f in zip(dims, features, strict=True))
+        announce = first._announcing("pool", width, 0.0)
+        what = first._what("pooling the bags of")
+        # to holder j, for each of its tables: every feature's bag lengths, then every feature's ids
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        counts = [[0] * tables for _ in range(world)]
+        for t, (backend, bags) in enumerate(zip(backends, features, strict=True)):
+            j = backend.holder
+            pieces[j].extend(offsets.diff() for _, offsets, _ in bags)
+            pieces[j].extend(ids.reshape(-1) for ids, _, _ in bags)
+            counts[j][t] = sum(int(ids.numel()) for ids, _, _ in bags)
+        sizes = [sum(int(p.numel()) for p in row) for row in pieces]
+        header = torch.tensor([[batch, int(training), *row] for row in counts], dtype=torch.int64)
+        got, heads, _ = first.exchange_pieces(
+            [p for row in pieces for p in row], sizes, header, None, torch.int64, what, announce
+        )
+        assert heads is not None
+        if len({h[1] for h in heads}) > 1:
+            training_on = [i for i, h in enumerate(heads) if h[1]]
+            raise FleetError(
+                f"{what}: workers {training_on} look up to train (grad enabled, module.train()) and the others to "
+                "evaluate; every worker must call the collection in the same way"
+            )
+        bags_of = [h[0] for h in heads]
+        # the tables held here, pooled over the union of every worker's bags (worker order)
+        at = [0] * world
+        reply: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for t, backend in enumerate(backends):
+            if backend.holder != first.rank:
+                continue
+            n_features = len(features[t])
+            per_feature_lengths: list[list[torch.Tensor]] = [[] for _ in range(n_features)]
+            per_feature_ids: list[list[torch.Tensor]] = [[] for _ in range(n_features)]
+            for i in range(world):
+                block, b = got[i], bags_of[i]
+                lengths = block[at[i] : at[i] + n_features * b].view(n_features, b)
+                at[i] += n_features * b
+                ends = lengths.sum(1).tolist()
+                for f in range(n_features):
+                    per_feature_lengths[f].append(lengths[f])
+                    per_feature_ids[f].append(block[at[i] : at[i] + ends[f]])
+                    at[i] += ends[f]
+            pooled = backend._pool([torch.cat(x) for x in per_feature_ids], [torch.cat(x) for x in per_feature_lengths],
+                                   bags_of, training, pooler)  # fmt: skip
+            start = 0
+            for i in range(world):
+                reply[i].extend(p[start : start + bags_of[i]].detach() for p in pooled)
+                start += bags_of[i]
+        sizes = [sum(int(p.numel()) for p in row) for row in reply]
+        recv = [0] * world
+        for t, backend in enumerate(backends):
+            recv[backend.holder] += batch * dims[t] * len(features[t])
+        back, _, _ = first.exchange_pieces([p for row in reply for p in row], sizes, None, recv, torch.float32, what)
+        out: list[list[torch.Tensor]] = []
+        at = [0] * world
+        for t, backend in enumerate(backends):
+            j, dim = backend.holder, dims[t]
+            mine = []
+            for _ in features[t]:
+                # a copy: the received block is a view of shared memory, valid until the next exchange
+                vector = back[j][at[j] : at[j] + batch * dim].view(batch, dim).clone()
+                at[j] += batch * dim
+                if training:
+                    vector.requires_grad_(True)
+                mine.append(vector)
+            if training:
+                backend._sent.append(mine)
+            backend.pooled += 1
+            out.append(mine)
+        return out
+
+    def _pool(
+        self, ids: list[torch.Tensor], lengths: list[torch.Tensor], bags_of: list[int], training: bool, pooler: Pooler
+    ) -> list[torch.Tensor]:
+        """The union batch's bags of each feature pooled as one process pools them (``pooler``: the collection's
+        plan and pooling, given the same ids in the same order)."""
+        unique, rows, pooled = pooler(self._module(), ids, lengths, self.local.pull, training)
+        if training:
+            self._held.append(_Held(unique, rows, pooled, bags_of))
+        return pooled
+
+    @classmethod
+    def step_together(cls, items: list[tuple[ShardedRows, dict[str, Any]]], optimizer_class: type) -> None:
+        """Tables whose lookups were pooled here step by their pooled gradients; the others by their rows."""
+        pooled = [(b, g) for b, g in items if isinstance(b, TableWiseRows) and b._sent]
+        by_rows = [(b, g) for b, g in items if not (isinstance(b, TableWiseRows) and b._sent)]
+        if by_rows:
+            super().step_together(by_rows, optimizer_class)
+        if pooled:
+            cls._step_pooled(pooled, optimizer_class)  # type: ignore[arg-type]
+
+    @classmethod
+    def _step_pooled(cls, items: list[tuple[TableWiseRows, dict[str, Any]]], optimizer_class: type) -> None:
+        first = items[0][0]
+        world = first.workers
+        announce = first._announcing("pooled step", len(items), float(items[0][1]["lr"]))
+        what = first._what("sending pooled gradients to")
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        bad = [[0] * len(items) for _ in range(world)]
+        for t, (backend, group) in enumerate(items):
+            sent, backend._sent = backend._sent, []
+            grads = [v.grad if v.grad is not None else torch.zeros_like(v) for forward in sent for v in forward]
+            j = backend.holder
+            pieces[j].extend(g.detach().to(torch.float32) for g in grads)
+            finite = all(nonfinite.finite(g, float(group["lr"])) for g in grads)
+            for row in bad:
+                row[t] = 0 if finite else 1
+        sizes = [sum(int(p.numel()) for p in row) for row in pieces]
+        got, heads, _ = first.exchange_pieces(
+            [p for row in pieces for p in row], sizes, torch.tensor(bad, dtype=torch.int64), None, torch.float32,
+            what, announce,
+        )  # fmt: skip
+        assert heads is not None
+        at = [0] * world
+        for t, (backend, group) in enumerate(items):
+            if backend.holder != first.rank:
+                continue
+            held, backend._held = backend._held, []
+            ids, grads = [], []
+            for forward in held:
+                dim = backend.shard.embedding_dim
+                outputs, upstream = [], []
+                for vector in forward.pooled:
+                    parts = []
+                    for i in range(world):
+                        n = forward.bags[i] * dim
+                        parts.append(got[i][at[i] : at[i] + n].view(forward.bags[i], dim))
+                        at[i] += n
+                    outputs.append(vector)
+                    upstream.append(torch.cat(parts))
+                torch.autograd.backward(outputs, upstream)
+                ids.append(forward.unique)
+                grads.append(forward.rows.grad if forward.rows.grad is not None else torch.zeros_like(forward.rows))
+            lr = float(group["lr"])
+            if any(row[t] for row in heads):
+                nonfinite.refuse(f"sparse table of {backend.shard.name}(dim {backend.shard.embedding_dim})", None,
+                                 backend.where)  # fmt: skip
+                continue
+            block = torch.cat(grads) if len(grads) > 1 else grads[0]
+            block = block.detach().div_(world) if len(grads) > 1 else block.detach() / world
+            unique = torch.cat(ids) if len(ids) > 1 else ids[0]
+            backend.local.apply(optimizer_class, group, unique, block, lr, where=backend.where)

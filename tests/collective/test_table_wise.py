@@ -1,0 +1,81 @@
+"""Sparse tables sharded table-wise (fleet.collective.table_wise): each table whole on one worker, a feature
+collection's bags pooled by the tables' holders, and the job trains as one process on the union of the batches."""
+
+from __future__ import annotations
+
+import pytest
+import sharded_jobs
+from test_sharded_tables import _check
+
+from dist_harness import run_workers
+from fleet.collective.table_wise import holders
+
+TABLE_WISE = {"mode": "collective", "table_placement": "table_wise"}
+COLLECTION = ("user", "item")  # the SparseFeatureCollection's tables: pooled by their holders
+
+
+def test_holders_spread_the_widest_tables_first_and_are_the_same_for_the_same_widths() -> None:
+    widths = [16, 16, 32, 32, 64, 64, 64, 16]  # W6's tables
+    got = holders(widths, 2)
+    assert got == holders(list(widths), 2)
+    load = [sum(w for w, h in zip(widths, got, strict=True) if h == j) for j in range(2)]
+    assert sorted(load) == [144, 160], load
+    assert holders([8], 3) == [0] and holders([8, 8, 8], 3) == [0, 1, 2]
+
+
+def _check_whole(results: list[dict], want: dict, pooled: bool) -> None:
+    """Every table held whole by one worker, the same one on every worker; the collection's bags pooled there."""
+    for name, table in want["tables"].items():
+        holder = results[0]["held"][name]["holder"]
+        assert all(r["held"][name]["holder"] == holder for r in results), name
+        counts = [r["held"][name]["count"] for r in results]
+        assert counts[holder] == table["ids"].numel() and sum(counts) == counts[holder], (name, counts)
+        assert all(r["held"][name]["owned"] and r["held"][name]["replica"] == 0 for r in results)
+        steps = sharded_jobs.STEPS if pooled and name in COLLECTION else 0
+        assert all(r["held"][name]["pooled"] == steps for r in results), (name, steps)
+    assert len({r["held"][name]["holder"] for r in results for name in want["tables"]}) == len(results)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_table_wise_tables_equal_one_process_on_the_union(workers: int, kind: str) -> None:
+    want = sharded_jobs.reference(workers, kind)
+    results = run_workers(sharded_jobs.worker, workers, kind, TABLE_WISE, timeout=200)
+    for result in results:
+        _check(result, want, workers)
+    _check_whole(results, want, pooled=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["momentum", "adam", "rowwise_adagrad"])
+def test_every_row_optimizer_table_wise_equals_one_process(kind: str) -> None:
+    want = sharded_jobs.reference(2, kind)
+    for result in run_workers(sharded_jobs.worker, 2, kind, TABLE_WISE, timeout=200):
+        _check(result, want, 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", [{**TABLE_WISE, "shared_memory": False}, {"mode": "sharding", "table_placement": "table_wise"}], ids=["process-group", "sharding"])  # fmt: skip
+def test_table_wise_through_the_process_group_and_in_sharding_mode_equals_one_process(strategy: dict) -> None:
+    want = sharded_jobs.reference(2, "adagrad")
+    results = run_workers(sharded_jobs.worker, 2, "adagrad", strategy, timeout=200)
+    for result in results:
+        _check(result, want, 2)
+    _check_whole(results, want, pooled=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("life", [True, "cap"], ids=["admission-ttl-clicks", "max_rows"])
+def test_a_life_cycle_on_table_wise_tables_is_one_process_s_cap_included(life: bool | str) -> None:
+    """Tables with a life cycle take the row path to their holder, which keeps the whole table: admission, TTL,
+    clicks and even a max_rows cap (not split over shares, unlike row-wise sharding) are one process's."""
+    want = sharded_jobs.reference(2, "adagrad", life=life)
+    results = run_workers(sharded_jobs.worker, 2, "adagrad", TABLE_WISE, life, timeout=200)
+    for result in results:
+        _check(result, want, 2)
+    _check_whole(results, want, pooled=False)
