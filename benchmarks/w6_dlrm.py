@@ -81,6 +81,7 @@ ALL_CONFIGS = (
     "fleet-ps-async-dense-ar",
     "fleet-ps-sync-dense-ar",
     "fleet-sharded",
+    "fleet-table-wise",
     "fleet-sharding",
     "torchrec-tw-fused",
     "torchrec-rw-fused",
@@ -88,7 +89,7 @@ ALL_CONFIGS = (
     "torchrec-dp",
     "ddp",
 )
-TABLES_SHARDED = ("fleet-sharded", "fleet-sharding")
+TABLES_SHARDED = ("fleet-sharded", "fleet-table-wise", "fleet-sharding")
 # --memory: the configurations whose processes hold the tables (fleet's PS workers hold none)
 MEMORY_CONFIGS = ("fleet-1p", "torch-1p", *TABLES_SHARDED)
 # dp all-reduces every table, 1 GB a step; sync with the dense layers all-reduced is the same math as fleet-ps-sync
@@ -368,9 +369,12 @@ def launch(config: str, args: argparse.Namespace) -> tuple[list[dict], dict | No
 
 
 def fleet_strategy(config: str) -> str:
-    """The strategy file of a ``fleet-sharded``, ``fleet-sharding`` or ``fleet-ps-UPDATE[-dense-ar]`` configuration."""
+    """The strategy file of a ``fleet-sharded``, ``fleet-table-wise``, ``fleet-sharding`` or
+    ``fleet-ps-UPDATE[-dense-ar]`` configuration."""
     if config == "fleet-sharded":
         return 'mode = "collective"\ntable_placement = "sharded"\n'
+    if config == "fleet-table-wise":
+        return 'mode = "collective"\ntable_placement = "table_wise"\n'
     if config == "fleet-sharding":
         return 'mode = "sharding"\n'
     update, _, placement = config.removeprefix("fleet-ps-").partition("-")
@@ -493,8 +497,8 @@ def figures(ran: dict[str, Config]) -> dict[str, Any]:
          "torch-1p" if "torch-1p" in ran else None, ">= 0.9", "fleet-1p or torch-1p did not run"),
         ("fleet_best_vs_torchrec_best", "ratio vs TorchRec best", fleet_best, trec, ">= 1.2",
          no_trec if trec is None else "no distributed fleet configuration trains"),
-        ("tables_sharded_vs_torchrec_best", "tables sharded (best of fleet-sharded/fleet-sharding): ratio vs TorchRec best",
-         sharded, trec, ">= 1.2", no_trec if trec is None else "neither fleet-sharded nor fleet-sharding trains"),
+        ("tables_sharded_vs_torchrec_best", "tables sharded (best of fleet-sharded/fleet-table-wise/fleet-sharding): ratio vs TorchRec best",
+         sharded, trec, ">= 1.2", no_trec if trec is None else "no fleet-sharded, fleet-table-wise or fleet-sharding trains"),
         ("ps_async_dense_ar_vs_torchrec_best", "PS async dense-ar (fleet-ps-async-dense-ar): ratio vs TorchRec best",
          dense_ar, trec, ">= 1.0", no_trec if trec is None else "fleet-ps-async-dense-ar did not run or does not train"),
         ("fleet_best_vs_ddp", "ratio vs DDP", fleet_best, "ddp" if checks.get("ddp") and checks["ddp"].trains else None,

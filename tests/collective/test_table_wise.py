@@ -79,3 +79,24 @@ def test_a_life_cycle_on_table_wise_tables_is_one_process_s_cap_included(life: b
     for result in results:
         _check(result, want, 2)
     _check_whole(results, want, pooled=False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two jobs (N then M workers): the slow set keeps the README suite under 10 min
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 2)])
+def test_a_table_wise_state_dict_saved_by_n_workers_loads_on_m_and_trains_on_as_one_process(
+    before: int, after: int
+) -> None:
+    """The state dict holds every row (gathered from the holders); on M workers each table's new holder keeps all of
+    its rows (the holders depend on the number of workers), and training goes on as one process would."""
+    want = sharded_jobs.reference_reload(before, after, "adagrad")
+    saved = run_workers(sharded_jobs.save_worker, before, "adagrad", TABLE_WISE, timeout=200)
+    results = run_workers(sharded_jobs.reload_worker, after, saved[0], "adagrad", TABLE_WISE, timeout=200)
+    for result in results:
+        _check({"tables": result["loaded"], "dense": want["dense"]}, {"tables": want["loaded"], "dense": {}}, after)
+        _check(result, want, after)
+    for name, table in want["loaded"].items():
+        here = [r["loaded_here"][name] for r in results]
+        assert sorted(here) == [0] * (after - 1) + [table["ids"].numel()], (name, here)  # one holder, every row
+    assert sorted(r["given_here"] for r in results) == [0] * (after - 1) + [sharded_jobs.GIVEN.numel()]
