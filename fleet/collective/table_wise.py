@@ -181,8 +181,8 @@ class TableWiseRows(ShardedRows):
                     per_feature_lengths[f].append(lengths[f])
                     per_feature_ids[f].append(block[at[i] : at[i] + ends[f]])
                     at[i] += ends[f]
-            pooled = backend._pool([torch.cat(x) for x in per_feature_ids], [torch.cat(x) for x in per_feature_lengths],
-                                   bags_of, training, pooler)  # fmt: skip
+            pooled = backend.pool_here([torch.cat(x) for x in per_feature_ids],
+                                       [torch.cat(x) for x in per_feature_lengths], bags_of, training, pooler)  # fmt: skip
             start = 0
             for i in range(world):
                 reply[i].extend(p[start : start + bags_of[i]].detach() for p in pooled)
@@ -204,13 +204,11 @@ class TableWiseRows(ShardedRows):
                 if training:
                     vector.requires_grad_(True)
                 mine.append(vector)
-            if training:
-                backend._sent.append(mine)
-            backend.pooled += 1
+            backend.received(mine, training)
             out.append(mine)
         return out
 
-    def _pool(
+    def pool_here(
         self, ids: list[torch.Tensor], lengths: list[torch.Tensor], bags_of: list[int], training: bool, pooler: Pooler
     ) -> list[torch.Tensor]:
         """The union batch's bags of each feature pooled as one process pools them (``pooler``: the collection's
@@ -220,11 +218,32 @@ class TableWiseRows(ShardedRows):
             self._held.append(_Held(unique, rows, pooled, bags_of))
         return pooled
 
+    def received(self, vectors: list[torch.Tensor], training: bool) -> None:
+        """This worker's pooled vectors of one forward came back (kept for the step when ``training``)."""
+        self.pooled += 1
+        if training:
+            self._sent.append(vectors)
+
+    def take_sent(self) -> list[list[torch.Tensor]]:
+        """The pooled vectors of every training forward since the last step (their gradients go to the holder)."""
+        sent, self._sent = self._sent, []
+        return sent
+
+    def take_held(self) -> list[_Held]:
+        """The holder's pooled forwards since the last step (their backward runs at the step)."""
+        held, self._held = self._held, []
+        return held
+
+    @property
+    def awaits_pooled_step(self) -> bool:
+        """Whether pooled forwards wait for their step (else the table steps by its rows)."""
+        return bool(self._sent)
+
     @classmethod
     def step_together(cls, items: list[tuple[ShardedRows, dict[str, Any]]], optimizer_class: type) -> None:
         """Tables whose lookups were pooled here step by their pooled gradients; the others by their rows."""
-        pooled = [(b, g) for b, g in items if isinstance(b, TableWiseRows) and b._sent]
-        by_rows = [(b, g) for b, g in items if not (isinstance(b, TableWiseRows) and b._sent)]
+        pooled = [(b, g) for b, g in items if isinstance(b, TableWiseRows) and b.awaits_pooled_step]
+        by_rows = [(b, g) for b, g in items if not (isinstance(b, TableWiseRows) and b.awaits_pooled_step)]
         if by_rows:
             super().step_together(by_rows, optimizer_class)
         if pooled:
@@ -239,7 +258,7 @@ class TableWiseRows(ShardedRows):
         pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
         bad = [[0] * len(items) for _ in range(world)]
         for t, (backend, group) in enumerate(items):
-            sent, backend._sent = backend._sent, []
+            sent = backend.take_sent()
             grads = [v.grad if v.grad is not None else torch.zeros_like(v) for forward in sent for v in forward]
             j = backend.holder
             pieces[j].extend(g.detach().to(torch.float32) for g in grads)
@@ -256,7 +275,7 @@ class TableWiseRows(ShardedRows):
         for t, (backend, group) in enumerate(items):
             if backend.holder != first.rank:
                 continue
-            held, backend._held = backend._held, []
+            held = backend.take_held()
             ids, grads = [], []
             for forward in held:
                 dim = backend.shard.embedding_dim

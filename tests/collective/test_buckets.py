@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from fleet.collective import buckets
-from fleet.collective.compression import make_compressor
 from fleet.collective.grad_sync import GradSync
+from fleet.collective.transports.compression import make_compressor
 from fleet.collective.transports.process_group import ProcessGroupTransport
 
 

@@ -40,7 +40,7 @@ class Setup:
 
     group: Any  # the workers' process group; None: one worker, nothing to send
     timeout_s: float
-    compression: str = "none"  # fleet.collective.compression's name of the wire dtype
+    compression: str = "none"  # fleet.collective.transports.compression's name of the wire dtype
     options: Any = None
     _host: Any = field(default=None, init=False, repr=False)
     _host_probed: bool = field(default=False, init=False, repr=False)

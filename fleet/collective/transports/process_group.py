@@ -1,6 +1,6 @@
 """The process group's all-reduce (gloo for CPU tensors, NCCL for CUDA): every job can use it.
 
-Optionally compressed to fp16/bf16 on the wire (:mod:`fleet.collective.compression`).
+Optionally compressed to fp16/bf16 on the wire (:mod:`fleet.collective.transports.compression`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from fleet.collective.buckets import Bucket
-from fleet.collective.compression import Compressor, make_compressor
 from fleet.collective.shm import Channel
 from fleet.collective.transports.base import Setup, Transport
+from fleet.collective.transports.compression import Compressor, make_compressor
 
 
 class _Sent:
