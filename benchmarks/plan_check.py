@@ -52,6 +52,7 @@ WORKERS, SERVERS = 2, 1
 STRATEGY_FILES = {
     "replicated": 'mode = "collective"\ntable_placement = "replicated"\n',
     "sharded": 'mode = "collective"\ntable_placement = "sharded"\n',
+    "table_wise": 'mode = "collective"\ntable_placement = "table_wise"\n',
     "sharding": 'mode = "sharding"\n',
     "ps_sync": 'mode = "ps"\nupdate = "sync"\n',
     "ps_sync_dense_ar": 'mode = "ps"\nupdate = "sync"\ndense_placement = "allreduce"\n',
@@ -59,9 +60,19 @@ STRATEGY_FILES = {
     "ps_async_dense_ar": 'mode = "ps"\nupdate = "async"\ndense_placement = "allreduce"\n',
     "ps_geo": 'mode = "ps"\nupdate = "geo"\nk_steps = 100\n',
 }
-MEASURED = ("replicated", "sharded", "sharding", "ps_sync", "ps_sync_dense_ar", "ps_async", "ps_async_dense_ar")
+MEASURED = (
+    "replicated",
+    "sharded",
+    "table_wise",
+    "sharding",
+    "ps_sync",
+    "ps_sync_dense_ar",
+    "ps_async",
+    "ps_async_dense_ar",
+)
 W6_CONFIG = {  # the w6_dlrm.py configuration that runs the same job, for reading its --json
     "sharded": "fleet-sharded",
+    "table_wise": "fleet-table-wise",
     "sharding": "fleet-sharding",
     "ps_sync": "fleet-ps-sync",
     "ps_async": "fleet-ps-async",
@@ -81,13 +92,15 @@ def w6_workload(batch: int = 256, samples: int = 4) -> tuple[Any, int]:
 
     spec = W.spec("full", batch)
     unique = [0.0] * len(spec.tables)
+    lookups = [0.0] * len(spec.tables)
     for step in range(samples):
         _, feats, _ = W.make_batch(spec, 0, step)
         for t, (ids, _) in enumerate(feats):
             unique[t] += ids.unique().numel() / samples
+            lookups[t] += ids.numel() / samples
     dense = sum(p.numel() * p.element_size() for p in W.dense_part(spec).parameters())
     tables = tuple(
-        Table(rows, dim, unique[t], name=name)
+        Table(rows, dim, unique[t], name=name, lookups_per_step=lookups[t])
         for t, ((rows, dim), name) in enumerate(zip(spec.tables, spec.names, strict=True))
     )
     return Workload(tables, dense, state=1.0), batch  # SGD
@@ -103,10 +116,11 @@ def w2_workload(batch: int = 512, samples: int = 4) -> tuple[Any, int]:
     g = torch.Generator().manual_seed(1)
     unique = statistics.fmean(
         torch.randint(0, id_space, (batch, slots), generator=g).unique().numel() for _ in range(samples)
-    )
+    )  # each of the 26 slots is a feature of the one table: table-wise, 26 pooled vectors a sample come back
     widths = [slots * dim + dense_in, 400, 400, 400, 1]
     dense = 4 * sum(a * b + b for a, b in zip(widths, widths[1:], strict=False))
-    return Workload((Table(id_space, dim, unique, name="embedding"),), dense, state=1.0), batch
+    table = Table(id_space, dim, unique, name="embedding", features=slots, lookups_per_step=batch * slots)
+    return Workload((table,), dense, state=1.0), batch
 
 
 def worker_command(workload: str, report: str, steps: int, warmup: int) -> list[str]:

@@ -7,6 +7,7 @@ The mode table (:mod:`fleet.plan.model`) answers "how does each mode scale"; thi
 |---|---|---|
 | ``replicated`` | ``mode="collective", table_placement="replicated"`` | every row, the dense layers |
 | ``sharded`` | ``mode="collective", table_placement="sharded"`` | 1/R of the rows, the dense layers |
+| ``table_wise`` | ``mode="collective", table_placement="table_wise"`` | whole tables (about 1/R of them), the dense layers |
 | ``sharding`` | ``mode="sharding"`` | 1/R of the rows, 1/R of the dense layers (FSDP2) |
 | ``ps_<update>`` | ``mode="ps", update=...`` | no rows, the dense values (the servers own them) |
 | ``ps_<update>_dense_ar`` | ``... dense_placement="allreduce"`` | no rows, the dense layers |
@@ -21,6 +22,11 @@ collective terms are :class:`~fleet.plan.model.Model`'s):
 - **sharded**: the same without the all-gather: 5 all-to-alls a step (counts, ids, rows in the
   forward; counts, gradients at the step), each (R-1) latencies, carrying 2 (R-1)/R x Sp;
   an owner looks up and applies about U rows a step, as a local table does.
+- **table_wise**: each table whole on one holder; a collection's bags go to the holders and one
+  pooled vector per bag and feature comes back, its gradient at the step (as many rounds as
+  sharded, carrying (R-1)/R x (8 bytes per id and per bag, 2 x 4 x batch x the pooled width)); the holder of the
+  largest share of the tables' work (the widest tables spread evenly, one table never split)
+  does R x that share of the sparse work where an even split would do 1/R each.
 - **sharding**: sharded tables, and FSDP2's all-gather (twice: forward, backward) and
   reduce-scatter of D: 1.5 ring all-reduces' bytes.
 - **PS**: :class:`~fleet.plan.model.Model`'s PS sync / async / geo; with the dense layers
@@ -52,6 +58,7 @@ STATE_MULTIPLIER = {"sgd": 1.0, "momentum": 2.0, "adagrad": 2.0, "rowwise_adagra
 CANDIDATES = (
     "replicated",
     "sharded",
+    "table_wise",
     "sharding",
     "ps_sync",
     "ps_sync_dense_ar",
@@ -62,6 +69,7 @@ CANDIDATES = (
 STRATEGIES = {
     "replicated": 'DistributedStrategy(mode="collective", table_placement="replicated")',
     "sharded": 'DistributedStrategy(mode="collective", table_placement="sharded")',
+    "table_wise": 'DistributedStrategy(mode="collective", table_placement="table_wise")',
     "sharding": 'DistributedStrategy(mode="sharding")',
     "ps_sync": 'DistributedStrategy(mode="ps", update="sync")',
     "ps_sync_dense_ar": 'DistributedStrategy(mode="ps", update="sync", dense_placement="allreduce")',
@@ -72,6 +80,7 @@ STRATEGIES = {
 LABELS = {
     "replicated": "tables replicated",
     "sharded": "tables sharded",
+    "table_wise": "tables sharded table-wise",
     "sharding": "sharding (tables and dense sharded)",
     "ps_sync": "servers, sync",
     "ps_sync_dense_ar": "servers, sync, dense all-reduced",
@@ -98,6 +107,10 @@ class Table:
     """Unique ids of one worker's batch per step (estimate from a sample batch)."""
     name: str = ""
     value_bytes: int = 4
+    features: int = 1
+    """Features looked up in the table (each pools one vector per sample: table-wise, what travels back)."""
+    lookups_per_step: float = 0.0
+    """Ids of one worker's batch per step, duplicates included (0: as ``ids_per_step``): table-wise, what travels."""
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.dim < 1 or self.ids_per_step < 0 or self.value_bytes < 1:
@@ -105,6 +118,17 @@ class Table:
                 f"table {self.name or '?'}: rows={self.rows}, dim={self.dim}, ids_per_step={self.ids_per_step}, "
                 f"value_bytes={self.value_bytes}: rows, dim and value_bytes must be >= 1 and ids_per_step >= 0"
             )
+        if self.features < 1 or self.lookups_per_step < 0:
+            raise PlacementError(
+                f"table {self.name or '?'}: features={self.features}, lookups_per_step={self.lookups_per_step}: "
+                "features must be >= 1 and lookups_per_step >= 0"
+            )
+
+    def bag_bytes(self, batch: int) -> float:
+        """Table-wise, one direction of one step's traffic for this table: the ids and the bags' lengths (int64)
+        to the holder; back, the pooled vectors (and at the step their gradients): ``batch`` x features x dim."""
+        ids = self.lookups_per_step or self.ids_per_step
+        return 8 * (ids + batch * self.features), batch * self.features * self.dim * self.value_bytes
 
     @property
     def value_total(self) -> float:
@@ -291,6 +315,8 @@ def memory(name: str, work: Workload, cluster: Cluster) -> tuple[float, float]:
         return tables + dense, 0.0
     if name == "sharded":
         return tables / r + dense, 0.0
+    if name == "table_wise":  # whole tables: at least the largest one, at least an even share
+        return max(max(t.bytes(work.state) for t in work.tables), tables / r) + dense, 0.0
     if name == "sharding":
         return (tables + dense) / r, 0.0
     if name.endswith("_dense_ar"):
@@ -299,7 +325,25 @@ def memory(name: str, work: Workload, cluster: Cluster) -> tuple[float, float]:
     return float(work.dense_bytes), (tables + dense) / s
 
 
-def _predict(name: str, model: Model, cal: Calibration, work: Workload, cluster: Cluster) -> tuple[float, dict]:
+def sparse_work_s(cal: Calibration) -> float:
+    """One worker's lookups and updates of its rows per step: measured (``sparse_local_s``), else from the
+    tables' row rates."""
+    if cal.sparse_local_s:
+        return cal.sparse_local_s
+    rows = cal.sparse_rows
+    return sum(rows / rate for rate in (cal.sparse_pull_rows_s, cal.sparse_apply_rows_s) if rate)
+
+
+def largest_share(work: Workload, workers: int) -> float:
+    """Table-wise, the share of the tables' work (ids x width) on the busiest holder: at least the largest
+    table's (a table is never split), at least an even share."""
+    weights = [max(t.lookups_per_step or t.ids_per_step, 1e-9) * t.dim * t.features for t in work.tables]
+    return max(max(weights), sum(weights) / workers) / sum(weights)
+
+
+def _predict(
+    name: str, model: Model, cal: Calibration, work: Workload, cluster: Cluster, batch: int | None = None
+) -> tuple[float, dict]:
     r = cluster.workers
     setup = Setup(
         workers=r,
@@ -307,7 +351,7 @@ def _predict(name: str, model: Model, cal: Calibration, work: Workload, cluster:
         workers_per_host=cluster.workers_per_host,
         background=cluster.background,
     )
-    if name in ("replicated", "sharded", "sharding"):
+    if name in ("replicated", "sharded", "sharding", "table_wise"):
         _, _, collective = model._collective(setup)
         stretch = model.stretch(setup)
         link = model.link(setup, cal.allreduce, stretch)
@@ -322,6 +366,14 @@ def _predict(name: str, model: Model, cal: Calibration, work: Workload, cluster:
             if cal.sparse_apply_rows_s:
                 # every replica applies the union's rows: the others' (R-1) x U besides its own
                 parts["apply the others' rows"] = (r - 1) * cal.sparse_rows / cal.sparse_apply_rows_s * stretch
+        elif name == "table_wise" and r > 1:
+            ids, pooled = (
+                sum(x) for x in zip(*(t.bag_bytes(batch or cal.batch or 1) for t in work.tables), strict=True)
+            )
+            parts["bags to their holders, pooled vectors back"] = (r - 1) / r * (ids + 2 * pooled) / link.bandwidth_Bps
+            # the busiest holder does r x its share of the tables' work, where an even split does 1/r each
+            uneven = r * largest_share(work, r) - 1
+            parts["the busiest holder's extra sparse work"] = uneven * sparse_work_s(cal) * stretch
         elif r > 1:
             parts["rows to and from their owners"] = 2 * (r - 1) / r * work.sparse_bytes / link.bandwidth_Bps
         return sum(parts.values()), parts
@@ -357,7 +409,8 @@ def sync_rounds(name: str, work: Workload, cal: Calibration) -> int:
     The lockstep header and one all-reduce per 25 MB bucket of dense gradients; replicated tables:
     per table an announcement and three all-gathers (counts, ids, gradients); sharded tables: per
     exchange group (one :class:`~fleet.nn.SparseFeatureCollection`, or each table) two announcements
-    and five all-to-alls; sharding: FSDP2's all-gather (forward, backward) and reduce-scatter per unit.
+    and five all-to-alls (table-wise on the process group as well: the bags with their counts, the
+    pooled vectors, their gradients with their counts); sharding: FSDP2's all-gather (forward, backward) and reduce-scatter per unit.
     """
     buckets = max(1, math.ceil(work.dense_bytes / BUCKET_BYTES)) if work.dense_bytes else 0
     rounds = 1 + buckets
@@ -387,7 +440,11 @@ def _ruled_out(name: str, worker_b: float, server_b: float, work: Workload, clus
     if name in STALE and work.sync_required:
         return STALE_NOTE
     if worker_b > cluster.worker_memory_bytes:
-        what = {"replicated": "tables and dense layers", "sharded": "1/R of the tables and the dense layers"}
+        what = {
+            "replicated": "tables and dense layers",
+            "sharded": "1/R of the tables and the dense layers",
+            "table_wise": "the largest table (or 1/R of them) and the dense layers",
+        }
         return (
             f"{what.get(name, 'its share')} {gb(worker_b)} per worker do not fit in {gb(cluster.worker_memory_bytes)}"
         )
@@ -414,7 +471,7 @@ def candidates(
         step, parts, rate = None, {}, None
         if why_not is None or why_not == STALE_NOTE:
             # stale candidates are still predicted: the user sees what the tolerance would buy
-            step, parts = _predict(name, model, cal, work, cluster)
+            step, parts = _predict(name, model, cal, work, cluster, batch)
             rate = cluster.workers * batch / step if batch else None
         out.append(Candidate(name, STRATEGIES[name], worker_b, server_b, step, rate, parts, why_not))
     return out
@@ -451,14 +508,27 @@ def _against(best: Candidate, other: Candidate, work: Workload, cluster: Cluster
         return tie + (f", with {' and '.join(edge)}" if edge else "")
     if gain < 0:  # only a sync candidate is chosen over a faster one: a stale one within PREFER_SYNC
         return f"{-gain:.0%} slower than {other.label}, whose updates are stale: one process's math is worth that"
-    rounds = {n: sync_rounds(n, work, cal) for n in ("replicated", "sharded", "sharding")}
-    if best.name in ("sharded", "sharding") and other.name == "replicated":
+    rounds = {n: sync_rounds(n, work, cal) for n in ("replicated", "sharded", "sharding", "table_wise")}
+    if best.name == "table_wise" and other.name in ("sharded", "sharding", "replicated"):
+        ids, pooled = (sum(x) for x in zip(*(t.bag_bytes(cal.batch or 1) for t in work.tables), strict=True))
+        how = (
+            f"{rounds['table_wise']} synchronizing rounds with the bags to their holders and pooled vectors back "
+            f"({gb((r - 1) / r * (ids + 2 * pooled))} a step) beat {rounds[other.name]} rounds"
+            + (f" with {gb(2 * (r - 1) / r * sparse)} of rows" if other.name != "replicated" else "")
+            + f", and the busiest holder has {largest_share(work, r):.0%} of the tables' work"
+        )
+    elif best.name in ("sharded", "sharding") and other.name == "table_wise":
+        how = (
+            f"every table is split evenly; table-wise, one worker would hold {largest_share(work, r):.0%} of the "
+            "tables' work (a table is never split)"
+        )
+    elif best.name in ("sharded", "sharding") and other.name == "replicated":
         how = (
             f"{rounds[best.name]} synchronizing rounds and {gb(2 * (r - 1) / r * sparse)} of rows a step beat "
             f"{rounds['replicated']} rounds, {gb((r - 1) * sparse)} of rows all-gathered and the other workers' "
             f"{(r - 1) * work.ids_per_step:,.0f} rows applied"
         )
-    elif best.name == "replicated" and other.name in ("sharded", "sharding"):
+    elif best.name == "replicated" and other.name in ("sharded", "sharding", "table_wise"):
         how = (
             f"{gb(work.table_bytes())} of tables fit every worker, and {rounds['replicated']} synchronizing rounds "
             f"with {gb((r - 1) * sparse)} of rows all-gathered beat {rounds[other.name]} rounds to the owners"

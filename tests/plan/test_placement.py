@@ -239,3 +239,23 @@ def test_what_moves_to_the_servers_is_the_lookup_at_their_rates_not_the_pooling(
         ).sparse_local_s
         == 1e-4
     )
+
+
+def test_many_even_tables_favour_table_wise_and_one_large_table_favours_row_wise():
+    """Table-wise moves bags and pooled vectors instead of rows; it cannot split a table, so one large table
+    leaves one holder with every worker's sparse work."""
+    many = Workload(tuple(Table(1_000_000, 64, 20_000, name=f"t{i}") for i in range(8)), dense_bytes=40_000)
+    cluster = Cluster(workers=2, worker_memory_bytes=64 * GB)
+    rec = recommend(_cal(), many, cluster)
+    c = _by_name(rec)
+    assert rec.best.name == "table_wise", rec.reason
+    assert rec.best.strategy == 'DistributedStrategy(mode="collective", table_placement="table_wise")'
+    assert c["table_wise"].step_s < c["sharded"].step_s
+    assert c["table_wise"].parts["the busiest holder's extra sparse work"] == pytest.approx(0.0)  # 4 and 4 tables
+    assert c["table_wise"].worker_bytes == pytest.approx(c["sharded"].worker_bytes)  # half of the tables each
+    one = Workload((Table(20_000_000, 64, 100_000),), dense_bytes=40_000)
+    rec = recommend(_cal(), one, Cluster(workers=16, worker_memory_bytes=64 * GB))
+    assert rec.best.name == "sharded", rec.reason
+    table_wise = _by_name(rec)["table_wise"]
+    assert table_wise.step_s > rec.best.step_s and table_wise.worker_bytes > rec.best.worker_bytes  # one holder
+    assert table_wise.parts["the busiest holder's extra sparse work"] > 0
