@@ -368,3 +368,60 @@ def pretrained_worker(rank: int) -> dict[str, Any]:
     opt.step()
     fleet.stop_worker()
     return out
+
+
+def _accumulated_and_evaluated(model: Net, opt: torch.optim.Optimizer, parts: list[dict[str, Any]]) -> torch.Tensor:
+    """A step over two micro-batches (two forwards and backwards, one optimizer step), then an evaluation forward
+    (``torch.no_grad``, ``model.eval()``) of the first micro-batch; its outputs."""
+    opt.zero_grad()
+    for part in parts:
+        torch.nn.functional.binary_cross_entropy_with_logits(model(part), part["label"]).div(len(parts)).backward()
+    opt.step()
+    model.eval()
+    with torch.no_grad():
+        out = model(parts[0])
+    model.train()
+    return out
+
+
+def reference_accumulated(workers: int, kind: str) -> dict[str, Any]:
+    """One process: STEPS steps, then a step of two micro-batches and an evaluation (the union of the workers')."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = make_optimizer(kind, model.parameters())
+    train(model, opt, [union([batch(s, r) for r in range(workers)]) for s in range(STEPS)], False)
+    parts = [union([batch(50 + m, r) for r in range(workers)]) for m in range(2)]
+    out = _accumulated_and_evaluated(model, opt, parts)
+    return {"tables": table_states(model), "dense": dense(model), "evaluated": out}
+
+
+def accumulating_worker(rank: int, kind: str, strategy: dict[str, Any]) -> dict[str, Any]:
+    """:func:`reference_accumulated` on this worker's batches."""
+    import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = Net()
+    opt = fleet.distributed_optimizer(make_optimizer(kind, model.parameters()), fleet.DistributedStrategy(**strategy))
+    train(model, opt, [batch(s, fleet.worker_index()) for s in range(STEPS)], False)
+    out = _accumulated_and_evaluated(model, opt, [batch(50 + m, fleet.worker_index()) for m in range(2)])
+    result = {"tables": table_states(model), "dense": dense(model), "evaluated": out}
+    fleet.stop_worker()
+    return result
+
+
+def mixed_mode_worker(rank: int) -> tuple[str, str]:
+    """Worker 0 evaluates (no_grad) while worker 1 trains, each calling the collection of table-wise tables."""
+    import fleet
+
+    fleet.init(strategy=fleet.DistributedStrategy(table_placement="table_wise", timeout_s=60))
+    torch.manual_seed(0)
+    model = Net()
+    fleet.distributed_optimizer(make_optimizer("sgd", model.parameters()))
+    data = batch(0, rank)
+    try:
+        with torch.set_grad_enabled(rank != 0):
+            model(data)
+    except Exception as error:  # noqa: BLE001 - the test checks which error and what it says
+        return type(error).__name__, str(error)
+    return "finished", ""

@@ -100,3 +100,26 @@ def test_a_table_wise_state_dict_saved_by_n_workers_loads_on_m_and_trains_on_as_
         here = [r["loaded_here"][name] for r in results]
         assert sorted(here) == [0] * (after - 1) + [table["ids"].numel()], (name, here)  # one holder, every row
     assert sorted(r["given_here"] for r in results) == [0] * (after - 1) + [sharded_jobs.GIVEN.numel()]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_micro_batches_and_an_evaluation_on_table_wise_tables_equal_one_process(workers: int) -> None:
+    """Two pooled forwards before one step (each backward's pooled gradients travel at the step), then an
+    evaluation forward under no_grad: the rows and the evaluated outputs are one process's."""
+    want = sharded_jobs.reference_accumulated(workers, "adagrad")
+    results = run_workers(sharded_jobs.accumulating_worker, workers, "adagrad", TABLE_WISE, timeout=200)
+    batch = sharded_jobs.BATCH
+    for rank, result in enumerate(results):
+        _check(result, want, workers)
+        mine = want["evaluated"][rank * batch : (rank + 1) * batch]
+        assert (result["evaluated"] - mine).abs().max() <= 1e-6, rank
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_one_worker_evaluating_while_another_trains_is_named_on_every_worker() -> None:
+    for kind, message in run_workers(sharded_jobs.mixed_mode_worker, 2, timeout=90):
+        assert kind == "FleetError", (kind, message)
+        assert "workers [1] look up to train" in message and "held by worker" in message, message
