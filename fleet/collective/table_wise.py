@@ -25,8 +25,9 @@ process on the union (exactly, for ``N`` a power of two); the holder divides the
 1e-6 (every row optimizer, 2 and 3 workers).
 
 The pooled path covers collections whose tables are all table-wise in one group, on CPU tensors,
-without per-id weights and without a life cycle (admission, TTL, ``max_rows``: clicks would
-have to travel with the pooled gradients); every other lookup of a table-wise table, and a table
+without per-id weights; a table with a life cycle (admission, TTL, ``max_rows``) counts its clicks
+on the holder, from the labels ``record_clicks`` gives each worker's forward, which travel with
+the pooled gradients. Every other lookup of a table-wise table, and a table
 module called on its own, takes the row path of :class:`~fleet.collective.sharded_rows.ShardedRows`
 (ids to the holder, rows back, row gradients at the step), which is exact as well.
 """
@@ -46,11 +47,12 @@ from fleet.sparse.backends import all_modules
 
 Pooler = Callable[
     [Any, list[torch.Tensor], list[torch.Tensor], Callable[[torch.Tensor], torch.Tensor], bool],
-    tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
+    tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
 ]
 """``pooler(module, ids per feature, bag lengths per feature, pull, training)`` -> (the unique ids, their rows (a
-leaf requiring grad when training), each feature's pooled bags): the table module's own lookup and pooling
-(``fleet.nn.SparseFeatureCollection``'s), run by the holder on the union batch with ``pull`` reading its rows."""
+leaf requiring grad when training), each feature's pooled bags, ``clicks(labels)``: each unique id's clicks from
+one label per bag): the table module's own lookup, pooling and click count (``fleet.nn.SparseFeatureCollection``'s),
+run by the holder on the union batch with ``pull`` reading its rows."""
 
 
 def holders(widths: list[int], workers: int) -> list[int]:
@@ -82,12 +84,19 @@ def sharded_backend(placement: str, module: Any, group: Any, *args: Any, **kwarg
 
 class _Held:
     """One pooled forward of the tables this worker holds: what the step's backward needs (the rows' leaf, the
-    union's pooled vectors and each worker's number of bags)."""
+    union's pooled vectors, each worker's number of bags, and the clicks of the union's labels)."""
 
-    __slots__ = ("unique", "rows", "pooled", "bags")
+    __slots__ = ("unique", "rows", "pooled", "bags", "clicks")
 
-    def __init__(self, unique: torch.Tensor, rows: torch.Tensor, pooled: list[torch.Tensor], bags: list[int]):
-        self.unique, self.rows, self.pooled, self.bags = unique, rows, pooled, bags
+    def __init__(
+        self,
+        unique: torch.Tensor,
+        rows: torch.Tensor,
+        pooled: list[torch.Tensor],
+        bags: list[int],
+        clicks: Callable[[torch.Tensor], torch.Tensor],
+    ):
+        self.unique, self.rows, self.pooled, self.bags, self.clicks = unique, rows, pooled, bags, clicks
 
 
 class TableWiseRows(ShardedRows):
@@ -100,6 +109,7 @@ class TableWiseRows(ShardedRows):
         self.counts_holder = holder
         self._held: list[_Held] = []  # the holder's: pooled forwards awaiting their step
         self._sent: list[list[torch.Tensor]] = []  # every worker's: its pooled vectors (leaves) of each forward
+        self._labels: list[torch.Tensor | None] = []  # and the labels record_clicks gave for each (None: none)
         self.pooled = 0  # forwards whose bags were pooled by the holder (the rest took the row path)
         super().__init__(module, *args, **kwargs)
 
@@ -121,12 +131,7 @@ class TableWiseRows(ShardedRows):
         first = backends[0]
         if first.device.type != "cpu" or any(b.group is not first.group for b in backends):
             return False
-        for backend, bags in zip(backends, features, strict=True):
-            if backend.shard.lifecycle.active:
-                return False
-            if any(weights is not None or ids.device.type != "cpu" for ids, _, weights in bags):
-                return False
-        return True
+        return all(weights is None and ids.device.type == "cpu" for bags in features for ids, _, weights in bags)
 
     @classmethod
     def pool_together(
@@ -213,9 +218,9 @@ class TableWiseRows(ShardedRows):
     ) -> list[torch.Tensor]:
         """The union batch's bags of each feature pooled as one process pools them (``pooler``: the collection's
         plan and pooling, given the same ids in the same order)."""
-        unique, rows, pooled = pooler(self._module(), ids, lengths, self.local.pull, training)
+        unique, rows, pooled, clicks = pooler(self._module(), ids, lengths, self.local.pull, training)
         if training:
-            self._held.append(_Held(unique, rows, pooled, bags_of))
+            self._held.append(_Held(unique, rows, pooled, bags_of, clicks))
         return pooled
 
     def received(self, vectors: list[torch.Tensor], training: bool) -> None:
@@ -223,10 +228,21 @@ class TableWiseRows(ShardedRows):
         self.pooled += 1
         if training:
             self._sent.append(vectors)
+            self._labels.append(None)
 
-    def take_sent(self) -> list[list[torch.Tensor]]:
-        """The pooled vectors of every training forward since the last step (their gradients go to the holder)."""
-        sent, self._sent = self._sent, []
+    def add_labels(self, labels: torch.Tensor) -> None:
+        """The clicks of the last training forward: one label per sample (``record_clicks``), counted by the holder
+        for every id of the sample's bags (a table with a life cycle: they travel with the pooled gradients)."""
+        bags = self._sent[-1][0].shape[0]
+        if labels.numel() != bags:
+            raise ValueError(f"record_clicks got {labels.numel()} labels for {bags} samples: one per sample")
+        self._labels[-1] = labels.detach().to(torch.float32).reshape(-1)
+
+    def take_sent(self) -> list[tuple[list[torch.Tensor], torch.Tensor | None]]:
+        """The pooled vectors of every training forward since the last step, each with its labels or None: their
+        gradients (and the labels) go to the holder."""
+        sent = list(zip(self._sent, self._labels, strict=True))
+        self._sent, self._labels = [], []
         return sent
 
     def take_held(self) -> list[_Held]:
@@ -258,10 +274,14 @@ class TableWiseRows(ShardedRows):
         pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
         bad = [[0] * len(items) for _ in range(world)]
         for t, (backend, group) in enumerate(items):
-            sent = backend.take_sent()
-            grads = [v.grad if v.grad is not None else torch.zeros_like(v) for forward in sent for v in forward]
+            clicks = backend.shard.lifecycle.active  # the labels ride along: a table counting its clicks
+            grads = []
+            for vectors, labels in backend.take_sent():
+                grads.extend(v.grad.detach() if v.grad is not None else torch.zeros_like(v) for v in vectors)
+                if clicks:
+                    grads.append(labels if labels is not None else torch.zeros(vectors[0].shape[0]))
             j = backend.holder
-            pieces[j].extend(g.detach().to(torch.float32) for g in grads)
+            pieces[j].extend(g.to(torch.float32) for g in grads)
             finite = all(nonfinite.finite(g, float(group["lr"])) for g in grads)
             for row in bad:
                 row[t] = 0 if finite else 1
@@ -276,7 +296,8 @@ class TableWiseRows(ShardedRows):
             if backend.holder != first.rank:
                 continue
             held = backend.take_held()
-            ids, grads = [], []
+            clicks = backend.shard.lifecycle.active
+            ids, grads, counted = [], [], []
             for forward in held:
                 dim = backend.shard.embedding_dim
                 outputs, upstream = [], []
@@ -291,6 +312,12 @@ class TableWiseRows(ShardedRows):
                 torch.autograd.backward(outputs, upstream)
                 ids.append(forward.unique)
                 grads.append(forward.rows.grad if forward.rows.grad is not None else torch.zeros_like(forward.rows))
+                if clicks:  # the union's labels, worker after worker, counted per unique id as one process does
+                    labels = []
+                    for i in range(world):
+                        labels.append(got[i][at[i] : at[i] + forward.bags[i]])
+                        at[i] += forward.bags[i]
+                    counted.append(forward.clicks(torch.cat(labels)))
             lr = float(group["lr"])
             if any(row[t] for row in heads):
                 nonfinite.refuse(f"sparse table of {backend.shard.name}(dim {backend.shard.embedding_dim})", None,
@@ -298,5 +325,7 @@ class TableWiseRows(ShardedRows):
                 continue
             block = torch.cat(grads) if len(grads) > 1 else grads[0]
             block = block.detach().div_(world) if len(grads) > 1 else block.detach() / world
+            if clicks:  # summed over the workers, not averaged: one more column, as on the row path
+                block = torch.cat([block, torch.cat(counted).unsqueeze(1)], 1)
             unique = torch.cat(ids) if len(ids) > 1 else ids[0]
             backend.local.apply(optimizer_class, group, unique, block, lr, where=backend.where)

@@ -235,16 +235,30 @@ def _from_dict(features: Mapping[str, Any]) -> dict[str, Bags]:
     return out
 
 
+def _entry_clicks(layout: list[tuple[torch.Tensor, torch.Tensor | None, int]], labels: torch.Tensor) -> torch.Tensor:
+    """Each kept entry's label (its sample's), feature after feature: ``layout`` holds each feature's (offsets [bags
+    + 1], kept entries or None, number of ids)."""
+    per_feature = []
+    for offsets, keep, size in layout:
+        bag_of, bags = bag_of_entries(torch.Size([size]), offsets, True)
+        if labels.numel() != bags:
+            raise ValueError(f"record_clicks got {labels.numel()} labels for {bags} samples: one per sample")
+        per_entry = torch.where(bag_of >= 0, labels[bag_of.clamp(min=0)], 0.0)
+        per_feature.append(per_entry if keep is None else per_entry[keep])
+    return torch.cat(per_feature)
+
+
 def _pool_union(
     table: SparseEmbeddingBag,
     ids: list[torch.Tensor],
     lengths: list[torch.Tensor],
     pull: Any,
     training: bool,
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], Any]:
     """The lookup and pooling of one table's features (``ids`` and bag ``lengths`` of each) as the collection's
     forward does them, for the worker holding the table (``pull`` reads its rows), on the union of every worker's
-    bags: (the unique ids, their rows, a leaf requiring grad when ``training``; each feature's pooled bags)."""
+    bags: (the unique ids, their rows, a leaf requiring grad when ``training``; each feature's pooled bags;
+    ``clicks(labels)``: each unique id's clicks from one label per bag, as ``record_clicks`` counts them)."""
     kept, keeps = [], []
     for feature_ids in ids:
         k, keep = table.kept_ids(feature_ids)
@@ -254,14 +268,19 @@ def _pool_union(
     rows = pull(unique)
     if training:
         rows = rows.detach().requires_grad_(True)
-    pooled, at = [], 0
+    pooled, at, layout = [], 0, []
     with torch.set_grad_enabled(training):
         for feature_ids, k, keep, feature_lengths in zip(ids, kept, keeps, lengths, strict=True):
             mine = inverse[at : at + k.numel()]
             at += k.numel()
             offsets = _lengths_to_offsets(feature_lengths)
             pooled.append(pool(rows, mine, keep, feature_ids.shape, offsets, table.mode, None, True))
-    return unique, rows, pooled
+            layout.append((offsets, keep, feature_ids.numel()))
+
+    def clicks(labels: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(unique.numel()).index_add_(0, inverse.reshape(-1), _entry_clicks(layout, labels))
+
+    return unique, rows, pooled, clicks
 
 
 class SparseFeatureCollection(nn.Module):
@@ -445,14 +464,8 @@ class SparseFeatureCollection(nn.Module):
             raise RuntimeError("record_clicks follows a training forward of this SparseFeatureCollection")
         labels = torch.as_tensor(labels).detach().to(torch.float32).reshape(-1)
         for name, layout in self._layout.items():
-            if layout is None:  # pooled by its holder: a table without a life cycle, which keeps no clicks there
-                continue
-            per_feature = []
-            for offsets, keep, size in layout:
-                bag_of, bags = bag_of_entries(torch.Size([size]), offsets, True)
-                if labels.numel() != bags:
-                    raise ValueError(f"record_clicks got {labels.numel()} labels for {bags} samples: one per sample")
-                per_entry = torch.where(bag_of >= 0, labels[bag_of.clamp(min=0)], 0.0)
-                per_feature.append(per_entry if keep is None else per_entry[keep])
-            self.tables[name].add_clicks(torch.cat(per_feature))
+            if layout is None:  # pooled by its holder, which counts the clicks from the labels at the step
+                self.tables[name].backend().add_labels(labels)
+            else:
+                self.tables[name].add_clicks(_entry_clicks(layout, labels))
         self._layout = {}

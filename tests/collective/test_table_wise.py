@@ -70,15 +70,20 @@ def test_table_wise_through_the_process_group_and_in_sharding_mode_equals_one_pr
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("life", [True, "cap"], ids=["admission-ttl-clicks", "max_rows"])
-def test_a_life_cycle_on_table_wise_tables_is_one_process_s_cap_included(life: bool | str) -> None:
-    """Tables with a life cycle take the row path to their holder, which keeps the whole table: admission, TTL,
-    clicks and even a max_rows cap (not split over shares, unlike row-wise sharding) are one process's."""
-    want = sharded_jobs.reference(2, "adagrad", life=life)
-    results = run_workers(sharded_jobs.worker, 2, "adagrad", TABLE_WISE, life, timeout=200)
+@pytest.mark.parametrize(
+    ("workers", "life"),
+    [(2, True), (3, True), (2, "count"), (2, "cap")],
+    ids=["ttl-clicks", "ttl-clicks-3", "count", "max_rows"],
+)
+def test_a_life_cycle_on_table_wise_tables_is_one_process_s_cap_included(workers: int, life: bool | str) -> None:
+    """The holder keeps the whole table: admission (by probability, by count), TTL, the clicks record_clicks gives
+    (their labels travel with the pooled gradients) and even a max_rows cap (not split over shares, unlike row-wise
+    sharding) are one process's."""
+    want = sharded_jobs.reference(workers, "adagrad", life=life)
+    results = run_workers(sharded_jobs.worker, workers, "adagrad", TABLE_WISE, life, timeout=200)
     for result in results:
-        _check(result, want, 2)
-    _check_whole(results, want, pooled=False)
+        _check(result, want, workers)
+    _check_whole(results, want, pooled=True)
 
 
 @pytest.mark.multiprocess
