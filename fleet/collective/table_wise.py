@@ -24,8 +24,8 @@ process on the union (exactly, for ``N`` a power of two); the holder divides the
 ``N``. So the rows follow one process on the union of the batches, and the test checks them to
 1e-6 (every row optimizer, 2 and 3 workers).
 
-The pooled path covers collections whose tables are all table-wise in one group, on CPU tensors,
-without per-id weights; a table with a life cycle (admission, TTL, ``max_rows``) counts its clicks
+The pooled path covers collections whose tables are all table-wise in one group, on CPU tensors
+(per-id weights travel with the ids); a table with a life cycle (admission, TTL, ``max_rows``) counts its clicks
 on the holder, from the labels ``record_clicks`` gives each worker's forward, which travel with
 the pooled gradients. Every other lookup of a table-wise table, and a table
 module called on its own, takes the row path of :class:`~fleet.collective.sharded_rows.ShardedRows`
@@ -46,10 +46,18 @@ from fleet.sparse import nonfinite
 from fleet.sparse.backends import all_modules
 
 Pooler = Callable[
-    [Any, list[torch.Tensor], list[torch.Tensor], Callable[[torch.Tensor], torch.Tensor], bool],
+    [
+        Any,
+        list[torch.Tensor],
+        list[torch.Tensor],
+        list[torch.Tensor | None],
+        Callable[[torch.Tensor], torch.Tensor],
+        bool,
+    ],
     tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
 ]
-"""``pooler(module, ids per feature, bag lengths per feature, pull, training)`` -> (the unique ids, their rows (a
+"""``pooler(module, ids per feature, bag lengths per feature, per-id weights per feature or None, pull, training)``
+-> (the unique ids, their rows (a
 leaf requiring grad when training), each feature's pooled bags, ``clicks(labels)``: each unique id's clicks from
 one label per bag): the table module's own lookup, pooling and click count (``fleet.nn.SparseFeatureCollection``'s),
 run by the holder on the union batch with ``pull`` reading its rows."""
@@ -127,18 +135,23 @@ class TableWiseRows(ShardedRows):
     # ------------------------------------------------------------------ the pooled path
     @staticmethod
     def pools(backends: list[TableWiseRows], features: list[list[tuple]]) -> bool:
-        """Whether :meth:`pool_together` serves these tables' bags (see the module docstring)."""
+        """Whether :meth:`pool_together` serves these tables' bags (see the module docstring): CPU tensors, and
+        per-id weights that need no gradient."""
         first = backends[0]
         if first.device.type != "cpu" or any(b.group is not first.group for b in backends):
             return False
-        return all(weights is None and ids.device.type == "cpu" for bags in features for ids, _, weights in bags)
+        return all(
+            ids.device.type == "cpu" and (w is None or (w.device.type == "cpu" and not w.requires_grad))
+            for bags in features
+            for ids, _, w in bags
+        )
 
     @classmethod
     def pool_together(
         cls, backends: list[TableWiseRows], features: list[list[tuple]], training: bool, pooler: Pooler
     ) -> list[list[torch.Tensor]]:
         """Each table's features' pooled vectors ``[batch, dim]`` for this worker's bags (``features[t]``: table
-        ``t``'s features as ``(ids, offsets [batch + 1], None)``), pooled by their holders. ``training``: keep
+        ``t``'s features as ``(ids, offsets [batch + 1], per-id weights or None)``), pooled by their holders. ``training``: keep
         what the step needs (every worker must agree)."""
         first = backends[0]
         world, tables = first.workers, len(backends)
@@ -147,16 +160,21 @@ class TableWiseRows(ShardedRows):
         width = sum(d * len(f) for d, f in zip(dims, features, strict=True))
         announce = first._announcing("pool", width, 0.0)
         what = first._what("pooling the bags of")
-        # to holder j, for each of its tables: every feature's bag lengths, then every feature's ids
+        # to holder j, for each of its tables: every feature's bag lengths, then every feature's ids, then (weighted
+        # tables) every feature's weights, their float32 bits as int64 (exact both ways)
         pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
         counts = [[0] * tables for _ in range(world)]
+        weighted = [int(w is not None) for bags in features for _, _, w in bags]  # feature after feature
         for t, (backend, bags) in enumerate(zip(backends, features, strict=True)):
             j = backend.holder
             pieces[j].extend(offsets.diff() for _, offsets, _ in bags)
             pieces[j].extend(ids.reshape(-1) for ids, _, _ in bags)
+            pieces[j].extend(
+                w.reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64) for _, _, w in bags if w is not None
+            )
             counts[j][t] = sum(int(ids.numel()) for ids, _, _ in bags)
         sizes = [sum(int(p.numel()) for p in row) for row in pieces]
-        header = torch.tensor([[batch, int(training), *row] for row in counts], dtype=torch.int64)
+        header = torch.tensor([[batch, int(training), *row, *weighted] for row in counts], dtype=torch.int64)
         got, heads, _ = first.exchange_pieces(
             [p for row in pieces for p in row], sizes, header, None, torch.int64, what, announce
         )
@@ -167,16 +185,26 @@ class TableWiseRows(ShardedRows):
                 f"{what}: workers {training_on} look up to train (grad enabled, module.train()) and the others to "
                 "evaluate; every worker must call the collection in the same way"
             )
+        for f in range(len(weighted)):
+            if len({h[2 + tables + f] for h in heads}) > 1:
+                with_weights = [i for i, h in enumerate(heads) if h[2 + tables + f]]
+                raise FleetError(
+                    f"{what}: workers {with_weights} pass per-id weights for feature {f} of the collection and the "
+                    "others do not; every worker must give the same kind of input"
+                )
         bags_of = [h[0] for h in heads]
         # the tables held here, pooled over the union of every worker's bags (worker order)
         at = [0] * world
         reply: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        first_feature = 0
         for t, backend in enumerate(backends):
+            n_features = len(features[t])
+            flags, first_feature = weighted[first_feature : first_feature + n_features], first_feature + n_features
             if backend.holder != first.rank:
                 continue
-            n_features = len(features[t])
             per_feature_lengths: list[list[torch.Tensor]] = [[] for _ in range(n_features)]
             per_feature_ids: list[list[torch.Tensor]] = [[] for _ in range(n_features)]
+            per_feature_weights: list[list[torch.Tensor]] = [[] for _ in range(n_features)]
             for i in range(world):
                 block, b = got[i], bags_of[i]
                 lengths = block[at[i] : at[i] + n_features * b].view(n_features, b)
@@ -186,8 +214,16 @@ class TableWiseRows(ShardedRows):
                     per_feature_lengths[f].append(lengths[f])
                     per_feature_ids[f].append(block[at[i] : at[i] + ends[f]])
                     at[i] += ends[f]
+                for f in range(n_features):
+                    if flags[f]:
+                        per_feature_weights[f].append(
+                            block[at[i] : at[i] + ends[f]].to(torch.int32).view(torch.float32)
+                        )
+                        at[i] += ends[f]
+            weights = [torch.cat(w) if flag else None for w, flag in zip(per_feature_weights, flags, strict=True)]
             pooled = backend.pool_here([torch.cat(x) for x in per_feature_ids],
-                                       [torch.cat(x) for x in per_feature_lengths], bags_of, training, pooler)  # fmt: skip
+                                       [torch.cat(x) for x in per_feature_lengths], weights, bags_of, training,
+                                       pooler)  # fmt: skip
             start = 0
             for i in range(world):
                 reply[i].extend(p[start : start + bags_of[i]].detach() for p in pooled)
@@ -214,11 +250,17 @@ class TableWiseRows(ShardedRows):
         return out
 
     def pool_here(
-        self, ids: list[torch.Tensor], lengths: list[torch.Tensor], bags_of: list[int], training: bool, pooler: Pooler
+        self,
+        ids: list[torch.Tensor],
+        lengths: list[torch.Tensor],
+        weights: list[torch.Tensor | None],
+        bags_of: list[int],
+        training: bool,
+        pooler: Pooler,
     ) -> list[torch.Tensor]:
         """The union batch's bags of each feature pooled as one process pools them (``pooler``: the collection's
         plan and pooling, given the same ids in the same order)."""
-        unique, rows, pooled, clicks = pooler(self._module(), ids, lengths, self.local.pull, training)
+        unique, rows, pooled, clicks = pooler(self._module(), ids, lengths, weights, self.local.pull, training)
         if training:
             self._held.append(_Held(unique, rows, pooled, bags_of, clicks))
         return pooled

@@ -252,10 +252,12 @@ def _pool_union(
     table: SparseEmbeddingBag,
     ids: list[torch.Tensor],
     lengths: list[torch.Tensor],
+    weights: list[torch.Tensor | None],
     pull: Any,
     training: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], Any]:
-    """The lookup and pooling of one table's features (``ids`` and bag ``lengths`` of each) as the collection's
+    """The lookup and pooling of one table's features (``ids``, bag ``lengths`` and per-id ``weights`` or None of
+    each) as the collection's
     forward does them, for the worker holding the table (``pull`` reads its rows), on the union of every worker's
     bags: (the unique ids, their rows, a leaf requiring grad when ``training``; each feature's pooled bags;
     ``clicks(labels)``: each unique id's clicks from one label per bag, as ``record_clicks`` counts them)."""
@@ -270,11 +272,11 @@ def _pool_union(
         rows = rows.detach().requires_grad_(True)
     pooled, at, layout = [], 0, []
     with torch.set_grad_enabled(training):
-        for feature_ids, k, keep, feature_lengths in zip(ids, kept, keeps, lengths, strict=True):
+        for feature_ids, k, keep, feature_lengths, w in zip(ids, kept, keeps, lengths, weights, strict=True):
             mine = inverse[at : at + k.numel()]
             at += k.numel()
             offsets = _lengths_to_offsets(feature_lengths)
-            pooled.append(pool(rows, mine, keep, feature_ids.shape, offsets, table.mode, None, True))
+            pooled.append(pool(rows, mine, keep, feature_ids.shape, offsets, table.mode, w, True))
             layout.append((offsets, keep, feature_ids.numel()))
 
     def clicks(labels: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,10 @@ def collection_job(rank: int, steps: int, mode: str = "collective") -> dict:
     except SystemExit as stop:  # a PS server: it served, then exited
         return {"served": stop.code}
     model = Net()
-    strategy = fleet.DistributedStrategy(mode="sharding") if mode == "sharding" else None
+    strategy = {
+        "sharding": fleet.DistributedStrategy(mode="sharding"),
+        "table_wise": fleet.DistributedStrategy(table_placement="table_wise"),  # bags pooled by their holders
+    }.get(mode)
     opt = fleet.distributed_optimizer(model.optimizer(), strategy)
     outputs = []
     for step in range(steps):
@@ -142,6 +145,8 @@ def collection_job(rank: int, steps: int, mode: str = "collective") -> dict:
         "outputs": outputs,
         "ops": server_ops() if mode == "ps" else None,
         "num_rows": {name: t.num_rows() for name, t in model.features.tables.items()},
+        # table-wise: forwards whose bags the tables' holders pooled
+        "pooled": {name: getattr(t.backend(), "pooled", 0) for name, t in model.features.tables.items()},
     }
     # Reading the rows pulls every id (creating absent rows on a PS server, and counting as pulls): every
     # worker must have counted rows and requests before any reads them (a slow worker counted 30 for 29).
@@ -282,11 +287,14 @@ def test_construction_mistakes_get_a_clear_error(make, match) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["collective", "sharding"])
+@pytest.mark.parametrize("mode", ["collective", "sharding", "table_wise"])
 def test_collective_and_sharding_equal_one_process_on_the_union(mode: str) -> None:
     from dist_harness import run_workers
 
-    assert_matches(run_workers(collection_job, 2, 3, mode, timeout=90), reference(3, 2))
+    results = run_workers(collection_job, 2, 3, mode, timeout=90)
+    assert_matches(results, reference(3, 2))
+    if mode == "table_wise":  # per-id weights, mean and max pooling, padding: all pooled where the tables live
+        assert all(r["pooled"] == {name: 3 for name in TABLES} for r in results), [r["pooled"] for r in results]
 
 
 @pytest.mark.multiprocess
