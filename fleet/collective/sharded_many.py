@@ -66,7 +66,9 @@ def with_id_bits(grads: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def id_bits(block: torch.Tensor) -> torch.Tensor:
     """The ids of a :func:`with_id_bits` block (its last two columns)."""
-    return block[:, -2:].contiguous().view(torch.int64).view(-1)
+    # a copy of its own (contiguous() may keep a one-row view at an odd offset: no int64 view of it)
+    bits = torch.empty(block.shape[0], 2, dtype=torch.float32, device=block.device).copy_(block[:, -2:])
+    return bits.view(torch.int64).view(-1)
 
 
 def _group(
