@@ -100,7 +100,7 @@ def pull_together(
     first = backends[0]
     workers, tables = first.workers, len(backends)
     for backend in backends:  # remembered again only once this pull is done on every side
-        backend.pulled = backend.served = None
+        backend.remember_pull(None, None)
     dims = [b.shard.embedding_dim for b in backends]
     lengths = [ids.numel() for ids in ids_list]
     ids = torch.cat(ids_list).cpu()
@@ -153,8 +153,10 @@ def pull_together(
                 out[t].index_copy_(0, placed[j * tables + t], rows)
             at_j += n * dims[t]
     for t, (backend, pulled) in enumerate(zip(backends, ids.split(lengths), strict=True)):
-        backend.pulled = Pulled(pulled, [positions[j * tables + t] for j in range(workers)], [s[t] for s in sends])
-        backend.served = Served(served[t], [row[t] for row in got])
+        positions_t = [positions[j * tables + t] for j in range(workers)]
+        backend.remember_pull(
+            Pulled(pulled, positions_t, [s[t] for s in sends]), Served(served[t], [r[t] for r in got])
+        )
     return [rows.to(ids_t.device) for rows, ids_t in zip(out, ids_list, strict=True)]
 
 

@@ -230,7 +230,7 @@ class ShardedRows:
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows for unique ``ids``, from their owners (every worker pulls, with its own ids)."""
         module = self._module()
-        self.pulled = self.served = None  # every worker pulls this table alone: a later step sends its ids
+        self.remember_pull(None, None)  # every worker pulls this table alone: a later step sends its ids
         if self._announce is not None:
             self._announce("pull", module, self.shard.embedding_dim, 0.0)
         what = self._what("pulling")
@@ -243,6 +243,11 @@ class ShardedRows:
         out = torch.empty_like(back)
         out[order.to(back.device)] = back
         return out
+
+    def remember_pull(self, pulled: sharded_many.Pulled | None, served: sharded_many.Served | None) -> None:
+        """This table's last pull together with others (:func:`sharded_many.pull_together`), as requester and as
+        owner, for a step of the same ids; None, None: forget it (every worker does, at the same pulls)."""
+        self.pulled, self.served = pulled, served
 
     def batch_key(self) -> Any:
         """Tables of one process group pull together (:func:`fleet.sparse.backends.pull_many`)."""
