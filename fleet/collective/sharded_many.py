@@ -220,24 +220,31 @@ def step_together(
     )
     assert header is not None
     any_bad = [any(row[tables + t] for row in header) for t in range(tables)]
-    # every table's rows copied out of the exchange before any is applied (the views last until the next one)
+    # every table's rows copied out of the exchange before any is applied (the views last until the next one),
+    # the gradients divided by the number of workers on the way (the mean's terms; the clicks are summed)
     at = [0] * workers
     received = []
     for t, width in enumerate(widths):
         backend = items[t][0]
-        grads, ids = [], []
+        dim = backend.shard.embedding_dim
+        grads = torch.empty(sum(header[i][t] for i in range(workers)), width, dtype=torch.float32)
+        ids, row = [], 0
         for i in range(workers):
             n, ids_known = header[i][t], header[i][2 * tables + t]
             step = width if ids_known else width + 2
             rows = back[i][at[i] : at[i] + n * step].view(n, step)
             at[i] += n * step
-            grads.append(rows if ids_known else rows[:, :width])
+            if n:
+                torch.div(rows[:, :dim], workers, out=grads[row : row + n, :dim])
+                if width > dim:
+                    grads[row : row + n, dim:].copy_(rows[:, dim:width])
+            row += n
             ids.append(_served(backend, i, n, what) if ids_known else id_bits(rows))
         every = all(header[i][2 * tables + t] for i in range(workers))
-        received.append((backend.served.ids if every else torch.cat(ids), torch.cat(grads)))
+        received.append((backend.served.ids if every else torch.cat(ids), grads))
     for t, (backend, group) in enumerate(items):
         ids, grads = received[t]
-        backend.apply_received(optimizer_class, group, ids, grads, parts[t][2], any_bad[t])
+        backend.apply_received(optimizer_class, group, ids, grads, parts[t][2], any_bad[t], divided=True)
 
 
 def _served(backend: Any, requester: int, n: int, what: str) -> torch.Tensor:

@@ -327,15 +327,19 @@ class ShardedRows:
         grads: torch.Tensor,
         lr: float,
         any_bad: bool,
+        divided: bool = False,
     ) -> None:
         """Apply the rows every worker sent here (``ids`` and their :meth:`gradients`, every sender's, in rank
-        order; ``grads`` is this call's to change): the mean over the workers, once."""
+        order; ``grads`` is this call's to change): the mean over the workers, once. ``divided``: the gradients
+        (not the clicks) are divided by the number of workers already (the caller's copy out of the exchange did
+        it). Every sender checked its own gradients and lr (``any_bad``: one found NaN or Inf): not again here."""
         dim = self.shard.embedding_dim
         if any_bad:
             nonfinite.refuse(f"sparse table of {self.shard.name}(dim {dim})", None, self.where)
             return
-        grads[:, :dim].div_(self.workers)
-        self.local.apply(optimizer_class, group, ids, grads, lr, where=self.where)
+        if not divided:
+            grads[:, :dim].div_(self.workers)
+        self.local.apply(optimizer_class, group, ids, grads, lr, where=self.where, checked=True)
 
     # ------------------------------------------------------------------ the whole table (collectives)
     def num_rows(self) -> int:
