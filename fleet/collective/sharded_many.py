@@ -21,10 +21,10 @@ anew; a flag per table in the header says which.
 
 Why so few tensor operations: a worker's step is 256 samples, and its fixed cost per step and
 table dominated (W6: a sharded worker spent as much CPU on 256 samples as one process on 512).
-The ids are grouped once (by owner, then table: they come in table order, so a stable grouping by
-owner does it, natively in two passes), blocks are gathered straight into the shared memory (no concatenation, no copy)
-and read back as views, and the lockstep's announcement of a pull or a step is the first
-exchange's meeting (:meth:`ShardedRows.exchange_pieces`).
+The ids are grouped once a step (by owner, then table: they come in table order, so a stable grouping
+by owner does it, natively in two passes), blocks are gathered straight into the shared memory (no
+concatenation, no copy) and read back as views, and the lockstep's announcement of a pull or a step
+is the first exchange's meeting (:meth:`ShardedRows.exchange_pieces`).
 """
 
 from __future__ import annotations
@@ -191,12 +191,13 @@ def step_together(
     sent = [w if k else w + 2 for w, k in zip(widths, known, strict=True)]
     unknown = [t for t in range(tables) if not known[t]]
     if unknown:
-        grouped = _group(first, torch.cat([parts[t][0] for t in unknown]).cpu(), [parts[t][0].numel() for t in unknown])
-        positions = grouped[1].split(grouped[3])
+        ids = torch.cat([parts[t][0] for t in unknown]).cpu()
+        _, local, counts, flat = _group(first, ids, [parts[t][0].numel() for t in unknown])
+        positions = local.split(flat)
         for u, t in enumerate(unknown):
             block = with_id_bits(parts[t][1], parts[t][0]).cpu()
             for j in range(workers):
-                sends[j][t] = grouped[2][j][u]
+                sends[j][t] = counts[j][u]
                 pieces[j][t] = (block, positions[j * len(unknown) + u])
     for t in range(tables):
         if known[t]:

@@ -310,7 +310,8 @@ class ShardedRows:
 
     def gradients(self, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
         """(ids, [gradients | clicks] as float32, lr, whether all is finite) of the forwards since the last step:
-        what travels to the owners (the ids too, as :func:`~fleet.collective.sharded_many.with_id_bits` columns, unless the owners know them)."""
+        what travels to the owners (the ids too, as :func:`~fleet.collective.sharded_many.with_id_bits` columns,
+        unless the owners know them)."""
         ids, grads, clicks = self._module().take_gradients()
         lr = float(group["lr"])
         if self.shard.lifecycle.active:  # clicks ride along as one more column, summed, not averaged
