@@ -105,12 +105,19 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     raise ValueError(kind)
 
 
-def train(model: Net, opt: torch.optim.Optimizer, data: list[dict[str, Any]], life: bool | str) -> None:
-    for one in data:
+def train(
+    model: Net, opt: torch.optim.Optimizer, data: list[dict[str, Any]], life: bool | str, peeks: list | None = None
+) -> None:
+    """``peeks[s]``: a batch looked up without gradients between step s's forward and its optimizer step (its
+    rows exist already: the math is unchanged)."""
+    for s, one in enumerate(data):
         opt.zero_grad()
         out = model(one)
         if life:
             model.record_clicks(one["label"])
+        if peeks is not None:
+            with torch.no_grad():
+                model(peeks[s])
         torch.nn.functional.binary_cross_entropy_with_logits(out, one["label"]).backward()
         opt.step()
 
@@ -145,9 +152,16 @@ def reference(workers: int, kind: str, life: bool | str = False) -> dict[str, An
 
 
 def worker(
-    rank: int, kind: str, strategy: dict[str, Any], life: bool | str = False, piece_bytes: int | None = None
+    rank: int,
+    kind: str,
+    strategy: dict[str, Any],
+    life: bool | str = False,
+    piece_bytes: int | None = None,
+    peek: bool = False,
 ) -> dict[str, Any]:
-    """``piece_bytes``: gather the state dicts' rows in pieces this small (many exchanges)."""
+    """``piece_bytes``: gather the state dicts' rows in pieces this small (many exchanges). ``peek``: before each
+    step, look up a batch without gradients: worker 0 its own (the ids of the step), the others the batch of the
+    step before (other ids), so that the step sends the ids of its last pull on worker 0 only."""
     import fleet
     from fleet.collective import sharded_rows
 
@@ -157,7 +171,9 @@ def worker(
     torch.manual_seed(0)
     model = Net(life)
     opt = fleet.distributed_optimizer(make_optimizer(kind, model.parameters()), fleet.DistributedStrategy(**strategy))
-    train(model, opt, [batch(s, fleet.worker_index()) for s in range(STEPS)], life)
+    me = fleet.worker_index()
+    peeks = [batch(s if me == 0 else max(s - 1, 0), me) for s in range(STEPS)] if peek else None
+    train(model, opt, [batch(s, me) for s in range(STEPS)], life, peeks)
     held = {}
     for name, module in model.tables().items():
         backend = module.backend()

@@ -11,51 +11,95 @@ one process group (``batch_key``) and call :func:`pull_together` and :func:`step
 Every worker sends each owner one block: table 0's part, then table 1's, ...; the counts
 all-to-all says how many rows of each table (one column per table, and for a step one
 non-finite flag per table). Tables may differ in width, so blocks travel flat and are cut back by
-the same counts. A step's rows carry their id as two more float32 columns (its bits, never
-computed on), and each owner applies each table's rows as :meth:`ShardedRows.step` would.
+the same counts. Each owner applies each table's rows as :meth:`ShardedRows.step` would.
+
+A step's ids need not travel: with one forward a step they are the unique ids the forward pulled, in
+the same order, so the owner knows them (it served them: :class:`Served`) and the requester knows
+their grouping (:class:`Pulled`). A table whose step names other ids (several forwards a step, a
+lookup in between) sends them as two more float32 columns (their bits, never computed on), grouped
+anew; a flag per table in the header says which.
 
 Why so few tensor operations: a worker's step is 256 samples, and its fixed cost per step and
 table dominated (W6: a sharded worker spent as much CPU on 256 samples as one process on 512).
-The ids are grouped once (by owner, then table: they come in table order, so one stable pass per
-owner does it), blocks are gathered straight into the shared memory (no concatenation, no copy)
-and read back as views, and the lockstep's announcement of a pull or a step is the first
-exchange's meeting (:meth:`ShardedRows.exchange_pieces`).
+The ids are grouped once a step (by owner, then table: they come in table order, so a stable grouping
+by owner does it, natively in two passes), blocks are gathered straight into the shared memory (no
+concatenation, no copy) and read back as views, and the lockstep's announcement of a pull or a step
+is the first exchange's meeting (:meth:`ShardedRows.exchange_pieces`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from fleet.errors import FleetError
+from fleet.sparse.native import kernels
+
+
+@dataclass
+class Pulled:
+    """A table's ids in this worker's last pull together with other tables (its requester's side): a step of the
+    same ids (one forward a step, the usual case) reuses their grouping, and its ids need not travel."""
+
+    ids: torch.Tensor  # CPU, a copy of the ids pulled (the caller's tensor may change)
+    positions: list[torch.Tensor]  # owner j's: the positions of its ids among ``ids``, in the order sent
+    counts: list[int]  # owner j's: how many
+
+
+@dataclass
+class Served:
+    """A table's ids that every worker asked this owner for in the last pull together (the owner's side)."""
+
+    ids: torch.Tensor  # every requester's, in rank order: what this owner pulled
+    counts: list[int]  # requester i's: how many
+
+
+def with_id_bits(grads: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[grads | the ids' bits as two float32 columns]``: the ids travel in the gradients' exchange (their bits,
+    never computed on; :func:`id_bits` reads them back)."""
+    bits = ids.to(grads.device).to(torch.int64).contiguous().view(torch.float32).view(-1, 2)
+    return torch.cat([grads, bits], 1)
+
+
+def id_bits(block: torch.Tensor) -> torch.Tensor:
+    """The ids of a :func:`with_id_bits` block (its last two columns)."""
+    # a copy of its own (contiguous() may keep a one-row view at an odd offset: no int64 view of it)
+    bits = torch.empty(block.shape[0], 2, dtype=torch.float32, device=block.device).copy_(block[:, -2:])
+    return bits.view(torch.int64).view(-1)
 
 
 def _group(
     backends: list[Any], ids: torch.Tensor, lengths: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], list[int]]:
     """Group the concatenated ``ids`` of the tables (``lengths[t]`` each) by owner, then table, each table's
-    ids in their order (one stable sort, over all the tables: one hash for all where every table of the group
-    has the same owners, row-wise; else each table's owners, table-wise). Returns (the order that groups them; for each ``(owner j, table t)`` in that order,
-    the positions of its ids within their table's, concatenated; ``[workers][tables]`` counts; the counts in that order, flat)."""
+    ids in their order (a stable sort by owner). Returns (the order that groups them; for each ``(owner j, table
+    t)`` in that order, the positions of its ids within their table's, concatenated; ``[workers][tables]`` counts;
+    the counts in that order, flat).
+
+    Row-wise (every table of the group has the same owners, ``same_owners``) one native pass hashes and counts,
+    one places (``group_by_owner``): in torch this was a dozen passes, each with a fixed cost that dominated at a
+    step's sizes. Table-wise (each table's owner its holder) the owners are each table's, in torch."""
     first = backends[0]
     workers, tables = first.workers, len(lengths)
+    ids = ids.to(torch.int64).contiguous()
     lens = torch.tensor(lengths, dtype=torch.int64)
-    table_of = torch.repeat_interleave(torch.arange(tables), lens, output_size=ids.numel())
-    if first.same_owners:
-        owners = first.owners(ids).cpu()
-    else:
+    if not first.same_owners:
+        table_of = torch.repeat_interleave(torch.arange(tables), lens, output_size=ids.numel())
         owners = torch.cat([b.owners(part) for b, part in zip(backends, ids.split(lengths), strict=True)]).cpu()
-    # the ids are in table order: sorting by owner alone, stably, groups them by owner, then table; with few
-    # workers, one pass per worker finds its positions (a stable sort's result, without a sort)
-    if workers <= 8:
-        order = torch.cat([torch.nonzero(owners == j).view(-1) for j in range(workers)])
-    else:
         order = torch.argsort(owners, stable=True)
-    sends = torch.bincount(owners * tables + table_of, minlength=workers * tables)
-    flat = sends.tolist()
-    # a position in the ids of all tables, less where its table begins: its position in its table's ids
-    begins = (torch.cumsum(lens, 0) - lens).repeat(workers)
-    local = order - torch.repeat_interleave(begins, sends, output_size=ids.numel())
+        sends = torch.bincount(owners * tables + table_of, minlength=workers * tables)
+        flat = sends.tolist()
+        # a position in the ids of all tables, less where its table begins: its position in its table's ids
+        begins = (torch.cumsum(lens, 0) - lens).repeat(workers)
+        local = order - torch.repeat_interleave(begins, sends, output_size=ids.numel())
+        return order, local, [flat[j * tables : (j + 1) * tables] for j in range(workers)], flat
+    order, local = torch.empty_like(ids), torch.empty_like(ids)
+    counts = torch.empty(workers * tables, dtype=torch.int64)
+    kernels.group_by_owner(ids.numpy(), lens.numpy(), workers, order.numpy(), local.numpy(), counts.numpy())
+    flat = counts.tolist()
     return order, local, [flat[j * tables : (j + 1) * tables] for j in range(workers)], flat
 
 
@@ -63,9 +107,12 @@ def pull_together(
     backends: list[Any], ids_list: list[torch.Tensor], what: str, announce: Callable[[int], list[int]] | None = None
 ) -> list[torch.Tensor]:
     """Rows for each ``(backend, unique ids)``: :class:`~fleet.collective.sharded_rows.ShardedRows` of one group.
-    ``announce``: the lockstep's announcement, made with the first exchange (its meeting, through shared memory)."""
+    ``announce``: the lockstep's announcement, made with the first exchange (its meeting, through shared memory).
+    Each backend remembers the pull (:class:`Pulled`, :class:`Served`) for a step of the same ids."""
     first = backends[0]
     workers, tables = first.workers, len(backends)
+    for backend in backends:  # remembered again only once this pull is done on every side
+        backend.remember_pull(None, None)
     dims = [b.shard.embedding_dim for b in backends]
     lengths = [ids.numel() for ids in ids_list]
     ids = torch.cat(ids_list).cpu()
@@ -85,12 +132,15 @@ def pull_together(
     # requester i's block: table 0's ids, then table 1's ...; each table's share, requesters in order, at once
     at = [0] * workers
     found = []
+    served = []
     for t, backend in enumerate(backends):
         parts = []
         for i in range(workers):
             parts.append(asked[i][at[i] : at[i] + got[i][t]])
             at[i] += got[i][t]
-        found.append(backend.local.pull(torch.cat(parts)))
+        wanted = torch.cat(parts)
+        served.append(wanted)
+        found.append(backend.local.pull(wanted))
     # the reply: for each requester, its rows of table 0, then table 1's ...: written straight into the send
     starts = [0] * tables
     reply = []
@@ -103,7 +153,8 @@ def pull_together(
     back, _, _ = first.exchange_pieces(reply, sizes, None, recv, found[0].dtype, what)
     # owner j's block holds table 0's rows, then table 1's ...: each into its ids' positions (on the rows' device:
     # across hosts with CUDA tensors the exchange's result is there)
-    positions = local.to(back[0].device).split(flat)  # (owner j, table t): positions in table t's ids, as sent
+    positions = local.split(flat)  # (owner j, table t): positions in table t's ids, as sent
+    placed = positions if back[0].device.type == "cpu" else local.to(back[0].device).split(flat)
     out = [back[0].new_empty(n, d) for n, d in zip(lengths, dims, strict=True)]
     for j in range(workers):
         at_j = 0
@@ -111,9 +162,21 @@ def pull_together(
             n = sends[j][t]
             if n:
                 rows = back[j][at_j : at_j + n * dims[t]].view(n, dims[t])
-                out[t].index_copy_(0, positions[j * tables + t], rows)
+                out[t].index_copy_(0, placed[j * tables + t], rows)
             at_j += n * dims[t]
+    for t, (backend, pulled) in enumerate(zip(backends, ids.split(lengths), strict=True)):
+        positions_t = [positions[j * tables + t] for j in range(workers)]
+        backend.remember_pull(
+            Pulled(pulled, positions_t, [s[t] for s in sends]), Served(served[t], [r[t] for r in got])
+        )
     return [rows.to(ids_t.device) for rows, ids_t in zip(out, ids_list, strict=True)]
+
+
+def _same_ids(pulled: Pulled | None, ids: torch.Tensor) -> bool:
+    """Whether a step's ``ids`` are those of the table's last pull (in the same order)."""
+    if pulled is None or ids.device.type != "cpu" or ids.dtype != pulled.ids.dtype:
+        return False
+    return ids.numel() == pulled.ids.numel() and torch.equal(ids, pulled.ids)
 
 
 def step_together(
@@ -123,26 +186,46 @@ def step_together(
     announce: Callable[[int], list[int]] | None = None,
 ) -> None:
     """Step each ``(backend, param group)``: every table's gradients to their owners in one exchange (which
-    ``announce``, the lockstep's announcement, comes with, as in :func:`pull_together`)."""
+    ``announce``, the lockstep's announcement, comes with, as in :func:`pull_together`).
+
+    A table whose step names the ids of its last pull together (:class:`Pulled`) sends its gradients grouped as
+    the pull grouped its ids, and without them: each owner takes the ids it served (:class:`Served`). Any other
+    (several forwards a step, a forward alone) groups its ids here and sends them as two more columns
+    (:func:`with_id_bits`). A flag per table in the header says which it is."""
     first = items[0][0]
     workers, tables = first.workers, len(items)
-    parts = [backend.gradients(group) for backend, group in items]  # (ids, block [n, width + 2], lr, finite)
-    widths = [block.shape[1] for _, block, _, _ in parts]
-    lengths = [ids.numel() for ids, _, _, _ in parts]
-    _, local, sends, flat = _group(
-        [backend for backend, _ in items], torch.cat([ids for ids, _, _, _ in parts]).cpu(), lengths
-    )
-    positions = local.split(flat)
-    blocks = [block.cpu() for _, block, _, _ in parts]
+    parts = [backend.gradients(group) for backend, group in items]  # (ids, grads [n, width], lr, finite)
+    widths = [grads.shape[1] for _, grads, _, _ in parts]
+    known = [_same_ids(backend.pulled, ids) for (backend, _), (ids, *_) in zip(items, parts, strict=True)]
+    # owner j's counts, and its pieces: each table's gradients, gathered straight into the send
+    sends = [[0] * tables for _ in range(workers)]
+    pieces: list[list[Any]] = [[None] * tables for _ in range(workers)]
+    sent = [w if k else w + 2 for w, k in zip(widths, known, strict=True)]
+    unknown = [t for t in range(tables) if not known[t]]
+    if unknown:
+        ids = torch.cat([parts[t][0] for t in unknown]).cpu()
+        _, local, counts, flat = _group([items[t][0] for t in unknown], ids, [parts[t][0].numel() for t in unknown])
+        positions = local.split(flat)
+        for u, t in enumerate(unknown):
+            block = with_id_bits(parts[t][1], parts[t][0]).cpu()
+            for j in range(workers):
+                sends[j][t] = counts[j][u]
+                pieces[j][t] = (block, positions[j * len(unknown) + u])
+    for t in range(tables):
+        if known[t]:
+            pulled = items[t][0].pulled
+            grads = parts[t][1].cpu()
+            for j in range(workers):
+                sends[j][t] = pulled.counts[j]
+                pieces[j][t] = (grads, pulled.positions[j])
+    sizes = [sum(n * w for n, w in zip(row, sent, strict=True)) for row in sends]
     bad = [0 if finite else 1 for *_, finite in parts]
-    # owner j's block: table 0's rows (flat), then table 1's ...: each gathered straight into the send
-    pieces = [(blocks[t], positions[j * tables + t]) for j in range(workers) for t in range(tables)]
-    sizes = [sum(n * w for n, w in zip(row, widths, strict=True)) for row in sends]
-    # one exchange carries each table's counts and non-finite flag (the header) and the gradients
+    flags = [1 if k else 0 for k in known]
+    # one exchange carries each table's counts, non-finite and known-ids flags (the header) and the gradients
     back, header, _ = first.exchange_pieces(
-        pieces,
+        [piece for row in pieces for piece in row],
         sizes,
-        torch.tensor([row + bad for row in sends], dtype=torch.int64),
+        torch.tensor([row + bad + flags for row in sends], dtype=torch.int64),
         None,
         torch.float32,
         what,
@@ -150,15 +233,41 @@ def step_together(
     )
     assert header is not None
     any_bad = [any(row[tables + t] for row in header) for t in range(tables)]
-    # every table's rows copied out of the exchange before any is applied (the views last until the next one)
+    # every table's rows copied out of the exchange before any is applied (the views last until the next one),
+    # the gradients divided by the number of workers on the way (the mean's terms; the clicks are summed)
     at = [0] * workers
     received = []
     for t, width in enumerate(widths):
-        rows = []
+        backend = items[t][0]
+        dim = backend.shard.embedding_dim
+        grads = torch.empty(sum(header[i][t] for i in range(workers)), width, dtype=torch.float32)
+        ids, row = [], 0
         for i in range(workers):
-            n = header[i][t] * width
-            rows.append(back[i][at[i] : at[i] + n].view(-1, width))
-            at[i] += n
-        received.append(torch.cat(rows))
+            n, ids_known = header[i][t], header[i][2 * tables + t]
+            step = width if ids_known else width + 2
+            rows = back[i][at[i] : at[i] + n * step].view(n, step)
+            at[i] += n * step
+            if n:
+                torch.div(rows[:, :dim], workers, out=grads[row : row + n, :dim])
+                if width > dim:
+                    grads[row : row + n, dim:].copy_(rows[:, dim:width])
+            row += n
+            ids.append(_served(backend, i, n, what) if ids_known else id_bits(rows))
+        every = all(header[i][2 * tables + t] for i in range(workers))
+        received.append((backend.served.ids if every else torch.cat(ids), grads))
     for t, (backend, group) in enumerate(items):
-        backend.apply_received(optimizer_class, group, received[t], parts[t][2], any_bad[t])
+        ids, grads = received[t]
+        backend.apply_received(optimizer_class, group, ids, grads, parts[t][2], any_bad[t], divided=True)
+
+
+def _served(backend: Any, requester: int, n: int, what: str) -> torch.Tensor:
+    """The ``n`` ids ``requester`` asked this owner for in the table's last pull (it says its step names them)."""
+    served = backend.served
+    if served is None or served.counts[requester] != n:
+        # both sides remember every pull together and forget at every other pull of the table: never expected
+        raise FleetError(
+            f"{what}: worker {requester} sends {n} gradients of the ids of its last pull, but this worker "
+            f"served it {'no pull' if served is None else served.counts[requester]} ids of that table"
+        )
+    start = sum(served.counts[:requester])
+    return served.ids[start : start + n]

@@ -158,6 +158,10 @@ class ShardedRows:
         self.shard = TableShard(module, self.workers, self._splits())
         self.local = LocalRows(self.shard)
         """This worker's rows: a table of its own (the module's ``local`` table stays empty)."""
+        #: this table's last pull together with others, as requester and as owner (:mod:`sharded_many`): a step
+        #: of the same ids reuses its grouping, and its ids need not travel
+        self.pulled: sharded_many.Pulled | None = None
+        self.served: sharded_many.Served | None = None
         self._adopt(module)
 
     def _adopt(self, module: Any) -> None:
@@ -240,6 +244,7 @@ class ShardedRows:
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows for unique ``ids``, from their owners (every worker pulls, with its own ids)."""
         module = self._module()
+        self.remember_pull(None, None)  # every worker pulls this table alone: a later step sends its ids
         if self._announce is not None:
             self._announce("pull", module, self.shard.embedding_dim, 0.0)
         what = self._what("pulling")
@@ -252,6 +257,11 @@ class ShardedRows:
         out = torch.empty_like(back)
         out[order.to(back.device)] = back
         return out
+
+    def remember_pull(self, pulled: sharded_many.Pulled | None, served: sharded_many.Served | None) -> None:
+        """This table's last pull together with others (:func:`sharded_many.pull_together`), as requester and as
+        owner, for a step of the same ids; None, None: forget it (every worker does, at the same pulls)."""
+        self.pulled, self.served = pulled, served
 
     def batch_key(self) -> Any:
         """Tables of one process group pull together (:func:`fleet.sparse.backends.pull_many`)."""
@@ -297,7 +307,8 @@ class ShardedRows:
     def step(self, optimizer_class: type, group: dict[str, Any]) -> None:
         """Send this worker's row gradients to their owners; apply the ones received here (the mean over the
         workers, clicks summed), or skip the step on every owner where any worker's hold NaN or Inf."""
-        ids, block, lr, finite = self.gradients(group)
+        ids, grads, lr, finite = self.gradients(group)
+        block = sharded_many.with_id_bits(grads, ids)
         if self._announce is not None:
             self._announce("step", self._module(), block.shape[1], lr)
         what = self._what("sending gradients to")
@@ -308,34 +319,42 @@ class ShardedRows:
             block.index_select(0, order.to(block.device)), [n * width for n in sends], flags, None, what
         )
         assert bad is not None
-        self.apply_received(optimizer_class, group, got.view(-1, width), lr, bool(bad.any()))
+        got = got.view(-1, width)
+        self.apply_received(optimizer_class, group, sharded_many.id_bits(got), got[:, :-2], lr, bool(bad.any()))
 
     def gradients(self, group: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
-        """(ids, [gradients | clicks | the ids' bits as two float32 columns], lr, whether all is finite) of the
-        forwards since the last step: what travels to the owners."""
+        """(ids, [gradients | clicks] as float32, lr, whether all is finite) of the forwards since the last step:
+        what travels to the owners (the ids too, as :func:`~fleet.collective.sharded_many.with_id_bits` columns,
+        unless the owners know them)."""
         ids, grads, clicks = self._module().take_gradients()
         lr = float(group["lr"])
         if self.shard.lifecycle.active:  # clicks ride along as one more column, summed, not averaged
             column = clicks.to(grads) if clicks is not None else grads.new_zeros(ids.numel())
             grads = torch.cat([grads, column.unsqueeze(1)], 1)
         finite = nonfinite.finite(grads, lr)
-        # the ids travel as two more float32 columns of the same block (their bits, never computed on): one exchange
-        bits = ids.to(grads.device).contiguous().view(torch.float32).view(-1, 2)
-        return ids, torch.cat([grads.to(torch.float32), bits], 1), lr, finite
+        return ids, grads.to(torch.float32), lr, finite
 
     def apply_received(
-        self, optimizer_class: type, group: dict[str, Any], got: torch.Tensor, lr: float, any_bad: bool
+        self,
+        optimizer_class: type,
+        group: dict[str, Any],
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        any_bad: bool,
+        divided: bool = False,
     ) -> None:
-        """Apply the rows every worker sent here (:meth:`gradients`' blocks): the mean over the workers, once."""
-        # (no rows at all, e.g. on a worker not holding a table-wise table: a view of nothing may sit at any offset)
-        ids = got[:, -2:].contiguous().view(torch.int64).view(-1) if got.numel() else torch.empty(0, dtype=torch.int64)
-        grads = got[:, :-2]
+        """Apply the rows every worker sent here (``ids`` and their :meth:`gradients`, every sender's, in rank
+        order; ``grads`` is this call's to change): the mean over the workers, once. ``divided``: the gradients
+        (not the clicks) are divided by the number of workers already (the caller's copy out of the exchange did
+        it). Every sender checked its own gradients and lr (``any_bad``: one found NaN or Inf): not again here."""
         dim = self.shard.embedding_dim
         if any_bad:
             nonfinite.refuse(f"sparse table of {self.shard.name}(dim {dim})", None, self.where)
             return
-        grads[:, :dim].div_(self.workers)
-        self.local.apply(optimizer_class, group, ids, grads, lr, where=self.where)
+        if not divided:
+            grads[:, :dim].div_(self.workers)
+        self.local.apply(optimizer_class, group, ids, grads, lr, where=self.where, checked=True)
 
     # ------------------------------------------------------------------ the whole table (collectives)
     def num_rows(self) -> int:

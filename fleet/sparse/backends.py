@@ -299,10 +299,13 @@ class LocalRows:
         lr: float,
         clicks: torch.Tensor | None = None,
         where: str = "in one process",
+        checked: bool = False,
     ) -> None:
         """One step of the table; ``grads`` may carry the clicks as a last column (exchanged rows).
 
-        ``where`` (the mode, for errors): "in one process", "in collective mode", ...
+        ``where`` (the mode, for errors): "in one process", "in collective mode", ...; ``checked``: the caller
+        found ``grads``, ``clicks`` and ``lr`` finite already (a sharded table's owner: each sender checked its
+        own gradients, and a flag of any sender's NaN or Inf skipped the step before this call).
 
         A step whose gradients (or lr) hold NaN or Inf is skipped whole, or raises under
         ``nonfinite="error"`` (:mod:`fleet.sparse.nonfinite`). In collective mode ``grads`` are the
@@ -310,7 +313,7 @@ class LocalRows:
         """
         module = self._module()
         self.steps += 1
-        if not nonfinite.finite(grads, clicks, lr):
+        if not checked and not nonfinite.finite(grads, clicks, lr):
             nonfinite.refuse(f"sparse table of {type(module).__name__}(dim {module.embedding_dim})", self.steps, where)
             return
         if self.table is None or self._provisional:

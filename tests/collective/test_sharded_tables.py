@@ -64,6 +64,20 @@ def test_sharded_tables_through_the_process_group_equal_one_process(workers: int
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_a_step_whose_ids_are_not_its_last_pulls_sends_them_and_equals_one_process(shared_memory: bool) -> None:
+    """A step sends its ids only where they are not those of the table's last pull (the owner has them): a
+    lookup between the forward and the step (of the step's ids on worker 0, other ids on worker 1) mixes both
+    kinds of sender in one step; the same math either way."""
+    want = sharded_jobs.reference(2, "adagrad")
+    strategy = {**COLLECTIVE, "shared_memory": shared_memory}
+    results = run_workers(sharded_jobs.worker, 2, "adagrad", strategy, False, None, True, timeout=200)
+    for result in results:
+        _check(result, want, 2)
+    _check_held(results, want, 2, through="shared memory" if shared_memory else "process group")
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["momentum", "adam", "rowwise_adagrad"])
 def test_every_row_optimizer_sharded_equals_one_process(kind: str) -> None:
     want = sharded_jobs.reference(2, kind)

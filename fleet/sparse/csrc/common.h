@@ -236,5 +236,6 @@ PyObject* py_ties_order(PyObject*, PyObject* args);
 PyObject* py_bag_offsets(PyObject*, PyObject* args);
 PyObject* py_sketch_add(PyObject*, PyObject* args);
 PyObject* py_touch_stats(PyObject*, PyObject* args);
+PyObject* py_group_by_owner(PyObject*, PyObject* args);
 
 }  // namespace fleet_native

@@ -21,7 +21,7 @@ namespace {
 using namespace fleet_native;
 
 // Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
-constexpr long kAbiVersion = 10;
+constexpr long kAbiVersion = 11;
 
 PyObject* abi_version(PyObject*, PyObject*) { return PyLong_FromLong(kAbiVersion); }
 
@@ -49,6 +49,8 @@ PyMethodDef kMethods[] = {
      "bag_offsets(given, n, lengths, out) -> bool: bags' offsets from their starts or lengths, checked."},
     {"ties_order", py_ties_order, METH_VARARGS,
      "ties_order(keys, order_out): the permutation of libstdc++'s std::sort of (key, position) by key."},
+    {"group_by_owner", py_group_by_owner, METH_VARARGS,
+     "group_by_owner(ids, lengths, workers, order_out, local_out, counts_out): tables' ids grouped by owner."},
     {nullptr, nullptr, 0, nullptr},
 };
 
