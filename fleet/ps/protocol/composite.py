@@ -59,7 +59,10 @@ def push_request(pushes: Sequence[SparsePush]) -> list[torch.Tensor]:
     lrs = torch.tensor([p.lr for p in pushes], dtype=torch.float64)
     ids = torch.cat([p.ids for p in pushes])
     grads = torch.cat([p.grads.reshape(-1) for p in pushes])
-    clicks = torch.cat([p.clicks if p.clicks is not None else torch.zeros(p.ids.numel()) for p in pushes])
+    if all(p.clicks is None for p in pushes):  # the usual push: one zero tensor, not one per table joined
+        clicks = torch.zeros(ids.numel())
+    else:
+        clicks = torch.cat([p.clicks if p.clicks is not None else torch.zeros(p.ids.numel()) for p in pushes])
     return [meta, lrs, ids, grads, clicks]
 
 
