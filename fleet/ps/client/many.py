@@ -205,8 +205,12 @@ def gather_pulls(
 
 def checked_push(push: SparsePush, dim: int) -> SparsePush:
     """``push`` with flat int64 ids, float32 rows and clicks, checked against the table's ``dim``."""
-    ids = push.ids.detach().reshape(-1).to(torch.int64).contiguous()
-    grads = push.grads.detach().to(torch.float32).contiguous()
+    ids, grads = push.ids, push.grads
+    # the usual push (flat int64 ids and float32 rows, contiguous, outside autograd) is taken as it is
+    if not (ids.dtype is torch.int64 and ids.dim() == 1 and ids.is_contiguous() and not ids.requires_grad):
+        ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
+    if not (grads.dtype is torch.float32 and grads.is_contiguous() and not grads.requires_grad):
+        grads = grads.detach().to(torch.float32).contiguous()
     if list(grads.shape) != [ids.numel(), dim]:
         raise ValueError(
             f"sparse table {push.table}: rows of shape {list(grads.shape)} for {ids.numel()} ids, dim {dim}"
