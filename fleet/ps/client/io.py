@@ -67,6 +67,8 @@ _IDLE_POLL_MS = 100
 # turn with them (fleet.ps.server.inbox), is not stuck behind thousands in ZeroMQ's pipes.
 PIECES_ON_THE_WIRE = 4
 _MAX_BATCH = 256
+# a plain int: ``zmq.POLLIN`` is an enum member, and ``&`` on one costs a Python-level call per poll
+_POLLIN = int(zmq.POLLIN)
 
 
 def _more_follows(msg: Message) -> bool:
@@ -316,7 +318,7 @@ class IOThread:
                     pass
             for i, route in enumerate(self._routes):
                 for sock, mon in route.polled():
-                    if ready.get(sock, 0) & zmq.POLLIN:
+                    if ready.get(sock, 0) & _POLLIN:
                         self._receive(i, sock)
                     if mon in ready:
                         if mon is route.monitor:

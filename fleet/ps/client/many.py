@@ -184,23 +184,33 @@ def gather_pulls(
 ) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
     """Each entry's rows ``[len(ids), dim]`` in the order of its ids, and the version of each server's shard
     that answered for it (the oldest, where several requests went to one server), in server order."""
-    out = [torch.empty(x.numel(), d, dtype=torch.float32) for x, d in zip(ids, dims, strict=True)]
+    # an entry answered whole by one request takes its rows as they came; only one spread over several is assembled
+    out: list[torch.Tensor | None] = [None] * len(ids)
     seen: list[dict[int, int]] = [{} for _ in ids]  # per entry: server -> its oldest shard version
     for request, reply in zip(plan, replies, strict=True):
         for part, rows, version in pull_rows(request, reply):
             if part.positions is None:
                 out[part.item] = rows
-            elif part.count:
-                out[part.item].index_copy_(0, part.positions, rows)
+            else:
+                into = out[part.item]
+                if into is None:
+                    into = out[part.item] = torch.empty(ids[part.item].numel(), dims[part.item], dtype=torch.float32)
+                if part.count:
+                    into.index_copy_(0, part.positions, rows)
             oldest = seen[part.item].get(request.server, version)
             seen[part.item][request.server] = min(oldest, version)
-    return [(t, tuple(by_server[s] for s in sorted(by_server))) for t, by_server in zip(out, seen, strict=True)]
+    done = [t if t is not None else torch.empty(x.numel(), d) for t, x, d in zip(out, ids, dims, strict=True)]
+    return [(t, tuple(by_server[s] for s in sorted(by_server))) for t, by_server in zip(done, seen, strict=True)]
 
 
 def checked_push(push: SparsePush, dim: int) -> SparsePush:
     """``push`` with flat int64 ids, float32 rows and clicks, checked against the table's ``dim``."""
-    ids = push.ids.detach().reshape(-1).to(torch.int64).contiguous()
-    grads = push.grads.detach().to(torch.float32).contiguous()
+    ids, grads = push.ids, push.grads
+    # the usual push (flat int64 ids and float32 rows, contiguous, outside autograd) is taken as it is
+    if not (ids.dtype is torch.int64 and ids.dim() == 1 and ids.is_contiguous() and not ids.requires_grad):
+        ids = ids.detach().reshape(-1).to(torch.int64).contiguous()
+    if not (grads.dtype is torch.float32 and grads.is_contiguous() and not grads.requires_grad):
+        grads = grads.detach().to(torch.float32).contiguous()
     if list(grads.shape) != [ids.numel(), dim]:
         raise ValueError(
             f"sparse table {push.table}: rows of shape {list(grads.shape)} for {ids.numel()} ids, dim {dim}"

@@ -59,7 +59,10 @@ def push_request(pushes: Sequence[SparsePush]) -> list[torch.Tensor]:
     lrs = torch.tensor([p.lr for p in pushes], dtype=torch.float64)
     ids = torch.cat([p.ids for p in pushes])
     grads = torch.cat([p.grads.reshape(-1) for p in pushes])
-    clicks = torch.cat([p.clicks if p.clicks is not None else torch.zeros(p.ids.numel()) for p in pushes])
+    if all(p.clicks is None for p in pushes):  # the usual push: one zero tensor, not one per table joined
+        clicks = torch.zeros(ids.numel())
+    else:
+        clicks = torch.cat([p.clicks if p.clicks is not None else torch.zeros(p.ids.numel()) for p in pushes])
     return [meta, lrs, ids, grads, clicks]
 
 
@@ -67,19 +70,18 @@ def push_request(pushes: Sequence[SparsePush]) -> list[torch.Tensor]:
 def read_pull(msg: Message, dims: Dims) -> list[tuple[int, int, torch.Tensor]]:
     """``(table, min_version, ids)`` per table of a pull request, every part checked first."""
     meta, ids = _tensors(msg, ("meta", "ids"))
-    tables, counts = _check(msg, meta, len(MANY_PULL_META), ids)
-    dims(tables)
-    out, at = [], 0
-    for table, min_version, count in meta.tolist():
-        out.append((table, min_version, ids[at : at + count]))
-        at += count
-    return out
+    rows = _check(msg, meta, len(MANY_PULL_META), ids)
+    dims([r[0] for r in rows])
+    # one split for every table's ids (views), not a slice per table
+    parts = ids.split(_counts(rows))
+    return [(table, min_version, part) for (table, min_version, _), part in zip(rows, parts, strict=True)]
 
 
 def read_push(msg: Message, dims: Dims) -> list[SparsePush]:
     """Each table's push of a push request (clicks None where it has none), every part checked first."""
     meta, lrs, ids, grads, clicks = _tensors(msg, ("meta", "lrs", "ids", "grads", "clicks"))
-    tables, counts = _check(msg, meta, len(MANY_PUSH_META), ids)
+    rows = _check(msg, meta, len(MANY_PUSH_META), ids)
+    tables, counts = [r[0] for r in rows], _counts(rows)
     widths = dims(tables)
     if lrs.dtype != torch.float64 or list(lrs.shape) != [len(tables)]:
         raise ShardError(f"{op_name(msg.op)}: lrs must be float64 [{len(tables)}], got {lrs.dtype} {list(lrs.shape)}")
@@ -91,16 +93,13 @@ def read_push(msg: Message, dims: Dims) -> list[SparsePush]:
         )
     if clicks.dtype != torch.float32 or list(clicks.shape) != [ids.numel()]:
         raise ShardError(f"{op_name(msg.op)}: clicks must be float32 [{ids.numel()}], got {list(clicks.shape)}")
-    out = []
-    at = flat = 0
-    for (table, step, count, has_clicks), dim, lr in zip(meta.tolist(), widths, lrs.tolist(), strict=True):
-        rows = grads[flat : flat + count * dim].view(count, dim)
-        out.append(
-            SparsePush(table, ids[at : at + count], rows, step, lr, clicks[at : at + count] if has_clicks else None)
-        )
-        at += count
-        flat += count * dim
-    return out
+    # one split per tensor for every table's part (views), not slices per table
+    id_parts, click_parts = ids.split(counts), clicks.split(counts)
+    grad_parts = grads.split([c * d for c, d in zip(counts, widths, strict=True)])
+    return [
+        SparsePush(table, id_parts[k], grad_parts[k].view(count, dim), step, lr, click_parts[k] if has_clicks else None)
+        for k, ((table, step, count, has_clicks), dim, lr) in enumerate(zip(rows, widths, lrs.tolist(), strict=True))
+    ]
 
 
 def pull_reply(rows: Sequence[torch.Tensor], versions: Sequence[int]) -> list[torch.Tensor]:
@@ -121,8 +120,12 @@ def _tensors(msg: Message, names: tuple[str, ...]) -> list[torch.Tensor]:
     return msg.tensors
 
 
-def _check(msg: Message, meta: torch.Tensor, columns: int, ids: torch.Tensor) -> tuple[list[int], list[int]]:
-    """(tables, id counts) of a request, its layout checked before any part is served."""
+def _counts(rows: list[list[int]]) -> list[int]:
+    return [r[2] for r in rows]  # the id count column, the same in both layouts
+
+
+def _check(msg: Message, meta: torch.Tensor, columns: int, ids: torch.Tensor) -> list[list[int]]:
+    """The rows of a request's ``meta`` (one list per table), its layout checked before any part is served."""
     what = op_name(msg.op)
     if meta.dtype != torch.int64 or meta.dim() != 2 or meta.shape[1] != columns:
         raise ShardError(f"{what}: meta must be int64 [tables, {columns}], got {meta.dtype} {list(meta.shape)}")
@@ -130,9 +133,10 @@ def _check(msg: Message, meta: torch.Tensor, columns: int, ids: torch.Tensor) ->
         raise ShardError(f"{what} names {meta.shape[0]} tables; one request names 1 to {MAX_MANY_TABLES}")
     if ids.dtype != torch.int64 or ids.dim() != 1:
         raise ShardError(f"{what}: ids must be a flat int64 tensor, got {ids.dtype} {list(ids.shape)}")
-    tables, counts = meta[:, 0].tolist(), meta[:, 2].tolist()  # the same columns in both layouts
+    rows = meta.tolist()
+    tables, counts = [r[0] for r in rows], _counts(rows)  # the same columns in both layouts
     if len(set(tables)) != len(tables):
         raise ShardError(f"{what} names a table twice: {tables}")
     if any(c < 0 for c in counts) or sum(counts) != ids.numel():
         raise ShardError(f"{what}: the tables' id counts {counts} do not add up to the {ids.numel()} ids sent")
-    return tables, counts
+    return rows
