@@ -7,7 +7,7 @@ answer at once (:meth:`fleet.ps.client.client.PSClient.direct`) writes its reque
 direct Unix socket (:mod:`fleet.ps.protocol.unix`: authenticated by a challenge on the job's secret,
 the same messages and the same server-side limits) and reads the answer there itself.
 
-When (all checked by :meth:`~fleet.ps.client.io.IOThread.submit`): the call is a pull
+When (all checked by :meth:`~fleet.ps.client.io.IOThread.call_direct`): the call is a pull
 (:data:`DIRECT_OPS`), each of its messages goes to a different server whose requests already travel
 over its Unix socket and that offers a direct socket, each message is at most :data:`SMALL_BYTES`,
 and this client has no request queued or unanswered (two connections keep no order between them,
