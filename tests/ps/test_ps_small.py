@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from fleet.ps.protocol import small, unix
+from fleet.ps.protocol import quick_pulls, small, unix
 from fleet.ps.protocol.errors import WireError
 from fleet.ps.protocol.wire import FRAME_BYTES, Message, Op, Status, decode, encode
 
@@ -108,3 +108,58 @@ def test_corrupted_bytes_never_make_a_different_message() -> None:
             except (WireError, unix.FramingError, AssertionError) as exc:
                 raise AssertionError(f"the small reader took bytes the general way refuses ({exc})") from None
             _same(got, want)
+
+
+def test_the_whole_pull_reader_takes_what_the_frame_reader_takes() -> None:
+    """The server's one-struct reader of a whole pull (``whole_pull``) against cutting frames then ``plain_pull``,
+    over every byte flipped and every truncation: the same message, or None where they refuse or it is no pull."""
+    rng = random.Random(1)
+    msgs = [
+        Message(Op.PULL_DENSE, 2, 0, 7, 0, 3, 0.0, 30000),
+        Message(Op.PULL_SPARSE, 1, 0, 8, 2, 0, 0.0, 500, Status.REQUEST, [torch.arange(5)]),
+        Message(Op.PULL_SPARSE, 1, 0, 8, 2, 0, 0.0, 500, Status.REQUEST, [torch.arange(0)]),
+        Message(Op.PUSH_DENSE_GRAD, 2, 0, 9, 1, 0, 0.1, 0, Status.REQUEST, [torch.randn(3)]),
+    ]
+    budget = 1 << 20
+    for msg in msgs:
+        wire = _small(msg)
+        cases = [wire[:n] for n in range(len(wire))] + [wire + b"\0"]
+        for at in range(len(wire)):
+            for value in (0, 255, rng.randrange(256)):
+                cases.append(wire[:at] + bytes([value]) + wire[at + 1 :])
+        for case in cases:
+            buf = bytearray(case)
+            got = quick_pulls.whole_pull(memoryview(buf), len(buf), budget)
+            try:
+                parsed = unix.parse(bytearray(case))
+            except unix.FramingError:
+                parsed = None
+            want = None
+            if parsed is not None and parsed[1] == len(case):
+                want = quick_pulls.plain_pull(parsed[0], budget)
+            assert (got is None) == (want is None)
+            if got is None:
+                continue
+            _same(got, want)
+    assert quick_pulls.whole_pull(memoryview(bytearray(_small(msgs[1]))), len(_small(msgs[1])), 8) is None  # budget
+
+
+def test_a_settled_future_is_a_finished_future() -> None:
+    """What a direct call returns (``direct.Settled``): result, exception, callbacks, wait and as_completed as for
+    a future resolved the usual way."""
+    from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
+
+    from fleet.ps.client.direct import Settled
+
+    done, failed, pending = Settled(5), Settled(exception=ValueError("no")), Future()
+    assert done.done() and not done.cancelled() and not done.running() and not done.cancel()
+    assert done.result(timeout=0) == 5 and done.exception() is None
+    assert isinstance(failed.exception(), ValueError)
+    with pytest.raises(ValueError, match="no"):
+        failed.result()
+    seen: list[int] = []
+    done.add_done_callback(lambda f: seen.append(f.result()))
+    assert seen == [5]
+    assert wait([done, failed, pending], timeout=0.01, return_when=FIRST_COMPLETED)[0] == {done, failed}
+    pending.set_result(1)
+    assert set(as_completed([done, failed, pending], timeout=1)) == {done, failed, pending}

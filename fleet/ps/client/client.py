@@ -139,9 +139,12 @@ class PSClient:
     ) -> Future:
         if self._closed:
             raise PSError("this PSClient is closed")
-        direct = threading.get_ident() in self._direct_threads
-        job = Job(Future(), parts, combine, float(timeout_s or self.timeout_s), settle=settle, direct=direct)
-        return self._io.submit(job)
+        timeout = float(timeout_s or self.timeout_s)
+        if self._direct_threads and threading.get_ident() in self._direct_threads:
+            done = self._io.call_direct(parts, combine, timeout)  # no Job: a small pull's time is mostly Python
+            if done is not None:
+                return done
+        return self._io.submit(Job(Future(), parts, combine, timeout, settle=settle))
 
     def direct(self) -> DirectScope:
         """Inside, this thread's small pulls may be sent and answered on this thread (returning a resolved future).
@@ -270,7 +273,8 @@ class PSClient:
         applied that many updates.
         """
         layout = self._dense_layout(table_id)
-        parts = [(s, self._msg(Op.PULL_DENSE, table_id, arg=min_version)) for s in range(self.num_servers)]
+        me = self.worker_index
+        parts = [(s, Message(Op.PULL_DENSE, table_id, me, arg=min_version)) for s in range(self.num_servers)]
         return self._submit(parts, lambda replies: _versioned(layout.join(replies), replies))
 
     def dense_state(self, table_id: int) -> Future:

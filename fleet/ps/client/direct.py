@@ -7,7 +7,7 @@ answer at once (:meth:`fleet.ps.client.client.PSClient.direct`) writes its reque
 direct Unix socket (:mod:`fleet.ps.protocol.unix`: authenticated by a challenge on the job's secret,
 the same messages and the same server-side limits) and reads the answer there itself.
 
-When (all checked by :meth:`~fleet.ps.client.io.IOThread.submit`): the call is a pull
+When (all checked by :meth:`~fleet.ps.client.io.IOThread.call_direct`): the call is a pull
 (:data:`DIRECT_OPS`), each of its messages goes to a different server whose requests already travel
 over its Unix socket and that offers a direct socket, each message is at most :data:`SMALL_BYTES`,
 and this client has no request queued or unanswered (two connections keep no order between them,
@@ -31,6 +31,8 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures._base import FINISHED
 from typing import Any
 
 from fleet.ps.protocol import small, unix
@@ -51,6 +53,30 @@ def message_bytes(frames: Sequence[Any]) -> int:
 #: a deadline may pass by this much before a kernel bound on a wait is lowered to it (each change is two calls)
 _SLACK_S = 0.02
 _TIMEVAL = struct.Struct("@ll")
+
+
+#: the one condition of every :class:`Settled` future: nobody waits on a future that is already done
+_SETTLED = threading.Condition()
+
+
+class Settled(Future):
+    """A future made already done: what a direct call returns (its caller holds the answer when it gets it).
+
+    Why not ``Future()`` then ``set_result``: that builds a condition and a lock per call and takes them
+    twice more, a few microseconds of a small pull's round trip. A settled future shares one condition
+    (only held for a moment: its state never changes, so nothing waits on it) and is otherwise a plain
+    :class:`~concurrent.futures.Future`: ``result``, ``exception``, callbacks, ``wait`` and ``as_completed``
+    behave as for any finished future.
+    """
+
+    def __init__(self, result: Any = None, exception: BaseException | None = None):  # noqa: D107
+        # Future's own fields, as Future.__init__ then set_result / set_exception leave them
+        self._condition = _SETTLED
+        self._state = FINISHED
+        self._result = result
+        self._exception = exception
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
 
 
 class _Conn:
@@ -218,19 +244,13 @@ class DirectCalls:
             self._all.discard(conn)
         conn.sock.close()
 
-    def call(
-        self, parts: list[tuple[int, Message, list[memoryview]]], routes: Sequence[tuple[str, int]], timeout_s: float
-    ) -> list[Message]:
-        """Send each (server, message, its bytes as :func:`fleet.ps.protocol.unix.buffers` gives them), wait for
-        every answer; raise what the IO thread would.
-
-        ``routes``: per server, its direct socket's path and the incarnation its HELLO gave.
-        """
+    def call(self, parts: list[tuple[int, Message, list[memoryview], str, int]], timeout_s: float) -> list[Message]:
+        """Send each (server, message, its bytes as :func:`fleet.ps.protocol.unix.buffers` gives them, the server's
+        direct socket, the incarnation its HELLO gave), wait for every answer; raise what the IO thread would."""
         deadline = time.monotonic() + timeout_s
         used: dict[int, _Conn] = {}
         try:
-            for server, msg, buffers in parts:
-                path, incarnation = routes[server]
+            for server, msg, buffers, path, incarnation in parts:
                 conn = used[server] = self._conn(server, path, incarnation, msg, deadline)
                 try:
                     try:
@@ -251,14 +271,12 @@ class DirectCalls:
                         f"closed the connection (the server exited or crashed: {exc}) before {op_name(msg.op)} was sent"
                     )
                     raise self._unavailable(server, msg, why, PSServerUnavailable) from None
-            replies = []
-            for server, msg, _ in parts:  # each connection answers its one request
-                replies.append(self._answer(server, msg, used[server], deadline))
-            return replies
+            # each connection answers its one request
+            return [self._answer(part[0], part[1], used[part[0]], deadline) for part in parts]
         except OSError as exc:  # anything the socket says that the cases above do not name
             for server, conn in used.items():
                 self._drop(server, conn)
-            server, msg, _ = parts[0]
+            server, msg = parts[0][:2]
             raise self._unavailable(server, msg, f"failed on its direct socket ({exc})", PSServerUnavailable) from None
         except BaseException:
             for server, conn in used.items():  # a late answer must not be read as the next call's

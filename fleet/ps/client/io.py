@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from fleet.ps.client.direct import DIRECT_OPS, SMALL_BYTES, DirectCalls, message_bytes
+from fleet.ps.client.direct import DIRECT_OPS, SMALL_BYTES, DirectCalls, Settled, message_bytes
 from fleet.ps.client.routes import Route
 from fleet.ps.protocol import auth, small, unix
 from fleet.ps.protocol import local as same_host
@@ -156,14 +156,14 @@ class IOThread:
         """Queue ``job`` (blocks while ``max_in_flight`` jobs are queued, up to the job's timeout).
 
         A ``direct`` job that may go from the calling thread (see :mod:`fleet.ps.client.direct`) is
-        sent and answered there instead: its future is resolved when this returns.
+        sent and answered there instead (:meth:`call_direct`): the future returned is resolved.
         """
-        if self._closing.is_set() or not self.thread.is_alive():
-            raise PSClientClosed("the parameter-server client is closed")
         if job.direct:
-            frames = self._direct_frames(job)
-            if frames is not None:
-                return self._call_direct(job, frames)
+            done = self.call_direct(job.parts, job.combine, job.timeout_s)
+            if done is not None:
+                return done
+        elif self._closing.is_set() or not self.thread.is_alive():
+            raise PSClientClosed("the parameter-server client is closed")
         with self._count_lock:
             self._outstanding += 1
         job.counted = True
@@ -180,32 +180,52 @@ class IOThread:
             self._fail_everything(PSClientClosed("the parameter-server client is closed"))
         return job.future
 
+    def call_direct(
+        self, parts: list[tuple[int, Message]], combine: Callable[[list[Message]], Any], timeout_s: float
+    ) -> Future | None:
+        """Send ``parts`` and wait for their answers on this thread, over the servers' direct sockets, when they
+        may go that way (see :mod:`fleet.ps.client.direct`): a resolved future (``combine`` of the replies, or
+        the error the IO thread would give); None when they must be queued (:meth:`submit`).
+
+        No :class:`Job` and no queue: the usual small pull's round trip is mostly this side's Python.
+        """
+        if self._closing.is_set() or not self.thread.is_alive():
+            raise PSClientClosed("the parameter-server client is closed")
+        ready = self._direct_parts(parts, timeout_s)
+        if ready is None:
+            return None
+        try:
+            result = combine(self._direct.call(ready, timeout_s))
+        except BaseException as exc:
+            return Settled(exception=exc)
+        return Settled(result)
+
     def _uncount(self, job: Job) -> None:
         if job.counted:
             job.counted = False
             with self._count_lock:
                 self._outstanding -= 1
 
-    def _direct_frames(self, job: Job) -> list[list[memoryview]] | None:
-        """The messages of ``job`` as the direct path writes them (byte views, length prefix first) when it may
-        go from the calling thread, else None."""
-        if self._outstanding or not self._routes or not job.parts:
+    def _direct_parts(
+        self, parts: list[tuple[int, Message]], timeout_s: float
+    ) -> list[tuple[int, Message, list[memoryview], str, int]] | None:
+        """Per message of a call that may go from the calling thread: (server, message, its bytes as the direct
+        path writes them, the server's direct socket, the incarnation its last HELLO gave); else None."""
+        if self._outstanding or not self._routes or not parts:
             return None  # a request of this client is queued or on the wire: this one must not overtake it
-        routes, seen = self._routes, set()
-        for server, msg in job.parts:
+        routes, incarnations, out = self._routes, self._incarnations, []
+        timeout_ms = int(timeout_s * 1000)
+        for server, msg in parts:
+            path = routes[server].direct_path
             if (
-                server in seen
+                path is None
                 or msg.op not in DIRECT_OPS
+                or not incarnations[server]
                 or server in self._refused
                 or server in self._failing
-                or routes[server].direct_path is None
-                or not self._incarnations[server]
+                or (out and any(server == o[0] for o in out))
             ):
                 return None  # no direct socket (another host, TCP, CURVE), or a failure the IO thread reports
-            seen.add(server)
-        encoded = []
-        timeout_ms = int(job.timeout_s * 1000)
-        for _, msg in job.parts:
             msg.request_id = next(self._ids)
             msg.timeout_ms = timeout_ms
             packed = small.pack(msg)  # the usual pull: one struct call (same bytes as the general way)
@@ -214,24 +234,8 @@ class IOThread:
                 packed = unix.buffers(frames), message_bytes(frames)
             if packed[1] > SMALL_BYTES:
                 return None
-            encoded.append(packed[0])
-        return encoded
-
-    def _call_direct(self, job: Job, frames: list[list[memoryview]]) -> Future:
-        future = job.future  # nobody else has it yet: it cannot have been cancelled
-        parts = [(server, msg, f) for (server, msg), f in zip(job.parts, frames, strict=True)]
-        try:
-            # the incarnation the server's last HELLO gave (a restarted server's new one, once it answered)
-            routes = [
-                (route.direct_path or "", known) for route, known in zip(self._routes, self._incarnations, strict=True)
-            ]
-            replies = self._direct.call(parts, routes, job.timeout_s)
-            result = job.combine(replies)
-        except BaseException as exc:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
-        return future
+            out.append((server, msg, packed[0], path, incarnations[server]))
+        return out
 
     def wake(self) -> None:
         try:

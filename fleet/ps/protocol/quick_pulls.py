@@ -21,8 +21,11 @@ requests are served, and the tables' one-at-a-time rule, are those of the usual 
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
+from fleet.ps.protocol.unix import COUNT
 from fleet.ps.protocol.wire import (
     DESCRIPTOR,
     DTYPE_CODES,
@@ -39,6 +42,11 @@ _PULL_DENSE, _PULL_SPARSE = int(Op.PULL_DENSE), int(Op.PULL_SPARSE)
 _REQUEST = int(Status.REQUEST)
 _INT64 = DTYPE_CODES[torch.int64]
 _ONE_TENSOR = HEADER.size + DESCRIPTOR.size
+#: a whole PULL_DENSE as the direct path frames it: frame count, the header's and the blob's lengths, the header
+_DENSE = struct.Struct("<3I" + HEADER.format.lstrip("<"))
+#: a whole PULL_SPARSE's prefix: frame count, the header's, blob's and ids' lengths, the header, the ids' descriptor
+_SPARSE = struct.Struct("<4I" + HEADER.format.lstrip("<") + DESCRIPTOR.format.lstrip("<"))
+assert _DENSE.size == 3 * COUNT.size + HEADER.size and _SPARSE.size == 4 * COUNT.size + _ONE_TENSOR
 
 
 def plain_pull(frames: list[memoryview], max_bytes: int) -> Message | None:
@@ -74,5 +82,41 @@ def plain_pull(frames: list[memoryview], max_bytes: int) -> Message | None:
         ids = torch.frombuffer(bytearray(data), dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64)
         tensors = [ids]
     else:
+        return None
+    return Message(op, table, peer, rid, step, arg, lr, timeout_ms, status, tensors, b"")
+
+
+def whole_pull(buf: memoryview, got: int, max_bytes: int) -> Message | None:
+    """:func:`plain_pull` of the one message that is exactly ``buf[:got]``, length prefix included, else None.
+
+    Why: a direct connection's read usually holds exactly one small pull; one ``struct`` call over the
+    prefix and header reads it, where :func:`~fleet.ps.protocol.unix.parse` then :func:`plain_pull` cut
+    frames out first. It accepts exactly the messages those two accept (a prefix of the frames a pull
+    has, the bytes that follow being the whole message); anything else returns None for them to read.
+    """
+    if got == _DENSE.size:
+        (count, hsize, bsize, magic, version, op, status, ntensors, table, peer, rid, step, arg, lr,
+         timeout_ms) = _DENSE.unpack_from(buf, 0)  # fmt: skip
+        if count != 2 or hsize != HEADER.size or bsize or op != _PULL_DENSE or ntensors:
+            return None
+        tensors = []
+    elif got >= _SPARSE.size:
+        (count, hsize, bsize, nbytes, magic, version, op, status, ntensors, table, peer, rid, step, arg, lr,
+         timeout_ms, code, ndim, n, *rest) = _SPARSE.unpack_from(buf, 0)  # fmt: skip
+        if count != 3 or hsize != _ONE_TENSOR or bsize or op != _PULL_SPARSE or ntensors != 1:
+            return None
+        if got != _SPARSE.size + nbytes or code != _INT64 or ndim != 1 or any(rest) or n < 0 or nbytes != 8 * n:
+            return None
+        if nbytes > max_bytes or nbytes > FRAME_BYTES:
+            return None
+        ids = (
+            torch.frombuffer(bytearray(buf[_SPARSE.size : got]), dtype=torch.int64)
+            if n
+            else torch.empty(0, dtype=torch.int64)
+        )
+        tensors = [ids]
+    else:
+        return None
+    if magic != MAGIC or version != PROTOCOL_VERSION or status != _REQUEST:
         return None
     return Message(op, table, peer, rid, step, arg, lr, timeout_ms, status, tensors, b"")

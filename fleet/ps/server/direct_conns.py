@@ -32,6 +32,9 @@ _POLLIN, _POLLOUT, _POLLERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR
 #: ``fast(ident, frames)``: serve a complete message at once from the frames (views of a buffer the next read
 #: reuses: what it keeps, it copies); False leaves it to the inbox, as a copy
 Fast = Callable[[bytes, list[memoryview]], bool]
+#: ``whole(ident, data, got)``: serve at once the one message that is exactly ``data[:got]`` (its length prefix
+#: included; a buffer the next read reuses); False leaves it to be cut into frames (then ``fast``, or the inbox)
+Whole = Callable[[bytes, memoryview, int], bool]
 
 
 class Ident:
@@ -100,9 +103,15 @@ class DirectConnections:
         self._poller = poller
         poller.register(self._listener.fileno(), zmq.POLLIN)
 
-    def serve(self, ready: dict[Any, int], put: Callable[[list[Any]], None], fast: Fast | None = None) -> None:
-        """Act on what ``ready`` (the poller's answer) says; each complete request goes to ``fast`` (when it
-        takes it) or to ``put``."""
+    def serve(
+        self,
+        ready: dict[Any, int],
+        put: Callable[[list[Any]], None],
+        fast: Fast | None = None,
+        whole: Whole | None = None,
+    ) -> None:
+        """Act on what ``ready`` (the poller's answer) says; each complete request goes to ``whole`` or ``fast``
+        (when they take it) or to ``put``."""
         conns = self._conns
         for fd, flags in ready.items():
             conn = conns.get(fd) if type(fd) is int else None
@@ -112,7 +121,7 @@ class DirectConnections:
             if flags & _POLLOUT:
                 self._flush(conn)
             if flags & (_POLLIN | _POLLERR) and fd in conns:
-                self._read(conn, put, fast)
+                self._read(conn, put, fast, whole)
         if int(ready.get(self._listener.fileno(), 0)) & _POLLIN:
             self._accept()
 
@@ -167,9 +176,9 @@ class DirectConnections:
             conn.out.append(memoryview(conn.challenge))
             self._flush(conn)
 
-    def _read(self, conn: _Conn, put: Callable[[list[Any]], None], fast: Fast | None) -> None:
+    def _read(self, conn: _Conn, put: Callable[[list[Any]], None], fast: Fast | None, whole: Whole | None) -> None:
         if conn.ready and not conn.inbuf:
-            self._read_fresh(conn, put, fast)
+            self._read_fresh(conn, put, fast, whole)
             return
         try:
             data = conn.sock.recv(_READ)
@@ -211,11 +220,14 @@ class DirectConnections:
         if start:
             del conn.inbuf[:start]
 
-    def _read_fresh(self, conn: _Conn, put: Callable[[list[Any]], None], fast: Fast | None) -> None:
+    def _read_fresh(
+        self, conn: _Conn, put: Callable[[list[Any]], None], fast: Fast | None, whole: Whole | None
+    ) -> None:
         """Read an admitted connection with nothing buffered: the usual case, one whole request in one read.
 
-        Its bytes land in the scratch buffer; each complete message goes to ``fast`` from there (no copy), or is
-        copied for ``put``; a message not complete yet moves to the connection's own buffer for the next read.
+        Its bytes land in the scratch buffer; a read that is one small pull goes to ``whole`` as it is; else each
+        complete message goes to ``fast`` from there (no copy), or is copied for ``put``; a message not complete
+        yet moves to the connection's own buffer for the next read.
         """
         view = self._scratch_view
         try:
@@ -226,6 +238,8 @@ class DirectConnections:
             got = 0
         if not got:
             self._close(conn)
+            return
+        if whole is not None and whole(conn.ident, view, got):
             return
         fd, data, start = conn.sock.fileno(), view[:got], 0
         try:

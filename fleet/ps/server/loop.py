@@ -37,7 +37,7 @@ from fleet.ps.protocol import auth, small
 from fleet.ps.protocol.errors import WireError
 from fleet.ps.protocol.limits import RequestLimits
 from fleet.ps.protocol.liveness import Workers
-from fleet.ps.protocol.quick_pulls import plain_pull
+from fleet.ps.protocol.quick_pulls import plain_pull, whole_pull
 from fleet.ps.protocol.wire import (
     Message,
     Op,
@@ -211,7 +211,7 @@ class ParameterServer:
                     self._zap.serve()
                     touched = True
                 if self._direct is not None:
-                    self._direct.serve(ready, self._inbox.put, self._serve_direct)
+                    self._direct.serve(ready, self._inbox.put, self._serve_direct, self._serve_whole)
                 if self._sock in ready or len(self._inbox):
                     look = self._sock in ready
                     touched = True
@@ -324,14 +324,23 @@ class ParameterServer:
         if len(self._inbox):
             return False
         msg = plain_pull(frames, self.tables.request_budget.bytes)
-        if msg is None:
+        return msg is not None and self._serve_quick(ident, msg, sum(map(len, frames)))
+
+    def _serve_whole(self, ident: bytes, data: memoryview, got: int) -> bool:
+        """:meth:`_serve_direct` of a read that is exactly one message, length prefix included (the usual pull)."""
+        if len(self._inbox):
             return False
+        msg = whole_pull(data, got, self.tables.request_budget.bytes)
+        # the frames' bytes: the read less its length prefix (a frame count and a length per frame)
+        return msg is not None and self._serve_quick(ident, msg, got - (3 + len(msg.tensors)) * 4)
+
+    def _serve_quick(self, ident: bytes, msg: Message, nbytes: int) -> bool:
         with self._lock.lock:
             if self._lanes is not None and self._lanes.queued:
                 return False
             if self._outbox is not None and self._outbox.pending:
                 self._send_outbox()  # what the table threads answered leaves first, as on the usual way
-            self._counts["bytes_in"] += sum(map(len, frames))
+            self._counts["bytes_in"] += nbytes
             self._counts["direct_quick"] += 1
             self._serve(ident, msg, here=True)
         return True
