@@ -14,6 +14,9 @@ MLPs, BCE, SGD lr 0.5, batch 256 per worker. Configurations (``--configs``, comm
   ``dense_placement="allreduce"``: the server holds only the tables, the workers all-reduce the MLPs;
 - ``fleet-sharded``: ``mode="collective"`` with ``table_placement="sharded"``: each table's rows split
   across the 2 workers, ids and rows exchanged by all-to-all, the MLPs all-reduced;
+- ``fleet-table-wise``: ``mode="collective"`` with ``table_placement="table_wise"``: each table whole
+  on one of the 2 workers (4 each, by width), the bags pooled where their table lives, only ids and
+  pooled vectors (and their gradients) exchanged, the MLPs all-reduced;
 - ``fleet-sharding``: ``mode="sharding"`` (tables sharded by default, the MLPs sharded by FSDP2);
 - ``torchrec-tw-fused``, ``torchrec-rw-fused``, ``torchrec-auto`` (``torchrec-dp`` on request):
   TorchRec 1.8's ``EmbeddingBagCollection`` under ``DistributedModelParallel``, 2 ranks, from the
@@ -33,8 +36,8 @@ process. Every round runs every configuration once (the order reversed on odd ro
   ``fleet-1p``'s in every round; those that do not are left out of every "best" and named on a
   ``not counted`` line): ``ratio vs PyTorch one-process`` (fleet-1p over torch-1p, target >= 0.9),
   ``ratio vs TorchRec best`` (fleet's fastest 2-worker configuration that trains over TorchRec's,
-  target >= 1.2), ``tables sharded ... ratio vs TorchRec best`` (the better of fleet-sharded and
-  fleet-sharding, target >= 1.2), ``PS async dense-ar ... ratio vs TorchRec best`` (target >= 1.0),
+  target >= 1.2), ``tables sharded ... ratio vs TorchRec best`` (the best of fleet-sharded,
+  fleet-table-wise and fleet-sharding, target >= 1.2), ``PS async dense-ar ... ratio vs TorchRec best`` (target >= 1.0),
   ``ratio vs DDP``, and ``CPU per 1,000 samples, fleet best vs TorchRec best`` (target <= 1.0);
 - with ``--memory`` (fleet-1p, torch-1p, fleet-sharded, fleet-sharding): every table's every row is
   created before training (:func:`fill_tables`; the math is unchanged) and each process reports the
