@@ -61,6 +61,8 @@ from fleet.errors import FleetError, PeerError
 from fleet.telemetry import timing
 from fleet.training.owners import find_owners, is_sparse_embedding_weight
 
+_UNKNOWN = object()  # a parameter whose owner was never looked for
+
 
 class GradSync:
     """Averages gradients over ``group`` (None: one worker, rounds only scale for accumulation).
@@ -195,15 +197,18 @@ class GradSync:
     def refresh(self) -> Layout:
         """The layout for the parameters as they are now; rebuilt (and hooked) if they changed."""
         registered = self.registered()
-        new = [p for p in registered if p not in self._owners]
+        owners = self._owners.get_all(registered, _UNKNOWN)
+        new = [p for p, owner in zip(registered, owners, strict=True) if owner is _UNKNOWN]
         if new:  # a gc scan, only when parameters were added
             found = find_owners(new)
             for p in new:
                 self._owners.set(p, found[id(p)])
-        sparse = {id(p) for p in registered if is_sparse_embedding_weight(self._owners.get(p))}
-        signature = tuple((id(p), p.requires_grad, id(p) in sparse) for p in registered)
+            owners = self._owners.get_all(registered)
+        sparse_flags = [is_sparse_embedding_weight(owner) for owner in owners]
+        signature = tuple(zip(map(id, registered), [p.requires_grad for p in registered], sparse_flags, strict=True))
         if self._layout is not None and self._layout.signature == signature:
             return self._layout
+        sparse = {id(p) for p, flag in zip(registered, sparse_flags, strict=True) if flag}
         layout = Layout(registered, signature, sparse, self.bucket_bytes)
         if self._hooked:
             for p in layout.dense + layout.sparse:
@@ -329,7 +334,7 @@ class GradSync:
         if lock is None:
             active = 1
         else:
-            unverified = self._unverified()
+            unverified = self._unverified() if header is None else None  # the header carries it
             if header is None:
                 agreement = lock.exchange(lockstep.ROUND, layout.fingerprint, len(self._changed), unverified)
             else:
@@ -337,6 +342,8 @@ class GradSync:
             if agreement.fingerprints_differ():
                 # An optimizer the script dropped may be awaiting the garbage collector on some workers only
                 # (a reference cycle, e.g. through an LR scheduler): collect everywhere, then compare again.
+                if unverified is None:
+                    unverified = self._unverified()
                 gc.collect()
                 layout = self.refresh()
                 agreement = lock.exchange(lockstep.ROUND, layout.fingerprint, len(self._changed), unverified)

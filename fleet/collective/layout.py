@@ -35,6 +35,15 @@ class ParamMap:
     def set(self, param: torch.Tensor, value: Any) -> None:
         self._entries[id(param)] = (weakref.ref(param), value)
 
+    def get_all(self, params: list[torch.Tensor], default: Any = None) -> list[Any]:
+        """``[get(p, default) for p in params]``, in one call (a round asks for every parameter's)."""
+        entries = self._entries
+        out = []
+        for param in params:
+            entry = entries.get(id(param))
+            out.append(entry[1] if entry is not None and entry[0]() is param else default)
+        return out
+
     def values(self) -> list[Any]:
         return [value for ref, value in self._entries.values() if ref() is not None]
 
