@@ -66,7 +66,8 @@ class Layout:
         self.sparse = [p for p in trainable if id(p) in sparse]
         self.buckets = bucketing.build(self.dense, bucket_bytes)
         self.where = {id(p): b for b in self.buckets for p in b.params}
-        self.nodes = {id(p): get_gradient_edge(p).node for p in self.dense}
+        # Per dense parameter, what a round's start asks the autograd engine about, and where it counts.
+        self.accumulators = [(id(p), get_gradient_edge(p).node, self.where[id(p)].index) for p in self.dense]
         position = {id(p): i for i, p in enumerate(registered)}
         text = repr(
             [self.registered, bucket_bytes]
