@@ -15,6 +15,8 @@ copied back (one pass over the gradients saved per step); with
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket starts communication early in backward
@@ -47,7 +49,7 @@ class Bucket:
         self.flags = flat[self.numel - values :]
         self.send = flat if send is None else send
         # Each parameter's slices, made once: slicing costs microseconds per tensor, per round, per parameter.
-        self._offsets = [sum(self.sizes[:i]) for i in range(values)]
+        self._offsets = [0, *itertools.accumulate(self.sizes)][:values]
         self._targets = [self.send[o : o + n] for o, n in zip(self._offsets, self.sizes, strict=True)]
         self._slots = [self.values[o : o + n] for o, n in zip(self._offsets, self.sizes, strict=True)]
         self._slot_ptrs = [slot.data_ptr() for slot in self._slots]
@@ -67,13 +69,15 @@ class Bucket:
         assert self.send is not None, "the transport attaches a bucket's buffers before its first round"
         flags, sources, in_place = [], [], []
         whole = self._small  # one copy of every gradient, then one scaling pass, while none needs another path
-        for param, slot_ptr, target_ptr in zip(self.params, self._slot_ptrs, self._target_ptrs, strict=True):
+        for param, size, slot_ptr, target_ptr in zip(
+            self.params, self.sizes, self._slot_ptrs, self._target_ptrs, strict=True
+        ):
             new = id(param) in changed
             grad = param.grad
             source = None
             living = False  # the gradient is this very slice of the send buffer (backward accumulated into it)
             if grad is None:
-                whole = False
+                whole = whole and size == 0  # an empty one (a sharded table's placeholder) adds nothing
             else:
                 if grad.is_sparse:  # a functional sparse embedding fleet could not see coming: averaged dense
                     grad = grad.to_dense()
@@ -159,10 +163,13 @@ class Bucket:
 
     def scatter(self) -> None:
         """Point each parameter that got a gradient on some worker at its slice of the reduced buffer."""
-        for param, view, ptr, flag in zip(self.params, self._views, self._slot_ptrs, self.flags.tolist(), strict=True):
+        for i, (param, ptr, flag) in enumerate(zip(self.params, self._slot_ptrs, self.flags.tolist(), strict=True)):
             if flag > 0.5:
                 grad = param.grad
                 if grad is None or grad.is_sparse or grad.data_ptr() != ptr:
+                    view = self._views[i]
+                    if view.shape != param.shape:  # the parameter was reshaped in place (param.data = ...)
+                        view = self._views[i] = self._slots[i].view_as(param)
                     param.grad = view
 
 
