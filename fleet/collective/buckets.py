@@ -15,9 +15,14 @@ copied back (one pass over the gradients saved per step); with
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket starts communication early in backward
+# Up to this size a bucket's gradients are copied whole and scaled in one pass (see Bucket.gather): the
+# calls saved outweigh the bytes copied twice; above it each gradient is scaled as it is copied.
+SMALL_BUCKET_BYTES = 256 << 10
 
 Source = torch.Tensor | None
 
@@ -43,6 +48,16 @@ class Bucket:
         self.values = flat[: self.numel - values]
         self.flags = flat[self.numel - values :]
         self.send = flat if send is None else send
+        # Each parameter's slices, made once: slicing costs microseconds per tensor, per round, per parameter.
+        self._offsets = [0, *itertools.accumulate(self.sizes)][:values]
+        self._targets = [self.send[o : o + n] for o, n in zip(self._offsets, self.sizes, strict=True)]
+        self._slots = [self.values[o : o + n] for o, n in zip(self._offsets, self.sizes, strict=True)]
+        self._slot_ptrs = [slot.data_ptr() for slot in self._slots]
+        self._target_ptrs = [target.data_ptr() for target in self._targets]
+        self._views = [slot.view_as(p) for slot, p in zip(self._slots, self.params, strict=True)]
+        self._small = self.numel * self.flat.element_size() <= SMALL_BUCKET_BYTES
+        self._plans: dict[tuple[int, int], list] = {}
+        self._owned: dict[tuple[int, int], tuple] = {}
 
     def gather(self, scale: float, changed: set[int], keep: tuple[int, int] = (0, 0)) -> list[Source]:
         """Copy every gradient (pre-scaled, in the same pass) and its changed flag into the send buffer.
@@ -52,58 +67,110 @@ class Bucket:
         (flat, dense; None when it has none), for :meth:`own`.
         """
         assert self.send is not None, "the transport attaches a bucket's buffers before its first round"
-        offset = 0
-        flags, sources = [], []
-        for param, size in zip(self.params, self.sizes, strict=True):
-            target = self.send[offset : offset + size]
+        flags, sources, in_place = [], [], []
+        whole = self._small  # one copy of every gradient, then one scaling pass, while none needs another path
+        for param, size, slot_ptr, target_ptr in zip(
+            self.params, self.sizes, self._slot_ptrs, self._target_ptrs, strict=True
+        ):
             new = id(param) in changed
             grad = param.grad
             source = None
+            living = False  # the gradient is this very slice of the send buffer (backward accumulated into it)
             if grad is None:
-                _copy(None, target, offset, keep, scale)
+                whole = whole and size == 0  # an empty one (a sharded table's placeholder) adds nothing
             else:
                 if grad.is_sparse:  # a functional sparse embedding fleet could not see coming: averaged dense
                     grad = grad.to_dense()
-                if grad.data_ptr() == self.values[offset : offset + size].data_ptr() and not new:
+                if not new and grad.data_ptr() == slot_ptr:
                     # It stays this worker's gradient unless some worker has a new one, and the
                     # reduction is about to overwrite the buffer it lives in: keep it exactly.
                     param.grad = grad = grad.clone()
                 source = grad.reshape(-1)
-                if grad.data_ptr() == target.data_ptr():
+                living = grad.data_ptr() == target_ptr
+                whole = whole and not living
+            sources.append(source)
+            in_place.append(living)
+            flags.append(1.0 if new else 0.0)
+        values = self.numel - len(self.params)
+        if whole:
+            # The same products as one multiplication per gradient (each element is source * scale, exactly):
+            # for a small bucket, two passes in two calls per range cost less than a call or three per parameter.
+            for lo, hi, parts in self._ranges(keep):
+                pieces = [sources[i] if whole_part else sources[i][a:b] for i, a, b, whole_part in parts]
+                torch.cat(pieces, out=self.send[lo:hi]).mul_(scale)
+        else:
+            for source, living, target, offset in zip(sources, in_place, self._targets, self._offsets, strict=True):
+                if living:
                     target.mul_(scale)
                 else:
                     _copy(source, target, offset, keep, scale)
-            sources.append(source)
-            flags.append(1.0 if new else 0.0)
-            offset += size
-        self.send[offset:].copy_(torch.tensor(flags, dtype=self.dtype))
+        self.send[values:].copy_(torch.tensor(flags, dtype=self.dtype))
         return sources
+
+    def _ranges(self, keep: tuple[int, int]) -> list[tuple[int, int, list[tuple[int, int, int, bool]]]]:
+        """The gradients' part of the send buffer outside ``keep``, as contiguous ranges ``(lo, hi, parts)``,
+        each part ``(i, a, b, whole)``: ``[a, b)`` of parameter ``i``'s gradient (all of it when ``whole``).
+        The same ``keep`` comes back every round (a worker's chunk), so the ranges are kept."""
+        cached = self._plans.get(keep)
+        if cached is not None:
+            return cached
+        values = self.numel - len(self.params)
+        k0, k1 = min(keep[0], values), min(keep[1], values)
+        spans = [(0, values)] if k0 >= k1 else [(0, k0), (k1, values)]
+        plan = []
+        for lo, hi in spans:
+            parts = []
+            for i, (offset, size) in enumerate(zip(self._offsets, self.sizes, strict=True)):
+                a, b = max(lo, offset) - offset, min(hi, offset + size) - offset
+                if a < b:
+                    parts.append((i, a, b, a == 0 and b == size))
+            if parts:
+                plan.append((lo, hi, parts))
+        self._plans[keep] = plan
+        return plan
 
     def own(self, sources: list[Source], lo: int, hi: int, scale: float) -> list[tuple[int, int, Source, float]]:
         """``(a, b, source, factor)`` covering ``[lo, hi)``: this worker's contribution there is
         ``source * factor``: the gradient slices :meth:`gather` kept back (None: zero), and the
         flags at the end of the bucket, which are always in the send buffer."""
+        plan = self._owned.get((lo, hi))
+        if plan is None:  # the same chunk every round: where it cuts the gradients is worked out once
+            plan = self._owned[(lo, hi)] = self._plan_own(lo, hi)
+        parts, flags = plan
         pieces: list[tuple[int, int, Source, float]] = []
-        offset = 0
-        for size, source in zip(self.sizes, sources, strict=True):
+        for i, a, b, whole in parts:
+            source = sources[i]
+            if source is not None and not whole:
+                offset = self._offsets[i]
+                source = source[a - offset : b - offset]
+            pieces.append((a, b, source, scale))
+        if flags is not None:
+            pieces.append(flags)
+        return pieces
+
+    def _plan_own(self, lo: int, hi: int) -> tuple[list[tuple[int, int, int, bool]], tuple | None]:
+        parts = []
+        for i, (offset, size) in enumerate(zip(self._offsets, self.sizes, strict=True)):
             a, b = max(lo, offset), min(hi, offset + size)
             if a < b:
-                pieces.append((a, b, source[a - offset : b - offset] if source is not None else None, scale))
-            offset += size
-        if hi > offset:
-            a = max(lo, offset)
-            pieces.append((a, hi, self.send[a:hi], 1.0))
-        return pieces
+                parts.append((i, a, b, a == offset and b == offset + size))
+        values = self.numel - len(self.params)
+        flags = None
+        if hi > values:
+            a = max(lo, values)
+            flags = (a, hi, self.send[a:hi], 1.0)
+        return parts, flags
 
     def scatter(self) -> None:
         """Point each parameter that got a gradient on some worker at its slice of the reduced buffer."""
-        offset = 0
-        for param, size, flag in zip(self.params, self.sizes, self.flags.tolist(), strict=True):
+        for i, (param, ptr, flag) in enumerate(zip(self.params, self._slot_ptrs, self.flags.tolist(), strict=True)):
             if flag > 0.5:
-                view = self.values[offset : offset + size].view_as(param)
-                if param.grad is None or param.grad.data_ptr() != view.data_ptr() or param.grad.is_sparse:
+                grad = param.grad
+                if grad is None or grad.is_sparse or grad.data_ptr() != ptr:
+                    view = self._views[i]
+                    if view.shape != param.shape:  # the parameter was reshaped in place (param.data = ...)
+                        view = self._views[i] = self._slots[i].view_as(param)
                     param.grad = view
-            offset += size
 
 
 def _copy(source: torch.Tensor | None, target: torch.Tensor, offset: int, keep: tuple[int, int], scale: float) -> None:

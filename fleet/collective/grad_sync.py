@@ -61,6 +61,9 @@ from fleet.errors import FleetError, PeerError
 from fleet.telemetry import timing
 from fleet.training.owners import find_owners, is_sparse_embedding_weight
 
+_UNKNOWN = object()  # a parameter whose owner was never looked for
+_NO_GRAD = (lambda: None, -1)  # how _idle remembers a parameter without a gradient
+
 
 class GradSync:
     """Averages gradients over ``group`` (None: one worker, rounds only scale for accumulation).
@@ -194,16 +197,21 @@ class GradSync:
 
     def refresh(self) -> Layout:
         """The layout for the parameters as they are now; rebuilt (and hooked) if they changed."""
-        registered = self.registered()
-        new = [p for p in registered if p not in self._owners]
+        return self._refresh(self.registered())
+
+    def _refresh(self, registered: list[torch.Tensor]) -> Layout:
+        owners = self._owners.get_all(registered, _UNKNOWN)
+        new = [p for p, owner in zip(registered, owners, strict=True) if owner is _UNKNOWN]
         if new:  # a gc scan, only when parameters were added
             found = find_owners(new)
             for p in new:
                 self._owners.set(p, found[id(p)])
-        sparse = {id(p) for p in registered if is_sparse_embedding_weight(self._owners.get(p))}
-        signature = tuple((id(p), p.requires_grad, id(p) in sparse) for p in registered)
+            owners = self._owners.get_all(registered)
+        sparse_flags = [is_sparse_embedding_weight(owner) for owner in owners]
+        signature = tuple(zip(map(id, registered), [p.requires_grad for p in registered], sparse_flags, strict=True))
         if self._layout is not None and self._layout.signature == signature:
             return self._layout
+        sparse = {id(p) for p, flag in zip(registered, sparse_flags, strict=True) if flag}
         layout = Layout(registered, signature, sparse, self.bucket_bytes)
         if self._hooked:
             for p in layout.dense + layout.sparse:
@@ -227,10 +235,12 @@ class GradSync:
         # The round's layout as well as the registered parameters: an optimizer the script dropped may have
         # been collected during the round (on this worker only), leaving its parameters in the layout with
         # their old gradients -- remembered here, they are not taken for gradients set by hand at step().
-        self._idle = {
-            id(p): (weakref.ref(p.grad), p.grad._version) if p.grad is not None else (lambda: None, -1)
-            for p in [*layout.dense, *layout.sparse, *self.registered()]
-        }
+        idle: dict[int, tuple[Any, int]] = {}
+        for p in (*self.registered(), *layout.dense, *layout.sparse):
+            if id(p) not in idle:  # the layout's parameters are registered too, as a rule
+                grad = p.grad
+                idle[id(p)] = _NO_GRAD if grad is None else (weakref.ref(grad), grad._version)
+        self._idle = idle
 
     def _set_by_hand(self, layout: Layout) -> set[int]:
         """Layout parameters whose gradient was set or written since the last round without a backward
@@ -292,10 +302,11 @@ class GradSync:
         """
         self._in_round = True
         try:
-            layout = self.refresh()
+            registered = self.registered()
+            layout = self._refresh(registered)
             self._changed |= self._set_by_hand(layout)
             if self.lockstep is not None and in_backward:
-                header = (len(self._changed), self._unverified())  # b > 0: this worker has a gradient to send
+                header = (len(self._changed), self._unverified(registered))  # b > 0: this worker has a gradient
                 self._header = self.lockstep.start(lockstep.ROUND, layout.fingerprint, *header, settle=self._settle)
             elif not self._agree(layout, None):
                 self._in_round = False
@@ -307,19 +318,25 @@ class GradSync:
         self._early = set()
         self._pending = [0] * len(layout.buckets)
         self._works = [None] * len(layout.buckets)
-        for p in layout.dense:
-            if in_backward and torch._C._will_engine_execute_node(layout.nodes[id(p)]):
-                self._pending[layout.where[id(p)].index] += 1
-            else:
-                self._early.add(id(p))
+        if in_backward:
+            will_execute = torch._C._will_engine_execute_node
+            for pid, node, index in layout.accumulators:
+                if will_execute(node):
+                    self._pending[index] += 1
+                else:
+                    self._early.add(pid)
+        else:
+            self._early.update(map(id, layout.dense))
         self._next = 0
         if in_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         self._launch_ready()
         return True
 
-    def _unverified(self) -> int:
-        return sum(1 for p in self.registered() if p not in self._verified)
+    def _unverified(self, registered: list[torch.Tensor] | None = None) -> int:
+        """How many registered parameters (``registered``: as just listed) were never broadcast."""
+        verified = self._verified.get_all(self.registered() if registered is None else registered, False)
+        return len(verified) - sum(verified)
 
     def _agree(self, layout: Layout, header: lockstep.InFlight | None) -> bool:
         """Agree on this round (see :mod:`fleet.collective.lockstep`), from the header ``header`` started, or
@@ -329,7 +346,7 @@ class GradSync:
         if lock is None:
             active = 1
         else:
-            unverified = self._unverified()
+            unverified = self._unverified() if header is None else None  # the header carries it
             if header is None:
                 agreement = lock.exchange(lockstep.ROUND, layout.fingerprint, len(self._changed), unverified)
             else:
@@ -337,6 +354,8 @@ class GradSync:
             if agreement.fingerprints_differ():
                 # An optimizer the script dropped may be awaiting the garbage collector on some workers only
                 # (a reference cycle, e.g. through an LR scheduler): collect everywhere, then compare again.
+                if unverified is None:
+                    unverified = self._unverified()
                 gc.collect()
                 layout = self.refresh()
                 agreement = lock.exchange(lockstep.ROUND, layout.fingerprint, len(self._changed), unverified)

@@ -35,6 +35,15 @@ class ParamMap:
     def set(self, param: torch.Tensor, value: Any) -> None:
         self._entries[id(param)] = (weakref.ref(param), value)
 
+    def get_all(self, params: list[torch.Tensor], default: Any = None) -> list[Any]:
+        """``[get(p, default) for p in params]``, in one call (a round asks for every parameter's)."""
+        entries = self._entries
+        out = []
+        for param in params:
+            entry = entries.get(id(param))
+            out.append(entry[1] if entry is not None and entry[0]() is param else default)
+        return out
+
     def values(self) -> list[Any]:
         return [value for ref, value in self._entries.values() if ref() is not None]
 
@@ -57,7 +66,8 @@ class Layout:
         self.sparse = [p for p in trainable if id(p) in sparse]
         self.buckets = bucketing.build(self.dense, bucket_bytes)
         self.where = {id(p): b for b in self.buckets for p in b.params}
-        self.nodes = {id(p): get_gradient_edge(p).node for p in self.dense}
+        # Per dense parameter, what a round's start asks the autograd engine about, and where it counts.
+        self.accumulators = [(id(p), get_gradient_edge(p).node, self.where[id(p)].index) for p in self.dense]
         position = {id(p): i for i, p in enumerate(registered)}
         text = repr(
             [self.registered, bucket_bytes]

@@ -103,3 +103,26 @@ def test_a_chunk_sums_a_gradient_that_lives_in_its_own_result_buffer_with_three_
         want = [others + 6.0 / world, others + 7.0 / world, others + 8.0 / world, others + 1.0 / world]
         for k in range(world):
             assert torch.allclose(results[k], torch.tensor(want)), (world, k, results[k].tolist())
+
+
+def test_a_small_bucket_gathered_whole_sends_exactly_what_a_gradient_at_a_time_sends(monkeypatch):
+    # A small bucket is copied in one call and scaled in one pass; a large one gradient by gradient.
+    generator = torch.Generator().manual_seed(0)
+    sizes = (3, 7, 0, 1, 12, 5)  # an empty parameter without a gradient (a sharded table's placeholder)
+    for keep in [(0, 0), (2, 6), (0, 28), (9, 31), (4, 5), (28, 34)]:
+        sent = []
+        for small in (True, False):
+            monkeypatch.setattr(buckets, "SMALL_BUCKET_BYTES", 1 << 20 if small else 0)
+            params = _params(*sizes)
+            bucket = buckets.Bucket(0, params)
+            bucket.attach(torch.zeros(bucket.numel), send=torch.full((bucket.numel,), -1.0))
+            assert bucket._small is small
+            for p in params:
+                if p.numel():
+                    p.grad = torch.randn(p.numel() * 2, generator=generator)[::2]  # not contiguous
+            sources = bucket.gather(1 / 3, changed={id(p) for p in params[1:]}, keep=keep)
+            sent.append((bucket.send.clone(), [s if s is None else s.clone() for s in sources]))
+            generator.manual_seed(0)
+        assert torch.equal(sent[0][0], sent[1][0]), keep
+        assert [s is None for s in sent[0][1]] == [s is None for s in sent[1][1]]
+        assert all(a is None or torch.equal(a, b) for a, b in zip(sent[0][1], sent[1][1], strict=True))

@@ -171,6 +171,28 @@ def test_buckets_summed_on_their_own_thread_equal_single_process():
             assert not patterns.compare(result[name], want), name
 
 
+def small_overlapped_worker(rank: int) -> dict:
+    """The summing thread takes even buckets too small to pay for its hand-off (the training thread's otherwise)."""
+    import fleet
+    from fleet.collective.transports import shared_memory as transport
+
+    transport.overlap_pays = lambda workers_here: True
+    transport.THREAD_MIN_BYTES = 0
+    fleet.init()
+    out = patterns.distributed("unused_branch", "adam", rank, 2, fleet.distributed_optimizer)
+    fleet.stop_worker()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_small_buckets_summed_on_the_thread_equal_single_process():
+    results = run_workers(small_overlapped_worker, 2)
+    want = patterns.reference("unused_branch", "adam", 2)
+    for result in results:
+        assert not patterns.compare(result, want)
+
+
 def connect_worker(rank: int) -> dict:
     """LocalHost.connect three times: as it is; with worker 1 in another pid namespace; with worker 1 seeing a
     file of the segment's name that is not worker 0's memory (another /dev/shm)."""

@@ -35,6 +35,10 @@ from fleet.collective.buckets import Bucket
 from fleet.collective.transports.base import Setup, Transport
 
 CLOSE_WAIT_S = 2.0  # the most close() waits for the summing thread (a bucket sums in milliseconds)
+# When every worker's chunk of every bucket of a layout is smaller than this, the training thread sums them
+# when backward ends, even where the summing thread runs: its hand-off (a queue, a wake-up, an event back)
+# costs more than summing them there, and there is too little to overlap.
+THREAD_MIN_BYTES = 64 << 10
 
 
 class _Work:
@@ -70,12 +74,43 @@ class _Work:
             raise self.error
 
 
+class _Inline:
+    """A bucket the training thread sums itself when it waits for it: no thread to hand it to, or too small
+    for the hand-off (a queue and a wake-up) to pay."""
+
+    def __init__(self, run: Any):
+        self.run = run
+
+    def wait(self, timeout: timedelta) -> None:
+        self.run()  # the barriers inside time out on a late peer
+
+
 class _Segment:
     """One bucket's shared memory: every worker's send buffer and result buffer."""
 
-    def __init__(self, sends: list[torch.Tensor], results: list[torch.Tensor]):
+    def __init__(self, sends: list[torch.Tensor], results: list[torch.Tensor], inline: bool = False):
         self.sends = sends
         self.results = results
+        self.inline = inline  # summed on the training thread even when the summing thread runs
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor | None, list[torch.Tensor]]] = {}
+
+    def views(self, rank: int, a: int, b: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``[a, b)`` of ``rank``'s result buffer and of the others' send buffers; a worker's chunk is cut
+        into the same pieces every round, so each is sliced once."""
+        key = (rank, a, b)
+        views = self._views.get(key)
+        if views is None:
+            others = [send[a:b] for k, send in enumerate(self.sends) if k != rank]
+            views = self._views[key] = (self.results[rank][a:b], others)
+        return views
+
+    def results_of(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """``[lo, hi)`` of every worker's result buffer (sliced once, as :meth:`views`)."""
+        key = (-1, lo, hi)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = (None, [result[lo:hi] for result in self.results])
+        return views[1]
 
 
 class SharedMemoryTransport:
@@ -157,9 +192,15 @@ class SharedMemoryTransport:
                     os.unlink(path)
                 except OSError:
                     pass
+        # The barriers of one channel must run in the same order on every worker, so either all of a layout's
+        # buckets go to the thread (in order) or none does: none when every chunk is too small to pay for it.
+        inline = all(
+            b.numel * maps[0].element_size() // self.world < THREAD_MIN_BYTES
+            for b, maps in zip(fresh, peers, strict=True)
+        )
         for bucket, maps in zip(fresh, peers, strict=True):
             n = bucket.numel
-            segment = self._segments[bucket] = _Segment([m[:n] for m in maps], [m[n:] for m in maps])
+            segment = self._segments[bucket] = _Segment([m[:n] for m in maps], [m[n:] for m in maps], inline)
             bucket.attach(segment.results[self.rank], send=segment.sends[self.rank])
         if self._thread is None and self.overlap:
             self._thread = threading.Thread(target=self._run, name="fleet-shm-reduce", daemon=True)
@@ -169,16 +210,17 @@ class SharedMemoryTransport:
         """The part of the bucket this worker sums: the rank-th of ``world`` contiguous chunks."""
         return self.rank * bucket.numel // self.world, (self.rank + 1) * bucket.numel // self.world
 
-    def _submit(self, segment: _Segment, lo: int, hi: int, own: list, index: int) -> _Work:
+    def _submit(self, segment: _Segment, lo: int, hi: int, own: list, index: int) -> _Inline | _Work:
         def run() -> None:
             self.channel.barrier()  # every worker's gradients are in its send buffer
             _sum_chunk(segment, self.rank, lo, hi, own)
             self.channel.barrier()  # every chunk is summed into every result buffer
 
+        if self._thread is None or segment.inline:
+            return _Inline(run)  # the training thread sums it when backward ends
         work = _Work(index, run)
-        if self._thread is not None:
-            self._queue.put(work)
-        return work  # without the thread, the training thread sums it when backward ends
+        self._queue.put(work)
+        return work
 
     def launch(self, bucket: Bucket, scale: float, changed: set[int]) -> Any:
         segment = self._segments.get(bucket)
@@ -198,7 +240,7 @@ class SharedMemoryTransport:
         return self._submit(segment, lo, hi, [(lo, hi, None, 1.0)], bucket.index)
 
     def wait(self, bucket: Bucket, work: Any, timeout: timedelta) -> None:
-        if isinstance(work, _Work):
+        if isinstance(work, _Inline | _Work):
             work.wait(timeout)
         else:
             self.fallback.wait(bucket, work, timeout)
@@ -235,29 +277,29 @@ def overlap_pays(workers_here: int) -> bool:
 def _sum_chunk(segment: _Segment, rank: int, lo: int, hi: int, own: list) -> None:
     """Sum ``[lo, hi)`` of the bucket: the other workers' send buffers plus this worker's ``own`` pieces
     (see :meth:`Bucket.own`), into this worker's result buffer, then copy it into the others'."""
-    total = segment.results[rank][lo:hi]
-    others = [send for k, send in enumerate(segment.sends) if k != rank]
+    results = segment.results_of(lo, hi)
+    total = results[rank]
     for a, b, source, factor in own:
-        out = total[a - lo : b - lo]
+        out, others = segment.views(rank, a, b)
         if source is not None and _overlaps(source, out):
             # The gradient lives in this very result buffer (backward accumulated into last round's
             # result: zero_grad(set_to_none=False), or two backward passes before a step). With three
             # or more workers the others' sum is written into it before it is read: read it first.
             source = source.clone()
-        base = others[0][a:b]
+        base = others[0]
         if len(others) > 1:
-            torch.add(base, others[1][a:b], out=out)
+            torch.add(base, others[1], out=out)
             for send in others[2:]:
-                out.add_(send[a:b])
+                out.add_(send)
             base = out
         if source is None:
             if base is not out:
                 out.copy_(base)
         else:
             torch.add(base, source, alpha=factor, out=out)
-    for k, result in enumerate(segment.results):
+    for k, result in enumerate(results):
         if k != rank:
-            result[lo:hi].copy_(total)
+            result.copy_(total)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
