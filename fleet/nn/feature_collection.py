@@ -394,10 +394,10 @@ class SparseFeatureCollection(nn.Module):
         it does nothing. Call it with the next batch before this step's ``optimizer.step()``; the
         forward whose batch has the same ids uses it.
         """
-        bags = self._bags(features)
         if not backends.can_prefetch([table.backend() for table in self.tables.values()]):
-            self._prefetched = None  # the forward pulls: planning now would be done twice
+            self._prefetched = None  # the forward pulls (and reads its input): doing it now would be done twice
             return
+        bags = self._bags(features)
         plans = self._plan(bags)
         future = backends.prefetch_many([(table.backend(), unique) for _, table, _, _, unique, _ in plans])
         # A copy of the ids (the caller may refill its tensors in place before the forward): the forward whose
