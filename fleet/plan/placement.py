@@ -21,12 +21,15 @@ collective terms are :class:`~fleet.plan.model.Model`'s):
   (R-1) x U rows, since every replica applies the union's update.
 - **sharded**: the same without the all-gather: 5 all-to-alls a step (counts, ids, rows in the
   forward; counts, gradients at the step), each (R-1) latencies, carrying 2 (R-1)/R x Sp;
-  an owner looks up and applies about U rows a step, as a local table does.
+  an owner looks up and applies about U rows a step, as a local table does; routing each of the
+  U ids (grouping, the row gathered and placed, its gradient likewise) costs about two lookups of
+  an existing row.
 - **table_wise**: each table whole on one holder; a collection's bags go to the holders and one
   pooled vector per bag and feature comes back, its gradient at the step (as many rounds as
   sharded, carrying (R-1)/R x (8 bytes per id and per bag, 2 x 4 x batch x the pooled width)); the holder of the
   largest share of the tables' work (the widest tables spread evenly, one table never split)
-  does R x that share of the sparse work where an even split would do 1/R each.
+  does R x that share of the sparse work where an even split would do 1/R each; copying each
+  pooled vector and its gradient costs about two lookups of an existing row.
 - **sharding**: sharded tables, and FSDP2's all-gather (twice: forward, backward) and
   reduce-scatter of D: 1.5 ring all-reduces' bytes.
 - **PS**: :class:`~fleet.plan.model.Model`'s PS sync / async / geo; with the dense layers
@@ -374,8 +377,16 @@ def _predict(
             # the busiest holder does r x its share of the tables' work, where an even split does 1/r each
             uneven = r * largest_share(work, r) - 1
             parts["the busiest holder's extra sparse work"] = uneven * sparse_work_s(cal) * stretch
+            if cal.sparse_pull_rows_s:
+                # each pooled vector, and its gradient, copied into and out of the exchange
+                vectors = (batch or cal.batch or 1) * sum(t.features for t in work.tables)
+                parts["copy the pooled vectors"] = 2 * vectors / cal.sparse_pull_rows_s * stretch
         elif r > 1:
             parts["rows to and from their owners"] = 2 * (r - 1) / r * work.sparse_bytes / link.bandwidth_Bps
+            if cal.sparse_pull_rows_s:
+                # per unique id: grouped by owner, its row gathered into the exchange and placed, its gradient
+                # likewise at the step: about two lookups of an existing row (W6: a third of a sharded worker's CPU)
+                parts["route the rows by id"] = 2 * cal.sparse_rows / cal.sparse_pull_rows_s * stretch
         return sum(parts.values()), parts
     dense_ar = name.endswith("_dense_ar")
     mode = name.removesuffix("_dense_ar")
