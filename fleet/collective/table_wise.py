@@ -275,6 +275,8 @@ class TableWiseRows(ShardedRows):
     def add_labels(self, labels: torch.Tensor) -> None:
         """The clicks of the last training forward: one label per sample (``record_clicks``), counted by the holder
         for every id of the sample's bags (a table with a life cycle: they travel with the pooled gradients)."""
+        if not self._sent:
+            raise RuntimeError("record_clicks follows a training forward of the collection, before its step")
         bags = self._sent[-1][0].shape[0]
         if labels.numel() != bags:
             raise ValueError(f"record_clicks got {labels.numel()} labels for {bags} samples: one per sample")
