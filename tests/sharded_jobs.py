@@ -441,3 +441,19 @@ def mixed_mode_worker(rank: int) -> tuple[str, str]:
     except Exception as error:  # noqa: BLE001 - the test checks which error and what it says
         return type(error).__name__, str(error)
     return "finished", ""
+
+
+def mixed_weights_worker(rank: int) -> tuple[str, str]:
+    """Worker 0 gives its bags per-id weights, worker 1 does not, on a collection of table-wise tables."""
+    import fleet
+
+    fleet.init(strategy=fleet.DistributedStrategy(table_placement="table_wise", timeout_s=60))
+    collection = fleet.nn.SparseFeatureCollection([fleet.nn.FeatureTable("t", DIM)])
+    fleet.distributed_optimizer(torch.optim.SGD(collection.parameters(), lr=0.1))
+    ids, lengths = torch.tensor([1, 2, 3]), torch.tensor([2, 1])
+    bags = (ids, lengths, torch.ones(3)) if rank == 0 else (ids, lengths)
+    try:
+        collection({"t": bags})
+    except Exception as error:  # noqa: BLE001 - the test checks which error and what it says
+        return type(error).__name__, str(error)
+    return "finished", ""

@@ -128,3 +128,11 @@ def test_one_worker_evaluating_while_another_trains_is_named_on_every_worker() -
     for kind, message in run_workers(sharded_jobs.mixed_mode_worker, 2, timeout=90):
         assert kind == "FleetError", (kind, message)
         assert "workers [1] look up to train" in message and "held by worker" in message, message
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_per_id_weights_on_one_worker_only_are_named_on_every_worker() -> None:
+    for kind, message in run_workers(sharded_jobs.mixed_weights_worker, 2, timeout=90):
+        assert kind == "FleetError", (kind, message)
+        assert "workers [0] pass per-id weights for feature 0" in message, message
