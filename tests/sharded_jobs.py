@@ -332,16 +332,18 @@ def nonfinite_worker(rank: int) -> dict[str, Any]:
     return out
 
 
-def checkpoint_worker(rank: int, ckpt: str, resume: bool) -> dict[str, Any]:
-    """mode="sharding" (tables sharded by default): save a checkpoint after STEPS steps, or load it (on another
-    number of workers) and train the two steps after it; the tables' rows and the head either way."""
+def checkpoint_worker(rank: int, ckpt: str, resume: bool, placement: str = "auto") -> dict[str, Any]:
+    """mode="sharding" (tables sharded by default, or as ``placement`` says): save a checkpoint after STEPS steps, or
+    load it (on another number of workers) and train the two steps after it; the tables' rows and the head either
+    way."""
     import fleet
 
     fleet.init()
     torch.manual_seed(1 if resume else 0)
     model = Net()
     opt = fleet.distributed_optimizer(
-        make_optimizer("adagrad", model.parameters()), fleet.DistributedStrategy(mode="sharding")
+        make_optimizer("adagrad", model.parameters()),
+        fleet.DistributedStrategy(mode="sharding", table_placement=placement),
     )
     if resume:
         assert fleet.load_checkpoint(ckpt, model, opt).step == STEPS

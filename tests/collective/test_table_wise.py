@@ -136,3 +136,18 @@ def test_per_id_weights_on_one_worker_only_are_named_on_every_worker() -> None:
     for kind, message in run_workers(sharded_jobs.mixed_weights_worker, 2, timeout=90):
         assert kind == "FleetError", (kind, message)
         assert "workers [0] pass per-id weights for feature 0" in message, message
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two jobs (2 then 3 workers): the slow set keeps the README suite under 10 min
+@pytest.mark.timeout(300)
+def test_a_table_wise_sharding_checkpoint_resumes_on_another_number_of_workers(tmp_path) -> None:
+    """fleet.save_checkpoint in mode="sharding" with table-wise tables holds every row; loaded by 3 workers, each
+    table's new holder takes its rows and training goes on as one process would."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_workers(sharded_jobs.checkpoint_worker, 2, ckpt, False, "table_wise", timeout=200)
+    resumed = run_workers(sharded_jobs.checkpoint_worker, 3, ckpt, True, "table_wise", timeout=200)
+    want = sharded_jobs.reference_resume(2, 3)
+    for result in resumed:
+        _check({"tables": result["loaded"], "dense": {}}, {"tables": saved[0]["saved"], "dense": {}}, 3)
+        _check(result, want, 3)
