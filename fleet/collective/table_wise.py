@@ -24,10 +24,10 @@ process on the union (exactly, for ``N`` a power of two); the holder divides the
 ``N``. So the rows follow one process on the union of the batches, and the test checks them to
 1e-6 (every row optimizer, 2 and 3 workers).
 
-The pooled path covers collections whose tables are all table-wise in one group, on CPU tensors
-(per-id weights travel with the ids); a table with a life cycle (admission, TTL, ``max_rows``) counts its clicks
-on the holder, from the labels ``record_clicks`` gives each worker's forward, which travel with
-the pooled gradients. Every other lookup of a table-wise table, and a table
+The pooled path covers collections whose tables are all table-wise in one group, on CPU tensors;
+per-id weights travel with the ids, and a table with a life cycle (admission, TTL, ``max_rows``)
+counts its clicks on the holder, from the labels ``record_clicks`` gives each worker's forward,
+which travel with the pooled gradients. Every other lookup of a table-wise table, and a table
 module called on its own, takes the row path of :class:`~fleet.collective.sharded_rows.ShardedRows`
 (ids to the holder, rows back, row gradients at the step), which is exact as well.
 """
