@@ -114,12 +114,15 @@ class TableWiseRows(ShardedRows):
 
     def __init__(self, module: Any, holder: int, *args: Any, **kwargs: Any):
         self.holder = holder
-        self.counts_holder = holder
         self._held: list[_Held] = []  # the holder's: pooled forwards awaiting their step
         self._sent: list[list[torch.Tensor]] = []  # every worker's: its pooled vectors (leaves) of each forward
         self._labels: list[torch.Tensor | None] = []  # and the labels record_clicks gave for each (None: none)
         self.pooled = 0  # forwards whose bags were pooled by the holder (the rest took the row path)
         super().__init__(module, *args, **kwargs)
+
+    @property
+    def counts_holder(self) -> int:  # type: ignore[override]
+        return self.holder  # the only share holding rows keeps the table-wide counts
 
     def owners(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.full_like(ids, self.holder, dtype=torch.int64)
@@ -302,8 +305,9 @@ class TableWiseRows(ShardedRows):
     @classmethod
     def step_together(cls, items: list[tuple[ShardedRows, dict[str, Any]]], optimizer_class: type) -> None:
         """Tables whose lookups were pooled here step by their pooled gradients; the others by their rows."""
-        pooled = [(b, g) for b, g in items if isinstance(b, TableWiseRows) and b.awaits_pooled_step]
-        by_rows = [(b, g) for b, g in items if not (isinstance(b, TableWiseRows) and b.awaits_pooled_step)]
+        # (every item is a TableWiseRows: fleet.sparse.backends.step_tables groups the backends by class)
+        pooled = [(b, g) for b, g in items if b.awaits_pooled_step]  # type: ignore[attr-defined]
+        by_rows = [(b, g) for b, g in items if not b.awaits_pooled_step]  # type: ignore[attr-defined]
         if by_rows:
             super().step_together(by_rows, optimizer_class)
         if pooled:

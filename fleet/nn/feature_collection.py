@@ -415,18 +415,22 @@ class SparseFeatureCollection(nn.Module):
             return None
         return plans, future
 
-    def _pull(self, plans: list[tuple], future: Any = None) -> list[torch.Tensor]:
+    def _pull(self, plans: list[tuple], where: list[Any], future: Any = None) -> list[torch.Tensor]:
+        """Each plan's rows, from its table's backend (``where``, in the plans' order)."""
         if future is not None:
             rows = backends.collect_many(future)
             if rows is not None:
                 return rows
-        return backends.pull_many([(table.backend(), unique) for _, table, _, _, unique, _ in plans])
+        return backends.pull_many([(backend, plan[4]) for backend, plan in zip(where, plans, strict=True)])
 
-    def _pooled_where_held(self, bags: dict[str, Bags], training: bool) -> dict[str, torch.Tensor] | None:
+    def _pooled_where_held(
+        self, bags: dict[str, Bags], training: bool, where: list[Any]
+    ) -> dict[str, torch.Tensor] | None:
         """Every feature's pooled bags, pooled by the workers holding the tables (tables sharded table-wise:
-        ``fleet.collective.table_wise``), or None where the rows come here to be pooled."""
+        ``fleet.collective.table_wise``; ``where``: each table's backend), or None where the rows come here to be
+        pooled."""
         requests = [[bags[f] for f in self._features[name]] for name in self.tables]
-        got = backends.pool_many([table.backend() for table in self.tables.values()], requests, training, _pool_union)
+        got = backends.pool_many(where, requests, training, _pool_union)
         if got is None:
             return None
         out = {f: vector for name, vectors in zip(self.tables, got, strict=True)
@@ -438,12 +442,13 @@ class SparseFeatureCollection(nn.Module):
     def forward(self, features: Any) -> dict[str, torch.Tensor]:
         bags = self._bags(features)
         training = torch.is_grad_enabled() and self.training
-        pooled = self._pooled_where_held(bags, training)
+        where = [table.backend() for table in self.tables.values()]  # asked once a forward: the strategy's choice
+        pooled = self._pooled_where_held(bags, training, where)
         if pooled is not None:
             return pooled
         prefetched = self._take_prefetch(bags)
         plans, future = prefetched if prefetched is not None else (self._plan(bags), None)
-        pulled = self._pull(plans, future)
+        pulled = self._pull(plans, where, future)
         out: dict[str, torch.Tensor] = {}
         for (name, table, kept, keeps, unique, inverse), rows in zip(plans, pulled, strict=True):
             rows = table.track(unique, rows, inverse)
