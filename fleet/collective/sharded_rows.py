@@ -404,8 +404,11 @@ class ShardedRows:
         counts = [d["n"] for d in described]
         parts: dict[str, list[torch.Tensor]] = {k: [] for k in keep}
         for start in range(0, max(counts), piece):
+            # the piece's rows, as many as the most any worker has left (the same on every worker): a small table
+            # is not padded to a whole piece (PIECE_BYTES per worker and field, across hosts too)
+            rows = min(piece, max(counts) - start)
             for key in keep:
-                block = _padded(fields.get(key), start, piece, *layouts[key])
+                block = _padded(fields.get(key), start, rows, *layouts[key])
                 every = [torch.empty_like(block) for _ in range(self.workers)]
                 self._all_gather(every, block, f"gathering the rows of a sharded table ({key})")
                 for worker, got in enumerate(every):
