@@ -18,6 +18,8 @@ def parts():
     port = router.bind_to_random_port("tcp://127.0.0.1")
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(f"tcp://127.0.0.1:{port}")
+    dealer.send(b"hello")  # the handshake done before a test starts: its wake-ups are the test's own
+    assert router.poll(10_000) and router.recv_multipart()[1] == b"hello"
     a, b = socket.socketpair()
     a.setblocking(False)
     try:
@@ -86,3 +88,29 @@ def test_touching_a_zeromq_socket_ends_the_plain_poll(parts) -> None:
     router.recv_multipart()  # one of two read: the second makes no new edge
     w.settle(ready, touched_zmq=True)
     assert router in w.poll(5000)  # so ZeroMQ's own poll must see it
+
+
+def test_a_wake_up_with_nothing_to_read_waits_on(parts) -> None:
+    """A new peer's handshake makes the router's FD readable with no message: that is not an answer."""
+    router, dealer, a, _ = parts
+    w = Waiter()
+    w.register(router, zmq.POLLIN)
+    w.register(a.fileno(), zmq.POLLIN)
+    w.settle(w.poll(0), touched_zmq=False)
+    assert w.quiet
+    late = router.context.socket(zmq.DEALER)
+    try:
+        late.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))  # a handshake, no message
+        give_up = time.monotonic() + 20
+        while w.empty_wakes == 0 and time.monotonic() < give_up:  # the handshake reaches the router
+            started = time.monotonic()
+            assert w.poll(300) == {}  # empty only once the time is up, as ZeroMQ's own poll answers
+            assert time.monotonic() - started >= 0.25
+        assert w.empty_wakes >= 1
+        w.settle({}, touched_zmq=False)
+        late.send(b"late")
+        ready = w.poll(5000)
+        assert router in ready, ready
+        assert router.recv_multipart(zmq.NOBLOCK)[1] == b"late"
+    finally:
+        late.close(0)

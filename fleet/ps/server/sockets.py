@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import select
+import time
 from typing import Any
 
 import zmq
@@ -175,6 +176,7 @@ class Waiter:
         #: True while the plain poll may stand for ZeroMQ's (see the module's docstring)
         self.quiet = False
         self.plain_waits = 0  # wake-ups served by the plain poll (for tests and stats)
+        self.empty_wakes = 0  # ZeroMQ FD wake-ups with nothing to read (for tests and stats)
 
     def register(self, what: Any, flags: int) -> None:
         self._zmq.register(what, flags)
@@ -202,19 +204,37 @@ class Waiter:
         """Wait up to ``timeout_ms`` for any registered socket; what is ready, as ``dict(zmq.Poller.poll())``."""
         if not self.quiet:
             return dict(self._zmq.poll(timeout_ms))
-        got = self._os.poll(timeout_ms)
-        ready: dict[Any, int] = {}
-        for fd, events in got:
-            if fd in self._zmq_fds:  # ZeroMQ may have something: ask it properly (it sees the raw ones too)
+        deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms > 0 else 0.0
+        spurious = False
+        while True:
+            ready: dict[Any, int] = {}
+            for fd, events in self._os.poll(timeout_ms):
+                if fd in self._zmq_fds:  # ZeroMQ may have something: ask it properly (it sees the raw ones too)
+                    ready = dict(self._zmq.poll(0))
+                    break
+                ready[fd] = (
+                    (_ZIN if events & _IN else 0)
+                    | (_ZOUT if events & _OUT else 0)
+                    | (_ZERR if events & ~(_IN | _OUT) else 0)
+                )
+            else:
+                self.plain_waits += 1
+                return ready
+            if ready or timeout_ms == 0:
                 self.quiet = False
-                return dict(self._zmq.poll(0))
-            ready[fd] = (
-                (_ZIN if events & _IN else 0)
-                | (_ZOUT if events & _OUT else 0)
-                | (_ZERR if events & ~(_IN | _OUT) else 0)
-            )
-        self.plain_waits += 1
-        return ready
+                return ready
+            # ZeroMQ's FD is readable whenever events *may* have changed (a peer's handshake, a pipe
+            # attached): a wake-up with nothing to read. That poll read every socket's events, so the
+            # plain poll may stand for ZeroMQ's again for what is left of the wait (an empty answer
+            # means the time is up, as ZeroMQ's own poll would say); a second such wake-up hands the
+            # rest of the wait to ZeroMQ's poll, so an FD that stays readable cannot spin this loop.
+            self.empty_wakes += 1
+            if timeout_ms > 0:
+                timeout_ms = max(0, round((deadline - time.monotonic()) * 1000))
+            if spurious:
+                self.quiet = False
+                return dict(self._zmq.poll(timeout_ms))
+            spurious = True
 
     def settle(self, ready: dict[Any, int], touched_zmq: bool) -> None:
         """After the loop acted on ``ready`` (this wait's answer): may the next wait be the plain poll?
