@@ -123,6 +123,11 @@ class Calibration(BaseModel):
     """Mean seconds of one small all-reduce between 2 workers, back to back: one synchronizing round of a
     step, scheduling waits included (None: calibrations taken before it; the link's latency is used)."""
 
+    table_steps_s: dict[str, float] = Field(default_factory=dict)
+    """Seconds per step of a stand-in of the script's tables (same kind of module, widths, ids, lookups) on 2
+    workers of this host: ``local`` (alone, as the probe timed them) and sharded each way (``sharded``,
+    ``table_wise``): what sharding costs beyond the rates (:mod:`fleet.plan.table_steps`; empty: not measured)."""
+
     ps: Link | None = None
     """A parameter-server request: one pull of n bytes from one server."""
 

@@ -36,6 +36,11 @@ collective terms are :class:`~fleet.plan.model.Model`'s):
   all-reduced the servers carry only the rows and the workers add a ring all-reduce of D,
   which is a barrier: async then waits for the slowest worker too.
 
+Where the calibration measured a stand-in of the script's tables alone and placed each way on 2
+workers (:mod:`fleet.plan.table_steps`), a collective candidate is charged that measured difference
+instead of the tables' terms above (:func:`measured_extra_s`): on W6 the rates saw a sixth of what
+routing rows costs a worker.
+
 Memory per worker (and per server) rules candidates out: a table holds rows x dim x bytes x the
 optimizer's state multiplier (values included: SGD 1, Adagrad 2, Adam 3) plus its id index
 (:data:`INDEX_BYTES_PER_ROW`). An update that is not synchronous is ruled out when the
@@ -361,10 +366,14 @@ def _predict(
         ring = collective["all-reduce bandwidth"] * (1.5 if name == "sharding" else 1.0)
         parts = {"compute": collective["compute"], "wait for the slowest": collective["wait for the slowest"]}
         parts["dense all-reduce bytes"] = ring
+        measured = measured_extra_s(name, cal, r)
         if r > 1:
-            rounds = sync_rounds(name, work, cal)
+            rounds = sync_rounds(name, work, cal, tables=measured is None)
             parts[f"{rounds} synchronizing rounds"] = rounds * (r - 1) * round_s(cal, link, setup, stretch)
-        if name == "replicated" and r > 1:
+        if measured is not None:
+            # the tables' exchanges, routing and holders' work as measured on a stand-in of them (rounds included)
+            parts["the tables sharded (measured on 2 workers)"] = measured
+        elif name == "replicated" and r > 1:
             parts["rows all-gathered"] = (r - 1) * work.sparse_bytes / link.bandwidth_Bps
             if cal.sparse_apply_rows_s:
                 # every replica applies the union's rows: the others' (R-1) x U besides its own
@@ -414,7 +423,21 @@ def _predict(
     return sum(parts.values()), parts
 
 
-def sync_rounds(name: str, work: Workload, cal: Calibration) -> int:
+def measured_extra_s(name: str, cal: Calibration, workers: int) -> float | None:
+    """What sharding the tables adds to a worker's step, from the calibration's stand-in of them
+    (:mod:`fleet.plan.table_steps`, 2 workers): its step sharded less its step alone. ``sharding`` shards
+    rows as ``sharded`` does. None where not measured (the model's estimate from rates is used).
+
+    Measured for 2 workers: for R the part that grows with the share of ids sent elsewhere, (R-1)/R, is
+    scaled from its 1/2 (an approximation: the exchanges' rounds grow with R-1, the routing does not)."""
+    steps = cal.table_steps_s
+    key = "sharded" if name == "sharding" else name
+    if workers < 2 or key not in steps or "local" not in steps:
+        return None
+    return max(0.0, steps[key] - steps["local"]) * (2 * (workers - 1) / workers)
+
+
+def sync_rounds(name: str, work: Workload, cal: Calibration, tables: bool = True) -> int:
     """Synchronizing collectives per step of a collective candidate (each waits for every worker).
 
     The lockstep header and one all-reduce per 25 MB bucket of dense gradients; replicated tables:
@@ -427,8 +450,9 @@ def sync_rounds(name: str, work: Workload, cal: Calibration) -> int:
     rounds = 1 + buckets
     groups = 1 if work.collection else len(work.tables)
     if name == "replicated":
-        return rounds + 4 * len(work.tables)
-    rounds += (2 + SHARDED_EXCHANGES) * groups
+        return rounds + (4 * len(work.tables) if tables else 0)
+    if tables:  # (False: the tables' own rounds are in a measured step, :func:`measured_extra_s`)
+        rounds += (2 + SHARDED_EXCHANGES) * groups
     if name == "sharding":
         rounds += 3 * work.dense_units - buckets  # FSDP2 replaces the bucketed all-reduce
     return rounds

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -132,7 +133,51 @@ def run_measure(log_dir: Path, probe: dict[str, Any], reps: int = 7) -> dict[str
     ]
     command += ["--sparse-new", str(min(new, rows))]
     _run(command, log_dir / "transport.log", 300, "the transport measurement (2 workers)")
-    return json.loads(out.read_text())
+    net = json.loads(out.read_text())
+    steps = run_table_steps(log_dir, probe)
+    if steps:
+        net["table_steps"] = steps
+    return net
+
+
+def table_shapes(probe: dict[str, Any]) -> list[Any]:
+    """The probe's tables as :class:`fleet.plan.table_steps.TableShape` (none from records taken before it
+    counted lookups)."""
+    from fleet.plan.table_steps import TableShape
+
+    shapes = []
+    for t in probe.get("tables") or []:
+        ids, lookups = t.get("ids") or [], t.get("lookups") or []
+        if not ids or not lookups or "kind" not in t:
+            return []
+        mean_lookups = round(sum(lookups) / len(lookups))
+        if mean_lookups < 1:
+            continue
+        shapes.append(
+            TableShape(t["kind"], int(t["dim"]), round(sum(ids) / len(ids)), mean_lookups, int(t.get("features") or 1))
+        )
+    return shapes
+
+
+def run_table_steps(log_dir: Path, probe: dict[str, Any]) -> dict[str, float]:
+    """The script's tables (a stand-in) alone and sharded each way across 2 workers on this host, seconds per
+    step (:mod:`fleet.plan.table_steps`; one job per placement). Empty where there is nothing to measure."""
+    from fleet.plan import table_steps
+
+    shapes = table_shapes(probe)
+    if not shapes or (probe.get("device") or "cpu") != "cpu" or not probe.get("batch"):
+        return {}
+    steps: dict[str, list[float]] = {}
+    for placement in table_steps.PLACEMENTS:
+        out = log_dir / f"table_steps_{placement}.json"
+        command = [sys.executable, "-m", "fleet.launch", "--workers", "2", "--log-dir", str(log_dir / "table_steps")]
+        command += [str(Path(table_steps.__file__)), "--out", str(out), "--placement", placement]
+        command += ["--tables", table_steps.encode_all(shapes), "--batch", str(probe["batch"])]
+        _run(command, log_dir / f"table_steps_{placement}.log", 300, f"the tables' step measurement ({placement})")
+        for key, value in json.loads(out.read_text()).items():
+            if key in ("local", placement):
+                steps.setdefault(key, []).append(float(value))
+    return {key: statistics.median(values) for key, values in steps.items()}
 
 
 def build(probe: dict[str, Any], net: dict[str, Any], script: str = "") -> Calibration:
@@ -186,6 +231,7 @@ def build(probe: dict[str, Any], net: dict[str, Any], script: str = "") -> Calib
         "sparse_local_s": sum(local := probe.get("sparse_s") or [0.0]) / len(local),
         "allreduce": Link(latency_s=lat, bandwidth_Bps=bw, loopback=loopback, where=where, points=allreduce_pts),
         "round_s": net.get("round_s"),
+        "table_steps_s": net.get("table_steps") or {},
         "load_average": probe.get("load_average"),
         "assumptions": assumptions,
     }
@@ -230,6 +276,8 @@ def load_transport(path: Path) -> dict[str, Any]:
         }
         net["allreduce"] = cal.allreduce.points
         net["round_s"] = cal.round_s
+        if cal.table_steps_s:
+            net["table_steps"] = dict(cal.table_steps_s)
         if cal.ps is not None:
             net["ps"] = {"dense_pull": cal.ps.points}
             net["apply"] = {

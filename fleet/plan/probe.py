@@ -57,6 +57,7 @@ class Probe:
         self._entered: list[float] = []
         self._seen: dict[int, Any] = {}  # per table: an IdIndex of the ids looked up so far
         self._table_now: dict[int, int] = {}  # per table: unique ids of this step
+        self._lookups_now: dict[int, int] = {}  # per table: ids of this step, repeats included
         self.tables: dict[int, dict[str, Any]] = {}  # per table: its width, cap and unique ids per timed step
         self._hook_s = 0.0  # this step's time in the probe's own hooks, taken out of its computation
         self.sparse_dim = 0
@@ -96,7 +97,7 @@ class Probe:
                 self.excluded.add(id(p))
             self.params[id(p)] = p
 
-    def on_lookup(self, module: Any, ids: Any) -> None:
+    def on_lookup(self, module: Any, ids: Any, kind: str = "embedding", features: int = 1) -> None:
         # Runs inside the timed forward: O(batch) (a hash index, not isin over every id seen, which
         # grew to ~10 ms per step by W2's 30th step), and its time is taken out of the step's computation.
         from fleet.sparse.id_index import IdIndex
@@ -106,9 +107,15 @@ class Probe:
         unique = ids.detach().reshape(-1).unique()
         self._rows_now += int(unique.numel())
         self._table_now[id(module)] = self._table_now.get(id(module), 0) + int(unique.numel())
+        self._lookups_now[id(module)] = self._lookups_now.get(id(module), 0) + int(ids.numel())
         if id(module) not in self.tables:
             cap = getattr(module, "max_rows", None)
-            self.tables[id(module)] = {"dim": self.sparse_dim, "max_rows": cap if isinstance(cap, int) else None}
+            self.tables[id(module)] = {
+                "dim": self.sparse_dim,
+                "max_rows": cap if isinstance(cap, int) else None,
+                "kind": kind,  # how the script looks it up: the placement's measurement mimics it
+                "features": features,
+            }
         seen = self._seen.setdefault(id(module), IdIndex())
         new = unique[seen.lookup(unique) < 0]
         seen.insert_new(new)
@@ -135,10 +142,12 @@ class Probe:
         inside, self._sparse_now = self._sparse_now, 0.0
         hooks, self._hook_s = self._hook_s, 0.0
         per_table, self._table_now = self._table_now, {}
+        lookups, self._lookups_now = self._lookups_now, {}
         if self.seen <= self.warmup:
             return
         for key, table in self.tables.items():
             table.setdefault("ids", []).append(per_table.get(key, 0))
+            table.setdefault("lookups", []).append(lookups.get(key, 0))
         now = time.perf_counter()
         if self.first_timed is None:
             self.first_timed = now - wall
@@ -181,7 +190,7 @@ class Probe:
             "sparse_dim": self.sparse_dim,
             # the placement's tables: rows_seen is what the run touched, a lower bound of the table's size
             "tables": [
-                {"dim": t["dim"], "ids": t.get("ids", []), "max_rows": t["max_rows"], "rows_seen": len(self._seen[k])}
+                {**t, "ids": t.get("ids", []), "lookups": t.get("lookups", []), "rows_seen": len(self._seen[k])}
                 for k, t in self.tables.items()
             ],
             "batch": batch,
@@ -227,9 +236,10 @@ def install(probe: Probe) -> None:
                 by_table = module.ids_by_table(args[0])
                 probe._hook_s += time.perf_counter() - started  # the probe's own work, not the step's
                 for name, ids in by_table.items():
-                    probe.on_lookup(module.tables[name], ids)
+                    table = module.tables[name]
+                    probe.on_lookup(table, ids, "collection", len(table.features))
             elif args:
-                probe.on_lookup(module, args[0])
+                probe.on_lookup(module, args[0], "bag" if hasattr(module, "mode") else "embedding")
 
     torch.nn.modules.module.register_module_forward_pre_hook(before)
     torch.nn.modules.module.register_module_forward_hook(forward)
