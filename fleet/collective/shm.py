@@ -45,7 +45,7 @@ from collections.abc import Callable
 import torch
 
 from fleet.errors import PeerError
-from fleet.runtime import last_words
+from fleet.runtime import env, last_words
 from fleet.runtime.job_files import SHM_DIR, exit_status, owner_tag, process_alive, shm_prefix
 
 _SPINS = 50  # yields (tens of microseconds on idle cores) before sleeping in the kernel
@@ -63,6 +63,20 @@ class _Timespec(ctypes.Structure):
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def spinning_pays(workers_here: int, environ: env.EnvReader | None = None) -> bool:
+    """Whether a waiting worker may yield a few times (:data:`_SPINS`) before it sleeps on the futex.
+
+    Only where every process of the job on this host has a core of its own: the workers here and, under
+    fleetrun, its other processes (``FLEET_LOCAL_PROCESSES``: parameter servers too). Fewer cores than
+    processes, each yield hands the core to a process that had it anyway, or, when none is runnable there,
+    spins for nothing: W6's PS job (2 workers and a server on 2 cores) spent about a twentieth of each
+    worker's time in these spins.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    processes = (environ or env.current()).int(env.FLEET_LOCAL_PROCESSES, workers_here) or workers_here
+    return cores >= max(processes, workers_here)
 
 
 def supported() -> bool:
@@ -139,9 +153,12 @@ class Channel:
         timeout_s: float,
         check_pids: bool = True,
         epitaph: Callable[[int], str | None] | None = None,
+        spin: bool = True,
     ):
-        """``epitaph``: a gone worker's last words, by rank (:meth:`LocalHost.last_words`), where kept."""
+        """``epitaph``: a gone worker's last words, by rank (:meth:`LocalHost.last_words`), where kept.
+        ``spin``: whether a wait yields a few times before it sleeps (a job's channels: :func:`spinning_pays`)."""
         self.table = table.view(world, 2 + 2 * width)
+        self._spins = _SPINS if spin else 0
         self.epitaph = epitaph
         # The same memory as numpy, for the reads and writes of every exchange: a wait reads every worker's
         # sequence number at each of its spins, and torch's indexing costs microseconds per access, numpy's
@@ -206,7 +223,7 @@ class Channel:
             if not late:
                 return
             spins += 1
-            if spins < _SPINS and time.monotonic() - started < _SPIN_S:
+            if spins < self._spins and time.monotonic() - started < _SPIN_S:
                 time.sleep(0)
                 continue
             # Sleep on the first late worker's sequence word; it wakes us when it arrives.
@@ -258,15 +275,18 @@ class LocalHost:
         second = first + Channel.numel(world, self.BUCKETS_WIDTH)
         third = second + Channel.numel(world, self.TABLES_WIDTH)
         self._words = table[third : self.size(world)].view(world, self.WORDS)
+        spin = spinning_pays(world)
         self.lockstep = Channel(
-            table[:first], rank, world, self.LOCKSTEP_WIDTH, timeout_s, check_pids, epitaph=self.last_words
+            table[:first], rank, world, self.LOCKSTEP_WIDTH, timeout_s, check_pids, epitaph=self.last_words, spin=spin
         )
         self.buckets = Channel(
-            table[first:second], rank, world, self.BUCKETS_WIDTH, timeout_s, check_pids, epitaph=self.last_words
-        )
+            table[first:second], rank, world, self.BUCKETS_WIDTH, timeout_s, check_pids, epitaph=self.last_words,
+            spin=spin,
+        )  # fmt: skip
         self.tables = Channel(
-            table[second:third], rank, world, self.TABLES_WIDTH, timeout_s, check_pids, epitaph=self.last_words
-        )
+            table[second:third], rank, world, self.TABLES_WIDTH, timeout_s, check_pids, epitaph=self.last_words,
+            spin=spin,
+        )  # fmt: skip
         last_words.listen(self.say)
 
     @staticmethod

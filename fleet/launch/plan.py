@@ -86,6 +86,9 @@ def child_env(
         dropped.add(env.FLEET_STRATEGY)  # --strategy wins over a strategy inherited as JSON (read first otherwise)
     if spec.role == SERVER:
         dropped.update(env.TORCHRUN_VARIABLES)  # a server is no rank of torchrun's world, not even an outer one's
+    # Whether a waiting worker may spin before it sleeps depends on every process of the job here, servers
+    # included (fleet.collective.shm.spinning_pays)
+    values[env.FLEET_LOCAL_PROCESSES] = str(config.workers + config.servers)
     if env.OMP_NUM_THREADS not in inherited:
         # Like torchrun: without this each process starts one thread per core and they thrash.
         values[env.OMP_NUM_THREADS] = str(max(1, (os.cpu_count() or 1) // (config.workers + config.servers)))

@@ -31,6 +31,7 @@ FLEET_LOCAL_RANK = "FLEET_LOCAL_RANK"  # process index on this node
 FLEET_TIMEOUT_S = "FLEET_TIMEOUT_S"  # seconds: DistributedStrategy.timeout_s where the strategy does not set it
 FLEET_REPORT = "FLEET_REPORT"  # "0": no "where the time went" table at the end of a job run without fleetrun
 FLEET_PS_IPC = "FLEET_PS_IPC"  # "0": workers reach parameter servers on their host over TCP, not a Unix socket
+FLEET_LOCAL_PROCESSES = "FLEET_LOCAL_PROCESSES"  # the job's processes on this host (workers and servers)
 
 # --- PaddlePaddle's launch conventions ---------------------------------------
 TRAINING_ROLE = "TRAINING_ROLE"  # "TRAINER" or "PSERVER"

@@ -71,6 +71,39 @@ def test_a_wait_on_busy_cores_sleeps_on_the_futex_after_a_few_yields(monkeypatch
     assert 1 <= len(yields) <= 10, f"{len(yields)} yields before sleeping"
 
 
+def test_a_wait_sleeps_at_once_where_spinning_does_not_pay(monkeypatch):
+    """More processes of the job on this host than cores (W6's PS job: 2 workers and a server on 2 cores):
+    a wait does not yield at all before it sleeps on the futex."""
+    from fleet.runtime import env
+
+    monkeypatch.setattr(shm.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert shm.spinning_pays(2, env.EnvReader({}))  # a core for each worker
+    assert shm.spinning_pays(2, env.EnvReader({env.FLEET_LOCAL_PROCESSES: "2"}))
+    assert not shm.spinning_pays(2, env.EnvReader({env.FLEET_LOCAL_PROCESSES: "3"}))  # a server beside them
+    assert not shm.spinning_pays(3, env.EnvReader({}))
+    table = _table(2, 1)
+    yields, sleeps = [], []
+    real_sleep, real_futex_wait = time.sleep, shm._futex_wait
+
+    def counted_sleep(seconds: float) -> None:
+        if seconds == 0:
+            yields.append(1)
+        real_sleep(seconds)
+
+    def counted_futex_wait(*args) -> None:
+        sleeps.append(1)
+        real_futex_wait(*args)
+
+    monkeypatch.setattr(shm.time, "sleep", counted_sleep)
+    monkeypatch.setattr(shm, "_futex_wait", counted_futex_wait)
+    late = shm.Channel(table, 1, 2, 1, timeout_s=10, spin=False)
+    arrival = threading.Timer(0.3, late.barrier)
+    arrival.start()
+    shm.Channel(table, 0, 2, 1, timeout_s=10, spin=False).barrier()
+    arrival.join(10)
+    assert sleeps and not yields
+
+
 def test_channel_names_a_peer_whose_process_is_gone():
     table = _table(2, 1)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

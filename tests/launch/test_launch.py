@@ -401,6 +401,16 @@ def test_multi_node_ranks_and_environment():
     assert "TORCHELASTIC_USE_AGENT_STORE" not in server
 
 
+def test_every_child_learns_how_many_processes_of_the_job_share_its_host():
+    """Workers spin before sleeping only with a core for each of them (fleet.collective.shm.spinning_pays):
+    the count includes this node's servers, which the workers' own variables do not show."""
+    config = LaunchConfig(script=ENV_SCRIPT, workers=2, servers=1, nnodes=3, node_rank=1, master=("10.0.0.1", 6170))
+    layout = JobLayout(master="10.0.0.1:7000", server_endpoints=("a:1", "b:2", "c:3"), secret="ab")
+    for spec in local_specs(config):
+        values = child_env(spec, config, layout, restart_count=0, log_dir="/l", base={})
+        assert values[env.FLEET_LOCAL_PROCESSES] == "3", spec
+
+
 @pytest.mark.multiprocess
 def test_the_launcher_modules_do_not_import_torch():
     # Load fleet.launch without running fleet/__init__.py (the training side's face, which imports torch).
