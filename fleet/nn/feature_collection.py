@@ -296,19 +296,25 @@ def _pool_union(
     def clicks(labels: torch.Tensor) -> torch.Tensor:
         return torch.zeros(unique.numel()).index_add_(0, inverse.reshape(-1), _entry_clicks(layout, labels))
 
-    def gradient(upstream: list[torch.Tensor]) -> torch.Tensor:
-        if not direct:
+    if not direct:
+
+        def gradient(upstream: list[torch.Tensor]) -> torch.Tensor:
             torch.autograd.backward(pooled, upstream)
             return rows.grad if rows.grad is not None else torch.zeros_like(rows)
+
+        return unique, pooled, clicks, gradient if training else None
+    size = rows.shape  # (the rows themselves are not kept for the step)
+
+    def sums_gradient(upstream: list[torch.Tensor]) -> torch.Tensor:
         # autograd's sum of one leaf's gradients: the last feature's first (its node ran first), each next one
         # added to the running sum
         total = None
         for mine, offsets, grad in reversed(list(zip(mines, offsets_of, upstream, strict=True))):
-            part = sum_bags_gradient(grad, mine, offsets, rows.shape[0])
+            part = sum_bags_gradient(grad, mine, offsets, size[0])
             total = part if total is None else total.add_(part)
-        return total if total is not None else torch.zeros_like(rows)
+        return total if total is not None else torch.zeros(size)
 
-    return unique, pooled, clicks, gradient if training else None
+    return unique, pooled, clicks, sums_gradient if training else None
 
 
 class SparseFeatureCollection(nn.Module):
