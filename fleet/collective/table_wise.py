@@ -54,13 +54,18 @@ Pooler = Callable[
         Callable[[torch.Tensor], torch.Tensor],
         bool,
     ],
-    tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
+    tuple[
+        torch.Tensor,
+        list[torch.Tensor],
+        Callable[[torch.Tensor], torch.Tensor],
+        Callable[[list[torch.Tensor]], torch.Tensor] | None,
+    ],
 ]
 """``pooler(module, ids per feature, bag lengths per feature, per-id weights per feature or None, pull, training)``
--> (the unique ids, their rows (a
-leaf requiring grad when training), each feature's pooled bags, ``clicks(labels)``: each unique id's clicks from
-one label per bag): the table module's own lookup, pooling and click count (``fleet.nn.SparseFeatureCollection``'s),
-run by the holder on the union batch with ``pull`` reading its rows."""
+-> (the unique ids, each feature's pooled bags, ``clicks(labels)``: each unique id's clicks from one label per bag,
+``gradient(upstream)``: the unique rows' gradient given each feature's pooled gradient, None when not training):
+the table module's own lookup, pooling, click count and backward (``fleet.nn.SparseFeatureCollection``'s), run by
+the holder on the union batch with ``pull`` reading its rows."""
 
 
 def holders(widths: list[int], workers: int) -> list[int]:
@@ -91,20 +96,21 @@ def sharded_backend(placement: str, module: Any, group: Any, *args: Any, **kwarg
 
 
 class _Held:
-    """One pooled forward of the tables this worker holds: what the step's backward needs (the rows' leaf, the
-    union's pooled vectors, each worker's number of bags, and the clicks of the union's labels)."""
+    """One pooled forward of the tables this worker holds: what the step's backward needs (the unique ids, the
+    number of features, each worker's number of bags, the rows' gradient from the pooled gradients, and the clicks
+    of the union's labels)."""
 
-    __slots__ = ("unique", "rows", "pooled", "bags", "clicks")
+    __slots__ = ("unique", "features", "bags", "gradient", "clicks")
 
     def __init__(
         self,
         unique: torch.Tensor,
-        rows: torch.Tensor,
-        pooled: list[torch.Tensor],
+        features: int,
         bags: list[int],
+        gradient: Callable[[list[torch.Tensor]], torch.Tensor],
         clicks: Callable[[torch.Tensor], torch.Tensor],
     ):
-        self.unique, self.rows, self.pooled, self.bags, self.clicks = unique, rows, pooled, bags, clicks
+        self.unique, self.features, self.bags, self.gradient, self.clicks = unique, features, bags, gradient, clicks
 
 
 class TableWiseRows(ShardedRows):
@@ -263,9 +269,10 @@ class TableWiseRows(ShardedRows):
     ) -> list[torch.Tensor]:
         """The union batch's bags of each feature pooled as one process pools them (``pooler``: the collection's
         plan and pooling, given the same ids in the same order)."""
-        unique, rows, pooled, clicks = pooler(self._module(), ids, lengths, weights, self.local.pull, training)
+        unique, pooled, clicks, gradient = pooler(self._module(), ids, lengths, weights, self.local.pull, training)
         if training:
-            self._held.append(_Held(unique, rows, pooled, bags_of, clicks))
+            assert gradient is not None
+            self._held.append(_Held(unique, len(pooled), bags_of, gradient, clicks))
         return pooled
 
     def received(self, vectors: list[torch.Tensor], training: bool) -> None:
@@ -348,18 +355,16 @@ class TableWiseRows(ShardedRows):
             ids, grads, counted = [], [], []
             for forward in held:
                 dim = backend.shard.embedding_dim
-                outputs, upstream = [], []
-                for vector in forward.pooled:
+                upstream = []
+                for _ in range(forward.features):
                     parts = []
                     for i in range(world):
                         n = forward.bags[i] * dim
                         parts.append(got[i][at[i] : at[i] + n].view(forward.bags[i], dim))
                         at[i] += n
-                    outputs.append(vector)
                     upstream.append(torch.cat(parts))
-                torch.autograd.backward(outputs, upstream)
                 ids.append(forward.unique)
-                grads.append(forward.rows.grad if forward.rows.grad is not None else torch.zeros_like(forward.rows))
+                grads.append(forward.gradient(upstream))
                 if clicks:  # the union's labels, worker after worker, counted per unique id as one process does
                     labels = []
                     for i in range(world):

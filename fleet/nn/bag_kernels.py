@@ -72,29 +72,44 @@ def native_order_is_torchs() -> bool:
     return _ties_order_checked
 
 
+def sum_bags_gradient(grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The gradient of :func:`sum_bags` for its ``rows`` (``[rows, dim]``) given its output's gradient ``grad``
+    (``[bags, dim]``): each entry's bag gradient added into its row in torch's order, bit for bit the gradient
+    torch's ``embedding_bag`` backward gives. Why a function of its own: a table's holder
+    (``fleet.collective.table_wise``) pools without autograd and asks for the rows' gradient at the step."""
+    out = torch.zeros(rows, grad.shape[1], dtype=grad.dtype)
+    if inverse.numel() < _TIES_LIMIT and native_order_is_torchs():
+        order = None  # the kernel sorts as torch would
+    else:
+        order = inverse.sort().indices.numpy()
+    kernels.bag_sum_backward(grad.contiguous().numpy(), offsets.numpy(), inverse.numpy(), order, out.numpy())
+    return out
+
+
+def _sum_bags_forward(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    # F.embedding_bag(mode="sum", include_last_offset=True) without its Python checks (pool made the arguments)
+    return torch.embedding_bag(rows, inverse, offsets, False, 0, False, None, True)[0]
+
+
 class _SumBags(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(rows, inverse, offsets)  # rows: for the gradient's shape (the leaf is alive anyway)
-        # F.embedding_bag(mode="sum", include_last_offset=True) without its Python checks (pool made the arguments)
-        return torch.embedding_bag(rows, inverse, offsets, False, 0, False, None, True)[0]
+        return _sum_bags_forward(rows, inverse, offsets)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
         rows, inverse, offsets = ctx.saved_tensors
-        out = torch.zeros_like(rows, dtype=grad.dtype)
-        if inverse.numel() < _TIES_LIMIT and native_order_is_torchs():
-            order = None  # the kernel sorts as torch would
-        else:
-            order = inverse.sort().indices.numpy()
-        kernels.bag_sum_backward(grad.contiguous().numpy(), offsets.numpy(), inverse.numpy(), order, out.numpy())
-        return out, None, None
+        return sum_bags_gradient(grad, inverse, offsets, rows.shape[0]), None, None
 
 
-def sum_bags(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def sum_bags(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, graph: bool = True) -> torch.Tensor:
     """``F.embedding_bag(inverse, rows, offsets, mode="sum", include_last_offset=True)`` with a native backward.
 
     ``rows``: float32 ``[unique, dim]``; ``inverse``: 1-D int64, each entry's row; ``offsets``: int64
-    ``[bags + 1]``, each bag's start and the end of the last one.
+    ``[bags + 1]``, each bag's start and the end of the last one. ``graph=False``: the sums only, no autograd
+    node (the caller gets the rows' gradient from :func:`sum_bags_gradient`).
     """
+    if not graph:
+        return _sum_bags_forward(rows, inverse.contiguous(), offsets.contiguous())
     return _SumBags.apply(rows, inverse.contiguous(), offsets.contiguous())

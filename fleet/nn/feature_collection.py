@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fleet.nn.bag_kernels import unique_inverse
+from fleet.nn.bag_kernels import sum_bags, sum_bags_gradient, unique_inverse
 from fleet.nn.sparse_embedding import SparseEmbedding
-from fleet.nn.sparse_embedding_bag import MODES, SparseEmbeddingBag, bag_of_entries, pool
+from fleet.nn.sparse_embedding_bag import MODES, SparseEmbeddingBag, bag_of_entries, pool, sums_natively
 from fleet.nn.torch_signature import refuse_unknown
 from fleet.sparse import backends
 from fleet.sparse.native import kernels
@@ -255,12 +255,17 @@ def _pool_union(
     weights: list[torch.Tensor | None],
     pull: Any,
     training: bool,
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], Any]:
+) -> tuple[torch.Tensor, list[torch.Tensor], Any, Any]:
     """The lookup and pooling of one table's features (``ids``, bag ``lengths`` and per-id ``weights`` or None of
-    each) as the collection's
-    forward does them, for the worker holding the table (``pull`` reads its rows), on the union of every worker's
-    bags: (the unique ids, their rows, a leaf requiring grad when ``training``; each feature's pooled bags;
-    ``clicks(labels)``: each unique id's clicks from one label per bag, as ``record_clicks`` counts them)."""
+    each) as the collection's forward does them, for the worker holding the table (``pull`` reads its rows), on the
+    union of every worker's bags: (the unique ids; each feature's pooled bags; ``clicks(labels)``: each unique id's
+    clicks from one label per bag, as ``record_clicks`` counts them; ``gradient(upstream)``: the unique rows'
+    gradient ``[unique, dim]`` given each feature's pooled gradient, as one process's backward gives it, or None
+    when not ``training``).
+
+    Why no autograd where the bags are plain sums (``sums_natively``): the holder needs only the rows' gradient,
+    which ``bag_kernels.sum_bags_gradient`` gives directly, bit for bit autograd's; elsewhere (mean, max,
+    weights, a padding id) the rows are a leaf requiring grad and ``gradient`` runs autograd's backward."""
     kept, keeps = [], []
     for feature_ids in ids:
         k, keep = table.kept_ids(feature_ids)
@@ -268,21 +273,48 @@ def _pool_union(
         keeps.append(keep)
     unique, inverse = unique_inverse(kept[0] if len(kept) == 1 else torch.cat(kept))
     rows = pull(unique)
-    if training:
+    mines, offsets_of, at = [], [], 0
+    for k, feature_lengths in zip(kept, lengths, strict=True):
+        mines.append(inverse[at : at + k.numel()])
+        offsets_of.append(_lengths_to_offsets(feature_lengths))
+        at += k.numel()
+    direct = all(
+        sums_natively(rows, mine, keep, offsets, table.mode, w, True)
+        for mine, keep, offsets, w in zip(mines, keeps, offsets_of, weights, strict=True)
+    )
+    if training and not direct:
         rows = rows.detach().requires_grad_(True)
-    pooled, at, layout = [], 0, []
-    with torch.set_grad_enabled(training):
-        for feature_ids, k, keep, feature_lengths, w in zip(ids, kept, keeps, lengths, weights, strict=True):
-            mine = inverse[at : at + k.numel()]
-            at += k.numel()
-            offsets = _lengths_to_offsets(feature_lengths)
-            pooled.append(pool(rows, mine, keep, feature_ids.shape, offsets, table.mode, w, True))
+    pooled, layout = [], []
+    with torch.set_grad_enabled(training and not direct):
+        for feature_ids, mine, keep, offsets, w in zip(ids, mines, keeps, offsets_of, weights, strict=True):
+            if direct:
+                pooled.append(sum_bags(rows, mine, offsets, graph=False))
+            else:
+                pooled.append(pool(rows, mine, keep, feature_ids.shape, offsets, table.mode, w, True))
             layout.append((offsets, keep, feature_ids.numel()))
 
     def clicks(labels: torch.Tensor) -> torch.Tensor:
         return torch.zeros(unique.numel()).index_add_(0, inverse.reshape(-1), _entry_clicks(layout, labels))
 
-    return unique, rows, pooled, clicks
+    if not direct:
+
+        def gradient(upstream: list[torch.Tensor]) -> torch.Tensor:
+            torch.autograd.backward(pooled, upstream)
+            return rows.grad if rows.grad is not None else torch.zeros_like(rows)
+
+        return unique, pooled, clicks, gradient if training else None
+    size = rows.shape  # (the rows themselves are not kept for the step)
+
+    def sums_gradient(upstream: list[torch.Tensor]) -> torch.Tensor:
+        # autograd's sum of one leaf's gradients: the last feature's first (its node ran first), each next one
+        # added to the running sum
+        total = None
+        for mine, offsets, grad in reversed(list(zip(mines, offsets_of, upstream, strict=True))):
+            part = sum_bags_gradient(grad, mine, offsets, size[0])
+            total = part if total is None else total.add_(part)
+        return total if total is not None else torch.zeros(size)
+
+    return unique, pooled, clicks, sums_gradient if training else None
 
 
 class SparseFeatureCollection(nn.Module):

@@ -161,6 +161,31 @@ class SparseEmbeddingBag(SparseEmbedding):
         self.add_clicks(per_entry)
 
 
+def sums_natively(
+    rows: torch.Tensor,
+    inverse: torch.Tensor,
+    keep: torch.Tensor | None,
+    offsets: torch.Tensor | None,
+    mode: str,
+    weights: torch.Tensor | None,
+    include_last_offset: bool,
+) -> bool:
+    """Whether :func:`pool` pools these bags with ``fleet.nn.bag_kernels.sum_bags`` (unweighted sums of every entry
+    over float32 rows, ``[bags + 1]`` offsets covering the ids): then the rows' gradient is
+    ``bag_kernels.sum_bags_gradient``'s."""
+    return bool(
+        mode == "sum"
+        and keep is None
+        and weights is None
+        and include_last_offset
+        and offsets is not None
+        and rows.dtype == torch.float32
+        and inverse.dim() == 1
+        and offsets.numel()
+        and int(offsets[-1]) == inverse.numel()
+    )
+
+
 def pool(
     rows: torch.Tensor,
     inverse: torch.Tensor,
@@ -173,17 +198,7 @@ def pool(
 ) -> torch.Tensor:
     """Bags of ``rows`` (unique rows; ``inverse``: the row of each kept entry of an input of ``shape``; ``keep``:
     which entries are kept, None for all) pooled as ``nn.EmbeddingBag`` pools them."""
-    if (
-        mode == "sum"
-        and keep is None
-        and weights is None
-        and include_last_offset
-        and offsets is not None
-        and rows.dtype == torch.float32
-        and inverse.dim() == 1
-        and offsets.numel()
-        and int(offsets[-1]) == inverse.numel()
-    ):
+    if sums_natively(rows, inverse, keep, offsets, mode, weights, include_last_offset):
         return sum_bags(rows, inverse, offsets)  # the common case: the same values, a native backward
     padding = None
     if keep is not None:

@@ -320,3 +320,46 @@ def test_ps_in_one_pull_and_one_push_per_server_per_step(servers, update) -> Non
         assert 0 < ops["PULL_SPARSE_MANY"] <= steps * workers, ops  # a server without ids is not asked
     if update == "async":  # one server: one pull per step, the prefetched one after the first
         assert results[0]["ops"][0]["PULL_SPARSE_MANY"] == steps * workers
+
+
+def _autograd_rows_gradient(table, ids, lengths, weights, rows, upstream) -> torch.Tensor:
+    """The union's rows' gradient as one process's autograd gives it: a leaf, the collection's pooling, backward."""
+    from fleet.nn.bag_kernels import unique_inverse
+    from fleet.nn.sparse_embedding_bag import pool
+
+    kept = [table.kept_ids(i) for i in ids]
+    _, inverse = unique_inverse(torch.cat([k for k, _ in kept]))
+    leaf = rows.clone().requires_grad_(True)
+    outputs, at = [], 0
+    for feature_ids, (k, keep), n, w in zip(ids, kept, lengths, weights, strict=True):
+        offsets = torch.cat([n.new_zeros(1), n.cumsum(0)])
+        outputs.append(pool(leaf, inverse[at : at + k.numel()], keep, feature_ids.shape, offsets, table.mode, w, True))
+        at += k.numel()
+    torch.autograd.backward(outputs, upstream)
+    return leaf.grad
+
+
+@pytest.mark.parametrize("features", [1, 2, 3, 5])
+@pytest.mark.parametrize("kind", ["sum", "mean", "weighted", "padding"])
+def test_holder_pooling_gradient_is_autograds_bit_for_bit(features: int, kind: str) -> None:
+    # a table-wise holder pools plain sums without autograd and sums the rows' gradients itself: the same bits
+    from fleet.nn.feature_collection import _pool_union
+    from fleet.nn.sparse_embedding_bag import SparseEmbeddingBag
+
+    gen = torch.Generator().manual_seed(features * 7 + len(kind))
+    table = SparseEmbeddingBag(8, "mean" if kind == "mean" else "sum", padding_idx=3 if kind == "padding" else None)
+    lengths = [torch.randint(0, 12, (64,), generator=gen) for _ in range(features)]
+    ids = [torch.randint(0, 40, (int(n.sum()),), generator=gen) for n in lengths]  # many ties per row
+    weights = [torch.rand(i.numel(), generator=gen) if kind == "weighted" else None for i in ids]
+    table_rows: dict[int, torch.Tensor] = {}
+
+    def pull(unique: torch.Tensor) -> torch.Tensor:
+        return torch.stack([table_rows.setdefault(int(i), torch.randn(8, generator=gen)) for i in unique.tolist()])
+
+    unique, pooled, _, gradient = _pool_union(table, ids, lengths, weights, pull, True)
+    upstream = [torch.randn(p.shape, generator=gen) * 1e3 for p in pooled]
+    got = gradient(upstream)
+    rows = torch.stack([table_rows[int(i)] for i in unique.tolist()])
+    want = _autograd_rows_gradient(table, ids, lengths, weights, rows, upstream)
+    assert torch.equal(got, want)
+    assert _pool_union(table, ids, lengths, weights, pull, False)[3] is None
