@@ -133,7 +133,7 @@ def one_process_command(workload: str, report: str, steps: int, warmup: int) -> 
 # --------------------------------------------------------------------------- calibration
 
 
-def calibrate(workload: str, work: Any, log_dir: Path) -> Any:
+def calibrate(workload: str, work: Any, log_dir: Path, batch: int) -> Any:
     """A :class:`~fleet.plan.calibration.Calibration` of the workload's worker script on this host."""
     from fleet.plan import planner
     from fleet.plan.placement import calibration_for
@@ -154,6 +154,7 @@ def calibrate(workload: str, work: Any, log_dir: Path) -> Any:
     probe["sparse_rows"] = [round(eff.sparse_rows)]
     probe["sparse_dim"] = eff.sparse_dim
     probe["sparse_new_rows"] = probe.get("sparse_new_rows") or [0]
+    probe["batch"] = probe.get("batch") or batch  # the worker script passes no loader: the workload's batch
     print(f"{workload}: measuring all-reduce and the parameter-server transport (2 workers)", flush=True)
     net = planner.run_measure(log_dir, probe)
     cal = planner.build(probe, net, " ".join(str(a) for a in args))
@@ -243,7 +244,7 @@ def check(workload: str, args: argparse.Namespace) -> dict:
     work, batch = w6_workload() if workload == "w6" else w2_workload()
     log_dir = Path(args.calibration_dir or tempfile.mkdtemp(prefix="plan-check-")) / workload
     log_dir.mkdir(parents=True, exist_ok=True)
-    cal = calibrate(workload, work, log_dir)
+    cal = calibrate(workload, work, log_dir, batch)
     memory = _host_memory() / (WORKERS + SERVERS)
     # this host is shared: the jobs run beside the load the calibration saw (not a dedicated host's)
     cluster = Cluster(

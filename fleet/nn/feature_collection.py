@@ -370,6 +370,10 @@ class SparseFeatureCollection(nn.Module):
             return self.tables[key]
         return list(self.tables.values())[key]
 
+    def features_of(self, table: str) -> tuple[str, ...]:
+        """The names of the features table ``table`` pools (its ``FeatureTable``'s)."""
+        return tuple(self._features[table])
+
     def ids_by_table(self, features: Any) -> dict[str, torch.Tensor]:
         """Each table's ids in ``features``, duplicates included: what a forward looks up, for tools that
         count them (fleet.plan's probe counts each table's unique ids per step); nothing is pulled."""

@@ -543,8 +543,22 @@ def _against(best: Candidate, other: Candidate, work: Workload, cluster: Cluster
         return tie + (f", with {' and '.join(edge)}" if edge else "")
     if gain < 0:  # only a sync candidate is chosen over a faster one: a stale one within PREFER_SYNC
         return f"{-gain:.0%} slower than {other.label}, whose updates are stale: one process's math is worth that"
-    rounds = {n: sync_rounds(n, work, cal) for n in ("replicated", "sharded", "sharding", "table_wise")}
-    if best.name == "table_wise" and other.name in ("sharded", "sharding", "replicated"):
+    rounds = {
+        n: sync_rounds(n, work, cal, tables=measured_extra_s(n, cal, r) is None)
+        for n in ("replicated", "sharded", "sharding", "table_wise")
+    }
+    extra = {n: measured_extra_s(n, cal, r) for n in (best.name, other.name)}
+    if extra[best.name] is not None and extra[other.name] is not None:
+        how = (
+            f"the tables' exchanges add {extra[best.name] * 1e3:.1f} ms a step against {extra[other.name] * 1e3:.1f} "
+            "ms (measured on a stand-in of the tables, 2 workers)"
+        )
+    elif best.name.startswith("ps_") and extra[other.name] is not None:
+        how = (
+            f"the servers take the rows' lookups and updates off the workers ({work.ids_per_step:,.0f} ids a step) "
+            f"and spare the tables' exchanges among them ({extra[other.name] * 1e3:.1f} ms a step, measured)"
+        )
+    elif best.name == "table_wise" and other.name in ("sharded", "sharding", "replicated"):
         ids, pooled = (sum(x) for x in zip(*(t.bag_bytes(cal.batch or 1) for t in work.tables), strict=True))
         how = (
             f"{rounds['table_wise']} synchronizing rounds with the bags to their holders and pooled vectors back "

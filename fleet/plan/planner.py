@@ -159,7 +159,11 @@ def table_shapes(probe: dict[str, Any]) -> list[Any]:
     return shapes
 
 
-def run_table_steps(log_dir: Path, probe: dict[str, Any]) -> dict[str, float]:
+def shapes_known(probe: dict[str, Any]) -> bool:
+    return bool(table_shapes(probe))
+
+
+def run_table_steps(log_dir: Path, probe: dict[str, Any], rounds: int = 2) -> dict[str, float]:
     """The script's tables (a stand-in) alone and sharded each way across 2 workers on this host, seconds per
     step (:mod:`fleet.plan.table_steps`; one job per placement). Empty where there is nothing to measure."""
     from fleet.plan import table_steps
@@ -168,7 +172,9 @@ def run_table_steps(log_dir: Path, probe: dict[str, Any]) -> dict[str, float]:
     if not shapes or (probe.get("device") or "cpu") != "cpu" or not probe.get("batch"):
         return {}
     steps: dict[str, list[float]] = {}
-    for placement in table_steps.PLACEMENTS:
+    # two rounds, the order reversed in the second: a shared host's stall then lands on different placements
+    order = [*table_steps.PLACEMENTS, *reversed(table_steps.PLACEMENTS)][: rounds * len(table_steps.PLACEMENTS)]
+    for placement in order:
         out = log_dir / f"table_steps_{placement}.json"
         command = [sys.executable, "-m", "fleet.launch", "--workers", "2", "--log-dir", str(log_dir / "table_steps")]
         command += [str(Path(table_steps.__file__)), "--out", str(out), "--placement", placement]
@@ -251,6 +257,11 @@ def build(probe: dict[str, Any], net: dict[str, Any], script: str = "") -> Calib
             cal["ps_client_step_s"] = (net["ps"].get("client_cpu_s") or 0.0) / net["ps"]["replay_steps"]
         if cal["sparse_rows"]:
             assumptions.append("geo: the sparse rows touched in k steps are all distinct (the most traffic)")
+    if shapes_known(probe) and not cal["table_steps_s"]:
+        assumptions.append(
+            "sharded tables: their cost estimated from row rates, not measured (the tables' step is measured on "
+            "CPU where the batch size is known)"
+        )
     if not cal["batch"]:
         assumptions.append(
             "samples/s: not shown, the batch size is unknown (the script passes no DataLoader to "

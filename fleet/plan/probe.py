@@ -236,8 +236,7 @@ def install(probe: Probe) -> None:
                 by_table = module.ids_by_table(args[0])
                 probe._hook_s += time.perf_counter() - started  # the probe's own work, not the step's
                 for name, ids in by_table.items():
-                    table = module.tables[name]
-                    probe.on_lookup(table, ids, "collection", len(table.features))
+                    probe.on_lookup(module.tables[name], ids, "collection", len(module.features_of(name)))
             elif args:
                 probe.on_lookup(module, args[0], "bag" if hasattr(module, "mode") else "embedding")
 

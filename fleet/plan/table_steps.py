@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tables", required=True, help="KIND:DIM:UNIQUE:LOOKUPS:FEATURES,... (TableShape)")
     parser.add_argument("--batch", type=int, default=256, help="samples per worker-step")
     parser.add_argument("--placement", required=True, choices=PLACEMENTS)
-    parser.add_argument("--steps", type=int, default=9, help="timed steps (after the warm-up)")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps (after the warm-up)")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
     try:

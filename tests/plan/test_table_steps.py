@@ -97,7 +97,9 @@ def test_a_measured_tables_step_replaces_the_estimate_from_rates():
         assert not any("route" in p or "pooled" in p or "all-gathered" in p for p in parts)
     ranking = sorted(ONLY, key=lambda n: by_name[n].step_s)
     assert ranking == ["table_wise", "sharded", "replicated"]  # the measured order, whatever the rates say
-    assert recommend(cal, WORK, CLUSTER, only=ONLY).best.name == "table_wise"
+    rec = recommend(cal, WORK, CLUSTER, only=ONLY)
+    assert rec.best.name == "table_wise"
+    assert "add 3.0 ms a step against 7.0 ms (measured on a stand-in of the tables, 2 workers)" in rec.why
     # without the measurement, the estimate from rates (and the tables' own rounds) as before
     estimated = {c.name: c for c in candidates(_cal(), WORK, CLUSTER, only=ONLY)}
     assert "route the rows by id" in estimated["sharded"].parts
