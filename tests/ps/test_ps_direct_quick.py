@@ -19,8 +19,9 @@ import torch
 import zmq
 
 from fleet.ps.client.client import PSClient
-from fleet.ps.protocol import unix
-from fleet.ps.protocol.errors import PSServerUnavailable
+from fleet.ps.client.direct import Settled
+from fleet.ps.protocol import small, unix
+from fleet.ps.protocol.errors import PSError, PSServerUnavailable
 from fleet.ps.protocol.limits import RequestLimits
 from fleet.ps.protocol.wire import HEADER, Message, Op, Status, decode, encode
 from ps_servers import SECRET, client, direct_unix_socket, raw_socket, server_process, servers
@@ -204,3 +205,35 @@ def test_header_offsets_used_above() -> None:
     head = bytes(encode(Message(Op.PULL_DENSE, table=1, request_id=3))[0])
     magic, version, op, status, ntensors, *_ = HEADER.unpack_from(head)
     assert (head[4], head[5], head[6], head[7]) == (version, op, status, ntensors)
+
+
+@pytest.mark.timeout(60)
+def test_quick_dense_pulls_follow_every_change_of_the_table() -> None:
+    """The quick way answers a small dense table from bytes it keeps per version: each push, each overwrite
+    of the values and a table too large to keep them for give what the usual way (the IO thread) gives."""
+    big = small.COPY_BYTES // 4 + 1
+    with servers(1, 1) as srvs, client(srvs, 0) as c:
+        c.create_dense(1, torch.arange(4.0), {"optimizer": SGD, "update": "async"}).result()
+        c.create_dense(2, torch.ones(big), {"optimizer": SGD, "update": "async"}).result()
+        on_ipc(c)
+        for step in range(3):
+            c.push_dense_grad(1, torch.full((4,), 0.5), 0, 1.0).result()
+            c.push_dense_grad(2, torch.full((big,), 0.25), 0, 1.0).result()
+            for table in (1, 2):
+                usual = c.pull_dense(table).result()
+                with c.direct():
+                    quick = c.pull_dense(table).result()
+                assert torch.equal(quick, usual) and quick.ps_version == usual.ps_version == step + 1
+        c.set_dense_values(1, torch.full((4,), 9.0), version=3).result()  # the values change, not the version
+        with c.direct():
+            assert torch.equal(c.pull_dense(1).result(), torch.full((4,), 9.0))
+        assert srvs[0].stats()["direct_quick"] >= 7
+
+
+def test_a_settled_future_answers_as_a_finished_one() -> None:
+    done = Settled(5)
+    assert done.done() and not done.cancel() and done.result() == 5 and done.result(timeout=0) == 5
+    failed = Settled(exception=PSError("gone"))
+    with pytest.raises(PSError, match="gone"):
+        failed.result()
+    assert isinstance(failed.exception(), PSError)

@@ -9,7 +9,7 @@ import torch
 
 from fleet.ps.protocol import quick_pulls, small, unix
 from fleet.ps.protocol.errors import WireError
-from fleet.ps.protocol.wire import FRAME_BYTES, Message, Op, Status, decode, encode
+from fleet.ps.protocol.wire import DTYPE_CODES, FRAME_BYTES, Message, Op, Status, decode, encode
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -163,3 +163,14 @@ def test_a_settled_future_is_a_finished_future() -> None:
     assert wait([done, failed, pending], timeout=0.01, return_when=FIRST_COMPLETED)[0] == {done, failed}
     pending.set_result(1)
     assert set(as_completed([done, failed, pending], timeout=1)) == {done, failed, pending}
+
+
+def test_a_flat_reply_packed_from_its_bytes_is_packs_bytes() -> None:
+    for n in (0, 1, 4, 1000, small.COPY_BYTES // 4):
+        t = torch.randn(n)
+        for rid, step, arg in ((1, 0, 0), (2**40, -3, 17), (7, 2**62, 2**62)):
+            reply = Message(Op.PULL_DENSE, 5, 2, rid, step, arg, status=Status.OK, tensors=[t])
+            code = DTYPE_CODES[torch.float32]
+            flat = small.pack_flat_reply(int(Op.PULL_DENSE), 5, 2, rid, step, arg, code, t.numpy().tobytes())
+            assert bytes(flat) == _small(reply) == _general(reply)
+            assert len(flat) - small.PREFIX_BYTES == small.pack(reply)[1]

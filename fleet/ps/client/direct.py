@@ -78,6 +78,15 @@ class Settled(Future):
         self._waiters: list[Any] = []
         self._done_callbacks: list[Any] = []
 
+    def result(self, timeout: float | None = None) -> Any:
+        """As :meth:`Future.result` answers a finished future, without taking the condition (nothing can change)."""
+        if self._exception is not None:
+            try:
+                raise self._exception
+            finally:
+                self = None  # noqa: PLW0642 -- as Future does: no cycle through the traceback's frame
+        return self._result
+
 
 class _Conn:
     """One thread's connection to one server's direct socket."""

@@ -142,11 +142,18 @@ class IOThread:
         self._outstanding = 0
         self._count_lock = threading.Lock()
         self._direct = DirectCalls(self.secret, self._unavailable, self._remote)
-        self.thread = threading.Thread(target=self._main, name=f"fleet-ps-io-w{worker_index}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"fleet-ps-io-w{worker_index}", daemon=True)
+        #: the IO thread's ``is_alive()``, kept as a flag: a direct call asks it each time, and the method takes a lock
+        self._running = False
 
     # ------------------------------------------------------ caller side
     def start(self, timeout_s: float) -> None:
-        self.thread.start()
+        self._running = True
+        try:
+            self.thread.start()
+        except BaseException:
+            self._running = False
+            raise
         if not self._ready.wait(timeout_s):
             raise PSClientClosed(f"the parameter-server IO thread did not start within {timeout_s} s")
         if self._startup_error is not None:
@@ -189,7 +196,7 @@ class IOThread:
 
         No :class:`Job` and no queue: the usual small pull's round trip is mostly this side's Python.
         """
-        if self._closing.is_set() or not self.thread.is_alive():
+        if self._closing.is_set() or not self._running:
             raise PSClientClosed("the parameter-server client is closed")
         ready = self._direct_parts(parts, timeout_s)
         if ready is None:
@@ -253,6 +260,12 @@ class IOThread:
                 os.close(fd)
 
     # ---------------------------------------------------------- IO side
+    def _run(self) -> None:
+        try:
+            self._main()
+        finally:
+            self._running = False
+
     def _main(self) -> None:
         ctx = zmq.Context(io_threads=1)
         try:

@@ -84,7 +84,10 @@ class Workers:
 
     def done(self) -> bool:
         """Every worker stopped, or is gone for good: the server may end."""
-        return len(self.stopped | self.finished_gone) >= self.num_workers
+        gone = self.finished_gone
+        if len(self.stopped) + len(gone) < self.num_workers:
+            return False  # the usual answer, asked on every round of the server loop: no union built for it
+        return len(self.stopped | gone) >= self.num_workers
 
     def seen(self, worker: int, now: float) -> bool:
         """Record a request of ``worker``; True when it was gone and is back."""

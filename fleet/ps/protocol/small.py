@@ -49,6 +49,9 @@ _BARE = struct.Struct("<3I" + HEADER.format.lstrip("<"))
 _ONE = struct.Struct("<4I" + HEADER.format.lstrip("<") + DESCRIPTOR.format.lstrip("<"))
 _ONE_HEAD = HEADER.size + DESCRIPTOR.size
 _ERROR = int(Status.ERROR)
+_OK = int(Status.OK)
+#: the length prefix of a one-tensor message on the direct path (frame count, then each frame's length): not frame bytes
+PREFIX_BYTES = 4 * COUNT.size
 #: a tensor up to this size is copied into the message's one buffer rather than viewed (see :func:`pack`)
 COPY_BYTES = 64 << 10
 assert _BARE.size == 3 * COUNT.size + HEADER.size and _ONE.size == 4 * COUNT.size + _ONE_HEAD
@@ -96,6 +99,24 @@ def pack(msg: Message) -> tuple[list[Any], int] | None:
     if type(data) is bytes:
         return [memoryview(head + data)], _ONE_HEAD + nbytes
     return ([memoryview(head), memoryview(data)] if nbytes else [memoryview(head)]), _ONE_HEAD + nbytes
+
+
+def pack_flat_reply(
+    op: int, table: int, peer: int, request_id: int, step: int, arg: int, code: int, data: bytes
+) -> memoryview:
+    """:func:`pack`'s bytes for an OK reply of one flat tensor (dtype ``code``) whose bytes are ``data``, at most
+    :data:`COPY_BYTES` (a copy the caller made), with no ``lr`` and no deadline.
+
+    Why: the server's quick dense pull (fleet.ps.server.loop) answers from the bytes its table keeps per version,
+    without a :class:`Message` and the tensor's attributes read again on every pull.
+    """
+    nbytes = len(data)
+    itemsize = _ITEMSIZE[code]
+    head = _ONE.pack(
+        3, _ONE_HEAD, 0, nbytes, MAGIC, PROTOCOL_VERSION, op, _OK, 1, table, peer,
+        request_id, step, arg, 0.0, 0, code, 1, nbytes // itemsize, *_NO_DIMS[1:],
+    )  # fmt: skip
+    return memoryview(head + data)
 
 
 def read(buf: Any, got: int) -> Message | None:

@@ -88,6 +88,7 @@ class DirectConnections:
         except OSError:
             self._listener.close()
             raise
+        self._listener_fd = self._listener.fileno()
         self._conns: dict[int, _Conn] = {}  # by file descriptor
         self._by_ident: dict[bytes, _Conn] = {}
         self._next = 0
@@ -122,7 +123,7 @@ class DirectConnections:
                 self._flush(conn)
             if flags & (_POLLIN | _POLLERR) and fd in conns:
                 self._read(conn, put, fast, whole)
-        if int(ready.get(self._listener.fileno(), 0)) & _POLLIN:
+        if int(ready.get(self._listener_fd, 0)) & _POLLIN:
             self._accept()
 
     def owns(self, ident: Any) -> bool:

@@ -39,6 +39,7 @@ from fleet.ps.protocol.limits import RequestLimits
 from fleet.ps.protocol.liveness import Workers
 from fleet.ps.protocol.quick_pulls import plain_pull, whole_pull
 from fleet.ps.protocol.wire import (
+    DTYPE_CODES,
     Message,
     Op,
     RequestTooLarge,
@@ -73,6 +74,8 @@ _LANE_OPS = frozenset(
 )
 # Served on the loop thread without waiting for the lanes: they touch no table (a composite's parts go to lanes).
 _BESIDE_LANES = frozenset((Op.HELLO, Op.PULL_SPARSE_MANY, Op.PUSH_SPARSE_GRAD_MANY))
+_PULL_DENSE = int(Op.PULL_DENSE)
+_FLOAT32 = DTYPE_CODES[torch.float32]
 
 
 class ParameterServer:
@@ -201,9 +204,9 @@ class ParameterServer:
         sockets = self._sockets
         log.info("parameter server %d serving at %s", self.server_index, self.endpoint)
         try:
+            with lock:
+                timeout = self._poll_timeout_ms(time.monotonic())
             while not self._shutdown.is_set() and not self._workers.done():
-                with lock:
-                    timeout = 0 if len(self._inbox) else self._poll_timeout_ms()
                 ready = poller.poll(timeout)  # the table threads have the lock meanwhile
                 sent_before = sockets.zmq_sends
                 touched = False  # whether this round received from a ZeroMQ socket (Waiter.settle)
@@ -225,9 +228,11 @@ class ParameterServer:
                         with lock:  # per request: the table threads take turns with the loop in between
                             self._send_outbox()
                             self._handle(frames)
-                with lock:
+                with lock:  # one turn of the lock for the round's end and the next wait's bound
                     self._send_outbox()
-                    self._expire(time.monotonic())
+                    now = time.monotonic()
+                    self._expire(now)
+                    timeout = 0 if len(self._inbox) else self._poll_timeout_ms(now)
                 poller.settle(ready, touched or sockets.zmq_sends != sent_before)
         finally:
             self.close()
@@ -243,8 +248,7 @@ class ParameterServer:
         """Ask :meth:`serve` to return (thread-safe); parked requests get an error reply."""
         self._shutdown.set()
 
-    def _poll_timeout_ms(self) -> int:
-        now = time.monotonic()
+    def _poll_timeout_ms(self, now: float) -> int:
         nearest = self._waiting.next_deadline(now + _IDLE_POLL_MS / 1000)
         return max(0, int((nearest - now) * 1000) + 1)
 
@@ -342,7 +346,35 @@ class ParameterServer:
                 self._send_outbox()  # what the table threads answered leaves first, as on the usual way
             self._counts["bytes_in"] += nbytes
             self._counts["direct_quick"] += 1
-            self._serve(ident, msg, here=True)
+            if msg.op != _PULL_DENSE or not self._quick_dense(ident, msg):
+                self._serve(ident, msg, here=True)
+        return True
+
+    def _quick_dense(self, ident: bytes, msg: Message) -> bool:
+        """Answer a plain PULL_DENSE of a small table as :meth:`_serve` would, from the bytes the table keeps per
+        version (:meth:`~fleet.ps.server.table_ops.TableRequests.quick_dense`); False: anything else (a worker
+        index out of range, a table that is not a ready dense one, a pull that must wait) is left to :meth:`_serve`.
+
+        Why: the usual small pull's round trip is mostly Python on both ends; this answer skips the reply's
+        :class:`Message`, its tensor and the general encoder, and writes the same bytes.
+        """
+        if not 0 <= msg.peer < self.num_workers:
+            return False
+        quick = self.tables.quick_dense(msg, small.COPY_BYTES)
+        if quick is None:
+            return False
+        version, data = quick
+        # the bookkeeping of _serve and _dispatch
+        self._ops["PULL_DENSE"] += 1
+        if self._workers.seen(msg.peer, time.monotonic()):
+            log.warning("parameter server %d: worker %d is back", self.server_index, msg.peer)
+        self._table_ops[msg.table]["PULL_DENSE"] += 1
+        view = small.pack_flat_reply(
+            msg.op, msg.table, self.server_index, msg.request_id, msg.step, version, _FLOAT32, data
+        )
+        self._counts["bytes_out"] += len(view) - small.PREFIX_BYTES
+        if not self._direct.send_buffers(ident, [view]):
+            self._counts["replies_dropped"] += 1
         return True
 
     def _route(self, ident: Any, msg: Message) -> Message | None:

@@ -243,6 +243,21 @@ class TableRequests:
             return None
         return self._pull_reply(shard, msg)
 
+    def quick_dense(self, msg: Message, limit: int) -> tuple[int, bytes] | None:
+        """(version, values' bytes) that :meth:`pull` would answer the PULL_DENSE ``msg`` with now, when its table
+        is a dense one of at most ``limit`` bytes that answers at once; else None (:meth:`pull` says why, or parks it).
+
+        Called on the loop thread with the table threads idle (as :meth:`pull` is then).
+        """
+        shard = self._shards.get(msg.table)
+        if shard is None or shard.kind != "dense" or msg.tensors or msg.arg > shard.version:
+            return None
+        assert isinstance(shard, agg.DenseShard)
+        if shard.broken is not None:
+            return None
+        data = shard.snapshot_bytes(limit)
+        return None if data is None else (shard.version, data)
+
     def _pull_reply(self, shard: agg.Shard, msg: Message) -> Message:
         with self._outside():
             rows = shard.snapshot() if isinstance(shard, agg.DenseShard) else shard.pull(msg.tensors[0])

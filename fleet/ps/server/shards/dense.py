@@ -71,6 +71,8 @@ class DenseShard(Shard):
         self.broken: tuple[str, dict[str, Any]] | None = None  # set when workers disagreed: the table is unusable
         self._snapshot: torch.Tensor | None = None
         self._snapshot_version = -1
+        self._bytes_of: torch.Tensor | None = None  # the snapshot whose bytes _bytes holds
+        self._bytes = b""
 
     def check_values(self, what: str, t: torch.Tensor) -> None:
         if t.dtype != torch.float32:
@@ -94,6 +96,20 @@ class DenseShard(Shard):
             self._snapshot = self.table.pull().detach().clone()
             self._snapshot_version = self.version
         return self._snapshot
+
+    def snapshot_bytes(self, limit: int) -> bytes | None:
+        """A copy of :meth:`snapshot`'s bytes (flat float32), made once per snapshot; None when they exceed ``limit``.
+
+        Why: a small table's quick pulls (fleet.ps.server.loop) send these bytes as they are, instead of copying
+        the snapshot's on every pull.
+        """
+        if self.size * 4 > limit:
+            return None
+        snap = self.snapshot()
+        if self._bytes_of is not snap:
+            self._bytes = snap.numpy().tobytes()
+            self._bytes_of = snap
+        return self._bytes
 
     def check_present(self, present: torch.Tensor | None) -> None:
         if present is None:
