@@ -107,7 +107,7 @@ def fleetrun_env(rank: int, workers: int, master_port: int, **extra: str) -> dic
 
 
 # How many lines of a child's own output (its stderr and stdout, faulthandler's dumps among them) a report keeps.
-TAIL_LINES = 40
+TAIL_LINES = 120  # a hung child's dump of every thread: enough lines to see them all
 
 
 def _child(fn, rank, env, args, results, log_path):

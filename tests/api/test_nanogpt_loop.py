@@ -68,6 +68,8 @@ def _ddp(rank: int, port: int) -> dict:
     model.register_comm_hook(None, count)
     losses = _train(rank, model, opt, model, lambda s, m: where.__setitem__(0, (s, m)))
     out = {"losses": losses, "params": [p.detach().clone() for p in raw.parameters()], "reductions": len(reduced)}
+    del model  # DDP's reducer goes before its process group, on both ranks before either tears the store down
+    dist.barrier()
     dist.destroy_process_group()
     return out
 
