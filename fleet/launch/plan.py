@@ -86,12 +86,13 @@ def child_env(
         dropped.add(env.FLEET_STRATEGY)  # --strategy wins over a strategy inherited as JSON (read first otherwise)
     if spec.role == SERVER:
         dropped.update(env.TORCHRUN_VARIABLES)  # a server is no rank of torchrun's world, not even an outer one's
+    here = config.workers + config.servers  # the job's processes on this node
     # Whether a waiting worker may spin before it sleeps depends on every process of the job here, servers
     # included (fleet.collective.shm.spinning_pays)
-    values[env.FLEET_LOCAL_PROCESSES] = str(config.workers + config.servers)
+    values[env.FLEET_LOCAL_PROCESSES] = str(here)
     if env.OMP_NUM_THREADS not in inherited:
         # Like torchrun: without this each process starts one thread per core and they thrash.
-        values[env.OMP_NUM_THREADS] = str(max(1, (os.cpu_count() or 1) // (config.workers + config.servers)))
+        values[env.OMP_NUM_THREADS] = str(max(1, (os.cpu_count() or 1) // here))
     base = {k: v for k, v in inherited.items() if k not in dropped}
     return env.child_environment(base, **values)
 

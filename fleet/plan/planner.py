@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -36,6 +36,9 @@ from fleet.plan.lognormal import LogNormal
 from fleet.plan.model import DEFAULT_COUNTS, LABELS, MODES, SYNC_MODES, Model, Prediction, Setup, breaks_at
 from fleet.plan.placement import Cluster, Recommendation, Workload, gb, workload_from
 from fleet.plan.placement import recommend as recommend_placement
+
+if TYPE_CHECKING:
+    from fleet.plan.table_steps import TableShape
 
 PROBE_STEPS, PROBE_SECONDS = 30, 20.0
 START_BUDGET_S = 180.0  # imports, data loading and fleet.init before the first step
@@ -140,10 +143,10 @@ def run_measure(log_dir: Path, probe: dict[str, Any], reps: int = 7) -> dict[str
     return net
 
 
-def table_shapes(probe: dict[str, Any]) -> list[Any]:
+def table_shapes(probe: dict[str, Any]) -> list[TableShape]:
     """The probe's tables as :class:`fleet.plan.table_steps.TableShape` (none from records taken before it
     counted lookups)."""
-    from fleet.plan.table_steps import TableShape
+    from fleet.plan.table_steps import TableShape  # here: that module imports torch, fleetrun --plan does not
 
     shapes = []
     for t in probe.get("tables") or []:
@@ -157,10 +160,6 @@ def table_shapes(probe: dict[str, Any]) -> list[Any]:
             TableShape(t["kind"], int(t["dim"]), round(sum(ids) / len(ids)), mean_lookups, int(t.get("features") or 1))
         )
     return shapes
-
-
-def shapes_known(probe: dict[str, Any]) -> bool:
-    return bool(table_shapes(probe))
 
 
 def run_table_steps(log_dir: Path, probe: dict[str, Any], rounds: int = 2) -> dict[str, float]:
@@ -257,7 +256,7 @@ def build(probe: dict[str, Any], net: dict[str, Any], script: str = "") -> Calib
             cal["ps_client_step_s"] = (net["ps"].get("client_cpu_s") or 0.0) / net["ps"]["replay_steps"]
         if cal["sparse_rows"]:
             assumptions.append("geo: the sparse rows touched in k steps are all distinct (the most traffic)")
-    if shapes_known(probe) and not cal["table_steps_s"]:
+    if table_shapes(probe) and not cal["table_steps_s"]:
         assumptions.append(
             "sharded tables: their cost estimated from row rates, not measured (the tables' step is measured on "
             "CPU where the batch size is known)"

@@ -41,18 +41,17 @@ def test_channel_exchanges_values_and_keeps_rounds_apart():
         assert seen[rank] == [[[r, step] for r in range(world)] for step in range(rounds)]
 
 
-def test_a_wait_on_busy_cores_sleeps_on_the_futex_after_a_few_yields(monkeypatch):
-    """Each yield on busy cores gives the core away for up to a time slice: a wait stops yielding after about
-    0.1 ms (not after 50 yields, tens of milliseconds and as many context switches) and sleeps on the futex,
-    which the peer's arrival wakes."""
+def _count_a_wait(monkeypatch, spin: bool = True, yield_s: float = 0.0) -> tuple[int, int]:
+    """(yields, futex sleeps) of worker 0's barrier with a peer 0.3 s late; each yield takes ``yield_s`` (the
+    time another process ran meanwhile)."""
     table = _table(2, 1)
     yields, sleeps = [], []
     real_sleep, real_futex_wait = time.sleep, shm._futex_wait
 
-    def busy_yield(seconds: float) -> None:
+    def counted_sleep(seconds: float) -> None:
         if seconds == 0:
             yields.append(1)
-            real_sleep(50e-6)  # another process ran meanwhile
+            real_sleep(yield_s)
         else:
             real_sleep(seconds)
 
@@ -60,15 +59,23 @@ def test_a_wait_on_busy_cores_sleeps_on_the_futex_after_a_few_yields(monkeypatch
         sleeps.append(1)
         real_futex_wait(*args)
 
-    monkeypatch.setattr(shm.time, "sleep", busy_yield)
+    monkeypatch.setattr(shm.time, "sleep", counted_sleep)
     monkeypatch.setattr(shm, "_futex_wait", counted_futex_wait)
-    late = shm.Channel(table, 1, 2, 1, timeout_s=10)
+    late = shm.Channel(table, 1, 2, 1, timeout_s=10, spin=spin)
     arrival = threading.Timer(0.3, late.barrier)
     arrival.start()
-    shm.Channel(table, 0, 2, 1, timeout_s=10).barrier()
+    shm.Channel(table, 0, 2, 1, timeout_s=10, spin=spin).barrier()
     arrival.join(10)
+    return len(yields), len(sleeps)
+
+
+def test_a_wait_on_busy_cores_sleeps_on_the_futex_after_a_few_yields(monkeypatch):
+    """Each yield on busy cores gives the core away for up to a time slice: a wait stops yielding after about
+    0.1 ms (not after 50 yields, tens of milliseconds and as many context switches) and sleeps on the futex,
+    which the peer's arrival wakes."""
+    yields, sleeps = _count_a_wait(monkeypatch, yield_s=50e-6)
     assert sleeps, "the wait never slept on the futex"
-    assert 1 <= len(yields) <= 10, f"{len(yields)} yields before sleeping"
+    assert 1 <= yields <= 10, f"{yields} yields before sleeping"
 
 
 def test_a_wait_sleeps_at_once_where_spinning_does_not_pay(monkeypatch):
@@ -81,26 +88,7 @@ def test_a_wait_sleeps_at_once_where_spinning_does_not_pay(monkeypatch):
     assert shm.spinning_pays(2, env.EnvReader({env.FLEET_LOCAL_PROCESSES: "2"}))
     assert not shm.spinning_pays(2, env.EnvReader({env.FLEET_LOCAL_PROCESSES: "3"}))  # a server beside them
     assert not shm.spinning_pays(3, env.EnvReader({}))
-    table = _table(2, 1)
-    yields, sleeps = [], []
-    real_sleep, real_futex_wait = time.sleep, shm._futex_wait
-
-    def counted_sleep(seconds: float) -> None:
-        if seconds == 0:
-            yields.append(1)
-        real_sleep(seconds)
-
-    def counted_futex_wait(*args) -> None:
-        sleeps.append(1)
-        real_futex_wait(*args)
-
-    monkeypatch.setattr(shm.time, "sleep", counted_sleep)
-    monkeypatch.setattr(shm, "_futex_wait", counted_futex_wait)
-    late = shm.Channel(table, 1, 2, 1, timeout_s=10, spin=False)
-    arrival = threading.Timer(0.3, late.barrier)
-    arrival.start()
-    shm.Channel(table, 0, 2, 1, timeout_s=10, spin=False).barrier()
-    arrival.join(10)
+    yields, sleeps = _count_a_wait(monkeypatch, spin=False)
     assert sleeps and not yields
 
 
@@ -179,17 +167,17 @@ def test_no_shared_memory_on_one_worker_falls_back_together():
         assert not patterns.compare(result, want)
 
 
-def overlapped_worker(rank: int) -> dict:
-    """With a core to spare, buckets are summed on a thread of their own while backward goes on."""
+def overlapped_worker(rank: int, names: tuple[str, ...], thread_min_bytes: int | None = None) -> dict:
+    """With a core to spare, buckets are summed on a thread of their own while backward goes on (with
+    ``thread_min_bytes`` 0: even buckets too small to pay for its hand-off, the training thread's otherwise)."""
     import fleet
     from fleet.collective.transports import shared_memory as transport
 
     transport.overlap_pays = lambda workers_here: True
+    if thread_min_bytes is not None:
+        transport.THREAD_MIN_BYTES = thread_min_bytes
     fleet.init()
-    out = {
-        name: patterns.distributed(name, "adam", rank, 2, fleet.distributed_optimizer)
-        for name in ("unused_branch", "two_optimizers")
-    }
+    out = {name: patterns.distributed(name, "adam", rank, 2, fleet.distributed_optimizer) for name in names}
     fleet.stop_worker()
     return out
 
@@ -197,33 +185,20 @@ def overlapped_worker(rank: int) -> dict:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_buckets_summed_on_their_own_thread_equal_single_process():
-    results = run_workers(overlapped_worker, 2)
+    results = run_workers(overlapped_worker, 2, ("unused_branch", "two_optimizers"))
     for name in ("unused_branch", "two_optimizers"):
         want = patterns.reference(name, "adam", 2)
         for result in results:
             assert not patterns.compare(result[name], want), name
 
 
-def small_overlapped_worker(rank: int) -> dict:
-    """The summing thread takes even buckets too small to pay for its hand-off (the training thread's otherwise)."""
-    import fleet
-    from fleet.collective.transports import shared_memory as transport
-
-    transport.overlap_pays = lambda workers_here: True
-    transport.THREAD_MIN_BYTES = 0
-    fleet.init()
-    out = patterns.distributed("unused_branch", "adam", rank, 2, fleet.distributed_optimizer)
-    fleet.stop_worker()
-    return out
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_small_buckets_summed_on_the_thread_equal_single_process():
-    results = run_workers(small_overlapped_worker, 2)
+    results = run_workers(overlapped_worker, 2, ("unused_branch",), 0)
     want = patterns.reference("unused_branch", "adam", 2)
     for result in results:
-        assert not patterns.compare(result, want)
+        assert not patterns.compare(result["unused_branch"], want)
 
 
 def connect_worker(rank: int) -> dict:
