@@ -202,19 +202,22 @@ class ParameterServer:
             poller.register(self._outbox.wake_r, zmq.POLLIN)
         lock = self._lock.lock
         sockets = self._sockets
+        # bound once: each round of the loop is part of a small pull's round trip
+        stopping, done, zap, direct = self._shutdown.is_set, self._workers.done, self._zap.socket, self._direct
+        put, serve_direct, serve_whole = self._inbox.put, self._serve_direct, self._serve_whole
         log.info("parameter server %d serving at %s", self.server_index, self.endpoint)
         try:
             with lock:
                 timeout = self._poll_timeout_ms(time.monotonic())
-            while not self._shutdown.is_set() and not self._workers.done():
+            while not stopping() and not done():
                 ready = poller.poll(timeout)  # the table threads have the lock meanwhile
                 sent_before = sockets.zmq_sends
                 touched = False  # whether this round received from a ZeroMQ socket (Waiter.settle)
-                if self._zap.socket in ready:
+                if zap in ready:
                     self._zap.serve()
                     touched = True
-                if self._direct is not None:
-                    self._direct.serve(ready, self._inbox.put, self._serve_direct, self._serve_whole)
+                if direct is not None:
+                    direct.serve(ready, put, serve_direct, serve_whole)
                 if self._sock in ready or len(self._inbox):
                     look = self._sock in ready
                     touched = True
@@ -230,9 +233,7 @@ class ParameterServer:
                             self._handle(frames)
                 with lock:  # one turn of the lock for the round's end and the next wait's bound
                     self._send_outbox()
-                    now = time.monotonic()
-                    self._expire(now)
-                    timeout = 0 if len(self._inbox) else self._poll_timeout_ms(now)
+                    timeout = self._round_end(time.monotonic())
                 poller.settle(ready, touched or sockets.zmq_sends != sent_before)
         finally:
             self.close()
@@ -247,6 +248,14 @@ class ParameterServer:
     def shutdown(self) -> None:
         """Ask :meth:`serve` to return (thread-safe); parked requests get an error reply."""
         self._shutdown.set()
+
+    def _round_end(self, now: float) -> int:
+        """:meth:`_expire` at ``now``, then the next wait's bound in ms (0: requests are queued)."""
+        if not self._waiting.empty():
+            self._expire(now)
+            return 0 if len(self._inbox) else self._poll_timeout_ms(now)
+        self._check_liveness(now)  # the usual round: nothing parked, so nothing expires (asked once, not thrice)
+        return 0 if len(self._inbox) else _IDLE_POLL_MS + 1
 
     def _poll_timeout_ms(self, now: float) -> int:
         nearest = self._waiting.next_deadline(now + _IDLE_POLL_MS / 1000)
