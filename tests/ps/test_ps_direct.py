@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -180,3 +181,89 @@ def test_a_server_that_dies_fails_a_waiting_direct_pull_at_once() -> None:
             assert "parameter server 0" in str(info.value)
         finally:
             client.close(stop_servers_for_me=False)
+
+
+def test_the_quick_pull_sends_the_usual_bytes_and_checks_its_answer_as_call_does() -> None:
+    """DirectCalls.pull (the blocking one-server pull_dense): the request's bytes are those of the general
+    writer; a good answer is read; an error reply, an answer to another request, a peer that closes and one
+    that never answers each raise the error call would, and the connection is dropped after a failure."""
+    from fleet.ps.client.direct import DirectCalls, _Conn
+    from fleet.ps.protocol import small
+    from fleet.ps.protocol.errors import PSError
+
+    def unavailable(server: int, msg: Message, why: str, cls: type) -> PSError:
+        return cls(f"parameter server {server} {why} ({msg.op_name()})", server, "here", msg.op_name())
+
+    def remote(server: int, op: int, text: str) -> PSError:
+        return PSError(f"parameter server {server}: {text}")
+
+    calls = DirectCalls(SECRET, unavailable, remote)
+    fields = (int(Op.PULL_DENSE), 7, 1, 42, 0, 3, 0.0, 1500)
+    request = small.pull_request(int(Op.PULL_DENSE), 7, 1, 42, 3, 1500)
+    general = Message(Op.PULL_DENSE, 7, 1, 42, arg=3, timeout_ms=1500)
+    assert request == b"".join(bytes(b) for b in unix.buffers(encode(general)))
+
+    def answered(reply: Message | None, close: bool = False, timeout_s: float = 5.0) -> tuple[Any, bytes]:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        calls._local.conns = {0: _Conn("/nowhere", mine)}
+        got = bytearray()
+
+        def serve() -> None:
+            got.extend(theirs.recv(1 << 16))
+            if reply is not None:
+                theirs.sendall(b"".join(bytes(b) for b in unix.buffers(encode(reply))))
+            if close:
+                theirs.close()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            outcome: Any = calls.pull(0, "/nowhere", 1, request, fields, timeout_s)
+        except PSError as exc:
+            outcome = exc
+        thread.join(5)
+        theirs.close()
+        return outcome, bytes(got)
+
+    ok = Message(Op.PULL_DENSE, 7, 0, 42, arg=9, status=Status.OK, tensors=[torch.arange(4.0)])
+    reply, sent = answered(ok)
+    assert sent == request
+    assert reply.arg == 9 and torch.equal(reply.tensors[0], torch.arange(4.0))
+    assert 0 in calls._local.conns  # kept for the next call
+
+    error = Message(Op.PULL_DENSE, 7, 0, 42, status=Status.ERROR, blob=b"table 7 is broken")
+    exc, _ = answered(error)
+    assert isinstance(exc, PSError) and "table 7 is broken" in str(exc)
+    assert 0 not in calls._local.conns  # dropped: a late answer is never read as the next call's
+
+    other = Message(Op.PULL_DENSE, 7, 0, 41, status=Status.OK, tensors=[torch.arange(4.0)])
+    exc, _ = answered(other)
+    assert "answered request 41 for 42" in str(exc)
+
+    exc, _ = answered(None, close=True)
+    assert isinstance(exc, PSServerUnavailable) and "PULL_DENSE" in str(exc) and "in flight" in str(exc)
+
+    started = time.monotonic()
+    exc, _ = answered(None, timeout_s=0.3)
+    assert isinstance(exc, PSServerUnavailable) and "did not answer PULL_DENSE in time" in str(exc)
+    assert time.monotonic() - started < 5
+    calls.close()
+
+
+def test_a_one_server_blocking_pull_dense_takes_the_quick_pull() -> None:
+    with server() as (srv, _):
+        client = PSClient([srv.endpoint], SECRET, 0, timeout_s=5.0)
+        try:
+            client.create_dense(1, torch.arange(4.0), ASYNC_SGD).result()
+            on_ipc(client)
+            quick = client._io._direct.pull
+            taken = []
+            client._io._direct.pull = lambda *args: taken.append(args[4]) or quick(*args)  # type: ignore[method-assign]
+            with client.direct():
+                for _ in range(3):  # the first connects (call), the others are read as they come
+                    values = client.pull_dense(1).result()
+                    assert torch.equal(values, torch.arange(4.0)) and values.ps_versions == (values.ps_version,)
+            assert len(taken) == 3 and taken[0][0] == Op.PULL_DENSE and taken[0][1] == 1
+            assert srv.stats()["direct_quick"] >= 3
+        finally:
+            client.close()

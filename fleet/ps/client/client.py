@@ -64,6 +64,7 @@ from fleet.storage.paths import absolute
 __all__ = ["DenseState", "PSClient", "shard_ranges", "sparse_owner"]
 
 log = logging.getLogger(__name__)
+_PULL_DENSE = int(Op.PULL_DENSE)
 
 
 def sparse_owner(ids: torch.Tensor, num_servers: int) -> torch.Tensor:
@@ -274,8 +275,15 @@ class PSClient:
         """
         layout = self._dense_layout(table_id)
         me = self.worker_index
+        combine = lambda replies: _versioned(layout.join(replies), replies)  # noqa: E731
+        if self._direct_threads and self.num_servers == 1 and threading.get_ident() in self._direct_threads:
+            if self._closed:
+                raise PSError("this PSClient is closed")
+            done = self._io.pull_direct(_PULL_DENSE, table_id, me, min_version, combine, self.timeout_s)
+            if done is not None:  # the usual blocking pull from one server (W3's round trip): no Message made
+                return done
         parts = [(s, Message(Op.PULL_DENSE, table_id, me, arg=min_version)) for s in range(self.num_servers)]
-        return self._submit(parts, lambda replies: _versioned(layout.join(replies), replies))
+        return self._submit(parts, combine)
 
     def dense_state(self, table_id: int) -> Future:
         """Future[DenseState]: the table's values, optimizer state and each parameter's step, from every server."""

@@ -207,6 +207,34 @@ class IOThread:
             return Settled(exception=exc)
         return Settled(result)
 
+    def pull_direct(
+        self, op: int, table: int, peer: int, arg: int, combine: Callable[[list[Message]], Any], timeout_s: float
+    ) -> Future | None:
+        """:meth:`call_direct` of the request ``Message(op, table, peer, arg=arg)`` (no tensors) to this client's
+        one server, written without a :class:`Message` (:meth:`~fleet.ps.client.direct.DirectCalls.pull`);
+        None when it must be queued.
+
+        Why: a blocking small pull is the round trip W3 measures, and on this host most of it is this side's
+        Python; the checks are :meth:`_direct_parts`' for one server.
+        """
+        if self._closing.is_set() or not self._running:
+            raise PSClientClosed("the parameter-server client is closed")
+        if self._outstanding or not self._routes or len(self._routes) != 1 or op not in DIRECT_OPS:
+            return None
+        path = self._routes[0].direct_path
+        incarnation = self._incarnations[0]
+        if path is None or not incarnation or 0 in self._refused or 0 in self._failing:
+            return None
+        request_id = next(self._ids)
+        timeout_ms = int(timeout_s * 1000)
+        request = small.pull_request(op, table, peer, request_id, arg, timeout_ms)
+        fields = (op, table, peer, request_id, 0, arg, 0.0, timeout_ms)
+        try:
+            result = combine([self._direct.pull(0, path, incarnation, request, fields, timeout_s)])
+        except BaseException as exc:
+            return Settled(exception=exc)
+        return Settled(result)
+
     def _uncount(self, job: Job) -> None:
         if job.counted:
             job.counted = False

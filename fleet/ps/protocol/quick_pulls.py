@@ -86,6 +86,23 @@ def plain_pull(frames: list[memoryview], max_bytes: int) -> Message | None:
     return Message(op, table, peer, rid, step, arg, lr, timeout_ms, status, tensors, b"")
 
 
+#: the length of a read that is one whole PULL_DENSE as the direct path frames it (see :func:`dense_pull`)
+DENSE_BYTES = _DENSE.size
+
+
+def dense_pull(buf: memoryview) -> tuple[int, int, int, int, int, float, int] | None:
+    """The fields (table, peer, request id, step, arg, lr, timeout_ms) of the PULL_DENSE that is exactly
+    ``buf[:DENSE_BYTES]``, length prefix included, else None: what :func:`whole_pull` accepts of that length,
+    without a :class:`Message` (the server's quick dense pull answers it from the fields)."""
+    (count, hsize, bsize, magic, version, op, status, ntensors, table, peer, rid, step, arg, lr,
+     timeout_ms) = _DENSE.unpack_from(buf, 0)  # fmt: skip
+    if count != 2 or hsize != HEADER.size or bsize or op != _PULL_DENSE or ntensors:
+        return None
+    if magic != MAGIC or version != PROTOCOL_VERSION or status != _REQUEST:
+        return None
+    return table, peer, rid, step, arg, lr, timeout_ms
+
+
 def whole_pull(buf: memoryview, got: int, max_bytes: int) -> Message | None:
     """:func:`plain_pull` of the one message that is exactly ``buf[:got]``, length prefix included, else None.
 

@@ -101,6 +101,17 @@ def pack(msg: Message) -> tuple[list[Any], int] | None:
     return ([memoryview(head), memoryview(data)] if nbytes else [memoryview(head)]), _ONE_HEAD + nbytes
 
 
+_REQUEST = int(Status.REQUEST)
+
+
+def pull_request(op: int, table: int, peer: int, request_id: int, arg: int, timeout_ms: int) -> bytes:
+    """:func:`pack`'s bytes for a request without tensors (a PULL_DENSE): ``Message(op, table, peer, request_id,
+    arg=arg, timeout_ms=timeout_ms)``, in one ``struct`` call (the quick pull of :mod:`fleet.ps.client.direct`)."""
+    return _BARE.pack(
+        2, HEADER.size, 0, MAGIC, PROTOCOL_VERSION, op, _REQUEST, 0, table, peer, request_id, 0, arg, 0.0, timeout_ms
+    )
+
+
 def pack_flat_reply(
     op: int, table: int, peer: int, request_id: int, step: int, arg: int, code: int, data: bytes
 ) -> memoryview:

@@ -122,7 +122,10 @@ class DirectConnections:
             if flags & _POLLOUT:
                 self._flush(conn)
             if flags & (_POLLIN | _POLLERR) and fd in conns:
-                self._read(conn, put, fast, whole)
+                if conn.ready and not conn.inbuf:  # the usual read: one whole request (no call to _read first)
+                    self._read_fresh(conn, put, fast, whole)
+                else:
+                    self._read(conn, put, fast, whole)
         if int(ready.get(self._listener_fd, 0)) & _POLLIN:
             self._accept()
 

@@ -37,7 +37,7 @@ from fleet.ps.protocol import auth, small
 from fleet.ps.protocol.errors import WireError
 from fleet.ps.protocol.limits import RequestLimits
 from fleet.ps.protocol.liveness import Workers
-from fleet.ps.protocol.quick_pulls import plain_pull, whole_pull
+from fleet.ps.protocol.quick_pulls import DENSE_BYTES, dense_pull, plain_pull, whole_pull
 from fleet.ps.protocol.wire import (
     DTYPE_CODES,
     Message,
@@ -75,6 +75,7 @@ _LANE_OPS = frozenset(
 # Served on the loop thread without waiting for the lanes: they touch no table (a composite's parts go to lanes).
 _BESIDE_LANES = frozenset((Op.HELLO, Op.PULL_SPARSE_MANY, Op.PUSH_SPARSE_GRAD_MANY))
 _PULL_DENSE = int(Op.PULL_DENSE)
+_REQUEST = int(Status.REQUEST)
 _FLOAT32 = DTYPE_CODES[torch.float32]
 
 
@@ -202,19 +203,22 @@ class ParameterServer:
             poller.register(self._outbox.wake_r, zmq.POLLIN)
         lock = self._lock.lock
         sockets = self._sockets
+        # bound once: each round of the loop is part of a small pull's round trip
+        stopping, done, zap, direct = self._shutdown.is_set, self._workers.done, self._zap.socket, self._direct
+        put, serve_direct, serve_whole = self._inbox.put, self._serve_direct, self._serve_whole
         log.info("parameter server %d serving at %s", self.server_index, self.endpoint)
         try:
             with lock:
                 timeout = self._poll_timeout_ms(time.monotonic())
-            while not self._shutdown.is_set() and not self._workers.done():
+            while not stopping() and not done():
                 ready = poller.poll(timeout)  # the table threads have the lock meanwhile
                 sent_before = sockets.zmq_sends
                 touched = False  # whether this round received from a ZeroMQ socket (Waiter.settle)
-                if self._zap.socket in ready:
+                if zap in ready:
                     self._zap.serve()
                     touched = True
-                if self._direct is not None:
-                    self._direct.serve(ready, self._inbox.put, self._serve_direct, self._serve_whole)
+                if direct is not None:
+                    direct.serve(ready, put, serve_direct, serve_whole)
                 if self._sock in ready or len(self._inbox):
                     look = self._sock in ready
                     touched = True
@@ -230,9 +234,7 @@ class ParameterServer:
                             self._handle(frames)
                 with lock:  # one turn of the lock for the round's end and the next wait's bound
                     self._send_outbox()
-                    now = time.monotonic()
-                    self._expire(now)
-                    timeout = 0 if len(self._inbox) else self._poll_timeout_ms(now)
+                    timeout = self._round_end(time.monotonic())
                 poller.settle(ready, touched or sockets.zmq_sends != sent_before)
         finally:
             self.close()
@@ -247,6 +249,14 @@ class ParameterServer:
     def shutdown(self) -> None:
         """Ask :meth:`serve` to return (thread-safe); parked requests get an error reply."""
         self._shutdown.set()
+
+    def _round_end(self, now: float) -> int:
+        """:meth:`_expire` at ``now``, then the next wait's bound in ms (0: requests are queued)."""
+        if not self._waiting.empty():
+            self._expire(now)
+            return 0 if len(self._inbox) else self._poll_timeout_ms(now)
+        self._check_liveness(now)  # the usual round: nothing parked, so nothing expires (asked once, not thrice)
+        return 0 if len(self._inbox) else _IDLE_POLL_MS + 1
 
     def _poll_timeout_ms(self, now: float) -> int:
         nearest = self._waiting.next_deadline(now + _IDLE_POLL_MS / 1000)
@@ -334,11 +344,15 @@ class ParameterServer:
         """:meth:`_serve_direct` of a read that is exactly one message, length prefix included (the usual pull)."""
         if len(self._inbox):
             return False
+        if got == DENSE_BYTES:  # the usual small pull, a PULL_DENSE: its fields, no Message unless it is served
+            fields = dense_pull(data)
+            return fields is not None and self._serve_quick(ident, fields, got - 3 * 4)
         msg = whole_pull(data, got, self.tables.request_budget.bytes)
         # the frames' bytes: the read less its length prefix (a frame count and a length per frame)
         return msg is not None and self._serve_quick(ident, msg, got - (3 + len(msg.tensors)) * 4)
 
-    def _serve_quick(self, ident: bytes, msg: Message, nbytes: int) -> bool:
+    def _serve_quick(self, ident: bytes, msg: Message | tuple, nbytes: int) -> bool:
+        """Serve a pull read as it came (``msg``, or a PULL_DENSE's fields as :func:`dense_pull` gives them)."""
         with self._lock.lock:
             if self._lanes is not None and self._lanes.queued:
                 return False
@@ -346,32 +360,38 @@ class ParameterServer:
                 self._send_outbox()  # what the table threads answered leaves first, as on the usual way
             self._counts["bytes_in"] += nbytes
             self._counts["direct_quick"] += 1
-            if msg.op != _PULL_DENSE or not self._quick_dense(ident, msg):
+            if type(msg) is tuple:
+                if not self._quick_dense(ident, *msg):
+                    self._serve(ident, Message(_PULL_DENSE, *msg, status=_REQUEST), here=True)
+            elif (
+                msg.op != _PULL_DENSE
+                or msg.tensors
+                or not self._quick_dense(ident, msg.table, msg.peer, msg.request_id, msg.step, msg.arg)
+            ):
                 self._serve(ident, msg, here=True)
         return True
 
-    def _quick_dense(self, ident: bytes, msg: Message) -> bool:
-        """Answer a plain PULL_DENSE of a small table as :meth:`_serve` would, from the bytes the table keeps per
-        version (:meth:`~fleet.ps.server.table_ops.TableRequests.quick_dense`); False: anything else (a worker
-        index out of range, a table that is not a ready dense one, a pull that must wait) is left to :meth:`_serve`.
+    def _quick_dense(self, ident: bytes, table: int, peer: int, request_id: int, step: int, arg: int, *_: Any) -> bool:
+        """Answer a plain PULL_DENSE (no tensors) of a small table as :meth:`_serve` would, from the bytes the table
+        keeps per version (:meth:`~fleet.ps.server.table_ops.TableRequests.quick_dense`); False: anything else (a
+        worker index out of range, a table that is not a ready dense one, a pull that must wait) is left to
+        :meth:`_serve`.
 
-        Why: the usual small pull's round trip is mostly Python on both ends; this answer skips the reply's
-        :class:`Message`, its tensor and the general encoder, and writes the same bytes.
+        Why: the usual small pull's round trip is mostly Python on both ends; this answer skips the request's and
+        the reply's :class:`Message`, the reply's tensor and the general encoder, and writes the same bytes.
         """
-        if not 0 <= msg.peer < self.num_workers:
+        if not 0 <= peer < self.num_workers:
             return False
-        quick = self.tables.quick_dense(msg, small.COPY_BYTES)
+        quick = self.tables.quick_dense(table, arg, small.COPY_BYTES)
         if quick is None:
             return False
         version, data = quick
         # the bookkeeping of _serve and _dispatch
         self._ops["PULL_DENSE"] += 1
-        if self._workers.seen(msg.peer, time.monotonic()):
-            log.warning("parameter server %d: worker %d is back", self.server_index, msg.peer)
-        self._table_ops[msg.table]["PULL_DENSE"] += 1
-        view = small.pack_flat_reply(
-            msg.op, msg.table, self.server_index, msg.request_id, msg.step, version, _FLOAT32, data
-        )
+        if self._workers.seen(peer, time.monotonic()):
+            log.warning("parameter server %d: worker %d is back", self.server_index, peer)
+        self._table_ops[table]["PULL_DENSE"] += 1
+        view = small.pack_flat_reply(_PULL_DENSE, table, self.server_index, request_id, step, version, _FLOAT32, data)
         self._counts["bytes_out"] += len(view) - small.PREFIX_BYTES
         if not self._direct.send_buffers(ident, [view]):
             self._counts["replies_dropped"] += 1

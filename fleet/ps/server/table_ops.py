@@ -243,14 +243,16 @@ class TableRequests:
             return None
         return self._pull_reply(shard, msg)
 
-    def quick_dense(self, msg: Message, limit: int) -> tuple[int, bytes] | None:
-        """(version, values' bytes) that :meth:`pull` would answer the PULL_DENSE ``msg`` with now, when its table
-        is a dense one of at most ``limit`` bytes that answers at once; else None (:meth:`pull` says why, or parks it).
+    def quick_dense(self, table: int, min_version: int, limit: int) -> tuple[int, bytes] | None:
+        """(version, values' bytes) that :meth:`pull` would answer a PULL_DENSE (no tensors) of ``table`` with
+        ``min_version`` with now, when the table is a dense one of at most ``limit`` bytes that answers at once;
+        else None (:meth:`pull` says why, or parks it).
 
-        Called on the loop thread with the table threads idle (as :meth:`pull` is then).
+        Called on the loop thread with the table threads idle (as :meth:`pull` is then). Fields, not a
+        :class:`Message`: the server's quick pull reads a request without making one.
         """
-        shard = self._shards.get(msg.table)
-        if shard is None or shard.kind != "dense" or msg.tensors or msg.arg > shard.version:
+        shard = self._shards.get(table)
+        if shard is None or shard.kind != "dense" or min_version > shard.version:
             return None
         assert isinstance(shard, agg.DenseShard)
         if shard.broken is not None:
