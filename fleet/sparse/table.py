@@ -77,13 +77,7 @@ class _Transaction:
         if undo is None:
             return False
         self._undo = None
-        table = self._table
-        try:
-            if kind is not None:
-                undo.rollback()
-                table._recent.forget()  # the rollback may take back rows that a remembered pull created
-        finally:
-            table._undo = None
+        self._table._close_transaction(undo, failed=kind is not None)
         return False  # an exception goes on
 
 
@@ -195,18 +189,26 @@ class SparseTable:
 
     def _open_transaction(self) -> UndoLog:
         undo = UndoLog()
-        life = self._life
-        saved = (self.clock, self.counts, self._deleted, self._deleted_count, self.saved, life.next_expiry)
+        saved = (self.clock, self.counts, self._deleted, self._deleted_count, self.saved)
 
-        def restore() -> None:  # one step for the table-wide attributes (UndoLog.attrs, unrolled: it runs per push)
-            self.clock, self.counts, self._deleted, self._deleted_count, self.saved, life.next_expiry = saved
+        def restore() -> None:  # UndoLog.attrs, unrolled: it runs per pull and push
+            self.clock, self.counts, self._deleted, self._deleted_count, self.saved = saved
 
         undo.add(restore)
+        undo.attrs(self._life, "next_expiry")
         self.counts = dict(self.counts)  # changed in place below: the rollback restores the original
         if self._deleted is not None:
             self._deleted = list(self._deleted)
         self._undo = undo
         return undo
+
+    def _close_transaction(self, undo: UndoLog, failed: bool) -> None:
+        try:
+            if failed:
+                undo.rollback()
+                self._recent.forget()  # the rollback may take back rows that a remembered pull created
+        finally:
+            self._undo = None
 
     def undo_log(self) -> UndoLog:
         """The open transaction's undo log (a change outside one is a bug)."""

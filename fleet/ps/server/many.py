@@ -13,7 +13,9 @@ The parts are checked together before any is served (every table exists and is s
 counts add up to the ids, the gradients to the rows), so a malformed composite changes no
 table. A part may be answered later (a sync pull waiting for its table's step): each part
 carries a :class:`Part` as its reply address, and the composite is answered when its last
-part is, or at the first part that fails, with that part's error.
+part is, or at the first part that fails, with that part's error. Without table threads, a composite
+whose parts all answer at once skips the one-table requests (:class:`Inline`): the same table work in the
+same order, the same reply.
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ class ManyRequests:
     With ``inline``, a composite whose parts all answer at once (no sync pull waits, no part over the limits)
     is served on this thread without a request per part: the same table work, counts and checks, in the same
     order, and the same reply (or error reply, of the first part that fails) as its parts would make.
-    Why: a DLRM step's pull and push name 8 tables, and building, dispatching and gathering a one-table
-    request per table took about as long as the tables' own work on a server of new rows.
+    Why: a DLRM step's pull and push name 8 tables each, and building, dispatching and gathering a one-table
+    request (and reply) per table was a large part of the server's time per step.
     """
 
     def __init__(
