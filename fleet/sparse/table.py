@@ -498,7 +498,7 @@ class SparseTable:
             raise ValueError(f"{name} has shape {tuple(values.shape)}, expected ({n}, {width}) for {n} ids")
         if not values.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor, got {values.dtype}")
-        return values.to(torch.float32)
+        return values if values.dtype is torch.float32 else values.to(torch.float32)  # .to costs a call even then
 
     # ------------------------------------------------------------------ requests
     def pull(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
