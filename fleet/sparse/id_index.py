@@ -182,20 +182,21 @@ class IdIndex:
         return slots, found
 
     def lookup_rows_misses(
-        self, ids: torch.Tensor, rows: torch.Tensor
+        self, ids: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """:meth:`lookup_rows`, and the positions of the absent ids (ascending) with whether those ids ascend.
 
         The same native pass finds the absent ids (``(slots < 0).nonzero()`` took torch two passes and as
         long as the lookup of a few thousand ids); ascending absent ids are unique, so a table creates
-        their rows in this order without sorting them.
+        their rows in this order without sorting them. ``out``: where the rows go (float32 ``[len(ids), dim]``,
+        contiguous; the native pass checks it), instead of a new tensor.
         """
         if rows.dtype is not torch.float32 or rows.dim() != 2 or rows.shape[0] != self._size or not rows.is_cpu:
             raise ValueError(
                 f"lookup_rows needs float32 rows [{self._size}, dim] on the CPU, got {rows.dtype} "
                 f"{tuple(rows.shape)} on {rows.device}"
             )
-        return self._lookup(as_ids(ids), rows)
+        return self._lookup(as_ids(ids), rows, out)
 
     def lookup_misses(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(:meth:`lookup`'s slots, the positions of the absent ids, whether the absent ids ascend strictly)."""
@@ -203,11 +204,12 @@ class IdIndex:
         return slots, misses, ascending
 
     def _lookup(
-        self, ids: torch.Tensor, rows: torch.Tensor | None
+        self, ids: torch.Tensor, rows: torch.Tensor | None, found: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, bool]:
         count = ids.numel()
         out = torch.empty(count, dtype=torch.int64)
-        found = torch.empty(count, rows.shape[1], dtype=torch.float32) if rows is not None else None
+        if found is None and rows is not None:
+            found = torch.empty(count, rows.shape[1], dtype=torch.float32)
         if not count:
             return out, found, out, True
         misses = torch.empty(count, dtype=torch.int64)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 # Two lists per worker in flight (the step's own and the prefetched next one) for a few workers.
@@ -24,34 +25,42 @@ _MIN_IDS = 256
 
 
 class RecentSlots:
-    """At most ``capacity`` (ids, slots) pairs, newest last; each is taken at most once."""
+    """At most ``capacity`` (ids, slots) pairs, newest last; each is taken at most once.
+
+    The ids are kept as their bytes: a push's list is compared with one ``memcmp`` (``torch.equal`` cost more
+    than the lookup it saves on a few thousand ids, and let go of the GIL on the way).
+    """
 
     def __init__(self, capacity: int = _CAPACITY) -> None:
         self._capacity = capacity
-        self._entries: OrderedDict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, int, int], tuple[bytes, torch.Tensor]] = OrderedDict()
 
     @staticmethod
-    def _key(ids: torch.Tensor) -> tuple[int, int, int]:
-        ends = ids.numpy()  # a CPU int64 tensor (the table's checked ids): numpy's indexing is ~10x cheaper
+    def _key(ends: np.ndarray) -> tuple[int, int, int]:
         return ends.size, int(ends[0]), int(ends[-1])
 
     def remember(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """``slots[i]`` is where ``ids[i]`` lives now (every one >= 0); ``slots`` is the table's own tensor."""
+        """``slots[i]`` is where ``ids[i]`` lives now (every one >= 0); ``slots`` is the table's own tensor.
+
+        ``ids``: the table's checked ids (CPU int64, contiguous): numpy reads them ~10x cheaper than torch's indexing.
+        """
         if ids.numel() < _MIN_IDS:
             return
-        key = self._key(ids)
-        self._entries[key] = (ids.clone(), slots)  # ids may be a view of the request's frame
+        ends = ids.numpy()
+        key = self._key(ends)
+        self._entries[key] = (ends.tobytes(), slots)  # a copy: ids may be a view of the request's frame
         self._entries.move_to_end(key)
         while len(self._entries) > self._capacity:
             self._entries.popitem(last=False)
 
     def take(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """The slots remembered for exactly this list of ids, or None."""
+        """The slots remembered for exactly this list of ids (checked, contiguous), or None."""
         if ids.numel() < _MIN_IDS or not self._entries:
             return None
-        key = self._key(ids)
+        ends = ids.numpy()
+        key = self._key(ends)
         entry = self._entries.get(key)
-        if entry is None or not torch.equal(entry[0], ids):
+        if entry is None or entry[0] != ends.tobytes():
             return None
         del self._entries[key]
         return entry[1]

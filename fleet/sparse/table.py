@@ -30,8 +30,7 @@ before the id index learns their ids, so the index never names a slot without a 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -54,6 +53,32 @@ from fleet.sparse.table_lifecycle import TableLifeCycle
 from fleet.sparse.undo import Getter, UndoLog
 
 _REQUIRED_KEYS = ("dim", "optimizer")
+
+
+class _Transaction:
+    """:meth:`SparseTable.transaction`: a class, not a generator-based context manager, because every pull and
+    push of a parameter server opens one or two, and contextlib's generator machinery showed in their profiles."""
+
+    __slots__ = ("_table", "_undo")
+
+    def __init__(self, table: SparseTable) -> None:
+        self._table = table
+        self._undo: UndoLog | None = None  # None: an enclosing transaction's (its exit does the rest)
+
+    def __enter__(self) -> UndoLog:
+        table = self._table
+        if table._undo is not None:
+            return table._undo
+        self._undo = table._open_transaction()
+        return self._undo
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        undo = self._undo
+        if undo is None:
+            return False
+        self._undo = None
+        self._table._close_transaction(undo, failed=kind is not None)
+        return False  # an exception goes on
 
 
 class SparseTable:
@@ -154,29 +179,34 @@ class SparseTable:
         return {"rows": len(self), "clock": self.clock, **self.counts}
 
     # ------------------------------------------------------------------ transactions
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[UndoLog]:
+    def transaction(self) -> AbstractContextManager[UndoLog]:
         """Every change made inside, or on an exception none: the table is rolled back, then it re-raises.
 
         Operations open their own; an enclosing one (a load followed by its deltas) makes them
         one. Grown storage stays grown (its contents are rolled back): capacity is not state.
         """
-        if self._undo is not None:
-            yield self._undo
-            return
+        return _Transaction(self)
+
+    def _open_transaction(self) -> UndoLog:
         undo = UndoLog()
-        undo.attrs(self, "clock", "counts", "_deleted", "_deleted_count", "saved")
+        saved = (self.clock, self.counts, self._deleted, self._deleted_count, self.saved)
+
+        def restore() -> None:  # UndoLog.attrs, unrolled: it runs per pull and push
+            self.clock, self.counts, self._deleted, self._deleted_count, self.saved = saved
+
+        undo.add(restore)
         undo.attrs(self._life, "next_expiry")
         self.counts = dict(self.counts)  # changed in place below: the rollback restores the original
         if self._deleted is not None:
             self._deleted = list(self._deleted)
         self._undo = undo
+        return undo
+
+    def _close_transaction(self, undo: UndoLog, failed: bool) -> None:
         try:
-            yield undo
-        except BaseException:
-            undo.rollback()
-            self._recent.forget()  # the rollback may take back rows that a remembered pull created
-            raise
+            if failed:
+                undo.rollback()
+                self._recent.forget()  # the rollback may take back rows that a remembered pull created
         finally:
             self._undo = None
 
@@ -468,20 +498,27 @@ class SparseTable:
             raise ValueError(f"{name} has shape {tuple(values.shape)}, expected ({n}, {width}) for {n} ids")
         if not values.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor, got {values.dtype}")
-        return values.to(torch.float32)
+        return values if values.dtype is torch.float32 else values.to(torch.float32)  # .to costs a call even then
 
     # ------------------------------------------------------------------ requests
-    def pull(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows for ``ids`` as a new float32 ``[len(ids), dim]`` tensor; missing rows are created.
+    def pull(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows for ``ids`` as a new float32 ``[len(ids), dim]`` tensor, or in ``out`` (such a tensor, contiguous)
+        when given; missing rows are created.
 
         With a life cycle nothing is created: an id without a row reads its initial value, or
         zeros while an entry has not admitted it.
         """
         ids = as_ids(ids)
+        if out is not None and (
+            out.dtype is not torch.float32 or tuple(out.shape) != (ids.numel(), self.dim) or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"pull: out must be contiguous float32 ({ids.numel()}, {self.dim}), got {out.dtype} {tuple(out.shape)}"
+            )
         if not self.lifecycle.active:
             # one native pass: each row is copied as its id is confirmed in the record (same cache lines)
             store = self._store
-            slots, rows, new, ascending = store.index.lookup_rows_misses(ids, store.rows[: len(self)])
+            slots, rows, new, ascending = store.index.lookup_rows_misses(ids, store.rows[: len(self)], out)
             if new.numel() == 0:
                 self._recent.remember(ids, slots)  # nothing changed: no transaction needed
                 return rows
@@ -497,15 +534,16 @@ class SparseTable:
                 )
                 self._recent.remember(ids, slots)  # a failure here takes the rows back and forgets
                 return rows
-        slots, out = self._store.index.lookup_rows(ids, self._store.rows[: len(self)])  # absent ids: filled below
+        # absent ids: filled below
+        slots, found, _, _ = self._store.index.lookup_rows_misses(ids, self._store.rows[: len(self)], out)
         missing = (slots < 0).nonzero().squeeze(1)
         if missing.numel():
             if self.lifecycle.entry is not None:
-                out.index_fill_(0, missing, 0.0)
+                found.index_fill_(0, missing, 0.0)
             else:
                 fresh = initial_rows(ids.index_select(0, missing), self.dim, self.initializer, self.seed)
-                out.index_copy_(0, missing, fresh)
-        return out
+                found.index_copy_(0, missing, fresh)
+        return found
 
     def apply_gradient(
         self,

@@ -52,7 +52,7 @@ from fleet.ps.protocol.wire import (
 from fleet.ps.server import aggregator as agg
 from fleet.ps.server.inbox import FairInbox
 from fleet.ps.server.lanes import MAX_QUEUED, Lanes, Outbox, ServerLock, default_threads
-from fleet.ps.server.many import ManyRequests, Part, deliver
+from fleet.ps.server.many import Inline, ManyRequests, Part, deliver
 from fleet.ps.server.reduce import Reductions
 from fleet.ps.server.replies import Replies
 from fleet.ps.server.sockets import ServerSockets, Waiter
@@ -159,7 +159,9 @@ class ParameterServer:
             outside=self._lock.outside,
         )
         tables = self.tables
-        many = ManyRequests(self._shards, self._route, replies.ok)
+        # without table threads a composite whose parts all answer at once is served at once (fleet.ps.server.many)
+        inline = Inline(lambda: self._lanes is None, tables, self._count_table_op, self._failed)
+        many = ManyRequests(self._shards, self._route, replies.ok, inline)
         self._handlers = {
             Op.HELLO: self._hello,
             Op.CREATE_DENSE: tables.create,
@@ -427,12 +429,20 @@ class ParameterServer:
         try:
             handler = self._handlers.get(msg.op)  # keyed by Op, which hashes as its int
             return (handler or self._handlers[Op(msg.op)])(ident, msg)
-        except agg.ShardError as exc:
-            return self.replies.error(msg, str(exc), exc.details)
-        except (ValueError, KeyError, TypeError) as exc:
-            return self.replies.error(msg, str(exc) or type(exc).__name__)
         except Exception as exc:  # out of memory, or a bug in a table: either must not take the server down
-            return self.replies.error(msg, self.replies.failure(exc, name, msg.table if on_table else None))
+            return self._failed(msg, exc)
+
+    def _count_table_op(self, table: int, name: str) -> None:
+        self._table_ops[table][name] += 1
+
+    def _failed(self, msg: Message, exc: Exception) -> Message:
+        """The error reply to ``msg``, whose handler raised ``exc`` (called while ``exc`` is being handled)."""
+        if isinstance(exc, agg.ShardError):
+            return self.replies.error(msg, str(exc), exc.details)
+        if isinstance(exc, (ValueError, KeyError, TypeError)):
+            return self.replies.error(msg, str(exc) or type(exc).__name__)
+        on_table = msg.op not in _NOT_ON_A_TABLE
+        return self.replies.error(msg, self.replies.failure(exc, op_name(msg.op), msg.table if on_table else None))
 
     def _send(self, ident: bytes | Part, reply: Message) -> None:
         if self._outbox is not None and self._lock.on_pool_thread():

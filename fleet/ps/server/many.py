@@ -13,19 +13,26 @@ The parts are checked together before any is served (every table exists and is s
 counts add up to the ids, the gradients to the rows), so a malformed composite changes no
 table. A part may be answered later (a sync pull waiting for its table's step): each part
 carries a :class:`Part` as its reply address, and the composite is answered when its last
-part is, or at the first part that fails, with that part's error.
+part is, or at the first part that fails, with that part's error. Without table threads, a composite
+whose parts all answer at once skips the one-table requests (:class:`Inline`): the same table work in the
+same order, the same reply.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fleet.ps.protocol import composite
 from fleet.ps.protocol.errors import ShardError
-from fleet.ps.protocol.wire import Message, Op, Status, op_name
+from fleet.ps.protocol.wire import Message, Op, SparsePush, Status, op_name
+from fleet.sparse.nonfinite import finite
+
+if TYPE_CHECKING:
+    from fleet.ps.server.table_ops import TableRequests
 
 Dispatch = Callable[[Any, Message], "Message | None"]
 
@@ -66,16 +73,43 @@ class Part:
         self.index = index
 
 
-class ManyRequests:
-    """Serves composite requests through the server's one-table handlers (``dispatch``)."""
+@dataclass(frozen=True)
+class Inline:
+    """How a composite is served at once, on the loop thread, when every part answers at once (see
+    :class:`ManyRequests`): ``ready()``: the server serves table operations on this thread now (no table
+    threads); ``tables``: its table handlers; ``count(table, op_name)``: its count of one table's operation;
+    ``failed(msg, exc)``: its error reply to one-table request ``msg`` that raised ``exc``."""
 
-    def __init__(self, shards: Mapping[int, Any], dispatch: Dispatch, ok: Callable[..., Message]):
+    ready: Callable[[], bool]
+    tables: TableRequests
+    count: Callable[[int, str], None]
+    failed: Callable[[Message, Exception], Message]
+
+
+class ManyRequests:
+    """Serves composite requests through the server's one-table handlers (``dispatch``).
+
+    With ``inline``, a composite whose parts all answer at once (no sync pull waits, no part over the limits)
+    is served on this thread without a request per part: the same table work, counts and checks, in the same
+    order, and the same reply (or error reply, of the first part that fails) as its parts would make.
+    Why: a DLRM step's pull and push name 8 tables each, and building, dispatching and gathering a one-table
+    request (and reply) per table was a large part of the server's time per step.
+    """
+
+    def __init__(
+        self, shards: Mapping[int, Any], dispatch: Dispatch, ok: Callable[..., Message], inline: Inline | None = None
+    ):
         self._shards = shards
         self._dispatch = dispatch
         self._ok = ok
+        self._inline = inline
 
     def pull(self, ident: bytes, msg: Message) -> Message | None:
         parts = composite.read_pull(msg, lambda tables: self._dims(msg, tables))
+        if self._inline is not None and self._inline.ready():
+            reply = self._pull_now(msg, parts)
+            if reply is not None:
+                return reply
         subs = [self._sub(msg, Op.PULL_SPARSE, table, version, 0.0, 0, [ids]) for table, version, ids in parts]
 
         def combine(replies: list[Message]) -> Message:
@@ -87,6 +121,10 @@ class ManyRequests:
 
     def push(self, ident: bytes, msg: Message) -> Message | None:
         pushes = composite.read_push(msg, lambda tables: self._dims(msg, tables))
+        if self._inline is not None and self._inline.ready():
+            reply = self._push_now(msg, pushes)
+            if reply is not None:
+                return reply
         subs = [
             self._sub(msg, Op.PUSH_SPARSE_GRAD, p.table, 0, p.lr, p.step,
                       [p.ids, p.grads] if p.clicks is None else [p.ids, p.grads, p.clicks])
@@ -98,6 +136,64 @@ class ManyRequests:
             return self._ok(msg, tensors=tensors, version=min(r.arg for r in replies))
 
         return self._serve(ident, msg, subs, combine)
+
+    # ------------------------------------------------------------------ served at once
+    def _pull_now(self, msg: Message, parts: list[tuple[int, int, torch.Tensor]]) -> Message | None:
+        """The reply of a pull whose parts all answer at once, each table's rows written straight into the reply's
+        flat tensor; None (nothing done): some part waits for its table's step, or is over the limits."""
+        inline = self._inline
+        assert inline is not None
+        tables = inline.tables
+        shards = [self._shards[table] for table, _, _ in parts]
+        sizes = []
+        for (_, version, ids), shard in zip(parts, shards, strict=True):
+            count = ids.numel()
+            if (
+                version > shard.version
+                or getattr(shard, "broken", None) is not None
+                or not tables.fits(count, shard.dim)
+            ):
+                return None  # served part by part, as it always was: it waits, or fails where its part says
+            sizes.append(count * shard.dim)
+        flat = torch.empty(sum(sizes), dtype=torch.float32)
+        versions = []
+        for (table, version, ids), shard, out in zip(parts, shards, flat.split(sizes), strict=True):
+            inline.count(table, "PULL_SPARSE")
+            try:
+                versions.append(tables.pull_now(shard, ids, out.view(ids.numel(), shard.dim)))
+            except Exception as exc:  # as the part's own request would have failed (loop: _dispatch)
+                failed = inline.failed(self._sub(msg, Op.PULL_SPARSE, table, version, 0.0, 0, [ids]), exc)
+                return _as_reply_to(failed, msg)
+        return self._ok(msg, tensors=[flat, torch.tensor(versions, dtype=torch.int64)], version=min(versions))
+
+    def _push_now(self, msg: Message, pushes: list[SparsePush]) -> Message | None:
+        """The reply of a push served at once; None (nothing done): some part is over the limits.
+
+        The values of every table are checked for NaN and Inf in one pass over the request's flat gradients
+        and clicks; only when that finds some does each table check its own (and skip or refuse its part).
+        """
+        inline = self._inline
+        assert inline is not None
+        tables = inline.tables
+        shards = [self._shards[p.table] for p in pushes]
+        if not all(tables.fits(p.ids.numel(), shard.dim) for p, shard in zip(pushes, shards, strict=True)):
+            return None
+        grads, clicks = msg.tensors[3], msg.tensors[4]  # flat, every table's (clicks: zeros where none)
+        checked = finite(grads, clicks, *(p.lr for p in pushes))
+        statuses, versions = [], []
+        for p, shard in zip(pushes, shards, strict=True):
+            inline.count(p.table, "PUSH_SPARSE_GRAD")
+            try:
+                status = tables.push_sparse_grad(
+                    shard, msg.peer, p.step, p.ids, p.grads, p.lr, p.clicks, more=False, finite=checked
+                )
+            except Exception as exc:  # as the part's own request would have failed (loop: _dispatch)
+                tensors = [p.ids, p.grads] if p.clicks is None else [p.ids, p.grads, p.clicks]
+                failed = inline.failed(self._sub(msg, Op.PUSH_SPARSE_GRAD, p.table, 0, p.lr, p.step, tensors), exc)
+                return _as_reply_to(failed, msg)
+            statuses.append(int(status))
+            versions.append(shard.version)
+        return self._ok(msg, tensors=composite.push_reply(statuses), version=min(versions))
 
     # ------------------------------------------------------------------ parts
     def _dims(self, msg: Message, tables: list[int]) -> list[int]:

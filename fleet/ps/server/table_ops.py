@@ -20,6 +20,8 @@ from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
+
 from fleet.ps.protocol.limits import BLOB_SLACK, Limit, RequestLimits
 from fleet.ps.protocol.wire import (
     DENSE_STATE_GET,
@@ -95,6 +97,7 @@ class TableRequests:
         self.checkpoint_record_dir = checkpoint_record_dir  # where each SAVE is recorded for a restart
         self.last_save: str | None = None  # the directory of this server's last save or load
         self._staged: staged_load.StagedLoad | None = None  # a LOAD_STAGE waiting for its commit (or discard)
+        self._most_ids: dict[int, int] = {}  # row width -> the ids one request carries (fits)
 
     def close_step(self, shard: agg.Shard) -> bool:
         """Close the shard's sync step if it is complete (see Shard.maybe_step); never raises.
@@ -265,9 +268,33 @@ class TableRequests:
             rows = shard.snapshot() if isinstance(shard, agg.DenseShard) else shard.pull(msg.tensors[0])
         return self._replies.ok(msg, tensors=[rows], version=shard.version)
 
+    def fits(self, count: int, dim: int) -> bool:
+        """Whether a sparse request of ``count`` ids of rows of width ``dim`` is within the limits
+        (:meth:`~fleet.ps.protocol.limits.RequestLimits.check_ids` says why not)."""
+        most = self._most_ids.get(dim)
+        if most is None:
+            most = self._most_ids[dim] = self.limits.ids_per_request(dim)
+        return count <= most
+
+    def pull_now(self, shard: agg.SparseShard, ids: torch.Tensor, out: torch.Tensor) -> int:
+        """What :meth:`pull` does for a sparse pull that answers at once (the caller checked the ids, the limits and
+        the version): ``shard``'s rows of ``ids`` written into ``out``; the version to answer with."""
+        with self._outside():
+            shard.pull(ids, out=out)
+        return shard.version
+
     def push(self, ident: bytes, msg: Message) -> Message:
         status = Status.OK
         more = msg.arg == MORE_FOLLOWS
+        if msg.op == Op.PUSH_SPARSE_GRAD:
+            shard = self._shard(msg, "sparse")
+            # Clicks travel only when the worker recorded some.
+            ids, grads, *clicks = msg.tensors if len(msg.tensors) == 3 else self._expect(msg, "ids", "grads")
+            self.limits.check_ids("PUSH_SPARSE_GRAD", msg.table, ids.numel(), shard.dim)
+            status = self.push_sparse_grad(
+                shard, msg.peer, msg.step, ids, grads, msg.lr, clicks[0] if clicks else None, more
+            )
+            return self._replies.ok(msg, version=shard.version, status=status)
         if msg.op == Op.PUSH_DENSE_GRAD:
             shard = self._shard(msg, "dense")
             # The presence flags travel only when some parameter has no gradient.
@@ -282,15 +309,6 @@ class TableRequests:
                     for parked in self._waiting.ready_pulls(msg.table, 1 << 62):
                         self._replies.reply_error(parked.ident, parked.msg, str(exc), exc.details)
                 raise
-        elif msg.op == Op.PUSH_SPARSE_GRAD:
-            shard = self._shard(msg, "sparse")
-            # Clicks travel only when the worker recorded some.
-            ids, grads, *clicks = msg.tensors if len(msg.tensors) == 3 else self._expect(msg, "ids", "grads")
-            self.limits.check_ids("PUSH_SPARSE_GRAD", msg.table, ids.numel(), shard.dim)
-            with self._outside():
-                fresh = shard.push_grad(msg.peer, msg.step, ids, grads, msg.lr, clicks[0] if clicks else None, more)
-            if not fresh:
-                status = Status.STALE
         elif msg.op == Op.PUSH_DENSE_DELTA:
             shard = self._shard(msg, "dense")
             delta = self._expect(msg, "delta")[0]
@@ -305,13 +323,39 @@ class TableRequests:
                 shard.push_delta(
                     ids, deltas, step=msg.step, more=more, clicks=clicks[0] if clicks else None, worker=msg.peer
                 )
+        self._pushed(shard, status, more)
+        return self._replies.ok(msg, version=shard.version, status=status)
+
+    def push_sparse_grad(
+        self,
+        shard: agg.SparseShard,
+        worker: int,
+        step: int,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        clicks: torch.Tensor | None,
+        more: bool = False,
+        finite: bool = False,
+    ) -> Status:
+        """A sparse gradient push (the caller checked its limits); its status (OK or STALE) after what follows a push.
+
+        ``finite``: the caller found every value (gradients, clicks, lr) finite already (see SparseShard.push_grad).
+        """
+        with self._outside():
+            fresh = shard.push_grad(worker, step, ids, grads, lr, clicks, more, finite=finite)
+        status = Status.OK if fresh else Status.STALE
+        self._pushed(shard, status, more)
+        return status
+
+    def _pushed(self, shard: agg.Shard, status: Status, more: bool) -> None:
+        """After a push: count a stale one, close the sync step it may complete, answer the pulls waiting for it."""
         if status == Status.STALE and not more:
             self._counts["stale_dropped"] += 1
         self.close_step(shard)
         if shard.step_error is not None:  # this push completed a step that could not be applied
             raise agg.ShardError(shard.step_error)
-        self.answer_pulls(msg.table)
-        return self._replies.ok(msg, version=shard.version, status=status)
+        self.answer_pulls(shard.table_id)
 
     def answer_pulls(self, table: int) -> None:
         shard = self._shards[table]

@@ -57,11 +57,12 @@ class SparseShard(Shard):
                 f"expected [{ids.numel()}, {self.dim}] for {ids.numel()} ids"
             )
 
-    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+    def pull(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows of ``ids`` (created as the table creates them), in ``out`` (float32 ``[n, dim]``) when given."""
         self.check_ids(ids)
         if ids.numel() == 0:
-            return torch.empty(0, self.dim)
-        return self.table.pull(ids)
+            return torch.empty(0, self.dim) if out is None else out
+        return self.table.pull(ids, out=out)
 
     def check_clicks(self, ids: torch.Tensor, clicks: torch.Tensor | None) -> None:
         if clicks is not None and (clicks.dtype != torch.float32 or list(clicks.shape) != [ids.numel()]):
@@ -79,10 +80,13 @@ class SparseShard(Shard):
         lr: float,
         clicks: torch.Tensor | None = None,
         more: bool = False,
+        finite: bool = False,
     ) -> bool:
         """``step``: the sync step this gradient is for; in async mode the worker's own step (the table's clock).
 
-        ``more``: this is a piece of a push and more pieces follow (see the module's docstring).
+        ``more``: this is a piece of a push and more pieces follow (see the module's docstring). ``finite``: the
+        caller found ``grads``, ``clicks`` and ``lr`` finite already (a composite push checks all its tables' values
+        in one pass), so they are not checked again.
         """
         self.check_rows("gradients", ids, grads)
         self.check_clicks(ids, clicks)
@@ -92,13 +96,13 @@ class SparseShard(Shard):
             self._poisoned.pop(worker, None)
             return False
         if verdict is Admit.APPLY:
-            if self._skips_nonfinite(worker, step, "gradient", grads, clicks, lr):
+            if not finite and self._skips_nonfinite(worker, step, "gradient", grads, clicks, lr):
                 return True
             self.table.apply_gradient(ids, grads, lr, clicks, step=step)
             if not more:
                 self.version += 1
             return True
-        bad = self._skips_nonfinite(worker, step, "gradient", grads, clicks, lr, count=False)
+        bad = not finite and self._skips_nonfinite(worker, step, "gradient", grads, clicks, lr, count=False)
         if bad or self._poisoned.get(worker) == step:  # one bad piece makes the whole push absent
             self._partial.pop(worker, None)
             if more:
