@@ -67,6 +67,17 @@ class _Conn:
         changed, self.watching_out = want != self.watching_out, want
         return changed
 
+    def take_inbuf(self) -> bytearray:
+        """Hand the buffer over whole (a long message that fills it is queued as it is, no copy); start a new one."""
+        buf, self.inbuf = self.inbuf, bytearray()
+        return buf
+
+    def grow_inbuf(self, size: int) -> None:
+        """Make the buffer ``size`` bytes at once, what was read first then zeros (one allocation, no temporary)."""
+        grown = bytearray(size)
+        grown[: len(self.inbuf)] = self.inbuf
+        self.inbuf = grown
+
     def admit(self, incarnation: int) -> None:
         """The challenge was answered: from now on its bytes are messages; the peer learns the incarnation."""
         self.ready, self.inbuf = True, bytearray()
@@ -221,7 +232,8 @@ class DirectConnections:
                 frames, start = parsed
                 if start == len(conn.inbuf) and start > _READ:
                     # a long message that is the whole buffer (fleet.ps.client.bulk): it goes as it is, no copy
-                    conn.inbuf, start = bytearray(), 0
+                    conn.take_inbuf()
+                    start = 0
                     put([Ident(conn.ident), *frames])
                     break
                 put([Ident(conn.ident), *[bytearray(f) for f in frames]])  # copies: the buffer is reused
@@ -245,10 +257,8 @@ class DirectConnections:
         have = len(conn.inbuf)
         if need is None or need <= have:
             return
-        grown = bytearray(need)  # (one allocation of the message's size: no zeroed temporary copied in)
-        grown[:have] = conn.inbuf
-        conn.inbuf = grown
-        view = memoryview(grown)
+        conn.grow_inbuf(need)
+        view = memoryview(conn.inbuf)
         try:
             while have < need:
                 n = conn.sock.recv_into(view[have:need])
