@@ -46,7 +46,7 @@ from fleet.ps.client.io import IOThread, Job
 from fleet.ps.modes import UpdateMode, of_config
 from fleet.ps.protocol import auth
 from fleet.ps.protocol.errors import PSAuthError, PSError, PSServerUnavailable
-from fleet.ps.protocol.limits import RequestLimits
+from fleet.ps.protocol.limits import BLOB_SLACK, RequestLimits
 from fleet.ps.protocol.liveness import HEARTBEAT_S
 from fleet.ps.protocol.wire import (
     DENSE_STATE_GET,
@@ -110,7 +110,11 @@ class PSClient:
         self._closed = False
         self._direct_threads: set[int] = set()  # threads inside direct()
         encryption = auth.check_encryption(encryption)
-        self._io = IOThread(self.endpoints, secret, worker_index, max_in_flight, encryption, ipc=ipc)
+        # a sparse pull's answer holds at most a request's bytes of rows (fleet.ps.client.bulk)
+        bound = self.limits.max_bytes + BLOB_SLACK
+        self._io = IOThread(
+            self.endpoints, secret, worker_index, max_in_flight, encryption, ipc=ipc, pull_reply_bound=bound
+        )
         self._io.start(timeout_s=10.0)
         # Servers tell a dead worker from a busy one by these beats (fleet.ps.protocol.liveness).
         self._beating = threading.Event()

@@ -13,7 +13,9 @@ monitor per server that turns a lost connection into an immediate
 handshake into :class:`PSAuthError`.
 
 Each server's socket is a :class:`~fleet.ps.client.routes.Route`: TCP, or the server's Unix
-socket when it runs on this host (decided once, when the client starts).
+socket when it runs on this host (decided once, when the client starts). There, the pulls and
+pushes of rows and gradients go over the server's direct socket instead, written and read by this
+thread itself (:mod:`fleet.ps.client.bulk`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from fleet.ps.client import bulk
+from fleet.ps.client.bulk import BulkConn, BulkLost, eligible
 from fleet.ps.client.direct import DIRECT_OPS, SMALL_BYTES, DirectCalls, Settled, message_bytes
 from fleet.ps.client.routes import Route
 from fleet.ps.protocol import auth, small, unix
@@ -69,6 +73,8 @@ PIECES_ON_THE_WIRE = 4
 _MAX_BATCH = 256
 # a plain int: ``zmq.POLLIN`` is an enum member, and ``&`` on one costs a Python-level call per poll
 _POLLIN = int(zmq.POLLIN)
+_POLLERR = int(zmq.POLLERR)
+_POLLOUT = int(zmq.POLLOUT)
 
 
 def _more_follows(msg: Message) -> bool:
@@ -109,6 +115,7 @@ class IOThread:
         max_in_flight: int,
         encryption: str = "none",
         ipc: bool = True,
+        pull_reply_bound: int = 0,
     ):
         self.endpoints = list(endpoints)
         self.secret = auth.check_secret(secret)
@@ -142,6 +149,14 @@ class IOThread:
         self._outstanding = 0
         self._count_lock = threading.Lock()
         self._direct = DirectCalls(self.secret, self._unavailable, self._remote)
+        # per server: the IO thread's own connection to its direct socket (fleet.ps.client.bulk), whether one was
+        # tried (once: a server whose connection failed or broke keeps ZeroMQ), and whether the requests on the
+        # wire went that way (a server's requests change ways only when none is on the wire)
+        self._pull_reply_bound = pull_reply_bound  # the most bytes a sparse pull's answer holds (0: pulls keep ZeroMQ)
+        self._bulk: list[BulkConn | None] = [None] * len(self.endpoints)
+        self._bulk_tried = [False] * len(self.endpoints)
+        self._wire_bulk = [False] * len(self.endpoints)
+        self._bulk_changed = False  # a bulk connection opened or closed: the poller is rebuilt
         self.thread = threading.Thread(target=self._run, name=f"fleet-ps-io-w{worker_index}", daemon=True)
         #: the IO thread's ``is_alive()``, kept as a flag: a direct call asks it each time, and the method takes a lock
         self._running = False
@@ -316,6 +331,9 @@ class IOThread:
             raise
         finally:
             self._fail_everything(PSClientClosed("the parameter-server client was closed"))
+            for conn in self._bulk:
+                if conn is not None:
+                    conn.close()
             for route in self._routes:
                 route.close()
             ctx.destroy(linger=0)
@@ -341,26 +359,39 @@ class IOThread:
             for sock, mon in route.polled(rebuilding=True):
                 poller.register(sock, zmq.POLLIN)
                 poller.register(mon, zmq.POLLIN)
+        self._bulk_changed = False
+        for conn in self._bulk:
+            if conn is not None:
+                poller.register(conn.fd, zmq.POLLIN | (zmq.POLLOUT if conn.pending else 0))
         return poller
 
     def _loop(self) -> None:
         poller = self._poller()
         blocked: set[int] = set()  # servers whose socket is also polled for POLLOUT
+        bulk_out: set[int] = set()  # servers whose bulk connection is also polled for POLLOUT
         while not self._closing.is_set():
             self._admit()
             waiting_out = self._flush()
-            if any(route.changed for route in self._routes):  # a route's sockets changed (fleet.ps.client.routes)
+            if self._bulk_changed or any(route.changed for route in self._routes):  # (fleet.ps.client.routes)
                 poller, blocked = self._poller(), set()
+                bulk_out = {i for i, conn in enumerate(self._bulk) if conn is not None and conn.pending}
             for i in blocked ^ waiting_out:
                 flags = zmq.POLLIN | (zmq.POLLOUT if i in waiting_out else 0)
                 poller.modify(self._sockets[i], flags)
             blocked = waiting_out
+            writing = {i for i, conn in enumerate(self._bulk) if conn is not None and conn.pending}
+            for i in bulk_out ^ writing:
+                poller.modify(self._bulk[i].fd, zmq.POLLIN | (zmq.POLLOUT if i in writing else 0))
+            bulk_out = writing
             ready = dict(poller.poll(self._poll_timeout_ms()))
             if self._wake_r in ready:
                 try:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
+            for i, conn in enumerate(self._bulk):
+                if conn is not None and conn.fd in ready:
+                    self._bulk_event(i, conn, ready[conn.fd])
             for i, route in enumerate(self._routes):
                 for sock, mon in route.polled():
                     if ready.get(sock, 0) & _POLLIN:
@@ -429,14 +460,84 @@ class IOThread:
                 if job.done:
                     box.popleft()
                     continue
+                frames = encode(msg)
+                bulk = self._bulk_for(server, msg, frames)
+                if self._on_wire[server] and self._wire_bulk[server] != (bulk is not None):
+                    break  # the other way has requests on the wire: this one waits for their answers (order)
+                if bulk is not None:
+                    if bulk.pending:
+                        break  # the request before it is still being written (POLLOUT)
+                    box.popleft()
+                    self._on_wire[server].add(msg.request_id)
+                    self._wire_bulk[server] = True
+                    try:
+                        bulk.send(unix.buffers(frames))
+                    except BulkLost as exc:
+                        self._bulk_lost(server, str(exc))
+                    continue
                 try:
-                    self._sockets[server].send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+                    self._sockets[server].send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     waiting.add(server)
                     break
                 box.popleft()
                 self._on_wire[server].add(msg.request_id)
+                self._wire_bulk[server] = False
         return waiting
+
+    def _bulk_for(self, server: int, msg: Message, frames: list[Any]) -> BulkConn | None:
+        """The bulk connection ``msg`` goes on (made at the first request that may use it), or None: ZeroMQ."""
+        if not eligible(msg, self._pull_reply_bound) or message_bytes(frames) > bulk.MAX_BULK:
+            return None
+        conn = self._bulk[server]
+        if conn is not None or self._bulk_tried[server] or not self._routes:
+            return conn
+        route = self._routes[server]
+        path = route.direct_path
+        if path is None or not self._incarnations[server] or server in self._refused or server in self._failing:
+            return None  # not (yet) on the server's Unix socket, or it offers no direct socket
+        self._bulk_tried[server] = True
+        try:
+            conn = BulkConn(path, self.secret, self._incarnations[server])
+        except (OSError, BulkLost) as exc:
+            log.info("parameter server %d: no bulk connection to its direct socket (%s); keeping ZeroMQ", server, exc)
+            return None
+        self._bulk[server] = conn
+        self._bulk_changed = True
+        return conn
+
+    def _bulk_event(self, server: int, conn: BulkConn, flags: int) -> None:
+        """Write on / read from ``server``'s bulk connection as the poller says."""
+        try:
+            if flags & _POLLOUT and conn.pending:
+                conn.flush()
+            if flags & (_POLLIN | _POLLERR):
+                for frames in conn.receive():
+                    self._bulk_reply(server, frames)
+        except BulkLost as exc:
+            self._bulk_lost(server, str(exc))
+
+    def _bulk_reply(self, server: int, frames: list[memoryview]) -> None:
+        try:
+            reply = decode(frames)
+        except WireError as exc:
+            log.warning("malformed reply from parameter server %d: %s", server, exc)
+            entry = self._inflight.get(exc.request_id or read_request_id(frames[0])[0])
+            if entry is not None:
+                self._fail(entry[1], self._remote(server, exc.op, f"malformed reply: {exc}"))
+            return
+        self._answered(server, reply)
+
+    def _bulk_lost(self, server: int, why: str) -> None:
+        """``server``'s bulk connection broke: what is on it fails now; its requests go through ZeroMQ from now on."""
+        conn = self._bulk[server]
+        if conn is not None:
+            conn.close()
+            self._bulk[server] = None
+            self._bulk_changed = True
+        log.info("parameter server %d: bulk connection lost (%s); keeping ZeroMQ", server, why)
+        if self._wire_bulk[server]:
+            self._fail_server(server, f"closed the connection ({why}; the server exited or crashed)")
 
     def _receive(self, server: int, sock: zmq.Socket | None = None) -> None:
         """Handle what arrived from ``server`` on ``sock`` (by default the socket its requests go on)."""
@@ -462,35 +563,39 @@ class IOThread:
                 if route.changed:  # settled: the socket being read may be closed now
                     return
                 continue
-            self._on_wire[server].discard(reply.request_id)
-            entry = self._inflight.pop(reply.request_id, None)
-            if entry is None:
-                continue  # the answer to a request that already timed out or failed
-            _, job, part = entry
-            held = job.held.get(server)
-            if held:  # one of this call's pieces is answered: the next may go
-                self._outbox[server].append(held.popleft())
-            if reply.status == Status.ERROR:
-                error = self._remote(server, reply.op, reply.text())
-                if not job.settle:
-                    self._fail(job, error)
-                    continue
-                job.error = job.error or error
-                job.pending.discard(reply.request_id)
-                if not job.pending:
-                    self._fail(job, job.error)
-                continue
-            if reply.status == Status.STALE and not _more_follows(job.parts[part][1]):
-                self.stale_pushes += 1  # once per push, with its last piece
-            elif reply.op == Op.PUSH_SPARSE_GRAD_MANY and reply.tensors:  # once per table part found stale
-                self.stale_pushes += int((reply.tensors[0] == Status.STALE).sum())
+            self._answered(server, reply)
+
+    def _answered(self, server: int, reply: Message) -> None:
+        """Take ``server``'s answer to one of this client's requests (whichever way it came)."""
+        self._on_wire[server].discard(reply.request_id)
+        entry = self._inflight.pop(reply.request_id, None)
+        if entry is None:
+            return  # the answer to a request that already timed out or failed
+        _, job, part = entry
+        held = job.held.get(server)
+        if held:  # one of this call's pieces is answered: the next may go
+            self._outbox[server].append(held.popleft())
+        if reply.status == Status.ERROR:
+            error = self._remote(server, reply.op, reply.text())
+            if not job.settle:
+                self._fail(job, error)
+                return
+            job.error = job.error or error
             job.pending.discard(reply.request_id)
-            job.replies[part] = reply
-            if not job.pending and not job.done:
-                if job.error is not None:
-                    self._fail(job, job.error)
-                else:
-                    self._finish(job)
+            if not job.pending:
+                self._fail(job, job.error)
+            return
+        if reply.status == Status.STALE and not _more_follows(job.parts[part][1]):
+            self.stale_pushes += 1  # once per push, with its last piece
+        elif reply.op == Op.PUSH_SPARSE_GRAD_MANY and reply.tensors:  # once per table part found stale
+            self.stale_pushes += int((reply.tensors[0] == Status.STALE).sum())
+        job.pending.discard(reply.request_id)
+        job.replies[part] = reply
+        if not job.pending and not job.done:
+            if job.error is not None:
+                self._fail(job, job.error)
+            else:
+                self._finish(job)
 
     def _finish(self, job: Job) -> None:
         self._retire(job)
