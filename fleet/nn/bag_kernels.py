@@ -113,3 +113,48 @@ def sum_bags(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, g
     if not graph:
         return _sum_bags_forward(rows, inverse.contiguous(), offsets.contiguous())
     return _SumBags.apply(rows, inverse.contiguous(), offsets.contiguous())
+
+
+# One table's bags for sum_bags_many: (its rows [unique, dim], each feature's (inverse, offsets [bags + 1])).
+TableBags = tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+class _SumBagsMany(torch.autograd.Function):
+    """:class:`_SumBags` over every feature of several tables as ONE autograd node.
+
+    Why: a collection's forward made one node per feature, and each costs its Python ``apply``, an engine
+    dispatch and a Python ``backward`` call (W6: 8 of them a step, a fixed cost whatever the bags' size). The
+    values are the same bit for bit: each feature's sums and each row gradient as :func:`sum_bags_gradient` gives
+    them, a table's features added as autograd adds the gradients of one leaf used by several nodes (the last
+    feature's node runs first, each earlier one is added to the running sum; an unused output adds nothing)."""
+
+    @staticmethod
+    def forward(ctx, plan: tuple, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        ctx.plan = plan  # each table's (inverse, offsets) pairs: made by the caller, no one writes to them
+        ctx.sizes = [r.shape[0] for r in rows]
+        return tuple(_sum_bags_forward(r, inverse, offsets) for r, bags in zip(rows, plan, strict=True)
+                     for inverse, offsets in bags)  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        out: list[torch.Tensor | None] = [None]
+        at = 0
+        for t, (bags, size) in enumerate(zip(ctx.plan, ctx.sizes, strict=True)):
+            mine, at = grads[at : at + len(bags)], at + len(bags)
+            total = None
+            if ctx.needs_input_grad[1 + t]:
+                for (inverse, offsets), grad in zip(reversed(bags), reversed(mine), strict=True):
+                    if grad is None:
+                        continue
+                    part = sum_bags_gradient(grad, inverse, offsets, size)
+                    total = part if total is None else total.add_(part)
+            out.append(total)
+        return tuple(out)
+
+
+def sum_bags_many(tables: list[TableBags]) -> list[torch.Tensor]:
+    """:func:`sum_bags` of every feature of every table (``tables``: each one's rows and its features' ``(inverse,
+    offsets)``), feature after feature, with one autograd node for all: the same values and row gradients."""
+    plan = tuple(tuple((inverse.contiguous(), offsets.contiguous()) for inverse, offsets in bags) for _, bags in tables)
+    return list(_SumBagsMany.apply(plan, *(rows for rows, _ in tables)))
