@@ -87,8 +87,13 @@ def sum_bags_gradient(grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.
 
 
 def _sum_bags_forward(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    # F.embedding_bag(mode="sum", include_last_offset=True) without its Python checks (pool made the arguments)
-    return torch.embedding_bag(rows, inverse, offsets, False, 0, False, None, True)[0]
+    # F.embedding_bag(mode="sum", include_last_offset=True) without its Python checks (pool made the arguments);
+    # the forward-only op: the same kernel and sums, without the bookkeeping for a backward (offset2bag, bag
+    # sizes) that torch.embedding_bag makes for rows requiring grad, which the native backward does not use
+    return _FORWARD_ONLY(rows, inverse, offsets, False, 0, False, None, True)[0]
+
+
+_FORWARD_ONLY = torch.ops.aten._embedding_bag_forward_only.default
 
 
 class _SumBags(torch.autograd.Function):

@@ -413,6 +413,12 @@ def test_one_node_for_every_sum_pooled_table_gives_autograds_bits(unused: int | 
             torch.autograd.backward([outputs[i] for i in kept], [grads[i] for i in kept])
             want = leaf.grad
         assert torch.equal(rows.grad, want), name
+        for f, i in zip(features, ids, strict=True):  # the sums are F.embedding_bag's, bit for bit
+            offsets = torch.cat([lengths_of_feature[f].new_zeros(1), lengths_of_feature[f].cumsum(0)])
+            by_id = torch.nn.functional.embedding_bag(
+                torch.searchsorted(unique, i), rows.detach(), offsets, mode=table.mode, include_last_offset=True
+            )
+            assert torch.equal(pooled[f].detach(), by_id), f
         assert torch.equal(unique, unique_ids(ids)), name
     assert type(pooled["five0"].grad_fn) is type(pooled["one0"].grad_fn)  # one node type for the sums
     assert pooled["five0"].grad_fn is pooled["one0"].grad_fn  # and one node
