@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20, help="distinct batches cycled through")
     parser.add_argument("--sizes", default="full")
     parser.add_argument("--workers", type=int, default=2, help="batches of this many workers, as one")
+    parser.add_argument("--batch", type=int, default=256, help="samples per worker (8: little but the fixed cost)")
     parser.add_argument("--profile", default="", help="write a cProfile of the timed steps here")
     args = parser.parse_args()
 
@@ -37,7 +38,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     fleet.init()
-    spec = W.spec(args.sizes)
+    spec = W.spec(args.sizes, args.batch)
     names = spec.names
     collection = fleet.nn.SparseFeatureCollection(
         [FeatureTable(n, dim, seed=i) for i, (n, (_, dim)) in enumerate(zip(names, spec.tables, strict=True))]

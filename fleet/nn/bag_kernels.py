@@ -77,11 +77,16 @@ def sum_bags_gradient(grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.
     (``[bags, dim]``): each entry's bag gradient added into its row in torch's order, bit for bit the gradient
     torch's ``embedding_bag`` backward gives. Why a function of its own: a table's holder
     (``fleet.collective.table_wise``) pools without autograd and asks for the rows' gradient at the step."""
+    return _gradient(grad, inverse, offsets, rows, native_order_is_torchs())
+
+
+def _gradient(
+    grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, rows: int, native: bool
+) -> torch.Tensor:
+    # sum_bags_gradient once native_order_is_torchs() is known (``native``): asked once per backward, not per bag
     out = torch.zeros(rows, grad.shape[1], dtype=grad.dtype)
-    if inverse.numel() < _TIES_LIMIT and native_order_is_torchs():
-        order = None  # the kernel sorts as torch would
-    else:
-        order = inverse.sort().indices.numpy()
+    # below the limit the kernel sorts the ties as torch would
+    order = None if native and inverse.numel() < _TIES_LIMIT else inverse.sort().indices.numpy()
     kernels.bag_sum_backward(grad.contiguous().numpy(), offsets.numpy(), inverse.numpy(), order, out.numpy())
     return out
 
@@ -145,6 +150,7 @@ class _SumBagsMany(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         out: list[torch.Tensor | None] = [None]
         at = 0
+        native = native_order_is_torchs()
         for t, (bags, size) in enumerate(zip(ctx.plan, ctx.sizes, strict=True)):
             mine, at = grads[at : at + len(bags)], at + len(bags)
             total = None
@@ -152,7 +158,7 @@ class _SumBagsMany(torch.autograd.Function):
                 for (inverse, offsets), grad in zip(reversed(bags), reversed(mine), strict=True):
                     if grad is None:
                         continue
-                    part = sum_bags_gradient(grad, inverse, offsets, size)
+                    part = _gradient(grad, inverse, offsets, size, native)
                     total = part if total is None else total.add_(part)
             out.append(total)
         return tuple(out)

@@ -138,7 +138,8 @@ def _lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
 def _bag_offsets(given: Any, n: int, lengths: bool) -> torch.Tensor | None:
     """The ``[bags + 1]`` offsets of bags of ``n`` ids from their 1-D starts (or ``lengths``); None where
     ``given`` describes no such bags (checked and converted in one native pass)."""
-    given = torch.as_tensor(given).to(torch.int64)
+    if not isinstance(given, torch.Tensor) or given.dtype != torch.int64:  # (an int64 tensor: as it is)
+        given = torch.as_tensor(given).to(torch.int64)
     if given.dim() != 1:
         return None
     out = torch.empty(given.numel() + 1, dtype=torch.int64)
