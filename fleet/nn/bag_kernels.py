@@ -141,18 +141,23 @@ class _SumBagsMany(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: tuple, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.set_materialize_grads(False)
-        ctx.plan = plan  # each table's (inverse, offsets) pairs: made by the caller, no one writes to them
-        ctx.sizes = [r.shape[0] for r in rows]
+        # each table's rows (for their number), its features' (inverse, offsets), and how many features it has
+        counts = torch.tensor([len(bags) for bags in plan], dtype=torch.int64)
+        ctx.save_for_backward(counts, *rows, *(t for bags in plan for pair in bags for t in pair))
         return tuple(_sum_bags_forward(r, inverse, offsets) for r, bags in zip(rows, plan, strict=True)
                      for inverse, offsets in bags)  # fmt: skip
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        counts, *saved = ctx.saved_tensors
+        counts = counts.tolist()
+        rows, pairs = saved[: len(counts)], saved[len(counts) :]
         out: list[torch.Tensor | None] = [None]
         at = 0
         native = native_order_is_torchs()
-        for t, (bags, size) in enumerate(zip(ctx.plan, ctx.sizes, strict=True)):
-            mine, at = grads[at : at + len(bags)], at + len(bags)
+        for t, (n, size) in enumerate(zip(counts, (r.shape[0] for r in rows), strict=True)):
+            bags = [(pairs[2 * f], pairs[2 * f + 1]) for f in range(at, at + n)]
+            mine, at = grads[at : at + n], at + n
             total = None
             if ctx.needs_input_grad[1 + t]:
                 for (inverse, offsets), grad in zip(reversed(bags), reversed(mine), strict=True):
