@@ -77,18 +77,28 @@ def sum_bags_gradient(grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.
     (``[bags, dim]``): each entry's bag gradient added into its row in torch's order, bit for bit the gradient
     torch's ``embedding_bag`` backward gives. Why a function of its own: a table's holder
     (``fleet.collective.table_wise``) pools without autograd and asks for the rows' gradient at the step."""
+    return _gradient(grad, inverse, offsets, rows, native_order_is_torchs())
+
+
+def _gradient(
+    grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, rows: int, native: bool
+) -> torch.Tensor:
+    # sum_bags_gradient once native_order_is_torchs() is known (``native``): asked once per backward, not per bag
     out = torch.zeros(rows, grad.shape[1], dtype=grad.dtype)
-    if inverse.numel() < _TIES_LIMIT and native_order_is_torchs():
-        order = None  # the kernel sorts as torch would
-    else:
-        order = inverse.sort().indices.numpy()
+    # below the limit the kernel sorts the ties as torch would
+    order = None if native and inverse.numel() < _TIES_LIMIT else inverse.sort().indices.numpy()
     kernels.bag_sum_backward(grad.contiguous().numpy(), offsets.numpy(), inverse.numpy(), order, out.numpy())
     return out
 
 
 def _sum_bags_forward(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    # F.embedding_bag(mode="sum", include_last_offset=True) without its Python checks (pool made the arguments)
-    return torch.embedding_bag(rows, inverse, offsets, False, 0, False, None, True)[0]
+    # F.embedding_bag(mode="sum", include_last_offset=True) without its Python checks (pool made the arguments);
+    # the forward-only op: the same kernel and sums, without the bookkeeping for a backward (offset2bag, bag
+    # sizes) that torch.embedding_bag makes for rows requiring grad, which the native backward does not use
+    return _FORWARD_ONLY(rows, inverse, offsets, False, 0, False, None, True)[0]
+
+
+_FORWARD_ONLY = torch.ops.aten._embedding_bag_forward_only.default
 
 
 class _SumBags(torch.autograd.Function):
@@ -113,3 +123,54 @@ def sum_bags(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, g
     if not graph:
         return _sum_bags_forward(rows, inverse.contiguous(), offsets.contiguous())
     return _SumBags.apply(rows, inverse.contiguous(), offsets.contiguous())
+
+
+# One table's bags for sum_bags_many: (its rows [unique, dim], each feature's (inverse, offsets [bags + 1])).
+TableBags = tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+class _SumBagsMany(torch.autograd.Function):
+    """:class:`_SumBags` over every feature of several tables as ONE autograd node.
+
+    Why: a collection's forward made one node per feature, and each costs its Python ``apply``, an engine
+    dispatch and a Python ``backward`` call (W6: 8 of them a step, a fixed cost whatever the bags' size). The
+    values are the same bit for bit: each feature's sums and each row gradient as :func:`sum_bags_gradient` gives
+    them, a table's features added as autograd adds the gradients of one leaf used by several nodes (the last
+    feature's node runs first, each earlier one is added to the running sum; an unused output adds nothing)."""
+
+    @staticmethod
+    def forward(ctx, plan: tuple, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        # each table's rows (for their number), its features' (inverse, offsets), and how many features it has
+        counts = torch.tensor([len(bags) for bags in plan], dtype=torch.int64)
+        ctx.save_for_backward(counts, *rows, *(t for bags in plan for pair in bags for t in pair))
+        return tuple(_sum_bags_forward(r, inverse, offsets) for r, bags in zip(rows, plan, strict=True)
+                     for inverse, offsets in bags)  # fmt: skip
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        counts, *saved = ctx.saved_tensors
+        counts = counts.tolist()
+        rows, pairs = saved[: len(counts)], saved[len(counts) :]
+        out: list[torch.Tensor | None] = [None]
+        at = 0
+        native = native_order_is_torchs()
+        for t, (n, size) in enumerate(zip(counts, (r.shape[0] for r in rows), strict=True)):
+            bags = [(pairs[2 * f], pairs[2 * f + 1]) for f in range(at, at + n)]
+            mine, at = grads[at : at + n], at + n
+            total = None
+            if ctx.needs_input_grad[1 + t]:
+                for (inverse, offsets), grad in zip(reversed(bags), reversed(mine), strict=True):
+                    if grad is None:
+                        continue
+                    part = _gradient(grad, inverse, offsets, size, native)
+                    total = part if total is None else total.add_(part)
+            out.append(total)
+        return tuple(out)
+
+
+def sum_bags_many(tables: list[TableBags]) -> list[torch.Tensor]:
+    """:func:`sum_bags` of every feature of every table (``tables``: each one's rows and its features' ``(inverse,
+    offsets)``), feature after feature, with one autograd node for all: the same values and row gradients."""
+    plan = tuple(tuple((inverse.contiguous(), offsets.contiguous()) for inverse, offsets in bags) for _, bags in tables)
+    return list(_SumBagsMany.apply(plan, *(rows for rows, _ in tables)))

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fleet.nn.bag_kernels import sum_bags, sum_bags_gradient, unique_inverse
+from fleet.nn.bag_kernels import TableBags, sum_bags, sum_bags_gradient, sum_bags_many, unique_inverse
 from fleet.nn.sparse_embedding import SparseEmbedding
 from fleet.nn.sparse_embedding_bag import MODES, SparseEmbeddingBag, bag_of_entries, pool, sums_natively
 from fleet.nn.torch_signature import refuse_unknown
@@ -138,7 +138,8 @@ def _lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
 def _bag_offsets(given: Any, n: int, lengths: bool) -> torch.Tensor | None:
     """The ``[bags + 1]`` offsets of bags of ``n`` ids from their 1-D starts (or ``lengths``); None where
     ``given`` describes no such bags (checked and converted in one native pass)."""
-    given = torch.as_tensor(given).to(torch.int64)
+    if not isinstance(given, torch.Tensor) or given.dtype != torch.int64:  # (an int64 tensor: as it is)
+        given = torch.as_tensor(given).to(torch.int64)
     if given.dim() != 1:
         return None
     out = torch.empty(given.numel() + 1, dtype=torch.int64)
@@ -486,18 +487,30 @@ class SparseFeatureCollection(nn.Module):
         plans, future = prefetched if prefetched is not None else (self._plan(bags), None)
         pulled = self._pull(plans, where, future)
         out: dict[str, torch.Tensor] = {}
+        summed: list[TableBags] = []  # the tables whose every feature is a plain sum: pooled by one node
+        summed_features: list[str] = []
         for (name, table, kept, keeps, unique, inverse), rows in zip(plans, pulled, strict=True):
             rows = table.track(unique, rows, inverse)
             at = 0
-            layout = []
+            layout, mines = [], []
             for feature, ids, keep in zip(self._features[name], kept, keeps, strict=True):
                 values, offsets, weights = bags[feature]
-                mine = inverse[at : at + ids.numel()]
+                mines.append(inverse[at : at + ids.numel()])
                 at += ids.numel()
-                out[feature] = pool(rows, mine, keep, values.shape, offsets, table.mode, weights, True)
                 layout.append((offsets, keep, values.numel()))
+            features = self._features[name]
+            if all(sums_natively(rows, mine, keep, bags[f][1], table.mode, bags[f][2], True)
+                   for f, mine, keep in zip(features, mines, keeps, strict=True)):  # fmt: skip
+                summed.append((rows, [(mine, bags[f][1]) for f, mine in zip(features, mines, strict=True)]))
+                summed_features.extend(features)
+            else:
+                for feature, mine, keep in zip(features, mines, keeps, strict=True):
+                    values, offsets, weights = bags[feature]
+                    out[feature] = pool(rows, mine, keep, values.shape, offsets, table.mode, weights, True)
             if training:
                 self._layout[name] = layout
+        if summed:
+            out.update(zip(summed_features, sum_bags_many(summed), strict=True))
         return {f: out[f] for f in self.feature_names}
 
     def record_clicks(self, labels: torch.Tensor) -> None:

@@ -363,3 +363,66 @@ def test_holder_pooling_gradient_is_autograds_bit_for_bit(features: int, kind: s
     want = _autograd_rows_gradient(table, ids, lengths, weights, rows, upstream)
     assert torch.equal(got, want)
     assert _pool_union(table, ids, lengths, weights, pull, False)[3] is None
+
+
+@pytest.mark.parametrize("unused", [None, 0, -1])
+def test_one_node_for_every_sum_pooled_table_gives_autograds_bits(unused: int | None) -> None:
+    # the collection pools every plain-sum table in one autograd node (sum_bags_many): each table's rows get the
+    # gradient that one node per feature gave, bit for bit: features of one table summed in autograd's order, an
+    # unused output adding nothing; a table it cannot sum (mean) keeps its own nodes beside it
+    gen = torch.Generator().manual_seed(11 + (unused or 0))
+    shapes = {"one": (8, 1, "sum"), "two": (4, 2, "sum"), "three": (16, 3, "sum"), "five": (8, 5, "sum"),
+              "avg": (4, 2, "mean")}  # fmt: skip
+    model = SparseFeatureCollection(
+        [FeatureTable(name, dim, [f"{name}{k}" for k in range(n)], mode=mode, seed=3)
+         for name, (dim, n, mode) in shapes.items()]
+    )  # fmt: skip
+    batch, lengths_of_feature = {}, {}
+    for name, (_, n, _) in shapes.items():
+        for k in range(n):
+            lengths = torch.randint(0, 12, (64,), generator=gen)
+            batch[f"{name}{k}"] = (torch.randint(0, 30, (int(lengths.sum()),), generator=gen), lengths)
+            lengths_of_feature[f"{name}{k}"] = lengths
+    pooled = model(batch)
+    used = [f for f in model.feature_names if unused is None or f != model.feature_names[unused]]
+    upstream = {f: torch.randn(pooled[f].shape, generator=gen) * 1e3 for f in used}
+    torch.autograd.backward([pooled[f] for f in used], [upstream[f] for f in used])
+    for name, table in model.tables.items():
+        unique, rows, _, _ = table._pending[-1]
+        features = model.features_of(name)
+        live = [f for f in features if f in upstream]
+        if not live:
+            assert rows.grad is None
+            continue
+        ids = [batch[f][0] for f in features]
+        grads = [upstream.get(f, torch.zeros(pooled[f].shape)) for f in features]
+        want = _autograd_rows_gradient(table, ids, [batch[f][1] for f in features], [None] * len(features),
+                                       rows.detach(), grads)  # fmt: skip
+        if len(live) < len(features):  # autograd without the unused output: it adds nothing, not even zeros
+            kept = [i for i, f in enumerate(features) if f in upstream]
+            from fleet.nn.bag_kernels import unique_inverse
+            from fleet.nn.sparse_embedding_bag import pool
+
+            _, inverse = unique_inverse(torch.cat(ids))
+            leaf = rows.detach().clone().requires_grad_(True)
+            outputs, at = [], 0
+            for f, i in zip(features, ids, strict=True):
+                offsets = torch.cat([lengths_of_feature[f].new_zeros(1), lengths_of_feature[f].cumsum(0)])
+                outputs.append(pool(leaf, inverse[at : at + i.numel()], None, i.shape, offsets, table.mode, None, True))
+                at += i.numel()
+            torch.autograd.backward([outputs[i] for i in kept], [grads[i] for i in kept])
+            want = leaf.grad
+        assert torch.equal(rows.grad, want), name
+        for f, i in zip(features, ids, strict=True):  # the sums are F.embedding_bag's, bit for bit
+            offsets = torch.cat([lengths_of_feature[f].new_zeros(1), lengths_of_feature[f].cumsum(0)])
+            by_id = torch.nn.functional.embedding_bag(
+                torch.searchsorted(unique, i), rows.detach(), offsets, mode=table.mode, include_last_offset=True
+            )
+            assert torch.equal(pooled[f].detach(), by_id), f
+        assert torch.equal(unique, unique_ids(ids)), name
+    assert type(pooled["five0"].grad_fn) is type(pooled["one0"].grad_fn)  # one node type for the sums
+    assert pooled["five0"].grad_fn is pooled["one0"].grad_fn  # and one node
+
+
+def unique_ids(ids: list[torch.Tensor]) -> torch.Tensor:
+    return torch.unique(torch.cat(ids))

@@ -87,6 +87,12 @@ def test_bag_offsets_are_torchs_arithmetic(given, lengths, n, offsets) -> None:
     """The native pass gives the offsets torch.cat / torch.cumsum gave, as int64."""
     out = _bag_offsets(torch.tensor(given, dtype=torch.int32), n, lengths)
     assert out is not None and out.dtype == torch.int64 and out.tolist() == offsets
+    # an int64 tensor is taken as it is (strided too), a list converted: the same offsets, the input untouched
+    every_other = torch.tensor([x for v in given for x in (v, -1)], dtype=torch.int64)[::2]
+    for same in (torch.tensor(given, dtype=torch.int64), every_other, list(given)):
+        before = torch.as_tensor(same).clone()
+        assert _bag_offsets(same, n, lengths).tolist() == offsets
+        assert torch.equal(torch.as_tensor(same), before)
 
 
 def test_the_collection_is_a_sequence_of_its_tables() -> None:
