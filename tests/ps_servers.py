@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import zmq
@@ -43,6 +44,15 @@ def servers(
         for t in threads:
             t.join(5)
             assert not t.is_alive()
+
+
+def on_ipc(client: PSClient, timeout_s: float = 10.0) -> None:
+    """Wait (bounded) until ``client``'s requests to its one server go over the server's Unix socket."""
+    deadline = time.monotonic() + timeout_s
+    while client.transports[0] != "ipc" and time.monotonic() < deadline:
+        client.hello().result()
+        time.sleep(0.02)
+    assert client.transports == ["ipc"]
 
 
 def client(srvs: list[ParameterServer], worker: int, timeout_s: float = 3.0, secret: bytes = SECRET) -> PSClient:

@@ -9,43 +9,16 @@ the pull after it waits for it.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
-from collections.abc import Iterator
-
 import torch
 
 from fleet.ps.client.client import PSClient
-from fleet.ps.server.loop import ParameterServer
+from ps_servers import SECRET, on_ipc, servers
 
-SECRET = b"bulk-path-secret-0123456"
 SGD = {"optimizer": {"kind": "sgd", "lr": 1.0}, "update": "async"}
 
 
-@contextlib.contextmanager
-def server() -> Iterator[ParameterServer]:
-    srv = ParameterServer("127.0.0.1:0", SECRET, 0, 1, 5.0, torch_threads=None)
-    thread = threading.Thread(target=srv.serve, daemon=True)
-    thread.start()
-    try:
-        yield srv
-    finally:
-        srv.shutdown()
-        thread.join(5)
-        assert not thread.is_alive()
-
-
-def on_ipc(client: PSClient, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while client.transports[0] != "ipc" and time.monotonic() < deadline:
-        client.hello().result()
-        time.sleep(0.02)
-    assert client.transports == ["ipc"]
-
-
 def test_pushes_and_the_pulls_behind_them_go_in_order_over_the_bulk_connection() -> None:
-    with server() as srv:
+    with servers(1, 1, timeout_s=5.0) as (srv,):
         client = PSClient([srv.endpoint], SECRET, 0, timeout_s=10.0)
         try:
             client.create_sparse(2, {"dim": 16, **SGD}).result()
@@ -74,7 +47,7 @@ def test_pushes_and_the_pulls_behind_them_go_in_order_over_the_bulk_connection()
 
 
 def test_a_request_through_zeromq_waits_for_the_bulk_requests_before_it() -> None:
-    with server() as srv:
+    with servers(1, 1, timeout_s=5.0) as (srv,):
         client = PSClient([srv.endpoint], SECRET, 0, timeout_s=10.0)
         try:
             client.create_sparse(2, {"dim": 8, **SGD}).result()

@@ -26,7 +26,7 @@ from fleet.ps.protocol.errors import PSRemoteError, PSServerUnavailable
 from fleet.ps.protocol.limits import RequestLimits
 from fleet.ps.protocol.wire import Message, Op, Status, decode, encode
 from fleet.ps.server.loop import ParameterServer
-from ps_servers import direct_unix_socket
+from ps_servers import direct_unix_socket, on_ipc
 
 SECRET = b"direct-path-secret-0123"
 ASYNC_SGD = {"optimizer": {"kind": "sgd", "lr": 1.0}, "update": "async"}
@@ -43,14 +43,6 @@ def server(**options) -> Iterator[tuple[ParameterServer, threading.Thread]]:
         srv.shutdown()
         thread.join(5)
         assert not thread.is_alive()
-
-
-def on_ipc(client: PSClient, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while client.transports[0] != "ipc" and time.monotonic() < deadline:
-        client.hello().result()
-        time.sleep(0.02)
-    assert client.transports == ["ipc"]
 
 
 def direct_socket(srv: ParameterServer) -> str:
