@@ -257,7 +257,11 @@ class Hub(_Node):
             limit = 0.0
         while len(self.ended_nodes) < len(self.peers) and time.monotonic() < limit:
             time.sleep(0.1)
-        silent = sorted(set(self.peers) - self.ended_nodes)
+        with self._lock:
+            silent = sorted(set(self.peers) - self.ended_nodes)
+            # Closing their connections below wakes their listeners: the line above has said why they end,
+            # so a listener must not also report "lost contact" (a race with this process's exit).
+            self.ended_nodes.update(silent)
         if silent and not signalled:
             self.mux.message(f"node(s) {silent} did not report their end in time; not waiting for them any longer")
         for peer in self.peers.values():
