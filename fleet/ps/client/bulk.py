@@ -79,10 +79,8 @@ class BulkConn:
         try:
             sock.settimeout(CONNECT_S)
             sock.connect(path)
-            challenge = bytes(unix.recv_exactly(sock, unix.CHALLENGE_BYTES))
-            sock.sendall(unix.answer(secret, challenge))
-            (answered,) = unix.INCARNATION.unpack(unix.recv_exactly(sock, unix.INCARNATION.size))
-            if answered != incarnation:
+            unix.answer_challenge(sock, secret)
+            if unix.read_incarnation(sock) != incarnation:
                 raise BulkLost("another incarnation answers at the direct socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF)
             sock.setblocking(False)

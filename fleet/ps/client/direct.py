@@ -227,13 +227,12 @@ class DirectCalls:
                 why = f"has no direct socket at {path} now ({exc})"
                 raise self._unavailable(server, msg, why, PSServerUnavailable) from None
             try:
-                challenge = bytes(unix.recv_exactly(sock, unix.CHALLENGE_BYTES))
-                sock.sendall(unix.answer(self._secret, challenge))
+                unix.answer_challenge(sock, self._secret)
             except OSError as exc:
                 why = f"closed its direct socket during the handshake ({exc})"
                 raise self._unavailable(server, msg, why, PSServerUnavailable) from None
             try:
-                (answered,) = unix.INCARNATION.unpack(unix.recv_exactly(sock, unix.INCARNATION.size))
+                answered = unix.read_incarnation(sock)
             except (ConnectionError, BrokenPipeError):
                 why = "refused this worker's credentials on its direct socket: the shared secret (FLEET_SECRET) differs"
                 raise self._unavailable(server, msg, why, PSAuthError) from None

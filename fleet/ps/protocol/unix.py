@@ -51,6 +51,18 @@ def answer(secret: bytes, challenge: bytes) -> bytes:
     return hmac.new(secret, _LABEL + challenge, hashlib.sha256).digest()
 
 
+def answer_challenge(sock: socket.socket, secret: bytes) -> None:
+    """The worker's half of the handshake on a connected blocking socket: read the challenge, send the answer."""
+    challenge = bytes(recv_exactly(sock, CHALLENGE_BYTES))
+    sock.sendall(answer(secret, challenge))
+
+
+def read_incarnation(sock: socket.socket) -> int:
+    """The server's incarnation, which it sends once the answer checks out (it closes the connection otherwise)."""
+    (incarnation,) = INCARNATION.unpack(recv_exactly(sock, INCARNATION.size))
+    return incarnation
+
+
 def check_answer(secret: bytes, challenge: bytes, got: bytes) -> bool:
     return hmac.compare_digest(answer(secret, challenge), bytes(got))
 
