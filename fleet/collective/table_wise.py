@@ -95,6 +95,14 @@ def sharded_backend(placement: str, module: Any, group: Any, *args: Any, **kwarg
     return ShardedRows(module, group, *args, **kwargs)
 
 
+def _lengths(offsets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each feature's bag lengths from its offsets ``[bags + 1]``: one ``diff`` over them all where every feature
+    has the same number of bags (a collection's forward: a diff per feature cost more than the values)."""
+    if len({int(o.numel()) for o in offsets}) == 1:
+        return list(torch.stack(offsets).diff(dim=1).unbind(0))
+    return [o.diff() for o in offsets]
+
+
 class _Held:
     """One pooled forward of the tables this worker holds: what the step's backward needs (the unique ids, the
     number of features, each worker's number of bags, the rows' gradient from the pooled gradients, and the clicks
@@ -175,12 +183,15 @@ class TableWiseRows(ShardedRows):
         pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
         weighted = [int(w is not None) for bags in features for _, _, w in bags]  # feature after feature
         counts = [int(ids.numel()) for bags in features for ids, _, _ in bags]  # each feature's ids
+        lengths = _lengths([offsets for bags in features for _, offsets, _ in bags])
+        first_feature = 0
         for backend, bags in zip(backends, features, strict=True):
-            j = backend.holder
+            j, f0 = backend.holder, first_feature
+            first_feature += len(bags)
             if j == rank:
                 continue
             row = pieces[j]
-            row.extend(offsets.diff() for _, offsets, _ in bags)
+            row.extend(lengths[f0 : f0 + len(bags)])
             row.extend(ids.reshape(-1) for ids, _, _ in bags)
             row.extend(
                 w.reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64) for _, _, w in bags if w is not None
@@ -223,18 +234,18 @@ class TableWiseRows(ShardedRows):
             per_feature_weights: list[list[torch.Tensor]] = [[] for _ in range(n_features)]
             for i in range(world):
                 if i == rank:
-                    for f, (ids, offsets, w) in enumerate(bags):
-                        per_feature_lengths[f].append(offsets.diff())
+                    for f, (ids, _, w) in enumerate(bags):
+                        per_feature_lengths[f].append(lengths[fs[f]])
                         per_feature_ids[f].append(ids.reshape(-1))
                         if w is not None:
                             per_feature_weights[f].append(w.reshape(-1).to(torch.float32))
                     continue
                 block, b, head = got[i], bags_of[i], heads[i]
-                lengths = block[at[i] : at[i] + n_features * b].view(n_features, b)
+                received = block[at[i] : at[i] + n_features * b].view(n_features, b)
                 at[i] += n_features * b
                 ends = [head[2 + f] for f in fs]
                 for f in range(n_features):
-                    per_feature_lengths[f].append(lengths[f])
+                    per_feature_lengths[f].append(received[f])
                     per_feature_ids[f].append(block[at[i] : at[i] + ends[f]])
                     at[i] += ends[f]
                 for f in range(n_features):
