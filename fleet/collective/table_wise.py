@@ -95,6 +95,14 @@ def sharded_backend(placement: str, module: Any, group: Any, *args: Any, **kwarg
     return ShardedRows(module, group, *args, **kwargs)
 
 
+def _lengths(offsets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each feature's bag lengths from its offsets ``[bags + 1]``: one ``diff`` over them all where every feature
+    has the same number of bags (a collection's forward: a diff per feature cost more than the values)."""
+    if len({int(o.numel()) for o in offsets}) == 1:
+        return list(torch.stack(offsets).diff(dim=1).unbind(0))
+    return [o.diff() for o in offsets]
+
+
 class _Held:
     """One pooled forward of the tables this worker holds: what the step's backward needs (the unique ids, the
     number of features, each worker's number of bags, the rows' gradient from the pooled gradients, and the clicks
@@ -163,27 +171,33 @@ class TableWiseRows(ShardedRows):
         ``t``'s features as ``(ids, offsets [batch + 1], per-id weights or None)``), pooled by their holders. ``training``: keep
         what the step needs (every worker must agree)."""
         first = backends[0]
-        world, tables = first.workers, len(backends)
+        world, rank = first.workers, first.rank
         batch = int(features[0][0][1].numel()) - 1
         dims = [b.shard.embedding_dim for b in backends]
         width = sum(d * len(f) for d, f in zip(dims, features, strict=True))
         announce = first._announcing("pool", width, 0.0)
         what = first._what("pooling the bags of")
         # to holder j, for each of its tables: every feature's bag lengths, then every feature's ids, then (weighted
-        # tables) every feature's weights, their float32 bits as int64 (exact both ways)
+        # tables) every feature's weights, their float32 bits as int64 (exact both ways). A holder's own bags do not
+        # travel: it pools them as they are (the same values), and its own pooled vectors stay here.
         pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        counts = [[0] * tables for _ in range(world)]
         weighted = [int(w is not None) for bags in features for _, _, w in bags]  # feature after feature
-        for t, (backend, bags) in enumerate(zip(backends, features, strict=True)):
-            j = backend.holder
-            pieces[j].extend(offsets.diff() for _, offsets, _ in bags)
-            pieces[j].extend(ids.reshape(-1) for ids, _, _ in bags)
-            pieces[j].extend(
+        counts = [int(ids.numel()) for bags in features for ids, _, _ in bags]  # each feature's ids
+        lengths = _lengths([offsets for bags in features for _, offsets, _ in bags])
+        first_feature = 0
+        for backend, bags in zip(backends, features, strict=True):
+            j, f0 = backend.holder, first_feature
+            first_feature += len(bags)
+            if j == rank:
+                continue
+            row = pieces[j]
+            row.extend(lengths[f0 : f0 + len(bags)])
+            row.extend(ids.reshape(-1) for ids, _, _ in bags)
+            row.extend(
                 w.reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64) for _, _, w in bags if w is not None
             )
-            counts[j][t] = sum(int(ids.numel()) for ids, _, _ in bags)
         sizes = [sum(int(p.numel()) for p in row) for row in pieces]
-        header = torch.tensor([[batch, int(training), *row, *weighted] for row in counts], dtype=torch.int64)
+        header = torch.tensor([batch, int(training), *counts, *weighted], dtype=torch.int64).expand(world, -1)
         got, heads, _ = first.exchange_pieces(
             [p for row in pieces for p in row], sizes, header, None, torch.int64, what, announce
         )
@@ -194,9 +208,10 @@ class TableWiseRows(ShardedRows):
                 f"{what}: workers {training_on} look up to train (grad enabled, module.train()) and the others to "
                 "evaluate; every worker must call the collection in the same way"
             )
-        for f in range(len(weighted)):
-            if len({h[2 + tables + f] for h in heads}) > 1:
-                with_weights = [i for i, h in enumerate(heads) if h[2 + tables + f]]
+        n_all = len(weighted)
+        for f in range(n_all):
+            if len({h[2 + n_all + f] for h in heads}) > 1:
+                with_weights = [i for i, h in enumerate(heads) if h[2 + n_all + f]]
                 raise FleetError(
                     f"{what}: workers {with_weights} pass per-id weights for feature {f} of the collection and the "
                     "others do not; every worker must give the same kind of input"
@@ -205,22 +220,32 @@ class TableWiseRows(ShardedRows):
         # the tables held here, pooled over the union of every worker's bags (worker order)
         at = [0] * world
         reply: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        own: list[list[torch.Tensor]] = []  # this worker's pooled vectors of the tables it holds, table order
         first_feature = 0
-        for t, backend in enumerate(backends):
-            n_features = len(features[t])
-            flags, first_feature = weighted[first_feature : first_feature + n_features], first_feature + n_features
-            if backend.holder != first.rank:
+        for backend, bags in zip(backends, features, strict=True):
+            n_features = len(bags)
+            flags = weighted[first_feature : first_feature + n_features]
+            fs = range(first_feature, first_feature + n_features)
+            first_feature += n_features
+            if backend.holder != rank:
                 continue
             per_feature_lengths: list[list[torch.Tensor]] = [[] for _ in range(n_features)]
             per_feature_ids: list[list[torch.Tensor]] = [[] for _ in range(n_features)]
             per_feature_weights: list[list[torch.Tensor]] = [[] for _ in range(n_features)]
             for i in range(world):
-                block, b = got[i], bags_of[i]
-                lengths = block[at[i] : at[i] + n_features * b].view(n_features, b)
+                if i == rank:
+                    for f, (ids, _, w) in enumerate(bags):
+                        per_feature_lengths[f].append(lengths[fs[f]])
+                        per_feature_ids[f].append(ids.reshape(-1))
+                        if w is not None:
+                            per_feature_weights[f].append(w.reshape(-1).to(torch.float32))
+                    continue
+                block, b, head = got[i], bags_of[i], heads[i]
+                received = block[at[i] : at[i] + n_features * b].view(n_features, b)
                 at[i] += n_features * b
-                ends = lengths.sum(1).tolist()
+                ends = [head[2 + f] for f in fs]
                 for f in range(n_features):
-                    per_feature_lengths[f].append(lengths[f])
+                    per_feature_lengths[f].append(received[f])
                     per_feature_ids[f].append(block[at[i] : at[i] + ends[f]])
                     at[i] += ends[f]
                 for f in range(n_features):
@@ -233,29 +258,40 @@ class TableWiseRows(ShardedRows):
             pooled = backend.pool_here([torch.cat(x) for x in per_feature_ids],
                                        [torch.cat(x) for x in per_feature_lengths], weights, bags_of, training,
                                        pooler)  # fmt: skip
+            pooled = [p.detach() for p in pooled] if any(p.requires_grad for p in pooled) else pooled
             start = 0
             for i in range(world):
-                reply[i].extend(p[start : start + bags_of[i]].detach() for p in pooled)
+                (own if i == rank else reply[i]).append([p[start : start + bags_of[i]] for p in pooled])
                 start += bags_of[i]
-        sizes = [sum(int(p.numel()) for p in row) for row in reply]
+        send = [p for row in reply for table in row for p in table]
+        sizes = [sum(int(p.numel()) for table in row for p in table) for row in reply]
         recv = [0] * world
         for t, backend in enumerate(backends):
-            recv[backend.holder] += batch * dims[t] * len(features[t])
-        back, _, _ = first.exchange_pieces([p for row in reply for p in row], sizes, None, recv, torch.float32, what)
+            if backend.holder != rank:
+                recv[backend.holder] += batch * dims[t] * len(features[t])
+        back, _, _ = first.exchange_pieces(send, sizes, None, recv, torch.float32, what)
+        # a copy of each holder's block: the received block is a view of shared memory, valid until the next
+        # exchange; the vectors are views of it (the pooled vectors of this worker's own tables: of the pooling)
+        blocks = [back[j].clone() if recv[j] and j != rank else None for j in range(world)]
         out: list[list[torch.Tensor]] = []
         at = [0] * world
+        mine = iter(own)
         for t, backend in enumerate(backends):
             j, dim = backend.holder, dims[t]
-            mine = []
-            for _ in features[t]:
-                # a copy: the received block is a view of shared memory, valid until the next exchange
-                vector = back[j][at[j] : at[j] + batch * dim].view(batch, dim).clone()
-                at[j] += batch * dim
-                if training:
+            if j == rank:
+                vectors = next(mine)
+            else:
+                vectors = []
+                block = blocks[j]
+                assert block is not None
+                for _ in features[t]:
+                    vectors.append(block[at[j] : at[j] + batch * dim].view(batch, dim))
+                    at[j] += batch * dim
+            if training:
+                for vector in vectors:
                     vector.requires_grad_(True)
-                mine.append(vector)
-            backend.received(mine, training)
-            out.append(mine)
+            backend.received(vectors, training)
+            out.append(vectors)
         return out
 
     def pool_here(
@@ -323,42 +359,49 @@ class TableWiseRows(ShardedRows):
     @classmethod
     def _step_pooled(cls, items: list[tuple[TableWiseRows, dict[str, Any]]], optimizer_class: type) -> None:
         first = items[0][0]
-        world = first.workers
+        world, rank = first.workers, first.rank
         announce = first._announcing("pooled step", len(items), float(items[0][1]["lr"]))
         what = first._what("sending pooled gradients to")
+        # A holder's own gradients do not travel: it takes them as they are (the same values).
         pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        bad = [[0] * len(items) for _ in range(world)]
+        own: dict[int, list[torch.Tensor]] = {}
+        bad = [0] * len(items)
         for t, (backend, group) in enumerate(items):
             clicks = backend.shard.lifecycle.active  # the labels ride along: a table counting its clicks
             grads = []
             for vectors, labels in backend.take_sent():
-                grads.extend(v.grad.detach() if v.grad is not None else torch.zeros_like(v) for v in vectors)
+                grads.extend(v.grad if v.grad is not None else torch.zeros_like(v) for v in vectors)
                 if clicks:
                     grads.append(labels if labels is not None else torch.zeros(vectors[0].shape[0]))
-            j = backend.holder
-            pieces[j].extend(g.to(torch.float32) for g in grads)
-            finite = all(nonfinite.finite(g, float(group["lr"])) for g in grads)
-            for row in bad:
-                row[t] = 0 if finite else 1
+            grads = [g.detach().to(torch.float32) for g in grads]
+            if backend.holder == rank:
+                own[t] = grads
+            else:
+                pieces[backend.holder].extend(grads)
+            bad[t] = 0 if nonfinite.finite(*grads, float(group["lr"])) else 1
         sizes = [sum(int(p.numel()) for p in row) for row in pieces]
         got, heads, _ = first.exchange_pieces(
-            [p for row in pieces for p in row], sizes, torch.tensor(bad, dtype=torch.int64), None, torch.float32,
-            what, announce,
+            [p for row in pieces for p in row], sizes, torch.tensor(bad, dtype=torch.int64).expand(world, -1), None,
+            torch.float32, what, announce,
         )  # fmt: skip
         assert heads is not None
         at = [0] * world
         for t, (backend, group) in enumerate(items):
-            if backend.holder != first.rank:
+            if backend.holder != rank:
                 continue
             held = backend.take_held()
             clicks = backend.shard.lifecycle.active
+            mine = iter(own[t])
+            dim = backend.shard.embedding_dim
             ids, grads, counted = [], [], []
             for forward in held:
-                dim = backend.shard.embedding_dim
                 upstream = []
                 for _ in range(forward.features):
                     parts = []
                     for i in range(world):
+                        if i == rank:
+                            parts.append(next(mine))
+                            continue
                         n = forward.bags[i] * dim
                         parts.append(got[i][at[i] : at[i] + n].view(forward.bags[i], dim))
                         at[i] += n
@@ -368,6 +411,9 @@ class TableWiseRows(ShardedRows):
                 if clicks:  # the union's labels, worker after worker, counted per unique id as one process does
                     labels = []
                     for i in range(world):
+                        if i == rank:
+                            labels.append(next(mine))
+                            continue
                         labels.append(got[i][at[i] : at[i] + forward.bags[i]])
                         at[i] += forward.bags[i]
                     counted.append(forward.clicks(torch.cat(labels)))
@@ -376,8 +422,9 @@ class TableWiseRows(ShardedRows):
                 nonfinite.refuse(f"sparse table of {backend.shard.name}(dim {backend.shard.embedding_dim})", None,
                                  backend.where)  # fmt: skip
                 continue
-            block = torch.cat(grads) if len(grads) > 1 else grads[0]
-            block = block.detach().div_(world) if len(grads) > 1 else block.detach() / world
+            # the rows' gradients are this step's own tensors: divided in place
+            block = torch.cat(grads) if len(grads) > 1 else grads[0].detach()
+            block = block.div_(world)
             if clicks:  # summed over the workers, not averaged: one more column, as on the row path
                 block = torch.cat([block, torch.cat(counted).unsqueeze(1)], 1)
             unique = torch.cat(ids) if len(ids) > 1 else ids[0]

@@ -275,9 +275,11 @@ def _pool_union(
     unique, inverse = unique_inverse(kept[0] if len(kept) == 1 else torch.cat(kept))
     rows = pull(unique)
     mines, offsets_of, at = [], [], 0
-    for k, feature_lengths in zip(kept, lengths, strict=True):
+    for feature_ids, k, feature_lengths in zip(ids, kept, lengths, strict=True):
         mines.append(inverse[at : at + k.numel()])
-        offsets_of.append(_lengths_to_offsets(feature_lengths))
+        # one native pass where the lengths add up to the feature's ids (every worker's do)
+        offsets = _bag_offsets(feature_lengths, feature_ids.numel(), True)
+        offsets_of.append(offsets if offsets is not None else _lengths_to_offsets(feature_lengths))
         at += k.numel()
     direct = all(
         sums_natively(rows, mine, keep, offsets, table.mode, w, True)
