@@ -84,7 +84,7 @@ def _gradient(
     grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, rows: int, native: bool
 ) -> torch.Tensor:
     # sum_bags_gradient once native_order_is_torchs() is known (``native``): asked once per backward, not per bag
-    out = torch.zeros(rows, grad.shape[1], dtype=grad.dtype)
+    out = torch.empty(rows, grad.shape[1], dtype=grad.dtype)  # the kernel writes every row (zeros where no entry)
     # below the limit the kernel sorts the ties as torch would
     order = None if native and inverse.numel() < _TIES_LIMIT else inverse.sort().indices.numpy()
     kernels.bag_sum_backward(grad.contiguous().numpy(), offsets.numpy(), inverse.numpy(), order, out.numpy())

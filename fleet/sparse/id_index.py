@@ -156,7 +156,7 @@ class IdIndex:
                 f"the id index's key column must be 1-D int64 of {self._size}+ ids, got {keys.dtype} "
                 f"{tuple(keys.shape)}"
             )
-        return keys[: self._size].detach().numpy()
+        return (keys if not keys.requires_grad else keys.detach())[: self._size].numpy()
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -220,7 +220,7 @@ class IdIndex:
             ids.numpy(),
             out.numpy(),
             old,
-            rows.detach().numpy() if rows is not None else None,
+            (rows if not rows.requires_grad else rows.detach()).numpy() if rows is not None else None,
             found.numpy() if found is not None else None,
             misses.numpy(),
         )
@@ -255,7 +255,7 @@ class IdIndex:
             keys = self._keys()
             if keys.shape[0] < self._size + n:
                 raise ValueError(f"id index: the key column has room for {keys.shape[0]} ids, {self._size + n} needed")
-            keys[self._size : self._size + n] = ids
+            keys.narrow(0, self._size, n).copy_(ids)  # not item assignment: several times cheaper
             self._grow_a_step(n, log)
             if self._size + self._tombstones + n > _MAX_LOAD * self._capacity:
                 self._grow_now(n, log)

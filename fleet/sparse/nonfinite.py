@@ -55,8 +55,8 @@ def _all_finite(t: torch.Tensor) -> bool:
     tells apart. A contiguous float32 CPU tensor (every gradient fleet checks) takes the native
     one-pass, vectorised check of the exponent bits instead.
     """
-    if t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
-        return bool(kernels.all_finite(t.detach().reshape(-1).numpy()))
+    if t.dtype is torch.float32 and t.is_cpu and t.is_contiguous():
+        return bool(kernels.all_finite((t if not t.requires_grad else t.detach()).view(-1).numpy()))
     if bool(torch.isfinite(t.sum())):
         return True
     low, high = torch.aminmax(t)

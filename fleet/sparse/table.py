@@ -561,6 +561,20 @@ class SparseTable:
         ids = as_ids(ids)
         grads = self.check_rows("grads", grads, ids.numel())
         clicks = self._check_clicks(clicks, ids.numel())
+        if self._undo is None and not self.lifecycle.active:
+            # The usual push (one process, collective: the ids of this table's last pull, no life cycle): the
+            # clock and the kernel's all-or-nothing write are all it changes, so no transaction is opened (its
+            # undo log, copies and closures were a fixed cost of every table's step).
+            taken = self._recent.take(ids)
+            if taken is not None:
+                clock = self.clock
+                self.advance_clock(step)
+                try:
+                    self._store.step_rows(self._hyper, taken, grads, float(lr), len(self), None)
+                except BaseException:
+                    self.clock = clock  # the kernel wrote nothing
+                    raise
+                return
         # Outermost, this operation ends with the kernel's all-or-nothing write: it needs no undo record.
         # Inside an enclosing transaction a later operation may fail, and the rows must go back then.
         nested = self._undo is not None

@@ -173,3 +173,18 @@ def test_sum_bags_gradient_is_torch_with_heavy_duplicates(n: int) -> None:
         F.embedding_bag(inverse, ref_rows, offsets, mode="sum", include_last_offset=True).backward(grad_out)
         sum_bags(rows, inverse, offsets).backward(grad_out)
         assert torch.equal(rows.grad.view(torch.int32), ref_rows.grad.view(torch.int32)), f"trial {trial}"
+
+
+def test_bag_kernel_writes_every_row_and_checks_the_order() -> None:
+    # out need not be zeroed: rows without an entry come out as zeros, first entries as 0.0 + gradient (-0.0 too)
+    grad = torch.tensor([[-0.0, 1.0], [2.0, -0.0]])
+    offsets, inverse = torch.tensor([0, 2, 3]), torch.tensor([3, 1, 3])
+    want = torch.zeros(5, 2).index_add_(0, inverse, grad[torch.tensor([0, 0, 1])])
+    for given in (None, inverse.sort().indices.numpy()):
+        out = torch.full((5, 2), float("nan"))
+        kernels.bag_sum_backward(grad.numpy(), offsets.numpy(), inverse.numpy(), given, out.numpy())
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    with pytest.raises(ValueError, match="does not sort"):
+        kernels.bag_sum_backward(
+            grad.numpy(), offsets.numpy(), inverse.numpy(), torch.tensor([0, 1, 2]).numpy(), torch.empty(5, 2).numpy()
+        )

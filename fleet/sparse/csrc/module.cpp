@@ -21,7 +21,7 @@ namespace {
 using namespace fleet_native;
 
 // Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
-constexpr long kAbiVersion = 11;
+constexpr long kAbiVersion = 12;
 
 PyObject* abi_version(PyObject*, PyObject*) { return PyLong_FromLong(kAbiVersion); }
 
