@@ -130,6 +130,88 @@ def pack_flat_reply(
     return memoryview(head + data)
 
 
+#: where a one-tensor reply's request id and step lie in its bytes (after the length prefix and the header's first fields)
+_ID_STEP = struct.Struct("<Qq")
+_ID_STEP_AT = PREFIX_BYTES + struct.calcsize("<4sBBBBII")
+assert HEADER.format.lstrip("<").startswith("4sBBBBIIQq")
+
+
+class FlatReply:
+    """:func:`pack_flat_reply`'s bytes for one table's values at one version, written once and answered with many
+    times: each answer writes only its request id and step into them (:meth:`fill`).
+
+    Why: the 22 fields of the reply's prefix, header and descriptor were most of the server's Python per small
+    pull; of them, only the request id and the step differ between two pulls of the same values.
+    """
+
+    __slots__ = ("buf", "data", "frame_bytes", "version")
+
+    def __init__(self, op: int, table: int, peer: int, version: int, code: int, data: bytes):
+        #: the values' bytes the reply carries (who keeps them compares with ``is``: a new snapshot is a new object)
+        self.data = data
+        self.version = version
+        self.buf = bytearray(pack_flat_reply(op, table, peer, 0, 0, version, code, data))
+        #: the reply's frames' bytes (its length prefix is not counted, as for :func:`pack`)
+        self.frame_bytes = len(self.buf) - PREFIX_BYTES
+
+    def fill(self, request_id: int, step: int) -> bytearray:
+        """The reply to the request ``request_id`` (whose step was ``step``): the one buffer, rewritten in place
+        (so it is sent, or copied, before the next :meth:`fill`)."""
+        _ID_STEP.pack_into(self.buf, _ID_STEP_AT, request_id, step)
+        return self.buf
+
+
+#: where a one-tensor reply's version (its ``arg``) lies in its bytes: between the step and the ``lr``
+_ARG = struct.Struct("<q")
+_ARG_AT = _ID_STEP_AT + _ID_STEP.size
+
+
+class Expected:
+    """The answer a small pull of one flat tensor will most likely get, made ready while the request is on its way:
+    the bytes it will have but for its version and its values, and its :class:`Message` over a tensor of its own.
+
+    Why: the caller waits for the server meanwhile, so what is made here costs the round trip nothing; once the
+    answer is in, :meth:`take` checks it with two byte comparisons and copies the values, where :func:`read` would
+    unpack and check every field, then build the tensor and the message.
+
+    ``buf`` (given to :meth:`take`) is a ``bytearray``, the answer at its start. What it takes is exactly what
+    :func:`read` takes of those bytes and gives the same message (every other byte is one of a valid message's;
+    any version and any values are read as they are); anything else is None, for :func:`read` to read.
+    """
+
+    __slots__ = ("_after", "_before", "_size", "data", "msg")
+
+    def __init__(self, op: int, table: int, peer: int, request_id: int, step: int, code: int, numel: int):
+        itemsize = _ITEMSIZE[code]
+        nbytes = numel * itemsize
+        head = _ONE.pack(
+            3, _ONE_HEAD, 0, nbytes, MAGIC, PROTOCOL_VERSION, op, _OK, 1, table, peer,
+            request_id, step, 0, 0.0, 0, code, 1, numel, *_NO_DIMS[1:],
+        )  # fmt: skip
+        self._before = head[:_ARG_AT]
+        self._after = head[_ARG_AT + _ARG.size :]
+        self._size = _ONE.size + nbytes
+        dtype = CODE_DTYPES[code]
+        #: the values' buffer: the tensor's memory (None: no values)
+        self.data = bytearray(nbytes) if nbytes else None
+        t = torch.frombuffer(self.data, dtype=dtype) if nbytes else torch.empty((0,), dtype=dtype)
+        self.msg = Message(op, table, peer, request_id, step, 0, 0.0, 0, _OK, [t], b"")
+
+    def take(self, buf: bytearray, got: int) -> Message | None:
+        """The expected message, with the version and values of ``buf[:got]``, when those bytes are it; else None."""
+        if (
+            got != self._size
+            or not buf.startswith(self._before)
+            or not buf.startswith(self._after, _ARG_AT + _ARG.size)
+        ):
+            return None
+        msg = self.msg
+        msg.arg = _ARG.unpack_from(buf, _ARG_AT)[0]
+        if self.data is not None:
+            self.data[:] = memoryview(buf)[_ONE.size : got]
+        return msg
+
+
 def read(buf: Any, got: int) -> Message | None:
     """The message of one tensor (or none) and an empty blob that is exactly ``buf[:got]``, else None.
 
