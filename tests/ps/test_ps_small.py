@@ -208,14 +208,15 @@ def test_an_expected_reply_is_taken_only_as_read_reads_it(dtype: torch.dtype) ->
         cases.append(_general(Message(Op.PULL_DENSE, 3, 1, 99, status=Status.ERROR, blob=b"table 3 is gone")))
         taken = 0
         for case in cases:
-            expected = small.Expected(int(Op.PULL_DENSE), 3, 1, 99, 0, code, n)
+            expected = small.Expected(int(Op.PULL_DENSE), 3, 1, code, n).ready(99, 0)
+            made = expected.msg
             buf = bytearray(len(case) + 64)  # a read buffer longer than the answer, as on the path
             buf[: len(case)] = case
             got = expected.take(buf, len(case))
             if got is None:
                 continue
             taken += 1
-            assert got is expected.msg
+            assert got is made and expected.msg is None and expected.take(buf, len(case)) is None
             want = small.read(bytearray(case), len(case))
             assert want is not None, "the expected reply took bytes the small reader refuses"
             _same(got, want)

@@ -101,7 +101,7 @@ class Settled(Future):
 _EXPECT_MOST = 64
 
 
-def _learn(expect: dict[tuple[int, int], tuple[int, int, int]], op: int, table: int, reply: Message) -> None:
+def _learn(expect: dict[tuple[int, int], small.Expected], op: int, table: int, reply: Message) -> None:
     """Remember what ``reply``, an answer to a quick pull of ``table``, was like, when it was an OK answer of one
     flat tensor small enough to be made ready before the next such answer comes; else forget the table."""
     tensors = reply.tensors
@@ -111,7 +111,7 @@ def _learn(expect: dict[tuple[int, int], tuple[int, int, int]], op: int, table: 
         if code is not None and t.dim() == 1 and t.nbytes <= small.COPY_BYTES:
             if len(expect) >= _EXPECT_MOST and (op, table) not in expect:
                 expect.clear()
-            expect[(op, table)] = (reply.peer, code, t.numel())
+            expect[(op, table)] = small.Expected(op, table, reply.peer, code, t.numel())
             return
     expect.pop((op, table), None)
 
@@ -128,8 +128,8 @@ class _Conn:
         # answers are read here first (their own buffer gets their exact size: the caller keeps their tensors)
         self.first = bytearray(unix.FIRST_READ)
         self.scratch = memoryview(self.first)
-        #: (op, table) of a quick pull -> (server index, dtype code, values) of its last answer of one flat tensor
-        self.expect: dict[tuple[int, int], tuple[int, int, int]] = {}
+        #: (op, table) of a quick pull -> what its last answer, of one flat tensor, was like
+        self.expect: dict[tuple[int, int], small.Expected] = {}
 
     def within(self, deadline: float) -> None:
         """Bound the socket's next waits by ``deadline``; TimeoutError once it has passed."""
@@ -353,14 +353,15 @@ class DirectCalls:
                 # made while the server works on the request: the answer the last one to this table got, but for
                 # its version and values (small.Expected)
                 op, table = fields[0], fields[1]
-                like = conn.expect.get((op, table))
-                expected = None if like is None else small.Expected(op, table, like[0], fields[3], fields[4], *like[1:])
+                expected = conn.expect.get((op, table))
+                if expected is not None:
+                    expected.ready(fields[3], fields[4])
                 try:
                     reply = self._answer(server, fields, conn, deadline, expected)
                 except BaseException:
                     self._drop(server, conn)  # a late answer must not be read as the next call's
                     raise
-                if expected is None or reply is not expected.msg:
+                if expected is None or expected.msg is not None:  # none made ready, or not what came
                     _learn(conn.expect, op, table, reply)
                 return reply
             if sent:  # part of it went: the rest, as call sends it (an error there names the request)

@@ -167,48 +167,64 @@ _ARG_AT = _ID_STEP_AT + _ID_STEP.size
 
 
 class Expected:
-    """The answer a small pull of one flat tensor will most likely get, made ready while the request is on its way:
-    the bytes it will have but for its version and its values, and its :class:`Message` over a tensor of its own.
+    """The answer a small pull of one flat tensor will most likely get: that of the last pull of the same table,
+    but for its request id, step, version and values. Made ready (:meth:`ready`) while the request is on its way:
+    a :class:`Message` over a tensor of its own, for the answer's version and values to be written into.
 
-    Why: the caller waits for the server meanwhile, so what is made here costs the round trip nothing; once the
-    answer is in, :meth:`take` checks it with two byte comparisons and copies the values, where :func:`read` would
+    Why: the caller waits for the server meanwhile, so what is made then costs the round trip nothing; once the
+    answer is in, :meth:`take` checks it with a few comparisons and copies the values, where :func:`read` would
     unpack and check every field, then build the tensor and the message.
 
     ``buf`` (given to :meth:`take`) is a ``bytearray``, the answer at its start. What it takes is exactly what
-    :func:`read` takes of those bytes and gives the same message (every other byte is one of a valid message's;
-    any version and any values are read as they are); anything else is None, for :func:`read` to read.
+    :func:`read` takes of those bytes and gives the same message (every other byte is that of a valid message;
+    any version and any values are read as they are); anything else is None, for :func:`read` to read. One caller
+    at a time: :meth:`ready` replaces the message the last call made ready (the caller kept it, or dropped it).
     """
 
-    __slots__ = ("_after", "_before", "_size", "data", "msg")
+    __slots__ = ("_after", "_dtype", "_nbytes", "_prefix", "_size", "data", "msg", "op", "peer", "table")
 
-    def __init__(self, op: int, table: int, peer: int, request_id: int, step: int, code: int, numel: int):
-        itemsize = _ITEMSIZE[code]
-        nbytes = numel * itemsize
+    def __init__(self, op: int, table: int, peer: int, code: int, numel: int):
+        self.op, self.table, self.peer = op, table, peer
+        self._nbytes = nbytes = numel * _ITEMSIZE[code]
         head = _ONE.pack(
             3, _ONE_HEAD, 0, nbytes, MAGIC, PROTOCOL_VERSION, op, _OK, 1, table, peer,
-            request_id, step, 0, 0.0, 0, code, 1, numel, *_NO_DIMS[1:],
+            0, 0, 0, 0.0, 0, code, 1, numel, *_NO_DIMS[1:],
         )  # fmt: skip
-        self._before = head[:_ARG_AT]
-        self._after = head[_ARG_AT + _ARG.size :]
+        self._prefix = head[:_ID_STEP_AT]  # up to the request id
+        self._after = head[_ARG_AT + _ARG.size :]  # after the version
         self._size = _ONE.size + nbytes
-        dtype = CODE_DTYPES[code]
-        #: the values' buffer: the tensor's memory (None: no values)
-        self.data = bytearray(nbytes) if nbytes else None
-        t = torch.frombuffer(self.data, dtype=dtype) if nbytes else torch.empty((0,), dtype=dtype)
-        self.msg = Message(op, table, peer, request_id, step, 0, 0.0, 0, _OK, [t], b"")
+        self._dtype = CODE_DTYPES[code]
+        #: the message :meth:`ready` made, and its values' buffer (the tensor's memory; None: no values)
+        self.msg: Message | None = None
+        self.data: bytearray | None = None
+
+    def ready(self, request_id: int, step: int) -> Expected:
+        """Make the answer to the request ``request_id`` (of step ``step``) ready: a message and its own tensor."""
+        dtype = self._dtype
+        if self._nbytes:
+            self.data = data = bytearray(self._nbytes)
+            t = torch.frombuffer(data, dtype=dtype)
+        else:
+            self.data, t = None, torch.empty((0,), dtype=dtype)
+        self.msg = Message(self.op, self.table, self.peer, request_id, step, 0, 0.0, 0, _OK, [t], b"")
+        return self
 
     def take(self, buf: bytearray, got: int) -> Message | None:
-        """The expected message, with the version and values of ``buf[:got]``, when those bytes are it; else None."""
+        """The message made ready, with the version and values of ``buf[:got]``, when those bytes are it (it is then
+        the caller's: :attr:`msg` is None until the next :meth:`ready`); else None."""
+        msg = self.msg
         if (
-            got != self._size
-            or not buf.startswith(self._before)
+            msg is None
+            or got != self._size
+            or not buf.startswith(self._prefix)
+            or _ID_STEP.unpack_from(buf, _ID_STEP_AT) != (msg.request_id, msg.step)
             or not buf.startswith(self._after, _ARG_AT + _ARG.size)
         ):
             return None
-        msg = self.msg
         msg.arg = _ARG.unpack_from(buf, _ARG_AT)[0]
         if self.data is not None:
             self.data[:] = memoryview(buf)[_ONE.size : got]
+        self.msg = self.data = None  # the caller's now: nothing here writes into it again
         return msg
 
 
