@@ -21,7 +21,10 @@ A call costs two system calls, like a raw echo: one ``sendmsg`` of the whole req
 ``recv_into`` of a small answer. The sockets block in the kernel, which bounds each wait
 (``SO_SNDTIMEO``/``SO_RCVTIMEO``, set when the call's deadline needs a shorter bound than the
 last one); a socket timeout in Python would add a ``poll`` before every send and read, and two
-``fcntl`` calls each time it is set.
+``fcntl`` calls each time it is set. Between the two, while the server works on the request, a
+blocking pull makes ready the answer the last pull of the same table got, but for its version and
+values (:class:`fleet.ps.protocol.small.Expected`): what is left to do once the answer is in is a
+few comparisons and a copy of the values.
 """
 
 from __future__ import annotations
@@ -354,9 +357,9 @@ class DirectCalls:
                 # its version and values (small.Expected)
                 op, table = fields[0], fields[1]
                 expected = conn.expect.get((op, table))
-                if expected is not None:
-                    expected.ready(fields[3], fields[4])
                 try:
+                    if expected is not None:
+                        expected.ready(fields[3], fields[4])
                     reply = self._answer(server, fields, conn, deadline, expected)
                 except BaseException:
                     self._drop(server, conn)  # a late answer must not be read as the next call's

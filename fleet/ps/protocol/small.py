@@ -221,7 +221,7 @@ class Expected:
             or not buf.startswith(self._after, _ARG_AT + _ARG.size)
         ):
             return None
-        msg.arg = _ARG.unpack_from(buf, _ARG_AT)[0]
+        msg.set_arg(_ARG.unpack_from(buf, _ARG_AT)[0])
         if self.data is not None:
             self.data[:] = memoryview(buf)[_ONE.size : got]
         self.msg = self.data = None  # the caller's now: nothing here writes into it again
