@@ -259,3 +259,72 @@ def test_a_one_server_blocking_pull_dense_takes_the_quick_pull() -> None:
             assert srv.stats()["direct_quick"] >= 3
         finally:
             client.close()
+
+
+def test_the_answer_made_ready_for_a_quick_pull_gives_what_the_answer_says() -> None:
+    """DirectCalls.pull makes ready the answer the last pull of a table got (small.Expected) while the server works:
+    the answer's own version and values are read, and an answer of another size, dtype or kind takes the general
+    reader, which says what it holds (or the error it carries)."""
+    from fleet.ps.client.direct import DirectCalls, _Conn
+    from fleet.ps.protocol import small
+    from fleet.ps.protocol.errors import PSError
+
+    def unavailable(server: int, msg: Message, why: str, cls: type) -> PSError:
+        return cls(f"parameter server {server} {why}", server, "here", msg.op_name())
+
+    calls = DirectCalls(SECRET, unavailable, lambda server, op, text: PSError(text))
+    ends: list[socket.socket] = []
+
+    def connect() -> _Conn:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ends[:] = [mine, theirs]
+        return _Conn("/nowhere", mine)
+
+    def pull(conn: _Conn, reply: Message) -> Any:
+        calls._local.conns = {0: conn}
+        rid = reply.request_id
+        request = small.pull_request(int(Op.PULL_DENSE), 7, 1, rid, 0, 1500)
+        theirs = ends[1]
+        answer = b"".join(map(bytes, unix.buffers(encode(reply))))
+        thread = threading.Thread(target=lambda: (theirs.recv(1 << 16), theirs.sendall(answer)), daemon=True)
+        thread.start()
+        try:
+            return calls.pull(0, "/nowhere", 1, request, (int(Op.PULL_DENSE), 7, 1, rid, 0, 0, 0.0, 1500), 5.0)
+        except PSError as exc:
+            return exc
+        finally:
+            thread.join(5)
+
+    def ok(rid: int, version: int, t: torch.Tensor) -> Message:
+        return Message(Op.PULL_DENSE, 7, 0, rid, arg=version, status=Status.OK, tensors=[t])
+
+    answers = [
+        ok(1, 3, torch.arange(4.0)),  # learnt
+        ok(2, 4, torch.arange(4.0) * 2),  # made ready: another version, other values
+        ok(3, 4, torch.arange(5.0)),  # another size
+        ok(4, 5, torch.arange(5, dtype=torch.float64)),  # another dtype
+        ok(5, 5, torch.arange(6.0).reshape(2, 3)),  # not flat
+        ok(6, 5, torch.arange(6.0).reshape(2, 3)),
+        Message(Op.PULL_DENSE, 7, 0, 7, status=Status.ERROR, blob=b"table 7 is broken"),
+        ok(8, 6, torch.zeros(0)),
+        ok(9, 7, torch.zeros(0)),
+        ok(10, 8, torch.ones(3)),
+        ok(11, 8, torch.full((3,), 2.0)),
+    ]
+    conn = connect()
+    values = []
+    for answer in answers:
+        got = pull(conn, answer)
+        if answer.status == Status.ERROR:
+            assert isinstance(got, PSError) and "table 7 is broken" in str(got)
+            conn = connect()  # a failed call drops its connection
+            continue
+        want = answer.tensors[0]
+        assert got.arg == answer.arg and got.request_id == answer.request_id and got.peer == 0
+        assert got.tensors[0].dtype == want.dtype and torch.equal(got.tensors[0], want)
+        values.append(got.tensors[0])
+    for t, answer in zip(values, [a for a in answers if a.status == Status.OK], strict=True):
+        assert torch.equal(t, answer.tensors[0])  # each answer's values are its own: no later one wrote them
+    for end in ends:
+        end.close()
+    calls.close()

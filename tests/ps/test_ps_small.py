@@ -174,3 +174,53 @@ def test_a_flat_reply_packed_from_its_bytes_is_packs_bytes() -> None:
             flat = small.pack_flat_reply(int(Op.PULL_DENSE), 5, 2, rid, step, arg, code, t.numpy().tobytes())
             assert bytes(flat) == _small(reply) == _general(reply)
             assert len(flat) - small.PREFIX_BYTES == small.pack(reply)[1]
+
+
+def test_a_reply_written_once_and_filled_per_pull_is_packs_bytes() -> None:
+    """The server's reply of one table's values at one version, rewritten per pull (FlatReply): pack_flat_reply's
+    bytes for every request id and step, whatever the pulls before it."""
+    code = DTYPE_CODES[torch.float32]
+    for n in (0, 1, 4, 1000):
+        data = torch.randn(n).numpy().tobytes()
+        reply = small.FlatReply(int(Op.PULL_DENSE), 5, 2, 17, code, data)
+        assert reply.data is data and reply.version == 17
+        for rid, step in ((1, 0), (2**64 - 1, -(2**63)), (7, 2**63 - 1), (3, 0)):
+            flat = small.pack_flat_reply(int(Op.PULL_DENSE), 5, 2, rid, step, 17, code, data)
+            assert bytes(reply.fill(rid, step)) == bytes(flat)
+            assert reply.frame_bytes == len(flat) - small.PREFIX_BYTES
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bfloat16, torch.bool])
+def test_an_expected_reply_is_taken_only_as_read_reads_it(dtype: torch.dtype) -> None:
+    """The client's answer made ready while its pull is on the wire (Expected): over the expected reply with any
+    version and values, every byte flipped, every truncation, a longer read and other replies, it takes exactly
+    what read takes of the expected layout and gives the same message; anything else is None (read's to read)."""
+    rng = random.Random(2)
+    code = DTYPE_CODES[dtype]
+    for n in (0, 1, 5):
+        t = (torch.randn(n) * 10).to(dtype)
+        wire = _small(Message(Op.PULL_DENSE, 3, 1, 99, 0, 12345, status=Status.OK, tensors=[t]))
+        cases = [wire, wire + b"\0"] + [wire[:k] for k in range(len(wire))]
+        for at in range(len(wire)):
+            for value in (0, 255, rng.randrange(256)):
+                cases.append(wire[:at] + bytes([value]) + wire[at + 1 :])
+        cases.append(_small(Message(Op.PULL_DENSE, 3, 1, 99, 0, 1, status=Status.OK, tensors=[t.reshape(1, n)])))
+        cases.append(_general(Message(Op.PULL_DENSE, 3, 1, 99, status=Status.ERROR, blob=b"table 3 is gone")))
+        taken = 0
+        for case in cases:
+            expected = small.Expected(int(Op.PULL_DENSE), 3, 1, code, n).ready(99, 0)
+            made = expected.msg
+            buf = bytearray(len(case) + 64)  # a read buffer longer than the answer, as on the path
+            buf[: len(case)] = case
+            got = expected.take(buf, len(case))
+            if got is None:
+                continue
+            taken += 1
+            assert got is made and expected.msg is None and expected.take(buf, len(case)) is None
+            want = small.read(bytearray(case), len(case))
+            assert want is not None, "the expected reply took bytes the small reader refuses"
+            _same(got, want)
+            _same(got, _decoded(case))
+            buf[: len(case)] = bytes(len(case))  # the tensor owns its bytes: the buffer is reused
+            _same(got, want)
+        assert taken >= 1  # the expected reply itself, at least (a flipped version or value byte too)

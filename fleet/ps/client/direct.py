@@ -21,7 +21,10 @@ A call costs two system calls, like a raw echo: one ``sendmsg`` of the whole req
 ``recv_into`` of a small answer. The sockets block in the kernel, which bounds each wait
 (``SO_SNDTIMEO``/``SO_RCVTIMEO``, set when the call's deadline needs a shorter bound than the
 last one); a socket timeout in Python would add a ``poll`` before every send and read, and two
-``fcntl`` calls each time it is set.
+``fcntl`` calls each time it is set. Between the two, while the server works on the request, a
+blocking pull makes ready the answer the last pull of the same table got, but for its version and
+values (:class:`fleet.ps.protocol.small.Expected`): what is left to do once the answer is in is a
+few comparisons and a copy of the values.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 
 from fleet.ps.protocol import small, unix
 from fleet.ps.protocol.errors import PSAuthError, PSClientClosed, PSError, PSServerUnavailable, WireError
-from fleet.ps.protocol.wire import Message, Op, Status, decode, op_name
+from fleet.ps.protocol.wire import DTYPE_CODES, Message, Op, Status, decode, op_name
 
 #: the requests that may go from the calling thread: reads, which a worker waits for before it goes on
 DIRECT_OPS = frozenset((Op.PULL_DENSE, Op.PULL_SPARSE, Op.PULL_SPARSE_MANY))
@@ -56,6 +59,7 @@ _TIMEVAL = struct.Struct("@ll")
 
 
 _ERROR = int(Status.ERROR)
+_OK = int(Status.OK)
 
 
 def _named(msg: Message | tuple) -> Message:
@@ -96,17 +100,39 @@ class Settled(Future):
         return self._result
 
 
+#: the most (op, table) pairs a connection remembers the answers of (small.Expected): a bound, not a working set
+_EXPECT_MOST = 64
+
+
+def _learn(expect: dict[tuple[int, int], small.Expected], op: int, table: int, reply: Message) -> None:
+    """Remember what ``reply``, an answer to a quick pull of ``table``, was like, when it was an OK answer of one
+    flat tensor small enough to be made ready before the next such answer comes; else forget the table."""
+    tensors = reply.tensors
+    if reply.status == _OK and len(tensors) == 1:
+        t = tensors[0]
+        code = DTYPE_CODES.get(t.dtype)
+        if code is not None and t.dim() == 1 and t.nbytes <= small.COPY_BYTES:
+            if len(expect) >= _EXPECT_MOST and (op, table) not in expect:
+                expect.clear()
+            expect[(op, table)] = small.Expected(op, table, reply.peer, code, t.numel())
+            return
+    expect.pop((op, table), None)
+
+
 class _Conn:
     """One thread's connection to one server's direct socket."""
 
-    __slots__ = ("bound", "path", "scratch", "sock")
+    __slots__ = ("bound", "expect", "first", "path", "scratch", "sock")
 
     def __init__(self, path: str, sock: socket.socket):
         self.path = path
         self.sock = sock
         self.bound = 0.0  # seconds the kernel lets one send or read on it wait (0: not set yet)
         # answers are read here first (their own buffer gets their exact size: the caller keeps their tensors)
-        self.scratch = memoryview(bytearray(unix.FIRST_READ))
+        self.first = bytearray(unix.FIRST_READ)
+        self.scratch = memoryview(self.first)
+        #: (op, table) of a quick pull -> what its last answer, of one flat tensor, was like
+        self.expect: dict[tuple[int, int], small.Expected] = {}
 
     def within(self, deadline: float) -> None:
         """Bound the socket's next waits by ``deadline``; TimeoutError once it has passed."""
@@ -146,12 +172,17 @@ class _Conn:
                 raise ConnectionResetError("the parameter server closed the connection")
             return got
 
-    def receive(self, deadline: float) -> Message | list[memoryview]:
-        """Read one answer (usually one ``recv_into``): the message when it is small and plain
-        (:func:`fleet.ps.protocol.small.read`), else its frames, views of a buffer of its own."""
+    def receive(self, deadline: float, expected: small.Expected | None = None) -> Message | list[memoryview]:
+        """Read one answer (usually one ``recv_into``): the message when it is small and plain (``expected``'s when
+        it is that, :class:`fleet.ps.protocol.small.Expected`; else :func:`fleet.ps.protocol.small.read`'s), else
+        its frames, views of a buffer of its own."""
         scratch = self.scratch
         self.within(deadline)
         got = self._read(scratch, deadline)
+        if expected is not None:
+            hit = expected.take(self.first, got)
+            if hit is not None:
+                return hit
         quick = small.read(scratch, got)
         if quick is not None:
             return quick
@@ -322,11 +353,20 @@ class DirectCalls:
             except OSError:
                 sent = 0  # nothing went (a socket error is raised for what was not sent): call sends it
             if sent == len(request):
+                # made while the server works on the request: the answer the last one to this table got, but for
+                # its version and values (small.Expected)
+                op, table = fields[0], fields[1]
+                expected = conn.expect.get((op, table))
                 try:
-                    return self._answer(server, fields, conn, deadline)
+                    if expected is not None:
+                        expected.ready(fields[3], fields[4])
+                    reply = self._answer(server, fields, conn, deadline, expected)
                 except BaseException:
                     self._drop(server, conn)  # a late answer must not be read as the next call's
                     raise
+                if expected is None or expected.msg is not None:  # none made ready, or not what came
+                    _learn(conn.expect, op, table, reply)
+                return reply
             if sent:  # part of it went: the rest, as call sends it (an error there names the request)
                 return self._finish(server, Message(*fields), conn, memoryview(request)[sent:], deadline)
         return self.call([(server, Message(*fields), [memoryview(request)], path, incarnation)], timeout_s)[0]
@@ -348,10 +388,13 @@ class DirectCalls:
             self._drop(server, conn)
             raise
 
-    def _answer(self, server: int, msg: Message | tuple, conn: _Conn, deadline: float) -> Message:
-        """Read and check ``conn``'s answer to ``msg`` (or to the request of these :class:`Message` fields)."""
+    def _answer(
+        self, server: int, msg: Message | tuple, conn: _Conn, deadline: float, expected: small.Expected | None = None
+    ) -> Message:
+        """Read and check ``conn``'s answer to ``msg`` (or to the request of these :class:`Message` fields;
+        ``expected``: the answer it most likely gets, :meth:`_Conn.receive`)."""
         try:
-            got = conn.receive(deadline)
+            got = conn.receive(deadline, expected)
         except TimeoutError:
             msg = _named(msg)
             raise self._unavailable(

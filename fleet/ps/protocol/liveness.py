@@ -27,13 +27,14 @@ class WorkerLiveness:
         self._last_seen: dict[int, float] = {}
         self.gone: set[int] = set()
         self.ever_gone: set[int] = set()
-        self._next_check = 0.0
+        #: when :meth:`due` next answers True (the server loop compares with it on every round: no call)
+        self.next_check = 0.0
 
     def due(self, now: float) -> bool:
         """Whether to look for silent workers now: twice a heartbeat, not on every request."""
-        if now < self._next_check:
+        if now < self.next_check:
             return False
-        self._next_check = now + HEARTBEAT_S / 2
+        self.next_check = now + HEARTBEAT_S / 2
         return True
 
     def seen(self, worker: int, now: float) -> bool:

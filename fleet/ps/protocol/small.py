@@ -130,6 +130,104 @@ def pack_flat_reply(
     return memoryview(head + data)
 
 
+#: where a one-tensor reply's request id and step lie in its bytes (after the length prefix and the header's first fields)
+_ID_STEP = struct.Struct("<Qq")
+_ID_STEP_AT = PREFIX_BYTES + struct.calcsize("<4sBBBBII")
+assert HEADER.format.lstrip("<").startswith("4sBBBBIIQq")
+
+
+class FlatReply:
+    """:func:`pack_flat_reply`'s bytes for one table's values at one version, written once and answered with many
+    times: each answer writes only its request id and step into them (:meth:`fill`).
+
+    Why: the 22 fields of the reply's prefix, header and descriptor were most of the server's Python per small
+    pull; of them, only the request id and the step differ between two pulls of the same values.
+    """
+
+    __slots__ = ("buf", "data", "frame_bytes", "version")
+
+    def __init__(self, op: int, table: int, peer: int, version: int, code: int, data: bytes):
+        #: the values' bytes the reply carries (who keeps them compares with ``is``: a new snapshot is a new object)
+        self.data = data
+        self.version = version
+        self.buf = bytearray(pack_flat_reply(op, table, peer, 0, 0, version, code, data))
+        #: the reply's frames' bytes (its length prefix is not counted, as for :func:`pack`)
+        self.frame_bytes = len(self.buf) - PREFIX_BYTES
+
+    def fill(self, request_id: int, step: int) -> bytearray:
+        """The reply to the request ``request_id`` (whose step was ``step``): the one buffer, rewritten in place
+        (so it is sent, or copied, before the next :meth:`fill`)."""
+        _ID_STEP.pack_into(self.buf, _ID_STEP_AT, request_id, step)
+        return self.buf
+
+
+#: where a one-tensor reply's version (its ``arg``) lies in its bytes: between the step and the ``lr``
+_ARG = struct.Struct("<q")
+_ARG_AT = _ID_STEP_AT + _ID_STEP.size
+
+
+class Expected:
+    """The answer a small pull of one flat tensor will most likely get: that of the last pull of the same table,
+    but for its request id, step, version and values. Made ready (:meth:`ready`) while the request is on its way:
+    a :class:`Message` over a tensor of its own, for the answer's version and values to be written into.
+
+    Why: the caller waits for the server meanwhile, so what is made then costs the round trip nothing; once the
+    answer is in, :meth:`take` checks it with a few comparisons and copies the values, where :func:`read` would
+    unpack and check every field, then build the tensor and the message.
+
+    ``buf`` (given to :meth:`take`) is a ``bytearray``, the answer at its start. What it takes is exactly what
+    :func:`read` takes of those bytes and gives the same message (every other byte is that of a valid message;
+    any version and any values are read as they are); anything else is None, for :func:`read` to read. One caller
+    at a time: :meth:`ready` replaces the message the last call made ready (the caller kept it, or dropped it).
+    """
+
+    __slots__ = ("_after", "_dtype", "_nbytes", "_prefix", "_size", "data", "msg", "op", "peer", "table")
+
+    def __init__(self, op: int, table: int, peer: int, code: int, numel: int):
+        self.op, self.table, self.peer = op, table, peer
+        self._nbytes = nbytes = numel * _ITEMSIZE[code]
+        head = _ONE.pack(
+            3, _ONE_HEAD, 0, nbytes, MAGIC, PROTOCOL_VERSION, op, _OK, 1, table, peer,
+            0, 0, 0, 0.0, 0, code, 1, numel, *_NO_DIMS[1:],
+        )  # fmt: skip
+        self._prefix = head[:_ID_STEP_AT]  # up to the request id
+        self._after = head[_ARG_AT + _ARG.size :]  # after the version
+        self._size = _ONE.size + nbytes
+        self._dtype = CODE_DTYPES[code]
+        #: the message :meth:`ready` made, and its values' buffer (the tensor's memory; None: no values)
+        self.msg: Message | None = None
+        self.data: bytearray | None = None
+
+    def ready(self, request_id: int, step: int) -> Expected:
+        """Make the answer to the request ``request_id`` (of step ``step``) ready: a message and its own tensor."""
+        dtype = self._dtype
+        if self._nbytes:
+            self.data = data = bytearray(self._nbytes)
+            t = torch.frombuffer(data, dtype=dtype)
+        else:
+            self.data, t = None, torch.empty((0,), dtype=dtype)
+        self.msg = Message(self.op, self.table, self.peer, request_id, step, 0, 0.0, 0, _OK, [t], b"")
+        return self
+
+    def take(self, buf: bytearray, got: int) -> Message | None:
+        """The message made ready, with the version and values of ``buf[:got]``, when those bytes are it (it is then
+        the caller's: :attr:`msg` is None until the next :meth:`ready`); else None."""
+        msg = self.msg
+        if (
+            msg is None
+            or got != self._size
+            or not buf.startswith(self._prefix)
+            or _ID_STEP.unpack_from(buf, _ID_STEP_AT) != (msg.request_id, msg.step)
+            or not buf.startswith(self._after, _ARG_AT + _ARG.size)
+        ):
+            return None
+        msg.set_arg(_ARG.unpack_from(buf, _ARG_AT)[0])
+        if self.data is not None:
+            self.data[:] = memoryview(buf)[_ONE.size : got]
+        self.msg = self.data = None  # the caller's now: nothing here writes into it again
+        return msg
+
+
 def read(buf: Any, got: int) -> Message | None:
     """The message of one tensor (or none) and an empty blob that is exactly ``buf[:got]``, else None.
 

@@ -199,6 +199,10 @@ class Message:
     def op_name(self) -> str:
         return op_name(self.op)
 
+    def set_arg(self, arg: int) -> None:
+        """Write the op's integer argument (a reply made before its version was known: small.Expected)."""
+        self.arg = arg
+
     def text(self) -> str:
         """The blob as text (error messages, paths)."""
         return bytes(self.blob).decode("utf-8", errors="replace")

@@ -169,6 +169,28 @@ class DirectConnections:
         self._flush(conn)  # a small reply leaves in this one system call
         return True
 
+    def send_reused(self, ident: bytes, buf: bytearray) -> bool:
+        """:meth:`send_buffers` of a reply in a buffer its maker rewrites for the next reply
+        (:class:`fleet.ps.protocol.small.FlatReply`): what cannot leave at once is queued as a copy."""
+        conn = self._by_ident.get(ident)
+        if conn is None:
+            return False
+        if conn.out:  # earlier replies still wait: this one goes after them
+            conn.out.append(memoryview(bytes(buf)))
+            self._flush(conn)
+            return True
+        try:
+            sent = conn.sock.send(buf)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            sent = -1  # _flush below meets the error again and closes the connection
+        if sent == len(buf):
+            return True
+        conn.out.append(memoryview(bytes(buf[sent:] if sent > 0 else buf)))
+        self._flush(conn)
+        return True
+
     def _accept(self) -> None:
         for _ in range(64):
             try:

@@ -133,10 +133,13 @@ class ParameterServer:
         self._inbox = FairInbox()
         self.rejoin = rejoin
         self._workers = Workers(num_workers, rejoin, dead_after_s=max(3.0, min(self.timeout_s, 10.0)))
+        self._liveness = self._workers.liveness
         self._started = time.monotonic()
         self._ops: dict[str, int] = defaultdict(int)
         self._table_ops: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._counts: dict[str, int] = defaultdict(int)
+        #: per small dense table, the reply its last quick pull sent (see _quick_dense; the table's bytes at most)
+        self._flat_replies: dict[int, small.FlatReply] = {}
         #: table threads (fleet.ps.server.lanes); 0: every table operation on the loop thread
         self.threads = default_threads() if threads is None else threads
         self._lock = ServerLock()
@@ -257,7 +260,8 @@ class ParameterServer:
         if not self._waiting.empty():
             self._expire(now)
             return 0 if len(self._inbox) else self._poll_timeout_ms(now)
-        self._check_liveness(now)  # the usual round: nothing parked, so nothing expires (asked once, not thrice)
+        if now >= self._liveness.next_check:  # the usual round: nothing parked, so nothing expires, nobody to check
+            self._check_liveness(now)
         return 0 if len(self._inbox) else _IDLE_POLL_MS + 1
 
     def _poll_timeout_ms(self, now: float) -> int:
@@ -356,12 +360,11 @@ class ParameterServer:
     def _serve_quick(self, ident: bytes, msg: Message | tuple, nbytes: int) -> bool:
         """Serve a pull read as it came (``msg``, or a PULL_DENSE's fields as :func:`dense_pull` gives them)."""
         with self._lock.lock:
-            if self._lanes is not None and self._lanes.queued:
-                return False
-            if self._outbox is not None and self._outbox.pending:
-                self._send_outbox()  # what the table threads answered leaves first, as on the usual way
-            self._counts["bytes_in"] += nbytes
-            self._counts["direct_quick"] += 1
+            if self._outbox is not None:  # table threads: they must be idle, and what they answered leaves first
+                if self._lanes is not None and self._lanes.queued:
+                    return False
+                if self._outbox.pending:
+                    self._send_outbox()
             if type(msg) is tuple:
                 if not self._quick_dense(ident, *msg):
                     self._serve(ident, Message(_PULL_DENSE, *msg, status=_REQUEST), here=True)
@@ -371,6 +374,9 @@ class ParameterServer:
                 or not self._quick_dense(ident, msg.table, msg.peer, msg.request_id, msg.step, msg.arg)
             ):
                 self._serve(ident, msg, here=True)
+            counts = self._counts  # counted once the answer is on its way (the caller waits for it meanwhile)
+            counts["bytes_in"] += nbytes
+            counts["direct_quick"] += 1
         return True
 
     def _quick_dense(self, ident: bytes, table: int, peer: int, request_id: int, step: int, arg: int, *_: Any) -> bool:
@@ -380,7 +386,9 @@ class ParameterServer:
         :meth:`_serve`.
 
         Why: the usual small pull's round trip is mostly Python on both ends; this answer skips the request's and
-        the reply's :class:`Message`, the reply's tensor and the general encoder, and writes the same bytes.
+        the reply's :class:`Message`, the reply's tensor and the general encoder, and writes the same bytes: the
+        reply to a table's values at one version is written once (:class:`~fleet.ps.protocol.small.FlatReply`),
+        each pull then writes its request id and step into it.
         """
         if not 0 <= peer < self.num_workers:
             return False
@@ -388,14 +396,18 @@ class ParameterServer:
         if quick is None:
             return False
         version, data = quick
-        # the bookkeeping of _serve and _dispatch
+        reply = self._flat_replies.get(table)
+        if reply is None or reply.data is not data or reply.version != version:  # new values: a new reply
+            reply = small.FlatReply(_PULL_DENSE, table, self.server_index, version, _FLOAT32, data)
+            self._flat_replies[table] = reply
+        sent = self._direct.send_reused(ident, reply.fill(request_id, step))
+        # the bookkeeping of _serve and _dispatch, once the answer is on its way (the caller waits for it meanwhile)
         self._ops["PULL_DENSE"] += 1
         if self._workers.seen(peer, time.monotonic()):
             log.warning("parameter server %d: worker %d is back", self.server_index, peer)
         self._table_ops[table]["PULL_DENSE"] += 1
-        view = small.pack_flat_reply(_PULL_DENSE, table, self.server_index, request_id, step, version, _FLOAT32, data)
-        self._counts["bytes_out"] += len(view) - small.PREFIX_BYTES
-        if not self._direct.send_buffers(ident, [view]):
+        self._counts["bytes_out"] += reply.frame_bytes
+        if not sent:
             self._counts["replies_dropped"] += 1
         return True
 
