@@ -58,6 +58,8 @@ class Bucket:
         self._small = self.numel * self.flat.element_size() <= SMALL_BUCKET_BYTES
         self._plans: dict[tuple[int, int], list] = {}
         self._owned: dict[tuple[int, int], tuple] = {}
+        self._copies: dict[tuple[int, int], list] = {}
+        self._send_flags = self.send[self.numel - values :]
 
     def gather(self, scale: float, changed: set[int], keep: tuple[int, int] = (0, 0)) -> list[Source]:
         """Copy every gradient (pre-scaled, in the same pass) and its changed flag into the send buffer.
@@ -91,7 +93,6 @@ class Bucket:
             sources.append(source)
             in_place.append(living)
             flags.append(1.0 if new else 0.0)
-        values = self.numel - len(self.params)
         if whole:
             # The same products as one multiplication per gradient (each element is source * scale, exactly):
             # for a small bucket, two passes in two calls per range cost less than a call or three per parameter.
@@ -99,13 +100,34 @@ class Bucket:
                 pieces = [sources[i] if whole_part else sources[i][a:b] for i, a, b, whole_part in parts]
                 torch.cat(pieces, out=self.send[lo:hi]).mul_(scale)
         else:
-            for source, living, target, offset in zip(sources, in_place, self._targets, self._offsets, strict=True):
+            for source, living, target, pieces in zip(
+                sources, in_place, self._targets, self._pieces(keep), strict=True
+            ):
                 if living:
                     target.mul_(scale)
+                elif source is None:
+                    for _, _, view, _ in pieces:
+                        view.zero_()
                 else:
-                    _copy(source, target, offset, keep, scale)
-        self.send[values:].copy_(torch.tensor(flags, dtype=self.dtype))
+                    for lo, hi, view, whole in pieces:
+                        torch.mul(source if whole else source[lo:hi], scale, out=view)
+        if all(flags):  # the usual round: every parameter has a new gradient (one fill, not a tensor made and copied)
+            self._send_flags.fill_(1.0)
+        else:
+            self._send_flags.copy_(torch.tensor(flags, dtype=self.dtype))
         return sources
+
+    def _pieces(self, keep: tuple[int, int]) -> list[list[tuple[int, int, torch.Tensor, bool]]]:
+        """Per parameter, the pieces ``(lo, hi, its send-buffer slice, whole)`` of its gradient outside ``keep``
+        (``whole``: the piece is all of it), each copied as ``source[lo:hi] * scale``; sliced once per ``keep``
+        (a worker's chunk, the same every round): slicing costs microseconds per tensor, per round, per parameter."""
+        cached = self._copies.get(keep)
+        if cached is None:
+            cached = self._copies[keep] = [
+                [(lo, hi, target[lo:hi], lo == 0 and hi == size) for lo, hi in _outside(keep, offset, size)]
+                for target, offset, size in zip(self._targets, self._offsets, self.sizes, strict=True)
+            ]
+        return cached
 
     def _ranges(self, keep: tuple[int, int]) -> list[tuple[int, int, list[tuple[int, int, int, bool]]]]:
         """The gradients' part of the send buffer outside ``keep``, as contiguous ranges ``(lo, hi, parts)``,
@@ -173,16 +195,10 @@ class Bucket:
                     param.grad = view
 
 
-def _copy(source: torch.Tensor | None, target: torch.Tensor, offset: int, keep: tuple[int, int], scale: float) -> None:
-    """``target = source * scale`` (zeros for None), except the part of it inside ``keep``."""
-    size = target.numel()
+def _outside(keep: tuple[int, int], offset: int, size: int) -> list[tuple[int, int]]:
+    """The non-empty ranges of ``[0, size)`` (a gradient at ``offset`` in its bucket) outside ``keep``."""
     a, b = max(keep[0] - offset, 0), min(keep[1] - offset, size)
-    for lo, hi in ((0, size),) if a >= b else ((0, a), (b, size)):
-        if lo < hi:
-            if source is None:
-                target[lo:hi].zero_()
-            else:
-                torch.mul(source[lo:hi], scale, out=target[lo:hi])
+    return [(lo, hi) for lo, hi in (((0, size),) if a >= b else ((0, a), (b, size))) if lo < hi]
 
 
 def build(params: list[torch.Tensor], bucket_bytes: int) -> list[Bucket]:

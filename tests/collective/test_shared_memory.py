@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -231,3 +232,23 @@ def connect_worker(rank: int) -> dict:
 def test_connect_rests_on_proof_and_checks_pids_only_in_one_pid_namespace():
     for result in run_workers(connect_worker, 2):
         assert result == {"same": True, "other_pids": True, "foreign_file": True}
+
+
+def test_a_batch_waited_for_before_all_its_buckets_launched_fails_loudly_and_sums_nothing():
+    """A layout's buckets summed inline share one pair of barriers; a round that waited for the first before
+    launching the rest would pair those barriers with the peers' wrongly, so it is refused."""
+    from fleet.collective.transports.shared_memory import _Batch, _Inline
+
+    barriers, summed = [], []
+    batch = _Batch(SimpleNamespace(barrier=lambda: barriers.append(1)), size=2)
+    first = _Inline(None, lambda: summed.append(0), batch)
+    batch.add(first)
+    with pytest.raises(RuntimeError, match="1 of 2 buckets launched"):
+        first.wait(None)
+    assert barriers == [] and summed == []
+    works = [_Inline(None, lambda i=i: summed.append(i), batch) for i in range(2)]
+    for work in works:
+        batch.add(work)
+    works[0].wait(None)
+    works[1].wait(None)  # summed with the first, between the same two barriers
+    assert barriers == [1, 1] and summed == [0, 1] and not batch.pending

@@ -76,22 +76,75 @@ class _Work:
 
 class _Inline:
     """A bucket the training thread sums itself when it waits for it: no thread to hand it to, or too small
-    for the hand-off (a queue and a wake-up) to pay."""
+    for the hand-off (a queue and a wake-up) to pay. ``sums``: its summing alone, for a :class:`_Batch`."""
 
-    def __init__(self, run: Any):
+    def __init__(self, run: Any, sums: Any = None, batch: _Batch | None = None):
         self.run = run
+        self.sums = sums
+        self.batch = batch
+        self.done = False
 
     def wait(self, timeout: timedelta) -> None:
-        self.run()  # the barriers inside time out on a late peer
+        if self.batch is None:
+            self.run()  # the barriers inside time out on a late peer
+        else:
+            self.batch.finish(self)
+
+    def finished(self) -> None:
+        """Its batch summed it (with the layout's other buckets)."""
+        self.done = True
+
+
+class _Batch:
+    """A layout's buckets that every worker sums on its training thread: summed one after the other between
+    one pair of barriers, instead of a pair each (W2's two buckets: two barriers, each a wake-up of the peer
+    and often a wait for it, less a step).
+
+    Why it is the same sums: the first barrier still follows every worker's copies into its send buffers
+    (all of a round's buckets are launched before the first is waited for: :class:`~fleet.collective.grad_sync.
+    GradSync` launches them all at the end of backward, as ``shadow_round`` does), and the second still
+    precedes every read of a result. Every worker batches a layout or none does (:meth:`SharedMemoryTransport.bind`
+    agrees on it), so the barriers pair alike everywhere.
+    """
+
+    def __init__(self, channel: shm.Channel, size: int):
+        self.channel = channel
+        self.size = size  # the layout's buckets: every round launches them all before waiting for the first
+        self.pending: list[_Inline] = []
+
+    def add(self, work: _Inline) -> None:
+        """A bucket launched (in index order)."""
+        self.pending.append(work)
+
+    def finish(self, work: _Inline) -> None:
+        if work.done:
+            return
+        pending, self.pending = self.pending, []
+        if len(pending) != self.size or pending[0] is not work:
+            # A round that waits before launching every bucket would pair its barriers with the peers' wrongly:
+            # refuse it loudly rather than sum buffers a peer has not written.
+            raise RuntimeError(
+                f"shared-memory reduction: {len(pending)} of {self.size} buckets launched when the first was "
+                "waited for (fleet launches every bucket of a round first)"
+            )
+        self.channel.barrier()  # every worker's gradients are in its send buffers
+        for inline in pending:
+            inline.sums()
+        self.channel.barrier()  # every chunk of every bucket is summed into every result buffer
+        for inline in pending:
+            inline.finished()
 
 
 class _Segment:
     """One bucket's shared memory: every worker's send buffer and result buffer."""
 
-    def __init__(self, sends: list[torch.Tensor], results: list[torch.Tensor], inline: bool = False):
+    def __init__(
+        self, sends: list[torch.Tensor], results: list[torch.Tensor], inline: bool = False, batch: _Batch | None = None
+    ):
         self.sends = sends
         self.results = results
         self.inline = inline  # summed on the training thread even when the summing thread runs
+        self.batch = batch  # summed with the layout's other buckets between one pair of barriers (_Batch)
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor | None, list[torch.Tensor]]] = {}
 
     def views(self, rank: int, a: int, b: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -185,7 +238,10 @@ class SharedMemoryTransport:
                     [mapped if peer == self.rank else shm.attach(paths[peer], 2 * bucket.numel, bucket.dtype)
                      for peer in range(self.world)]
                 )  # fmt: skip
-            self._all_ok(True)  # every worker has mapped every segment: the names can go
+            # Every worker has mapped every segment: the names can go. Whether any worker sums on a thread of its own
+            # comes with it (1 + 2): a layout's buckets are batched (_Batch) only where every worker sums them inline.
+            rows = self.channel.exchange([1 + (2 if self.overlap else 0)])
+            threads_anywhere = any(row[0] & 2 for row in rows)
         finally:
             for path, _ in mine:
                 try:
@@ -198,9 +254,10 @@ class SharedMemoryTransport:
             b.numel * maps[0].element_size() // self.world < THREAD_MIN_BYTES
             for b, maps in zip(fresh, peers, strict=True)
         )
+        batch = _Batch(self.channel, len(fresh)) if inline or not threads_anywhere else None
         for bucket, maps in zip(fresh, peers, strict=True):
             n = bucket.numel
-            segment = self._segments[bucket] = _Segment([m[:n] for m in maps], [m[n:] for m in maps], inline)
+            segment = self._segments[bucket] = _Segment([m[:n] for m in maps], [m[n:] for m in maps], inline, batch)
             bucket.attach(segment.results[self.rank], send=segment.sends[self.rank])
         if self._thread is None and self.overlap:
             self._thread = threading.Thread(target=self._run, name="fleet-shm-reduce", daemon=True)
@@ -216,6 +273,10 @@ class SharedMemoryTransport:
             _sum_chunk(segment, self.rank, lo, hi, own)
             self.channel.barrier()  # every chunk is summed into every result buffer
 
+        if segment.batch is not None:  # every worker sums the layout inline: one pair of barriers for all of it
+            work = _Inline(run, lambda: _sum_chunk(segment, self.rank, lo, hi, own), segment.batch)
+            segment.batch.add(work)
+            return work
         if self._thread is None or segment.inline:
             return _Inline(run)  # the training thread sums it when backward ends
         work = _Work(index, run)
