@@ -242,13 +242,29 @@ def test_a_batch_waited_for_before_all_its_buckets_launched_fails_loudly_and_sum
     barriers, summed = [], []
     batch = _Batch(SimpleNamespace(barrier=lambda: barriers.append(1)), size=2)
     first = _Inline(None, lambda: summed.append(0), batch)
-    batch.add(first)
+    batch.add(first, first=True)
     with pytest.raises(RuntimeError, match="1 of 2 buckets launched"):
         first.wait(None)
     assert barriers == [] and summed == []
     works = [_Inline(None, lambda i=i: summed.append(i), batch) for i in range(2)]
-    for work in works:
-        batch.add(work)
+    for i, work in enumerate(works):
+        batch.add(work, first=i == 0)
     works[0].wait(None)
     works[1].wait(None)  # summed with the first, between the same two barriers
     assert barriers == [1, 1] and summed == [0, 1] and not batch.pending
+
+
+def test_a_batch_forgets_a_round_abandoned_before_its_wait():
+    """Backward raised on every worker after some buckets launched, and the script went on: that round met no
+    barrier anywhere, so the next round (which begins at bucket 0) sums alone, as unbatched buckets do."""
+    from fleet.collective.transports.shared_memory import _Batch, _Inline
+
+    barriers, summed = [], []
+    batch = _Batch(SimpleNamespace(barrier=lambda: barriers.append(1)), size=2)
+    batch.add(_Inline(None, lambda: summed.append("abandoned"), batch), first=True)
+    works = [_Inline(None, lambda i=i: summed.append(i), batch) for i in range(2)]
+    for i, work in enumerate(works):
+        batch.add(work, first=i == 0)
+    works[0].wait(None)
+    works[1].wait(None)
+    assert barriers == [1, 1] and summed == [0, 1]

@@ -112,8 +112,12 @@ class _Batch:
         self.size = size  # the layout's buckets: every round launches them all before waiting for the first
         self.pending: list[_Inline] = []
 
-    def add(self, work: _Inline) -> None:
-        """A bucket launched (in index order)."""
+    def add(self, work: _Inline, first: bool) -> None:
+        """A bucket launched (in index order; ``first``: the layout's bucket 0, which begins a round)."""
+        if first:
+            # A round abandoned before its wait (backward raised on every worker, and the script went on) summed
+            # nothing and met no barrier anywhere: its launches are forgotten, as an unwaited _Inline is.
+            self.pending = []
         self.pending.append(work)
 
     def finish(self, work: _Inline) -> None:
@@ -275,7 +279,7 @@ class SharedMemoryTransport:
 
         if segment.batch is not None:  # every worker sums the layout inline: one pair of barriers for all of it
             work = _Inline(run, lambda: _sum_chunk(segment, self.rank, lo, hi, own), segment.batch)
-            segment.batch.add(work)
+            segment.batch.add(work, first=index == 0)
             return work
         if self._thread is None or segment.inline:
             return _Inline(run)  # the training thread sums it when backward ends
