@@ -365,6 +365,10 @@ class ParameterServer:
                     return False
                 if self._outbox.pending:
                     self._send_outbox()
+            # counted before the answer leaves: a caller that got its answer then reads the server's stats sees it
+            counts = self._counts
+            counts["bytes_in"] += nbytes
+            counts["direct_quick"] += 1
             if type(msg) is tuple:
                 if not self._quick_dense(ident, *msg):
                     self._serve(ident, Message(_PULL_DENSE, *msg, status=_REQUEST), here=True)
@@ -374,9 +378,6 @@ class ParameterServer:
                 or not self._quick_dense(ident, msg.table, msg.peer, msg.request_id, msg.step, msg.arg)
             ):
                 self._serve(ident, msg, here=True)
-            counts = self._counts  # counted once the answer is on its way (the caller waits for it meanwhile)
-            counts["bytes_in"] += nbytes
-            counts["direct_quick"] += 1
         return True
 
     def _quick_dense(self, ident: bytes, table: int, peer: int, request_id: int, step: int, arg: int, *_: Any) -> bool:
@@ -400,13 +401,14 @@ class ParameterServer:
         if reply is None or reply.data is not data or reply.version != version:  # new values: a new reply
             reply = small.FlatReply(_PULL_DENSE, table, self.server_index, version, _FLOAT32, data)
             self._flat_replies[table] = reply
-        sent = self._direct.send_reused(ident, reply.fill(request_id, step))
-        # the bookkeeping of _serve and _dispatch, once the answer is on its way (the caller waits for it meanwhile)
+        # the counts of _serve and _dispatch, before the answer leaves (see _serve_quick)
         self._ops["PULL_DENSE"] += 1
-        if self._workers.seen(peer, time.monotonic()):
-            log.warning("parameter server %d: worker %d is back", self.server_index, peer)
         self._table_ops[table]["PULL_DENSE"] += 1
         self._counts["bytes_out"] += reply.frame_bytes
+        sent = self._direct.send_reused(ident, reply.fill(request_id, step))
+        # the worker's liveness record once the answer is on its way (the caller waits for it meanwhile)
+        if self._workers.seen(peer, time.monotonic()):
+            log.warning("parameter server %d: worker %d is back", self.server_index, peer)
         if not sent:
             self._counts["replies_dropped"] += 1
         return True
