@@ -237,16 +237,16 @@ def test_connect_rests_on_proof_and_checks_pids_only_in_one_pid_namespace():
 def test_a_batch_waited_for_before_all_its_buckets_launched_fails_loudly_and_sums_nothing():
     """A layout's buckets summed inline share one pair of barriers; a round that waited for the first before
     launching the rest would pair those barriers with the peers' wrongly, so it is refused."""
-    from fleet.collective.transports.shared_memory import _Batch, _Inline
+    from fleet.collective.transports.shared_memory import _Batch, _Batched
 
     barriers, summed = [], []
     batch = _Batch(SimpleNamespace(barrier=lambda: barriers.append(1)), size=2)
-    first = _Inline(None, lambda: summed.append(0), batch)
+    first = _Batched(lambda: summed.append(0), batch)
     batch.add(first, first=True)
     with pytest.raises(RuntimeError, match="1 of 2 buckets launched"):
         first.wait(None)
     assert barriers == [] and summed == []
-    works = [_Inline(None, lambda i=i: summed.append(i), batch) for i in range(2)]
+    works = [_Batched(lambda i=i: summed.append(i), batch) for i in range(2)]
     for i, work in enumerate(works):
         batch.add(work, first=i == 0)
     works[0].wait(None)
@@ -257,12 +257,12 @@ def test_a_batch_waited_for_before_all_its_buckets_launched_fails_loudly_and_sum
 def test_a_batch_forgets_a_round_abandoned_before_its_wait():
     """Backward raised on every worker after some buckets launched, and the script went on: that round met no
     barrier anywhere, so the next round (which begins at bucket 0) sums alone, as unbatched buckets do."""
-    from fleet.collective.transports.shared_memory import _Batch, _Inline
+    from fleet.collective.transports.shared_memory import _Batch, _Batched
 
     barriers, summed = [], []
     batch = _Batch(SimpleNamespace(barrier=lambda: barriers.append(1)), size=2)
-    batch.add(_Inline(None, lambda: summed.append("abandoned"), batch), first=True)
-    works = [_Inline(None, lambda i=i: summed.append(i), batch) for i in range(2)]
+    batch.add(_Batched(lambda: summed.append("abandoned"), batch), first=True)
+    works = [_Batched(lambda i=i: summed.append(i), batch) for i in range(2)]
     for i, work in enumerate(works):
         batch.add(work, first=i == 0)
     works[0].wait(None)

@@ -76,19 +76,26 @@ class _Work:
 
 class _Inline:
     """A bucket the training thread sums itself when it waits for it: no thread to hand it to, or too small
-    for the hand-off (a queue and a wake-up) to pay. ``sums``: its summing alone, for a :class:`_Batch`."""
+    for the hand-off (a queue and a wake-up) to pay."""
 
-    def __init__(self, run: Any, sums: Any = None, batch: _Batch | None = None):
+    def __init__(self, run: Any):
         self.run = run
+
+    def wait(self, timeout: timedelta) -> None:
+        self.run()  # the barriers inside time out on a late peer
+
+
+class _Batched:
+    """A bucket its :class:`_Batch` sums, with the layout's other buckets, when the first of them is waited for.
+    ``sums``: its summing alone (the batch holds the barriers)."""
+
+    def __init__(self, sums: Any, batch: _Batch):
         self.sums = sums
         self.batch = batch
         self.done = False
 
     def wait(self, timeout: timedelta) -> None:
-        if self.batch is None:
-            self.run()  # the barriers inside time out on a late peer
-        else:
-            self.batch.finish(self)
+        self.batch.finish(self)  # the batch's barriers time out on a late peer
 
     def finished(self) -> None:
         """Its batch summed it (with the layout's other buckets)."""
@@ -110,17 +117,17 @@ class _Batch:
     def __init__(self, channel: shm.Channel, size: int):
         self.channel = channel
         self.size = size  # the layout's buckets: every round launches them all before waiting for the first
-        self.pending: list[_Inline] = []
+        self.pending: list[_Batched] = []
 
-    def add(self, work: _Inline, first: bool) -> None:
+    def add(self, work: _Batched, first: bool) -> None:
         """A bucket launched (in index order; ``first``: the layout's bucket 0, which begins a round)."""
         if first:
             # A round abandoned before its wait (backward raised on every worker, and the script went on) summed
-            # nothing and met no barrier anywhere: its launches are forgotten, as an unwaited _Inline is.
+            # nothing and met no barrier anywhere: its launches are forgotten, as an unwaited _Inline's are.
             self.pending = []
         self.pending.append(work)
 
-    def finish(self, work: _Inline) -> None:
+    def finish(self, work: _Batched) -> None:
         if work.done:
             return
         pending, self.pending = self.pending, []
@@ -132,11 +139,11 @@ class _Batch:
                 "waited for (fleet launches every bucket of a round first)"
             )
         self.channel.barrier()  # every worker's gradients are in its send buffers
-        for inline in pending:
-            inline.sums()
+        for batched in pending:
+            batched.sums()
         self.channel.barrier()  # every chunk of every bucket is summed into every result buffer
-        for inline in pending:
-            inline.finished()
+        for batched in pending:
+            batched.finished()
 
 
 class _Segment:
@@ -271,16 +278,17 @@ class SharedMemoryTransport:
         """The part of the bucket this worker sums: the rank-th of ``world`` contiguous chunks."""
         return self.rank * bucket.numel // self.world, (self.rank + 1) * bucket.numel // self.world
 
-    def _submit(self, segment: _Segment, lo: int, hi: int, own: list, index: int) -> _Inline | _Work:
+    def _submit(self, segment: _Segment, lo: int, hi: int, own: list, index: int) -> _Inline | _Batched | _Work:
+        if segment.batch is not None:  # every worker sums the layout inline: one pair of barriers for all of it
+            batched = _Batched(lambda: _sum_chunk(segment, self.rank, lo, hi, own), segment.batch)
+            segment.batch.add(batched, first=index == 0)
+            return batched
+
         def run() -> None:
             self.channel.barrier()  # every worker's gradients are in its send buffer
             _sum_chunk(segment, self.rank, lo, hi, own)
             self.channel.barrier()  # every chunk is summed into every result buffer
 
-        if segment.batch is not None:  # every worker sums the layout inline: one pair of barriers for all of it
-            work = _Inline(run, lambda: _sum_chunk(segment, self.rank, lo, hi, own), segment.batch)
-            segment.batch.add(work, first=index == 0)
-            return work
         if self._thread is None or segment.inline:
             return _Inline(run)  # the training thread sums it when backward ends
         work = _Work(index, run)
@@ -305,7 +313,7 @@ class SharedMemoryTransport:
         return self._submit(segment, lo, hi, [(lo, hi, None, 1.0)], bucket.index)
 
     def wait(self, bucket: Bucket, work: Any, timeout: timedelta) -> None:
-        if isinstance(work, _Inline | _Work):
+        if isinstance(work, _Inline | _Batched | _Work):
             work.wait(timeout)
         else:
             self.fallback.wait(bucket, work, timeout)
