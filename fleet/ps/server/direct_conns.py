@@ -155,12 +155,7 @@ class DirectConnections:
         if conn is None:
             return False
         if not conn.out and len(buffers) == 1:  # the usual small reply: one send, no queue
-            try:
-                sent = conn.sock.send(buffers[0])
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                sent = -1  # _flush below meets the error again and closes the connection
+            sent = _send_now(conn.sock, buffers[0])
             if sent == buffers[0].nbytes:
                 return True
             if sent > 0:
@@ -175,16 +170,7 @@ class DirectConnections:
         conn = self._by_ident.get(ident)
         if conn is None:
             return False
-        if conn.out:  # earlier replies still wait: this one goes after them
-            conn.out.append(memoryview(bytes(buf)))
-            self._flush(conn)
-            return True
-        try:
-            sent = conn.sock.send(buf)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            sent = -1  # _flush below meets the error again and closes the connection
+        sent = 0 if conn.out else _send_now(conn.sock, buf)  # earlier replies still waiting: this one goes after them
         if sent == len(buf):
             return True
         conn.out.append(memoryview(bytes(buf[sent:] if sent > 0 else buf)))
@@ -387,3 +373,14 @@ class DirectConnections:
             os.unlink(self.path)
         except OSError:
             pass
+
+
+def _send_now(sock: socket.socket, data: Any) -> int:
+    """One non-blocking ``send`` of ``data``: the bytes it took (0: none now; -1: a socket error, which the
+    caller's ``_flush`` meets again and closes the connection on)."""
+    try:
+        return sock.send(data)
+    except (BlockingIOError, InterruptedError):
+        return 0
+    except OSError:
+        return -1
