@@ -28,7 +28,6 @@ import hashlib
 import hmac
 import os
 import re
-import shutil
 import signal
 import stat
 import tempfile
@@ -194,16 +193,13 @@ def ps_socket_dir(secret_hex: str) -> str:
 
 
 def remove_ps_sockets(secret_hex: str) -> bool:
-    """Remove this job's socket directory if it is left (a server was killed); True when one was removed."""
-    directory = ps_socket_dir(secret_hex)
-    try:
-        st = os.lstat(directory)
-    except OSError:
-        return False
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        return False  # not one this user made: leave it
-    shutil.rmtree(directory, ignore_errors=True)
-    return True
+    """Remove the sockets of this job's directory that no server listens on (a server was killed), and the
+    directory once empty; True when one was removed.
+
+    Why not the whole directory: it is named by the secret, and jobs that share one (a FLEET_SECRET set for every
+    job of a user) share it; a job that ended must not take a running job's sockets with it.
+    """
+    return bool(_remove_dead_sockets(ps_socket_dir(secret_hex)))
 
 
 # A server's ZeroMQ ipc:// socket (fleet.ps.protocol.local) and its direct socket (fleet.ps.protocol.unix).
@@ -214,32 +210,36 @@ def remove_dead_ps_sockets(base: str | None = None) -> list[str]:
     """This user's parameter-server Unix sockets (``<temp dir>/fleet-ps-*/*.sock`` and ``*.direct``) that no
     server listens on (a connection is refused: its server was killed), removed, and their directories once empty."""
     base = base or os.path.dirname(ps_socket_dir("00"))
-    removed = []
     try:
         folders = [d for d in os.listdir(base) if d.startswith("fleet-ps-")]
     except OSError:
         return []
-    for folder in folders:
-        directory = os.path.join(base, folder)
-        try:
-            info = os.lstat(directory)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-                continue
-            names = os.listdir(directory)
-        except OSError:
-            continue
-        for name in names:
-            path = os.path.join(directory, name)
-            if name.endswith(_PS_SOCKET_SUFFIXES) and not _listening(path):
-                try:
-                    os.unlink(path)
-                    removed.append(path)
-                except OSError:
-                    pass
-        try:
-            os.rmdir(directory)  # only once empty: a live server's socket keeps it
-        except OSError:
-            pass
+    return [path for folder in folders for path in _remove_dead_sockets(os.path.join(base, folder))]
+
+
+def _remove_dead_sockets(directory: str) -> list[str]:
+    """The sockets in ``directory`` (one of this user's) that no server listens on, removed, and the directory
+    once empty; their paths."""
+    try:
+        info = os.lstat(directory)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return []  # not one this user made: leave it
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if name.endswith(_PS_SOCKET_SUFFIXES) and not _listening(path):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    try:
+        os.rmdir(directory)  # only once empty: a live server's socket keeps it
+    except OSError:
+        pass
     return removed
 
 

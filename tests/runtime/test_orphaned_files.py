@@ -98,3 +98,28 @@ def _sweep_sockets(tmp_path, socket) -> None:
     os.unlink(live_direct)
     other.unlink()
     assert job_files.remove_dead_ps_sockets(str(tmp_path)) == [] and not folder.exists()  # the empty folder goes
+
+
+def test_a_job_that_ends_leaves_the_sockets_of_a_running_job_with_the_same_secret() -> None:
+    """The job's socket directory is named by its secret, which jobs may share (a FLEET_SECRET set for every job):
+    fleetrun's end-of-job cleanup takes what no server listens on, never a running server's socket. (Before, it
+    removed the whole directory, and a concurrent job's workers found 'no direct socket' at their next pull.)"""
+    import socket
+
+    secret = os.urandom(16).hex()
+    folder = job_files.ps_socket_dir(secret)
+    os.mkdir(folder, 0o700)
+    dead, live = os.path.join(folder, "ended.sock"), os.path.join(folder, "running.direct")
+    gone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    gone.bind(dead)  # the ended job's server, killed: bound, not listening
+    gone.close()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(live)
+    server.listen(1)
+    try:
+        assert job_files.remove_ps_sockets(secret)
+        assert not os.path.exists(dead) and os.path.exists(live)
+    finally:
+        server.close()
+    assert job_files.remove_ps_sockets(secret) and not os.path.exists(folder)  # its server gone, it goes too
+    assert not job_files.remove_ps_sockets(secret)
