@@ -7,7 +7,8 @@ own, not as one job, and would otherwise look like a success.
 ``/dev/shm/<prefix>-<owner>-*``: the shared-memory segments of workers on one host
 (:mod:`fleet.collective.shm`). Workers unlink them as soon as every worker has mapped
 them; a process killed in that moment would leave one, so fleetrun removes what is left
-under the job's prefix when the job ends. The prefix is derived from the job's secret,
+under the job's prefix when the job ends (a segment whose creator still runs belongs to a concurrent job with the
+same secret, and stays). The prefix is derived from the job's secret,
 without revealing it.
 
 Files that only a ``kill -9`` of everything (fleetrun included) can leave behind -- such a
@@ -172,9 +173,17 @@ def shm_prefix(secret_hex: str | None = None) -> str:
 
 
 def remove_shm(secret_hex: str) -> list[str]:
-    """Remove whatever segments of this job are left in /dev/shm; return their paths."""
+    """Remove the segments of this job left in /dev/shm whose creator has ended; return their paths.
+
+    Why not every segment under the prefix: the prefix is derived from the secret, which concurrent jobs may share
+    (a FLEET_SECRET set for every job of a user); a job that ended must not unlink a running job's segment, whose
+    creator still runs. This job's creators have all exited when fleetrun cleans up, so its own segments go.
+    """
     removed = []
     for path in glob.glob(os.path.join(SHM_DIR, f"{shm_prefix(secret_hex)}-*")):
+        match = _OWNED.match(os.path.basename(path))
+        if match is not None and match.group("owner") and owner_alive(match.group("owner")):
+            continue
         try:
             os.unlink(path)
             removed.append(path)

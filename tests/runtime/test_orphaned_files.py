@@ -123,3 +123,23 @@ def test_a_job_that_ends_leaves_the_sockets_of_a_running_job_with_the_same_secre
         server.close()
     assert job_files.remove_ps_sockets(secret) and not os.path.exists(folder)  # its server gone, it goes too
     assert not job_files.remove_ps_sockets(secret)
+
+
+@pytest.mark.multiprocess  # starts a short-lived process to have a dead owner
+def test_a_job_that_ends_leaves_the_segments_of_a_running_job_with_the_same_secret() -> None:
+    """The job's shared-memory prefix is derived from its secret, which jobs may share: fleetrun's end-of-job
+    cleanup takes the segments whose creator has ended, never one a running process created."""
+    secret = os.urandom(16).hex()
+    prefix = job_files.shm_prefix(secret)
+    ended = f"/dev/shm/{prefix}-{dead_owner()}-{'c' * 32}-control"
+    running = f"/dev/shm/{prefix}-{job_files.owner_tag()}-{'c' * 32}-control"
+    for path in (ended, running):
+        with open(path, "w") as f:
+            f.write("x")
+    try:
+        assert job_files.remove_shm(secret) == [ended]
+        assert os.path.exists(running) and not os.path.exists(ended)
+    finally:
+        for path in (ended, running):
+            if os.path.exists(path):
+                os.unlink(path)
