@@ -21,7 +21,7 @@ layout, :meth:`TableWiseRows.pool_together`):
 
 Each worker's loss is its own batch's mean, so its pooled gradients are ``N`` times those of one
 process on the union (exactly, for ``N`` a power of two); the holder divides the rows' gradients by
-``N``. So the rows follow one process on the union of the batches, and the test checks them to
+``N`` (in the bag-gradient kernel's pass, where the bags are plain sums). So the rows follow one process on the union of the batches, and the test checks them to
 1e-6 (every row optimizer, 2 and 3 workers).
 
 The pooled path covers collections whose tables are all table-wise in one group, on CPU tensors;
@@ -58,12 +58,13 @@ Pooler = Callable[
         torch.Tensor,
         list[torch.Tensor],
         Callable[[torch.Tensor], torch.Tensor],
-        Callable[[list[torch.Tensor]], torch.Tensor] | None,
+        Callable[[list[torch.Tensor], int], torch.Tensor] | None,
     ],
 ]
 """``pooler(module, ids per feature, bag lengths per feature, per-id weights per feature or None, pull, training)``
 -> (the unique ids, each feature's pooled bags, ``clicks(labels)``: each unique id's clicks from one label per bag,
-``gradient(upstream)``: the unique rows' gradient given each feature's pooled gradient, None when not training):
+``gradient(upstream, divisor)``: the unique rows' gradient given each feature's pooled gradient, divided by
+``divisor``, None when not training):
 the table module's own lookup, pooling, click count and backward (``fleet.nn.SparseFeatureCollection``'s), run by
 the holder on the union batch with ``pull`` reading its rows."""
 
@@ -115,7 +116,7 @@ class _Held:
         unique: torch.Tensor,
         features: int,
         bags: list[int],
-        gradient: Callable[[list[torch.Tensor]], torch.Tensor],
+        gradient: Callable[[list[torch.Tensor], int], torch.Tensor],
         clicks: Callable[[torch.Tensor], torch.Tensor],
     ):
         self.unique, self.features, self.bags, self.gradient, self.clicks = unique, features, bags, gradient, clicks
@@ -407,7 +408,7 @@ class TableWiseRows(ShardedRows):
                         at[i] += n
                     upstream.append(torch.cat(parts))
                 ids.append(forward.unique)
-                grads.append(forward.gradient(upstream))
+                grads.append(forward.gradient(upstream, world))  # the mean over the workers: divided there
                 if clicks:  # the union's labels, worker after worker, counted per unique id as one process does
                     labels = []
                     for i in range(world):
@@ -422,9 +423,7 @@ class TableWiseRows(ShardedRows):
                 nonfinite.refuse(f"sparse table of {backend.shard.name}(dim {backend.shard.embedding_dim})", None,
                                  backend.where)  # fmt: skip
                 continue
-            # the rows' gradients are this step's own tensors: divided in place
             block = torch.cat(grads) if len(grads) > 1 else grads[0].detach()
-            block = block.div_(world)
             if clicks:  # summed over the workers, not averaged: one more column, as on the row path
                 block = torch.cat([block, torch.cat(counted).unsqueeze(1)], 1)
             unique = torch.cat(ids) if len(ids) > 1 else ids[0]

@@ -370,6 +370,10 @@ PyObject* py_ties_order(PyObject*, PyObject* args) {
 // 0.0f + its gradient (what adding it to a zeroed row gives, -0.0 included), a row without entries as zeros.
 // Why: torch.zeros then adds wrote every row twice and was ~1 % of a one-process W6 step. Entries past the last
 // offset belong to no bag.
+// divisor (optional, an int >= 1, default 1): every row's sum is then divided by it, as torch's div_(divisor) of
+// the result divides (one IEEE division per value, so the same bits), each row as soon as its last entry is
+// added, while it is in the cache: a table-wise holder's mean over the workers without a pass of its own.
+// Returns whether every value written is finite (no NaN or Inf), found in the same pass.
 namespace {
 
 // Rows [from, to) get zeros.
@@ -391,11 +395,32 @@ inline int64_t add_row(float* o, const float* __restrict__ src, int64_t row, int
   return row + 1;
 }
 
+// A row whose last entry was just added: divided by `divisor` (unless 1); the largest exponent seen goes to `worst`.
+inline void finish_row(float* __restrict__ dst, int64_t dim, float divisor, bool divide, uint32_t& worst) {
+  if (divide)
+    for (int64_t c = 0; c < dim; ++c) dst[c] = dst[c] / divisor;
+  uint32_t w = worst;
+  for (int64_t c = 0; c < dim; ++c) {
+    uint32_t bits;
+    std::memcpy(&bits, dst + c, sizeof(bits));
+    const uint32_t e = bits & 0x7F800000u;
+    w = e > w ? e : w;
+  }
+  worst = w;
+}
+
 }  // namespace
 
 PyObject* py_bag_sum_backward(PyObject*, PyObject* args) {
   PyObject *grad_o, *off_o, *inv_o, *order_o, *out_o;
-  if (!PyArg_ParseTuple(args, "OOOOO:bag_sum_backward", &grad_o, &off_o, &inv_o, &order_o, &out_o)) return nullptr;
+  long long divisor_in = 1;
+  if (!PyArg_ParseTuple(args, "OOOOO|L:bag_sum_backward", &grad_o, &off_o, &inv_o, &order_o, &out_o, &divisor_in))
+    return nullptr;
+  if (divisor_in < 1 || divisor_in > (1LL << 24))  // every such int is a float exactly, as torch's scalar becomes
+    return PyErr_Format(PyExc_ValueError, "bag_sum_backward: divisor %lld must be in [1, 2**24]", divisor_in);
+  const float divisor = static_cast<float>(divisor_in);
+  const bool divide = divisor_in != 1;
+  uint32_t worst = 0;
   const bool own_order = order_o == Py_None;
   Buf grad, off, inv, order, out;
   if (!grad.get(grad_o, "grad", Kind::kFloat32, 2, -1, false) || !off.get(off_o, "offsets", Kind::kInt64, 1, -1, false) ||
@@ -439,8 +464,11 @@ PyObject* py_bag_sum_backward(PyObject*, PyObject* args) {
       for (int64_t j = 0; j < n; ++j) {
         const int64_t i = static_cast<int64_t>(words[j] & 0xFFFFFFFFu), b = bo[i];
         if (b < 0) continue;
-        written = add_row(o, g + b * dim, static_cast<int64_t>(words[j] >> 32), written, dim);
+        const int64_t row = static_cast<int64_t>(words[j] >> 32);
+        if (row >= written && written > 0) finish_row(o + (written - 1) * dim, dim, divisor, divide, worst);
+        written = add_row(o, g + b * dim, row, written, dim);
       }
+      if (written > 0) finish_row(o + (written - 1) * dim, dim, divisor, divide, worst);
       zero_rows(o, written, rows, dim);
     }
   } else {
@@ -456,14 +484,16 @@ PyObject* py_bag_sum_backward(PyObject*, PyObject* args) {
       for (int64_t j = 0; j < n; ++j) {
         const int64_t i = od[j], b = bo[i];
         if (b < 0) continue;
+        if (iv[i] >= written && written > 0) finish_row(o + (written - 1) * dim, dim, divisor, divide, worst);
         written = add_row(o, g + b * dim, iv[i], written, dim);
       }
+      if (written > 0) finish_row(o + (written - 1) * dim, dim, divisor, divide, worst);
       zero_rows(o, written, rows, dim);
     }
   }
   Py_END_ALLOW_THREADS;
   if (bad) return PyErr_Format(PyExc_ValueError, "bag_sum_backward: %s", bad);
-  Py_RETURN_NONE;
+  return PyBool_FromLong(worst != 0x7F800000u);
 }
 
 // bag_offsets(given, n, lengths, out) -> bool: out = the [bags + 1] offsets of bags of n ids, from each bag's

@@ -21,7 +21,7 @@ namespace {
 using namespace fleet_native;
 
 // Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
-constexpr long kAbiVersion = 12;
+constexpr long kAbiVersion = 13;
 
 PyObject* abi_version(PyObject*, PyObject*) { return PyLong_FromLong(kAbiVersion); }
 
@@ -44,7 +44,8 @@ PyMethodDef kMethods[] = {
      "touch_stats(last_seen, show, click, slots, factors, clicks, clock, seen_out, show_out, click_out)."},
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(values): no NaN or Inf among float32 values."},
     {"bag_sum_backward", py_bag_sum_backward, METH_VARARGS,
-     "bag_sum_backward(grad, offsets, inverse, order, out): embedding_bag(mode='sum')'s weight gradient."},
+     "bag_sum_backward(grad, offsets, inverse, order, out, divisor=1) -> finite: embedding_bag(mode='sum')'s weight "
+     "gradient (divided by divisor)."},
     {"bag_offsets", py_bag_offsets, METH_VARARGS,
      "bag_offsets(given, n, lengths, out) -> bool: bags' offsets from their starts or lengths, checked."},
     {"ties_order", py_ties_order, METH_VARARGS,
