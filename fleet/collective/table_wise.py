@@ -34,6 +34,7 @@ module called on its own, takes the row path of :class:`~fleet.collective.sharde
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,7 @@ from fleet.collective.sharded_rows import ShardedRows
 from fleet.errors import FleetError
 from fleet.sparse import nonfinite
 from fleet.sparse.backends import all_modules
+from fleet.sparse.native import kernels
 
 Pooler = Callable[
     [
@@ -102,6 +104,20 @@ def _lengths(offsets: list[torch.Tensor]) -> list[torch.Tensor]:
     if len({int(o.numel()) for o in offsets}) == 1:
         return list(torch.stack(offsets).diff(dim=1).unbind(0))
     return [o.diff() for o in offsets]
+
+
+def _nonfinite_flags(per_table: list[list[torch.Tensor]], lrs: list[float]) -> list[int]:
+    """Each table's flag (1: its gradients or its lr hold NaN or Inf), as ``nonfinite.finite(*grads, lr)`` gives it.
+    Why one native call for every table's gradients: a Python check per table cost more than the values (W6: 8
+    tables of 256 x 16..64 floats a step); where one is not finite (or is not a contiguous float32 array), each
+    table is checked on its own."""
+    try:
+        first = kernels.all_finite_each([g.numpy() for grads in per_table for g in grads])
+    except (TypeError, RuntimeError):  # not plain contiguous CPU float32 arrays: checked one by one
+        first = None
+    if first == -1:
+        return [0 if math.isfinite(lr) else 1 for lr in lrs]
+    return [0 if nonfinite.finite(*grads, lr) else 1 for grads, lr in zip(per_table, lrs, strict=True)]
 
 
 class _Held:
@@ -203,20 +219,9 @@ class TableWiseRows(ShardedRows):
             [p for row in pieces for p in row], sizes, header, None, torch.int64, what, announce
         )
         assert heads is not None
-        if len({h[1] for h in heads}) > 1:
-            training_on = [i for i, h in enumerate(heads) if h[1]]
-            raise FleetError(
-                f"{what}: workers {training_on} look up to train (grad enabled, module.train()) and the others to "
-                "evaluate; every worker must call the collection in the same way"
-            )
         n_all = len(weighted)
-        for f in range(n_all):
-            if len({h[2 + n_all + f] for h in heads}) > 1:
-                with_weights = [i for i, h in enumerate(heads) if h[2 + n_all + f]]
-                raise FleetError(
-                    f"{what}: workers {with_weights} pass per-id weights for feature {f} of the collection and the "
-                    "others do not; every worker must give the same kind of input"
-                )
+        if any(h[1] != heads[0][1] or h[2 + n_all :] != heads[0][2 + n_all :] for h in heads):
+            cls._refuse_mixed(heads, what, n_all)
         bags_of = [h[0] for h in heads]
         # the tables held here, pooled over the union of every worker's bags (worker order)
         at = [0] * world
@@ -295,6 +300,24 @@ class TableWiseRows(ShardedRows):
             out.append(vectors)
         return out
 
+    @staticmethod
+    def _refuse_mixed(heads: list[list[int]], what: str, n_all: int) -> None:
+        """The workers called the collection differently (:meth:`pool_together`'s headers: training, each feature's
+        ids and whether it has weights): the error naming what differs (different numbers of ids pass)."""
+        if len({h[1] for h in heads}) > 1:
+            training_on = [i for i, h in enumerate(heads) if h[1]]
+            raise FleetError(
+                f"{what}: workers {training_on} look up to train (grad enabled, module.train()) and the others to "
+                "evaluate; every worker must call the collection in the same way"
+            )
+        for f in range(n_all):
+            if len({h[2 + n_all + f] for h in heads}) > 1:
+                with_weights = [i for i, h in enumerate(heads) if h[2 + n_all + f]]
+                raise FleetError(
+                    f"{what}: workers {with_weights} pass per-id weights for feature {f} of the collection and the "
+                    "others do not; every worker must give the same kind of input"
+                )
+
     def pool_here(
         self,
         ids: list[torch.Tensor],
@@ -366,8 +389,8 @@ class TableWiseRows(ShardedRows):
         # A holder's own gradients do not travel: it takes them as they are (the same values).
         pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
         own: dict[int, list[torch.Tensor]] = {}
-        bad = [0] * len(items)
-        for t, (backend, group) in enumerate(items):
+        per_table: list[list[torch.Tensor]] = []
+        for t, (backend, _) in enumerate(items):
             clicks = backend.shard.lifecycle.active  # the labels ride along: a table counting its clicks
             grads = []
             for vectors, labels in backend.take_sent():
@@ -379,7 +402,8 @@ class TableWiseRows(ShardedRows):
                 own[t] = grads
             else:
                 pieces[backend.holder].extend(grads)
-            bad[t] = 0 if nonfinite.finite(*grads, float(group["lr"])) else 1
+            per_table.append(grads)
+        bad = _nonfinite_flags(per_table, [float(group["lr"]) for _, group in items])
         sizes = [sum(int(p.numel()) for p in row) for row in pieces]
         got, heads, _ = first.exchange_pieces(
             [p for row in pieces for p in row], sizes, torch.tensor(bad, dtype=torch.int64).expand(world, -1), None,
