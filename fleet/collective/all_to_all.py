@@ -50,6 +50,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -202,6 +203,7 @@ class SharedMemoryAllToAll(shm.SharedSegments):
         # Its own count of meetings, not the channel's sequence: a meeting may be a lockstep announcement instead
         # (exchange_pieces' ``meet``); every worker has the same count, as they run the same exchanges.
         self._meetings = 0
+        self._arrays: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # _numpy's: by the segment's id
 
     def _clock(self) -> int:
         return self._meetings
@@ -281,31 +283,58 @@ class SharedMemoryAllToAll(shm.SharedSegments):
         parity = (self._clock() + 1) % 2  # the half this exchange uses, alike on every worker
         ok = self._room(head_bytes + data_bytes)
         if ok:
-            own = self._mine[parity * self._half :]
+            base = parity * self._half
             # the header through numpy: written in place, without the tensors torch.cat would make
-            words = own[: world * width * 8].view(torch.int64).numpy().reshape(world, width)
+            words = self._numpy(self._mine)[base : base + world * width * 8].view(np.int64).reshape(world, width)
             if k:
                 words[:, :k] = header.to(torch.int64).numpy()
             words[:, k] = sizes
             if data_bytes:
-                data = own[head_bytes : head_bytes + data_bytes].view(dtype)
+                data = self._mine[base + head_bytes : base + head_bytes + data_bytes].view(dtype)
                 if _write_pieces(data, pieces) != total:
                     raise ValueError(f"all-to-all pieces of {what}: they do not fill the {total} elements given")
         if not self._meet(ok, what, meet):
             return None
         views, headers, got_sizes = [], [], []
+        rank = self.rank
         for peer in range(world):
             segment = self._peers[peer]
             assert segment is not None
             base = (segment.numel() // 2) * parity
-            heads = segment[base : base + world * width * 8].view(torch.int64).tolist()
-            row = heads[self.rank * width : (self.rank + 1) * width]
+            # the peer's header read through numpy (a slice and a list, no tensors); its block a view of the segment
+            heads = self._numpy(segment)[base : base + world * width * 8].view(np.int64).tolist()
+            row = heads[rank * width : (rank + 1) * width]
             n = row[k]
-            start = base + head_bytes + sum(heads[r * width + k] for r in range(self.rank)) * item
-            views.append(segment[start : start + n * item].view(dtype))
+            if n:
+                start = base + head_bytes + sum(heads[k : rank * width : width]) * item
+                views.append(segment[start : start + n * item].view(dtype))
+            else:  # nothing from this peer (a table-wise holder's own bags): no view to make
+                views.append(_empty(dtype))
             headers.append(row[:k])
             got_sizes.append(n)
         return views, headers, got_sizes
+
+    def _numpy(self, segment: torch.Tensor) -> np.ndarray:
+        """``segment`` (a mapped segment, this worker's or a peer's) as a numpy array of its bytes, made once per
+        segment: a numpy slice costs a fraction of a torch one, and the headers are read at every exchange."""
+        cached = self._arrays.get(id(segment))
+        if cached is None or cached[0] is not segment:
+            # a new segment (they grow rarely): the arrays of the replaced ones go, and their mappings with them
+            live = {id(s) for s in (self._mine, *self._peers) if s is not None}
+            self._arrays = {key: value for key, value in self._arrays.items() if key in live}
+            cached = self._arrays[id(segment)] = (segment, segment.numpy())
+        return cached[1]
+
+
+_EMPTY: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _empty(dtype: torch.dtype) -> torch.Tensor:
+    """An empty block of ``dtype`` (shared: it has no elements to change)."""
+    empty = _EMPTY.get(dtype)
+    if empty is None:
+        empty = _EMPTY[dtype] = torch.empty(0, dtype=dtype)
+    return empty
 
 
 Piece = torch.Tensor | tuple[torch.Tensor, torch.Tensor]

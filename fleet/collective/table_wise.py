@@ -21,7 +21,7 @@ layout, :meth:`TableWiseRows.pool_together`):
 
 Each worker's loss is its own batch's mean, so its pooled gradients are ``N`` times those of one
 process on the union (exactly, for ``N`` a power of two); the holder divides the rows' gradients by
-``N``. So the rows follow one process on the union of the batches, and the test checks them to
+``N`` (in the bag-gradient kernel's pass, where the bags are plain sums). So the rows follow one process on the union of the batches, and the test checks them to
 1e-6 (every row optimizer, 2 and 3 workers).
 
 The pooled path covers collections whose tables are all table-wise in one group, on CPU tensors;
@@ -34,6 +34,7 @@ module called on its own, takes the row path of :class:`~fleet.collective.sharde
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,7 @@ from fleet.collective.sharded_rows import ShardedRows
 from fleet.errors import FleetError
 from fleet.sparse import nonfinite
 from fleet.sparse.backends import all_modules
+from fleet.sparse.native import kernels
 
 Pooler = Callable[
     [
@@ -58,12 +60,13 @@ Pooler = Callable[
         torch.Tensor,
         list[torch.Tensor],
         Callable[[torch.Tensor], torch.Tensor],
-        Callable[[list[torch.Tensor]], torch.Tensor] | None,
+        Callable[[list[torch.Tensor], int], torch.Tensor] | None,
     ],
 ]
 """``pooler(module, ids per feature, bag lengths per feature, per-id weights per feature or None, pull, training)``
 -> (the unique ids, each feature's pooled bags, ``clicks(labels)``: each unique id's clicks from one label per bag,
-``gradient(upstream)``: the unique rows' gradient given each feature's pooled gradient, None when not training):
+``gradient(upstream, divisor)``: the unique rows' gradient given each feature's pooled gradient, divided by
+``divisor``, None when not training):
 the table module's own lookup, pooling, click count and backward (``fleet.nn.SparseFeatureCollection``'s), run by
 the holder on the union batch with ``pull`` reading its rows."""
 
@@ -103,6 +106,20 @@ def _lengths(offsets: list[torch.Tensor]) -> list[torch.Tensor]:
     return [o.diff() for o in offsets]
 
 
+def _nonfinite_flags(per_table: list[list[torch.Tensor]], lrs: list[float]) -> list[int]:
+    """Each table's flag (1: its gradients or its lr hold NaN or Inf), as ``nonfinite.finite(*grads, lr)`` gives it.
+    Why one native call for every table's gradients: a Python check per table cost more than the values (W6: 8
+    tables of 256 x 16..64 floats a step); where one is not finite (or is not a contiguous float32 array), each
+    table is checked on its own."""
+    try:
+        first = kernels.all_finite_each([g.numpy() for grads in per_table for g in grads])
+    except (TypeError, RuntimeError):  # not plain contiguous CPU float32 arrays: checked one by one
+        first = None
+    if first == -1:
+        return [0 if math.isfinite(lr) else 1 for lr in lrs]
+    return [0 if nonfinite.finite(*grads, lr) else 1 for grads, lr in zip(per_table, lrs, strict=True)]
+
+
 class _Held:
     """One pooled forward of the tables this worker holds: what the step's backward needs (the unique ids, the
     number of features, each worker's number of bags, the rows' gradient from the pooled gradients, and the clicks
@@ -115,7 +132,7 @@ class _Held:
         unique: torch.Tensor,
         features: int,
         bags: list[int],
-        gradient: Callable[[list[torch.Tensor]], torch.Tensor],
+        gradient: Callable[[list[torch.Tensor], int], torch.Tensor],
         clicks: Callable[[torch.Tensor], torch.Tensor],
     ):
         self.unique, self.features, self.bags, self.gradient, self.clicks = unique, features, bags, gradient, clicks
@@ -202,20 +219,9 @@ class TableWiseRows(ShardedRows):
             [p for row in pieces for p in row], sizes, header, None, torch.int64, what, announce
         )
         assert heads is not None
-        if len({h[1] for h in heads}) > 1:
-            training_on = [i for i, h in enumerate(heads) if h[1]]
-            raise FleetError(
-                f"{what}: workers {training_on} look up to train (grad enabled, module.train()) and the others to "
-                "evaluate; every worker must call the collection in the same way"
-            )
         n_all = len(weighted)
-        for f in range(n_all):
-            if len({h[2 + n_all + f] for h in heads}) > 1:
-                with_weights = [i for i, h in enumerate(heads) if h[2 + n_all + f]]
-                raise FleetError(
-                    f"{what}: workers {with_weights} pass per-id weights for feature {f} of the collection and the "
-                    "others do not; every worker must give the same kind of input"
-                )
+        if any(h[1] != heads[0][1] or h[2 + n_all :] != heads[0][2 + n_all :] for h in heads):
+            cls._refuse_mixed(heads, what, n_all)
         bags_of = [h[0] for h in heads]
         # the tables held here, pooled over the union of every worker's bags (worker order)
         at = [0] * world
@@ -294,6 +300,24 @@ class TableWiseRows(ShardedRows):
             out.append(vectors)
         return out
 
+    @staticmethod
+    def _refuse_mixed(heads: list[list[int]], what: str, n_all: int) -> None:
+        """The workers called the collection differently (:meth:`pool_together`'s headers: training, each feature's
+        ids and whether it has weights): the error naming what differs (different numbers of ids pass)."""
+        if len({h[1] for h in heads}) > 1:
+            training_on = [i for i, h in enumerate(heads) if h[1]]
+            raise FleetError(
+                f"{what}: workers {training_on} look up to train (grad enabled, module.train()) and the others to "
+                "evaluate; every worker must call the collection in the same way"
+            )
+        for f in range(n_all):
+            if len({h[2 + n_all + f] for h in heads}) > 1:
+                with_weights = [i for i, h in enumerate(heads) if h[2 + n_all + f]]
+                raise FleetError(
+                    f"{what}: workers {with_weights} pass per-id weights for feature {f} of the collection and the "
+                    "others do not; every worker must give the same kind of input"
+                )
+
     def pool_here(
         self,
         ids: list[torch.Tensor],
@@ -365,8 +389,8 @@ class TableWiseRows(ShardedRows):
         # A holder's own gradients do not travel: it takes them as they are (the same values).
         pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
         own: dict[int, list[torch.Tensor]] = {}
-        bad = [0] * len(items)
-        for t, (backend, group) in enumerate(items):
+        per_table: list[list[torch.Tensor]] = []
+        for t, (backend, _) in enumerate(items):
             clicks = backend.shard.lifecycle.active  # the labels ride along: a table counting its clicks
             grads = []
             for vectors, labels in backend.take_sent():
@@ -378,7 +402,8 @@ class TableWiseRows(ShardedRows):
                 own[t] = grads
             else:
                 pieces[backend.holder].extend(grads)
-            bad[t] = 0 if nonfinite.finite(*grads, float(group["lr"])) else 1
+            per_table.append(grads)
+        bad = _nonfinite_flags(per_table, [float(group["lr"]) for _, group in items])
         sizes = [sum(int(p.numel()) for p in row) for row in pieces]
         got, heads, _ = first.exchange_pieces(
             [p for row in pieces for p in row], sizes, torch.tensor(bad, dtype=torch.int64).expand(world, -1), None,
@@ -407,7 +432,7 @@ class TableWiseRows(ShardedRows):
                         at[i] += n
                     upstream.append(torch.cat(parts))
                 ids.append(forward.unique)
-                grads.append(forward.gradient(upstream))
+                grads.append(forward.gradient(upstream, world))  # the mean over the workers: divided there
                 if clicks:  # the union's labels, worker after worker, counted per unique id as one process does
                     labels = []
                     for i in range(world):
@@ -422,9 +447,7 @@ class TableWiseRows(ShardedRows):
                 nonfinite.refuse(f"sparse table of {backend.shard.name}(dim {backend.shard.embedding_dim})", None,
                                  backend.where)  # fmt: skip
                 continue
-            # the rows' gradients are this step's own tensors: divided in place
             block = torch.cat(grads) if len(grads) > 1 else grads[0].detach()
-            block = block.div_(world)
             if clicks:  # summed over the workers, not averaged: one more column, as on the row path
                 block = torch.cat([block, torch.cat(counted).unsqueeze(1)], 1)
             unique = torch.cat(ids) if len(ids) > 1 else ids[0]

@@ -72,22 +72,25 @@ def native_order_is_torchs() -> bool:
     return _ties_order_checked
 
 
-def sum_bags_gradient(grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, rows: int) -> torch.Tensor:
+def sum_bags_gradient(
+    grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, rows: int, divisor: int = 1
+) -> torch.Tensor:
     """The gradient of :func:`sum_bags` for its ``rows`` (``[rows, dim]``) given its output's gradient ``grad``
     (``[bags, dim]``): each entry's bag gradient added into its row in torch's order, bit for bit the gradient
-    torch's ``embedding_bag`` backward gives. Why a function of its own: a table's holder
-    (``fleet.collective.table_wise``) pools without autograd and asks for the rows' gradient at the step."""
-    return _gradient(grad, inverse, offsets, rows, native_order_is_torchs())
+    torch's ``embedding_bag`` backward gives; ``divisor``: then divided by it, bit for bit ``.div_(divisor)``. Why a
+    function of its own: a table's holder (``fleet.collective.table_wise``) pools without autograd and asks for the
+    rows' gradient at the step (the mean over its ``divisor`` workers: divided in the kernel's one pass)."""
+    return _gradient(grad, inverse, offsets, rows, native_order_is_torchs(), divisor)
 
 
 def _gradient(
-    grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, rows: int, native: bool
+    grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, rows: int, native: bool, divisor: int = 1
 ) -> torch.Tensor:
     # sum_bags_gradient once native_order_is_torchs() is known (``native``): asked once per backward, not per bag
     out = torch.empty(rows, grad.shape[1], dtype=grad.dtype)  # the kernel writes every row (zeros where no entry)
     # below the limit the kernel sorts the ties as torch would
     order = None if native and inverse.numel() < _TIES_LIMIT else inverse.sort().indices.numpy()
-    kernels.bag_sum_backward(grad.contiguous().numpy(), offsets.numpy(), inverse.numpy(), order, out.numpy())
+    kernels.bag_sum_backward(grad.contiguous().numpy(), offsets.numpy(), inverse.numpy(), order, out.numpy(), divisor)
     return out
 
 

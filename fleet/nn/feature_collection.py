@@ -260,9 +260,9 @@ def _pool_union(
     """The lookup and pooling of one table's features (``ids``, bag ``lengths`` and per-id ``weights`` or None of
     each) as the collection's forward does them, for the worker holding the table (``pull`` reads its rows), on the
     union of every worker's bags: (the unique ids; each feature's pooled bags; ``clicks(labels)``: each unique id's
-    clicks from one label per bag, as ``record_clicks`` counts them; ``gradient(upstream)``: the unique rows'
-    gradient ``[unique, dim]`` given each feature's pooled gradient, as one process's backward gives it, or None
-    when not ``training``).
+    clicks from one label per bag, as ``record_clicks`` counts them; ``gradient(upstream, divisor=1)``: the unique
+    rows' gradient ``[unique, dim]`` given each feature's pooled gradient, as one process's backward gives it,
+    divided by ``divisor`` (the holder's mean over the workers), or None when not ``training``).
 
     Why no autograd where the bags are plain sums (``sums_natively``): the holder needs only the rows' gradient,
     which ``bag_kernels.sum_bags_gradient`` gives directly, bit for bit autograd's; elsewhere (mean, max,
@@ -301,21 +301,26 @@ def _pool_union(
 
     if not direct:
 
-        def gradient(upstream: list[torch.Tensor]) -> torch.Tensor:
+        def gradient(upstream: list[torch.Tensor], divisor: int = 1) -> torch.Tensor:
             torch.autograd.backward(pooled, upstream)
-            return rows.grad if rows.grad is not None else torch.zeros_like(rows)
+            grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+            return grad.div_(divisor) if divisor != 1 else grad
 
         return unique, pooled, clicks, gradient if training else None
     size = rows.shape  # (the rows themselves are not kept for the step)
 
-    def sums_gradient(upstream: list[torch.Tensor]) -> torch.Tensor:
+    def sums_gradient(upstream: list[torch.Tensor], divisor: int = 1) -> torch.Tensor:
         # autograd's sum of one leaf's gradients: the last feature's first (its node ran first), each next one
-        # added to the running sum
+        # added to the running sum; then divided by ``divisor`` (one feature: in the kernel's pass)
+        if len(upstream) == 1:
+            return sum_bags_gradient(upstream[0], mines[0], offsets_of[0], size[0], divisor)
         total = None
         for mine, offsets, grad in reversed(list(zip(mines, offsets_of, upstream, strict=True))):
             part = sum_bags_gradient(grad, mine, offsets, size[0])
             total = part if total is None else total.add_(part)
-        return total if total is not None else torch.zeros(size)
+        if total is None:
+            return torch.zeros(size)
+        return total.div_(divisor) if divisor != 1 else total
 
     return unique, pooled, clicks, sums_gradient if training else None
 

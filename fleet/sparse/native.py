@@ -31,7 +31,7 @@ import torch
 from fleet.errors import FleetError
 
 #: the kernels' interface version this Python code was written for (kAbiVersion in csrc/module.cpp)
-ABI_VERSION = 12
+ABI_VERSION = 13
 _COMPILER = "a C++17 compiler and the Python headers (Debian/Ubuntu: `apt-get install g++ python3-dev`)"
 
 

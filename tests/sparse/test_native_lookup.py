@@ -188,3 +188,59 @@ def test_bag_kernel_writes_every_row_and_checks_the_order() -> None:
         kernels.bag_sum_backward(
             grad.numpy(), offsets.numpy(), inverse.numpy(), torch.tensor([0, 1, 2]).numpy(), torch.empty(5, 2).numpy()
         )
+
+
+@pytest.mark.parametrize("workers", [2, 3, 7])
+def test_bag_gradient_divided_in_the_kernel_is_div_after_it(workers: int) -> None:
+    """A table-wise holder's mean over the workers, divided in the kernel's pass: bit for bit the gradient torch's
+    backward gives, then ``.div_(workers)`` (both orders: the kernel's own and a given one; rows hit hundreds of
+    times, rows without entries, empty bags)."""
+    g = torch.Generator().manual_seed(workers)
+    n, rows_n = 3000, 400
+    inverse = (torch.rand(n, generator=g) ** 3 * rows_n).to(torch.int64)
+    offsets = torch.cat([torch.zeros(2, dtype=torch.int64), torch.arange(5, n, 7), torch.tensor([n])])
+    bags = offsets.numel() - 1
+    grad = torch.randn(bags, 16, generator=g) * torch.exp(torch.randn(bags, 16, generator=g) * 5)
+    ref_rows = torch.zeros(rows_n, 16, requires_grad=True)
+    F.embedding_bag(inverse, ref_rows, offsets, mode="sum", include_last_offset=True).backward(grad)
+    want = ref_rows.grad.div_(workers)
+    for given in (None, inverse.sort().indices.numpy()):
+        out = torch.full((rows_n, 16), float("nan"))
+        kernels.bag_sum_backward(grad.numpy(), offsets.numpy(), inverse.numpy(), given, out.numpy(), workers)
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    got = bag_kernels.sum_bags_gradient(grad, inverse, offsets, rows_n, workers)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_bag_gradient_refuses_a_divisor_out_of_range() -> None:
+    grad, out = torch.ones(1, 2), torch.zeros(1, 2)
+    args = (grad.numpy(), torch.tensor([0, 1]).numpy(), torch.tensor([0]).numpy(), None, out.numpy())
+    for bad in (0, -2, (1 << 24) + 1):
+        with pytest.raises(ValueError, match="divisor"):
+            kernels.bag_sum_backward(*args, bad)
+    assert torch.equal(out, torch.zeros(1, 2))  # nothing written
+    with pytest.raises(TypeError):
+        kernels.bag_sum_backward(*args, 2.5)
+
+
+def test_all_finite_each_names_the_first_array_with_nan_or_inf() -> None:
+    arrays = [torch.randn(3, 5), torch.randn(7), torch.empty(0, 4), torch.randn(2, 2, 2)]
+    assert kernels.all_finite_each([a.numpy() for a in arrays]) == -1
+    assert kernels.all_finite_each(()) == -1 and kernels.all_finite_each([]) == -1
+    for bad in (math.nan, math.inf, -math.inf):
+        broken = [a.clone() for a in arrays]
+        broken[1][6] = bad
+        broken[3][1, 1, 1] = bad
+        assert kernels.all_finite_each([a.numpy() for a in broken]) == 1
+        assert kernels.all_finite_each(tuple(a.numpy() for a in broken[2:])) == 1
+
+
+def test_all_finite_each_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(TypeError, match="list or tuple"):
+        kernels.all_finite_each(torch.randn(3).numpy())
+    with pytest.raises(TypeError, match="array 1 must hold float32"):
+        kernels.all_finite_each([torch.randn(3).numpy(), torch.zeros(3, dtype=torch.float64).numpy()])
+    with pytest.raises(TypeError, match="array 0 must be a C-contiguous"):
+        kernels.all_finite_each([torch.randn(3, 4).t().numpy()])
+    with pytest.raises(TypeError, match="array 0 must be a C-contiguous"):
+        kernels.all_finite_each([3.0])

@@ -155,6 +155,50 @@ PyObject* py_all_finite(PyObject*, PyObject* args) {
   return PyBool_FromLong(worst != 0x7F800000u);
 }
 
+// all_finite_each(arrays) -> int: the index of the first array (of a list or tuple of C-contiguous float32 arrays,
+// any shape) holding a NaN or +-Inf, or -1 when none does. Why: a table-wise step checks the pooled gradients of
+// every table it sends (8 in W6) before they travel; one call for all of them, not one Python check each.
+PyObject* py_all_finite_each(PyObject*, PyObject* args) {
+  PyObject* list_o;
+  if (!PyArg_ParseTuple(args, "O:all_finite_each", &list_o)) return nullptr;
+  if (!PyList_Check(list_o) && !PyTuple_Check(list_o))
+    return PyErr_Format(PyExc_TypeError, "all_finite_each: arrays must be a list or tuple, got %s", Py_TYPE(list_o)->tp_name);
+  // a tuple of its own: the items stay whatever a buffer request runs
+  PyObject* held = PyList_Check(list_o) ? PyList_AsTuple(list_o) : (Py_INCREF(list_o), list_o);
+  if (held == nullptr) return nullptr;
+  const Py_ssize_t count = PyTuple_GET_SIZE(held);
+  Py_ssize_t found = -1;
+  for (Py_ssize_t k = 0; k < count && found < 0; ++k) {
+    PyObject* item = PyTuple_GET_ITEM(held, k);
+    Py_buffer view;
+    if (PyObject_GetBuffer(item, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+      Py_DECREF(held);
+      PyErr_Format(PyExc_TypeError, "all_finite_each: array %zd must be a C-contiguous CPU array (tensor.numpy())", k);
+      return nullptr;
+    }
+    const char* fmt = view.format ? view.format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@') ++fmt;
+    if (view.itemsize != 4 || std::strcmp(fmt, "f") != 0) {
+      PyErr_Format(PyExc_TypeError, "all_finite_each: array %zd must hold float32, got format '%s'", k,
+                   view.format ? view.format : "B");
+      PyBuffer_Release(&view);
+      Py_DECREF(held);
+      return nullptr;
+    }
+    const uint32_t* bits = static_cast<const uint32_t*>(view.buf);
+    const Py_ssize_t n = view.len / 4;
+    uint32_t worst = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {  // as all_finite: the largest exponent, branch-free
+      const uint32_t e = bits[i] & 0x7F800000u;
+      worst = e > worst ? e : worst;
+    }
+    PyBuffer_Release(&view);
+    if (worst == 0x7F800000u) found = k;
+  }
+  Py_DECREF(held);
+  return PyLong_FromSsize_t(found);
+}
+
 // ------------------------------------------------------------------ torch's order of a bag gradient's sum
 // torch's embedding_bag backward adds each entry's gradient into its row in the order of `indices.sort()`
 // (unstable, ascending). On CPU builds without x86-simd-sort, a 1-D int64 sort of fewer than 32768 values
@@ -370,6 +414,9 @@ PyObject* py_ties_order(PyObject*, PyObject* args) {
 // 0.0f + its gradient (what adding it to a zeroed row gives, -0.0 included), a row without entries as zeros.
 // Why: torch.zeros then adds wrote every row twice and was ~1 % of a one-process W6 step. Entries past the last
 // offset belong to no bag.
+// divisor (optional, an int >= 1, default 1): every row's sum is then divided by it, as torch's div_(divisor) of
+// the result divides (one IEEE division per value, so the same bits), each row as soon as its last entry is
+// added, while it is in the cache: a table-wise holder's mean over the workers without a pass of its own.
 namespace {
 
 // Rows [from, to) get zeros.
@@ -391,11 +438,22 @@ inline int64_t add_row(float* o, const float* __restrict__ src, int64_t row, int
   return row + 1;
 }
 
+// A row whose last entry was just added, divided by `divisor` (torch's div_: one IEEE division per value).
+inline void finish_row(float* __restrict__ dst, int64_t dim, float divisor) {
+  for (int64_t c = 0; c < dim; ++c) dst[c] = dst[c] / divisor;
+}
+
 }  // namespace
 
 PyObject* py_bag_sum_backward(PyObject*, PyObject* args) {
   PyObject *grad_o, *off_o, *inv_o, *order_o, *out_o;
-  if (!PyArg_ParseTuple(args, "OOOOO:bag_sum_backward", &grad_o, &off_o, &inv_o, &order_o, &out_o)) return nullptr;
+  long long divisor_in = 1;
+  if (!PyArg_ParseTuple(args, "OOOOO|L:bag_sum_backward", &grad_o, &off_o, &inv_o, &order_o, &out_o, &divisor_in))
+    return nullptr;
+  if (divisor_in < 1 || divisor_in > (1LL << 24))  // every such int is a float exactly, as torch's scalar becomes
+    return PyErr_Format(PyExc_ValueError, "bag_sum_backward: divisor %lld must be in [1, 2**24]", divisor_in);
+  const float divisor = static_cast<float>(divisor_in);
+  const bool divide = divisor_in != 1;
   const bool own_order = order_o == Py_None;
   Buf grad, off, inv, order, out;
   if (!grad.get(grad_o, "grad", Kind::kFloat32, 2, -1, false) || !off.get(off_o, "offsets", Kind::kInt64, 1, -1, false) ||
@@ -439,8 +497,11 @@ PyObject* py_bag_sum_backward(PyObject*, PyObject* args) {
       for (int64_t j = 0; j < n; ++j) {
         const int64_t i = static_cast<int64_t>(words[j] & 0xFFFFFFFFu), b = bo[i];
         if (b < 0) continue;
-        written = add_row(o, g + b * dim, static_cast<int64_t>(words[j] >> 32), written, dim);
+        const int64_t row = static_cast<int64_t>(words[j] >> 32);
+        if (divide && row >= written && written > 0) finish_row(o + (written - 1) * dim, dim, divisor);
+        written = add_row(o, g + b * dim, row, written, dim);
       }
+      if (divide && written > 0) finish_row(o + (written - 1) * dim, dim, divisor);
       zero_rows(o, written, rows, dim);
     }
   } else {
@@ -456,8 +517,10 @@ PyObject* py_bag_sum_backward(PyObject*, PyObject* args) {
       for (int64_t j = 0; j < n; ++j) {
         const int64_t i = od[j], b = bo[i];
         if (b < 0) continue;
+        if (divide && iv[i] >= written && written > 0) finish_row(o + (written - 1) * dim, dim, divisor);
         written = add_row(o, g + b * dim, iv[i], written, dim);
       }
+      if (divide && written > 0) finish_row(o + (written - 1) * dim, dim, divisor);
       zero_rows(o, written, rows, dim);
     }
   }

@@ -16,12 +16,17 @@
 
 #include "common.h"
 
+// ---- table-wise step (bags.cpp): declared here, its entry in kMethods' last block
+namespace fleet_native {
+PyObject* py_all_finite_each(PyObject*, PyObject* args);
+}  // namespace fleet_native
+
 namespace {
 
 using namespace fleet_native;
 
 // Bumped whenever a function's signature or semantics change: fleet.sparse.native refuses a stale build.
-constexpr long kAbiVersion = 12;
+constexpr long kAbiVersion = 13;
 
 PyObject* abi_version(PyObject*, PyObject*) { return PyLong_FromLong(kAbiVersion); }
 
@@ -44,13 +49,17 @@ PyMethodDef kMethods[] = {
      "touch_stats(last_seen, show, click, slots, factors, clicks, clock, seen_out, show_out, click_out)."},
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(values): no NaN or Inf among float32 values."},
     {"bag_sum_backward", py_bag_sum_backward, METH_VARARGS,
-     "bag_sum_backward(grad, offsets, inverse, order, out): embedding_bag(mode='sum')'s weight gradient."},
+     "bag_sum_backward(grad, offsets, inverse, order, out, divisor=1): embedding_bag(mode='sum')'s weight gradient "
+     "(divided by divisor)."},
     {"bag_offsets", py_bag_offsets, METH_VARARGS,
      "bag_offsets(given, n, lengths, out) -> bool: bags' offsets from their starts or lengths, checked."},
     {"ties_order", py_ties_order, METH_VARARGS,
      "ties_order(keys, order_out): the permutation of libstdc++'s std::sort of (key, position) by key."},
     {"group_by_owner", py_group_by_owner, METH_VARARGS,
      "group_by_owner(ids, lengths, workers, order_out, local_out, counts_out): tables' ids grouped by owner."},
+    // ---- table-wise step
+    {"all_finite_each", py_all_finite_each, METH_VARARGS,
+     "all_finite_each(arrays) -> int: the first float32 array holding NaN or Inf, -1 where none does."},
     {nullptr, nullptr, 0, nullptr},
 };
 
