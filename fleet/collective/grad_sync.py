@@ -18,7 +18,10 @@ It gives a job single-process semantics on ordinary training code, without a fla
   strictly in index order, as backward produces the rest. The others' headers are waited for
   (and checked) only when the first bucket is ready, at the end of backward, or before any
   other exchange this worker starts, whichever comes first: the round trip overlaps backward
-  (through gloo it cost about 2 ms of W1's step), and no bucket leaves before the agreement. At the end of backward the
+  (through gloo it cost about 2 ms of W1's step), and no bucket leaves before the agreement. Where launching
+  early gains nothing (buckets summed through shared memory on the training thread: ``Transport.launch_early``),
+  every bucket launches at the end of backward instead, so the agreement is not waited for mid-backward: one
+  meeting with the peers per round less. At the end of backward the
   buckets are waited for and written back (see :mod:`fleet.collective.buckets`): a
   parameter that got a gradient on no worker keeps ``.grad`` as it was (``None`` stays
   ``None``); one that got a gradient on some workers gets the average over the workers
@@ -116,6 +119,7 @@ class GradSync:
         self._next = 0
         self._pending: list[int] = []  # this round, per bucket: gradients backward has still to produce
         self._works: list[Any] = []  # this round, per bucket: the transport's work in flight
+        self._early_launch = True  # this round: buckets launch as backward produces them (Transport.launch_early)
         self._scale = 1.0
         self._verified = ParamMap()  # parameters whose values are known to be worker 0's everywhere
 
@@ -281,7 +285,8 @@ class GradSync:
         bucket = self._layout.where.get(pid)  # type: ignore[union-attr]
         if bucket is not None:
             self._pending[bucket.index] -= 1
-            self._launch_ready()
+            if self._early_launch:
+                self._launch_ready()
 
     def _count_backward(self) -> None:
         self._counting = False
@@ -328,8 +333,12 @@ class GradSync:
         else:
             self._early.update(map(id, layout.dense))
         self._next = 0
+        # Asked once per round: a transport whose buckets fell back to the process group changes its answer.
+        self._early_launch = self.transport.launch_early()
         if in_backward:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            if not self._early_launch:
+                return True  # every bucket launches at the end of backward (_finish), after the agreement
         self._launch_ready()
         return True
 

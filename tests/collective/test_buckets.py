@@ -126,3 +126,45 @@ def test_a_small_bucket_gathered_whole_sends_exactly_what_a_gradient_at_a_time_s
         assert torch.equal(sent[0][0], sent[1][0]), keep
         assert [s is None for s in sent[0][1]] == [s is None for s in sent[1][1]]
         assert all(a is None or torch.equal(a, b) for a, b in zip(sent[0][1], sent[1][1], strict=True))
+
+
+class _LateTransport(ProcessGroupTransport):
+    """The process group's transport (one worker), recording when each bucket launches; launching early gains
+    nothing here (as for shared-memory buckets summed on the training thread)."""
+
+    def __init__(self, early: bool):
+        super().__init__(None, make_compressor("none"))
+        self.early = early
+        self.events: list[str] = []
+
+    def launch_early(self) -> bool:
+        return self.early
+
+    def launch(self, bucket, scale, changed):
+        self.events.append(f"launch {bucket.index}")
+        return super().launch(bucket, scale, changed)
+
+
+def test_buckets_launch_at_the_end_of_backward_where_launching_early_gains_nothing():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+    x = torch.randn(8, 64)
+    grads = {}
+    for early in (True, False):
+        transport = _LateTransport(early)
+        sync = GradSync(None, bucket_bytes=4 << 10, transport=transport, timeout_s=5, accumulation=2)
+        sync.register(model)
+        model.zero_grad()
+        model[0].weight.register_hook(lambda grad, t=transport: t.events.append("first layer's gradient") or grad)
+        sync.arm(True)
+        model(x).sum().backward()
+        assert len(sync.refresh().buckets) > 1
+        first = transport.events.index("first layer's gradient")
+        # Early: the last layers' bucket left while backward still computed the first layer's gradient.
+        assert (first > 0) if early else (first == 0), transport.events
+        assert sorted(e for e in transport.events if e.startswith("launch")) == [
+            e for e in transport.events if e.startswith("launch")
+        ]
+        grads[early] = [p.grad.clone() for p in model.parameters()]
+        sync.remove()
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))

@@ -81,6 +81,11 @@ class Transport(Protocol):
         """Give new buckets their buffers; collective over the workers (called where they agree)."""
         ...
 
+    def launch_early(self) -> bool:
+        """Whether a bucket should launch as soon as backward has produced its gradients (its summing then
+        overlaps the rest of backward), or may wait for the end of backward at no loss."""
+        ...
+
     def launch(self, bucket: Bucket, scale: float, changed: set[int]) -> Any:
         """Gather this worker's gradients into the bucket and start summing it; returns the work to wait for."""
         ...

@@ -50,6 +50,9 @@ class ProcessGroupTransport:
             if bucket.flat is None:
                 bucket.attach(torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device))
 
+    def launch_early(self) -> bool:
+        return True  # the all-reduce travels while backward goes on
+
     def launch(self, bucket: Bucket, scale: float, changed: set[int]) -> Any:
         bucket.gather(scale, changed)
         if self.group is None:

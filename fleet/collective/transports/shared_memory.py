@@ -200,6 +200,7 @@ class SharedMemoryTransport:
         self._segments: weakref.WeakKeyDictionary[Bucket, _Segment] = weakref.WeakKeyDictionary()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._fallen_back = False  # some bucket went through the process group (bind)
 
     @classmethod
     def enabled(cls, setup: Setup) -> bool:
@@ -218,9 +219,17 @@ class SharedMemoryTransport:
     def _all_ok(self, ok: bool) -> bool:
         return min(row[0] for row in self.channel.exchange([1 if ok else 0])) == 1
 
+    def launch_early(self) -> bool:
+        """Only where a bucket may travel or be summed while backward goes on: the summing thread, or the
+        process group for buckets that fell back to it. Summed on the training thread, a bucket launched at
+        once would only make it wait for the round's agreement mid-backward (one more meeting with the peers
+        per step, often a sleep and a wake-up) and copy its gradients earlier, for no overlap."""
+        return self.overlap or self._fallen_back or not self.usable
+
     def bind(self, buckets: list[Bucket]) -> None:
         fresh = [b for b in buckets if b.flat is None]
         if not fresh or not self.usable or any(b.device.type != "cpu" for b in fresh):
+            self._fallen_back = self._fallen_back or bool(fresh)
             self.fallback.bind(fresh)
             return
         self._layouts += 1
