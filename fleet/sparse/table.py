@@ -561,28 +561,31 @@ class SparseTable:
         ids = as_ids(ids)
         grads = self.check_rows("grads", grads, ids.numel())
         clicks = self._check_clicks(clicks, ids.numel())
-        if self._undo is None and not self.lifecycle.active:
+        # a recent pull's slots (no life cycle): every one names a live row, nothing to look up or create
+        taken = None if self.lifecycle.active else self._recent.take(ids)
+        nested = self._undo is not None
+        if taken is not None and not nested:
             # The usual push (one process, collective: the ids of this table's last pull, no life cycle): the
             # clock and the kernel's all-or-nothing write are all it changes, so no transaction is opened (its
             # undo log, copies and closures were a fixed cost of every table's step).
-            taken = self._recent.take(ids)
-            if taken is not None:
-                clock = self.clock
-                self.advance_clock(step)
-                try:
-                    self._store.step_rows(self._hyper, taken, grads, float(lr), len(self), None)
-                except BaseException:
-                    self.clock = clock  # the kernel wrote nothing
-                    raise
-                return
+            clock = self.clock
+            self.advance_clock(step)
+            try:
+                self._store.step_rows(self._hyper, taken, grads, float(lr), len(self), None)
+            except BaseException:
+                self.clock = clock  # the kernel wrote nothing
+                raise
+            return
         # Outermost, this operation ends with the kernel's all-or-nothing write: it needs no undo record.
         # Inside an enclosing transaction a later operation may fail, and the rows must go back then.
-        nested = self._undo is not None
         with self.transaction() as undo:
             self.tick(step)
             if ids.numel() == 0:
                 return
-            slots, grads, clicks = self._update_slots(ids, grads, clicks)
+            if taken is not None:
+                slots = taken
+            else:  # (the recent pulls were asked above)
+                slots, grads, clicks = self._update_slots(ids, grads, clicks, recent=False)
             if slots.numel() == 0:
                 return
             self._life.touch(slots, clicks, mark_dirty=nested)  # outermost, the kernel marks the rows changed
@@ -605,11 +608,13 @@ class SparseTable:
                 undo.rows(self.getter("rows"), slots)
                 self._store.rows.index_add_(0, slots, deltas)
 
-    def _update_slots(self, ids: torch.Tensor, values: torch.Tensor, clicks: torch.Tensor | None):
+    def _update_slots(self, ids: torch.Tensor, values: torch.Tensor, clicks: torch.Tensor | None, recent: bool = True):
         """Slots, values and clicks of the ids an update changes: every id's (rows created as needed) without a
-        life cycle; with one, the admitted ids' (the life cycle drops, and counts, the rest)."""
+        life cycle; with one, the admitted ids' (the life cycle drops, and counts, the rest). ``recent``: ask the
+        recent pulls for the slots first (False: the caller asked them already)."""
         if not self.lifecycle.active:
-            taken = self._recent.take(ids)  # a recent pull's slots: every one names a live row, nothing to create
+            # a recent pull's slots: every one names a live row, nothing to create
+            taken = self._recent.take(ids) if recent else None
             return (taken if taken is not None else self._slots(ids)), values, clicks
         return self._life.update_slots(ids, values, clicks)
 
