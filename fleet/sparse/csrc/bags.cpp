@@ -137,6 +137,21 @@ PyObject* py_uniform_rows(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+namespace {
+
+// Whether none of n float32 values (their bits) is NaN or +-Inf: an exponent of all ones is one; the max over the
+// exponents, branch-free.
+inline bool all_finite_bits(const uint32_t* bits, int64_t n) {
+  uint32_t worst = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t e = bits[i] & 0x7F800000u;
+    worst = e > worst ? e : worst;
+  }
+  return worst != 0x7F800000u;
+}
+
+}  // namespace
+
 // all_finite(values): whether no float32 value is NaN or +-Inf.
 PyObject* py_all_finite(PyObject*, PyObject* args) {
   PyObject* v_o;
@@ -145,14 +160,11 @@ PyObject* py_all_finite(PyObject*, PyObject* args) {
   if (!v.get(v_o, "values", Kind::kFloat32, 1, -1, false)) return nullptr;
   const uint32_t* bits = static_cast<const uint32_t*>(static_cast<void*>(v.f32()));
   const int64_t n = v.len();
-  uint32_t worst = 0;
+  bool finite;
   Py_BEGIN_ALLOW_THREADS;
-  for (int64_t i = 0; i < n; ++i) {  // exponent all ones: Inf or NaN; max over the exponents, branch-free
-    const uint32_t e = bits[i] & 0x7F800000u;
-    worst = e > worst ? e : worst;
-  }
+  finite = all_finite_bits(bits, n);
   Py_END_ALLOW_THREADS;
-  return PyBool_FromLong(worst != 0x7F800000u);
+  return PyBool_FromLong(finite);
 }
 
 // all_finite_each(arrays) -> int: the index of the first array (of a list or tuple of C-contiguous float32 arrays,
@@ -185,15 +197,9 @@ PyObject* py_all_finite_each(PyObject*, PyObject* args) {
       Py_DECREF(held);
       return nullptr;
     }
-    const uint32_t* bits = static_cast<const uint32_t*>(view.buf);
-    const Py_ssize_t n = view.len / 4;
-    uint32_t worst = 0;
-    for (Py_ssize_t i = 0; i < n; ++i) {  // as all_finite: the largest exponent, branch-free
-      const uint32_t e = bits[i] & 0x7F800000u;
-      worst = e > worst ? e : worst;
-    }
+    const bool finite = all_finite_bits(static_cast<const uint32_t*>(view.buf), view.len / 4);
     PyBuffer_Release(&view);
-    if (worst == 0x7F800000u) found = k;
+    if (!finite) found = k;
   }
   Py_DECREF(held);
   return PyLong_FromSsize_t(found);
@@ -424,24 +430,44 @@ inline void zero_rows(float* o, int64_t from, int64_t to, int64_t dim) {
   if (to > from) std::memset(o + from * dim, 0, sizeof(float) * static_cast<size_t>((to - from) * dim));
 }
 
-// One entry's gradient `src` into `row`, rows taken in ascending order: rows [0, written) hold their sums so far;
-// a row from `written` on is new: the rows skipped have no entry (zeros), and the first entry is written as
-// 0.0f + src, which is what adding it to a zeroed row gives bit for bit. Returns the new `written`.
-inline int64_t add_row(float* o, const float* __restrict__ src, int64_t row, int64_t written, int64_t dim) {
-  float* __restrict__ dst = o + row * dim;
-  if (row < written) {
-    for (int64_t c = 0; c < dim; ++c) dst[c] += src[c];
-    return written;
-  }
-  zero_rows(o, written, row, dim);
-  for (int64_t c = 0; c < dim; ++c) dst[c] = 0.0f + src[c];
-  return row + 1;
-}
+// The rows' sums, written entry by entry with rows taken in ascending order: rows [0, written) hold their sums so
+// far; a row from `written` on is new: the rows skipped have no entry (zeros), and its first entry is written as
+// 0.0f + src, which is what adding it to a zeroed row gives bit for bit. With a divisor, the last row is divided
+// when the next one begins (and at close): torch's div_, one IEEE division per value.
+class RowSums {
+ public:
+  RowSums(float* out, int64_t dim, float divisor) : o_(out), dim_(dim), divisor_(divisor) {}
 
-// A row whose last entry was just added, divided by `divisor` (torch's div_: one IEEE division per value).
-inline void finish_row(float* __restrict__ dst, int64_t dim, float divisor) {
-  for (int64_t c = 0; c < dim; ++c) dst[c] = dst[c] / divisor;
-}
+  void add(const float* __restrict__ src, int64_t row) {
+    float* __restrict__ dst = o_ + row * dim_;
+    if (row < written_) {
+      for (int64_t c = 0; c < dim_; ++c) dst[c] += src[c];
+      return;
+    }
+    finish_last();
+    zero_rows(o_, written_, row, dim_);
+    for (int64_t c = 0; c < dim_; ++c) dst[c] = 0.0f + src[c];
+    written_ = row + 1;
+  }
+
+  // The last row finished, the rows after it up to `rows` zeros.
+  void close(int64_t rows) {
+    finish_last();
+    zero_rows(o_, written_, rows, dim_);
+  }
+
+ private:
+  void finish_last() {
+    if (divisor_ == 1.0f || written_ == 0) return;
+    float* __restrict__ dst = o_ + (written_ - 1) * dim_;
+    for (int64_t c = 0; c < dim_; ++c) dst[c] = dst[c] / divisor_;
+  }
+
+  float* o_;
+  int64_t dim_;
+  float divisor_;
+  int64_t written_ = 0;
+};
 
 }  // namespace
 
@@ -453,7 +479,6 @@ PyObject* py_bag_sum_backward(PyObject*, PyObject* args) {
   if (divisor_in < 1 || divisor_in > (1LL << 24))  // every such int is a float exactly, as torch's scalar becomes
     return PyErr_Format(PyExc_ValueError, "bag_sum_backward: divisor %lld must be in [1, 2**24]", divisor_in);
   const float divisor = static_cast<float>(divisor_in);
-  const bool divide = divisor_in != 1;
   const bool own_order = order_o == Py_None;
   Buf grad, off, inv, order, out;
   if (!grad.get(grad_o, "grad", Kind::kFloat32, 2, -1, false) || !off.get(off_o, "offsets", Kind::kInt64, 1, -1, false) ||
@@ -493,16 +518,12 @@ PyObject* py_bag_sum_backward(PyObject*, PyObject* args) {
     if (!bad) {
       for (int64_t i = 0; i < n; ++i) words[i] = static_cast<uint64_t>(iv[i]) << 32 | static_cast<uint64_t>(i);
       ties_order(words, n);
-      int64_t written = 0;
+      RowSums sums(o, dim, divisor);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t i = static_cast<int64_t>(words[j] & 0xFFFFFFFFu), b = bo[i];
-        if (b < 0) continue;
-        const int64_t row = static_cast<int64_t>(words[j] >> 32);
-        if (divide && row >= written && written > 0) finish_row(o + (written - 1) * dim, dim, divisor);
-        written = add_row(o, g + b * dim, row, written, dim);
+        if (b >= 0) sums.add(g + b * dim, static_cast<int64_t>(words[j] >> 32));
       }
-      if (divide && written > 0) finish_row(o + (written - 1) * dim, dim, divisor);
-      zero_rows(o, written, rows, dim);
+      sums.close(rows);
     }
   } else {
     for (int64_t j = 0; j < n && !bad; ++j) {
@@ -513,15 +534,12 @@ PyObject* py_bag_sum_backward(PyObject*, PyObject* args) {
         bad = "the order does not sort the inverse index ascending";
     }
     if (!bad) {
-      int64_t written = 0;
+      RowSums sums(o, dim, divisor);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t i = od[j], b = bo[i];
-        if (b < 0) continue;
-        if (divide && iv[i] >= written && written > 0) finish_row(o + (written - 1) * dim, dim, divisor);
-        written = add_row(o, g + b * dim, iv[i], written, dim);
+        if (b >= 0) sums.add(g + b * dim, iv[i]);
       }
-      if (divide && written > 0) finish_row(o + (written - 1) * dim, dim, divisor);
-      zero_rows(o, written, rows, dim);
+      sums.close(rows);
     }
   }
   Py_END_ALLOW_THREADS;
