@@ -213,9 +213,7 @@ class Waiter:
                     ready = dict(self._zmq.poll(0))
                     break
                 ready[fd] = (
-                    _ZIN
-                    if events == _IN  # the usual wake-up: a request to read
-                    else (_ZIN if events & _IN else 0)
+                    (_ZIN if events & _IN else 0)
                     | (_ZOUT if events & _OUT else 0)
                     | (_ZERR if events & ~(_IN | _OUT) else 0)
                 )
